@@ -1,0 +1,88 @@
+"""Launch environment shared by every case entry point.
+
+``setup()`` reads the resolved config written by the host side, applies the
+vendor's adapter for the case's framework (before the framework is imported),
+and seeds the random generators.  ``dist_info()`` reads the rank layout that
+every launcher (torchrun, deepspeed, paddle.distributed.launch) exports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import random
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def dist_info() -> DistInfo:
+    env = os.environ
+    rank = int(env.get("RANK", env.get("PADDLE_TRAINER_ID", "0")))
+    world = int(env.get("WORLD_SIZE", env.get("PADDLE_TRAINERS_NUM", "1")))
+    local_rank = int(env.get("LOCAL_RANK", env.get("PADDLE_LOCAL_RANK", "0")))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("PADDLE_LOCAL_SIZE", str(world))))
+    return DistInfo(rank, world, local_rank, local_world)
+
+
+def load_config(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def resolve_hook(spec: str) -> Any:
+    """``package.module:function`` -> the function."""
+    module, _, func = spec.partition(":")
+    if not module or not func:
+        raise ValueError(f"adapter {spec!r} is not of the form 'module:function'")
+    return getattr(importlib.import_module(module), func)
+
+
+def apply_adapter(cfg: dict[str, Any]) -> None:
+    """Run the vendor's adapter for this framework, if it declares one.
+
+    An adapter has the signature ``install(cfg: dict) -> None`` and may only
+    adapt the runtime (device redirection, kernels, environment); it receives
+    the resolved config read-only by convention and returns nothing.
+    """
+    framework = cfg["case"]["framework"]
+    spec = (cfg.get("vendor", {}).get("adapters") or {}).get(framework)
+    if spec:
+        resolve_hook(spec)(cfg)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover - numpy is in every environment
+        pass
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+    except ImportError:
+        pass
+
+
+def setup(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse ``--config``, apply the vendor adapter, seed; return the config."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", required=True, help="resolved.json written by the harness")
+    args, _ = parser.parse_known_args(argv)
+    cfg = load_config(args.config)
+    os.environ.setdefault("FB_RUN_ID", str(cfg.get("run_id", "")))
+    apply_adapter(cfg)
+    seed_everything(int(cfg["train"].get("seed", 1234)))
+    return cfg

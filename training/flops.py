@@ -88,3 +88,26 @@ def mfu(flops_per_token: float, tokens_per_gpu_s: float | None, peak_flops: floa
     if not peak_flops or tokens_per_gpu_s is None or flops_per_token <= 0:
         return None
     return flops_per_token * tokens_per_gpu_s / peak_flops
+
+
+_SHAPE_FIELDS = {f.name for f in dataclasses.fields(DecoderShape)}
+
+
+def decoder_shape(shape: dict) -> DecoderShape:
+    """A DecoderShape from a case.yaml ``shape`` mapping (extra keys ignored)."""
+    return DecoderShape(**{k: v for k, v in shape.items() if k in _SHAPE_FIELDS})
+
+
+def decoder_flops(model: dict, phase: str = "train") -> dict:
+    """The counter named ``decoder`` in case.yaml: a decoder-only LM.
+
+    ``model`` is the case.yaml ``models.<name>`` mapping (``shape`` and
+    ``params_nominal``).  Every counter returns these four keys.
+    """
+    s = decoder_shape(model["shape"])
+    return {
+        "params_exact": param_counts(s)["total"],
+        "params_nominal": float(model["params_nominal"]),
+        "flops_per_token_6n": flops_per_token_6n(float(model["params_nominal"])),
+        "flops_per_token_palm": flops_per_token_palm(s),
+    }

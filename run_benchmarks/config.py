@@ -1,0 +1,264 @@
+"""Typed configs, validated at load.  Every error names the file and the field.
+
+Four kinds of YAML file:
+
+- cluster config (``--cluster FILE``): hosts, SSH, ports, directories;
+- ``vendors/<vendor>/vendor.yaml``: chips and peaks, device, container options;
+- ``cases/<family>/<framework>/case.yaml``: models, standard settings, whitelist;
+- ``vendors/<vendor>/cases/<model>/config_*.yaml``: the vendor's per-size values.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from run_benchmarks.casename import check_name
+from run_benchmarks.errors import InputError
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-.]{0,252})$")
+_MODSPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+_ENVNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class SSHConfig(Strict):
+    user: str = "root"
+    port: int = Field(22, ge=1, le=65535)
+    key_file: str | None = None
+    known_hosts: str | None = None
+    accept_new_host_keys: bool = False  # explicit opt-in, never silent
+    connect_timeout_s: float = Field(10.0, gt=0)
+    command_timeout_s: float = Field(60.0, gt=0)
+
+
+class HostConfig(Strict):
+    name: str
+    address: str
+    user: str | None = None
+    port: int | None = Field(None, ge=1, le=65535)
+    key_file: str | None = None
+    docker_url: str | None = None  # default: ssh://user@address:port
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "host name")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            if not _HOSTNAME.match(v):
+                raise ValueError(f"{v!r} is neither an IP address nor a host name")
+            return v
+
+
+class SlurmConfig(Strict):
+    partition: str | None = None
+    account: str | None = None
+    time_limit: str = "01:00:00"
+    extra_sbatch: list[str] = []
+    container_runtime: Literal["none", "docker"] = "none"
+
+
+class ClusterConfig(Strict):
+    """Where a case runs.  The embedded default: this host, no SSH, no container."""
+
+    backend: Literal["local", "ssh", "slurm"] = "local"
+    runtime: Literal["process", "container"] = "process"
+    hosts: list[HostConfig] = [HostConfig(name="localhost", address="127.0.0.1")]
+    ssh: SSHConfig = SSHConfig()
+    slurm: SlurmConfig | None = None
+    master_port: int = Field(29500, ge=1024, le=65535)
+    log_dir: str | None = None
+    data_dir: str | None = None
+    work_dir: str = "/tmp/flagbench"  # where the harness's code lands on remote hosts
+    python: str | None = None  # use this Python as is (no environment built)
+    round_timeout_s: float = Field(3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        names = [h.name for h in self.hosts]
+        if len(set(names)) != len(names):
+            raise ValueError(f"host names repeat: {names}")
+        if not self.hosts:
+            raise ValueError("hosts: at least one host is needed")
+        if self.backend == "local" and self.runtime == "container":
+            raise ValueError("runtime 'container' needs backend 'ssh' or 'slurm'")
+        return self
+
+
+# --------------------------------------------------------------------------- vendor
+
+
+class ChipConfig(Strict):
+    peak_flops: dict[str, float | None]  # precision -> FLOP/s; None: unknown
+    memory_gib: float | None = None
+    source: str  # where the peak figure comes from
+
+
+class ContainerOptions(Strict):
+    shm_size: str | None = None
+    ulimits: dict[str, int] = {}
+    gpus: bool = False  # docker device request for all GPUs
+    devices: list[str] = []
+    privileged: bool = False
+    privileged_reason: str | None = None
+    extra_env: dict[str, str] = {}
+    mounts: list[str] = []  # "src:dst[:ro]"
+
+    @model_validator(mode="after")
+    def _priv(self) -> "ContainerOptions":
+        if self.privileged and not self.privileged_reason:
+            raise ValueError("privileged: true needs privileged_reason saying why")
+        return self
+
+
+class VendorConfig(Strict):
+    name: str
+    description: str = ""
+    device: Literal["cuda", "cpu"]
+    dist_backend: Literal["nccl", "gloo"]
+    visible_devices_env: str | None = None
+    monitor: Literal["nvml", "ixsmi", "none"] = "none"
+    chips: dict[str, ChipConfig]
+    env: dict[str, str] = {}
+    adapters: dict[str, str] = {}  # framework -> "module:function"
+    container: ContainerOptions = ContainerOptions()
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: dict[str, str]) -> dict[str, str]:
+        for fw, spec in v.items():
+            if not _MODSPEC.match(spec):
+                raise ValueError(f"adapter for {fw!r} must be 'module:function', got {spec!r}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not _ENVNAME.match(k):
+                raise ValueError(f"environment variable name {k!r} is not valid")
+        return v
+
+
+# --------------------------------------------------------------------------- case
+
+
+class ModelEntry(Strict):
+    params_nominal: float = Field(gt=0)
+    shape: dict[str, Any]
+    train: dict[str, Any] = {}
+    parallel: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+
+
+class CaseStandard(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+    train: dict[str, Any]
+    parallel: dict[str, Any] = {}
+    data: dict[str, Any] = {}
+
+    @field_validator("train")
+    @classmethod
+    def _train(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for key in ("steps", "warmup_steps", "global_batch", "micro_batch", "precision"):
+            if key not in v:
+                raise ValueError(f"train.{key} is required")
+        return v
+
+
+class CaseConfig(Strict):
+    family: str
+    framework: str
+    launcher: Literal["torchrun", "deepspeed", "paddle"]
+    entry: str = "train.py"
+    flops: str = "training.flops:decoder_flops"
+    phases: list[str] = ["train"]
+    models: dict[str, ModelEntry]
+    standard: CaseStandard
+    vendor_may_change: list[str]
+    reference_dir: str = "reference"
+    description: str = ""
+
+    @field_validator("flops")
+    @classmethod
+    def _flops(cls, v: str) -> str:
+        if not _MODSPEC.match(v):
+            raise ValueError(f"must be 'module:function', got {v!r}")
+        return v
+
+
+class VendorCaseConfig(BaseModel):
+    """A vendor's per-size config: meta keys plus nested values to override."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    description: str = ""
+    validated: bool = False
+    hook: str | None = None
+
+    def values(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+# --------------------------------------------------------------------------- loading
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{p}: file not found") from None
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read: {exc.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{p}:{where}: YAML syntax error: {problem}") from None
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(x) for x in loc) or "(top level)"
+
+
+def validate(model: type[M], data: Any, source: str) -> M:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InputError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        got = err.get("input")
+        got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
+        msg = err["msg"].removeprefix("Value error, ")
+        raise InputError(f"{source}: field '{_field(err['loc'])}': {msg}{got_txt}{more}") from None
+
+
+def load(model: type[M], path: str | os.PathLike[str]) -> M:
+    return validate(model, read_yaml(path), str(path))

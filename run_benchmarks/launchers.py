@@ -1,0 +1,89 @@
+"""The framework launchers, as argument lists.  One class per launcher.
+
+Each builds the command a node runs: the framework's own launcher, which
+starts ``nprocs`` ranks of the case's entry point.  No shell is involved;
+runtimes quote argv only where a remote shell is unavoidable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    python: str
+    nnodes: int
+    nprocs: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    entry: str  # path of the case's entry point
+    config: str  # path of resolved.json
+    log_dir: str  # per-node directory for per-rank logs
+    device: str  # "cuda" or "cpu"
+
+
+class Launcher:
+    name = ""
+
+    def command(self, s: LaunchSpec) -> list[str]:
+        raise NotImplementedError
+
+    def rank_logs(self, node_dir: Path) -> list[Path]:
+        """Per-rank log files the launcher wrote under a node's log dir."""
+        return sorted(p for p in node_dir.rglob("*") if p.is_file() and p.suffix in (".log", ".txt") or p.name.startswith("workerlog"))
+
+
+class Torchrun(Launcher):
+    name = "torchrun"
+
+    def command(self, s: LaunchSpec) -> list[str]:
+        return [
+            s.python, "-m", "torch.distributed.run",
+            "--nnodes", str(s.nnodes),
+            "--nproc-per-node", str(s.nprocs),
+            "--node-rank", str(s.node_rank),
+            "--master-addr", s.master_addr,
+            "--master-port", str(s.master_port),
+            "--log-dir", s.log_dir,
+            "--redirects", "3",
+            "--tee", "3",
+            s.entry, "--config", s.config,
+        ]  # fmt: skip
+
+
+class DeepSpeed(Launcher):
+    name = "deepspeed"
+
+    def command(self, s: LaunchSpec) -> list[str]:
+        argv = [
+            s.python, "-m", "deepspeed.launcher.runner",
+            "--num_nodes", str(s.nnodes),
+            "--num_gpus", str(s.nprocs),
+            "--master_addr", s.master_addr,
+            "--master_port", str(s.master_port),
+            "--enable_each_rank_log", s.log_dir,
+        ]  # fmt: skip
+        if s.nnodes > 1:
+            # the harness starts every node itself: no pdsh/ssh fan-out from rank 0
+            argv += ["--no_ssh", "--node_rank", str(s.node_rank)]
+        return argv + [s.entry, "--config", s.config]
+
+
+class Paddle(Launcher):
+    name = "paddle"
+
+    def command(self, s: LaunchSpec) -> list[str]:
+        argv = [s.python, "-m", "paddle.distributed.launch", "--log_dir", s.log_dir]
+        if s.nnodes > 1:
+            argv += ["--master", f"{s.master_addr}:{s.master_port}", "--nnodes", str(s.nnodes), "--rank", str(s.node_rank)]
+        if s.device == "cuda":
+            argv += ["--devices", ",".join(str(i) for i in range(s.nprocs))]
+        else:
+            argv += ["--nproc_per_node", str(s.nprocs)]
+        return argv + [s.entry, "--config", s.config]
+
+
+LAUNCHERS: dict[str, Launcher] = {cls.name: cls() for cls in (Torchrun, DeepSpeed, Paddle)}

@@ -1,0 +1,199 @@
+"""Host monitors sampled for the duration of a round.
+
+Each sample is one JSON line: ``{"t": ..., "host": {cpu_percent, mem_used_gib,
+mem_total_gib}, "gpus": [{index, util_percent, mem_used_gib, mem_total_gib,
+power_w, temp_c}]}``.  GPU readers are chosen by the vendor's ``monitor``
+field: ``nvml`` (nvidia-ml-py), ``ixsmi`` (Iluvatar's ixsmi CSV query output),
+``none``.  Run as ``python -m run_benchmarks.monitors --kind nvml --out F``
+on remote hosts; locally as a thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+GIB = 1024**3
+IXSMI_FIELDS = "index,utilization.gpu,memory.used,memory.total,power.draw,temperature.gpu"
+
+
+def host_sample() -> dict[str, Any]:
+    vm = psutil.virtual_memory()
+    return {
+        "cpu_percent": psutil.cpu_percent(interval=None),
+        "mem_used_gib": (vm.total - vm.available) / GIB,
+        "mem_total_gib": vm.total / GIB,
+    }
+
+
+class NVMLReader:
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nv = pynvml
+        pynvml.nvmlInit()
+        self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def __call__(self) -> list[dict[str, Any]]:
+        nv, out = self.nv, []
+        for i, h in enumerate(self.handles):
+            mem = nv.nvmlDeviceGetMemoryInfo(h)
+            util = nv.nvmlDeviceGetUtilizationRates(h)
+            out.append(
+                {
+                    "index": i,
+                    "util_percent": float(util.gpu),
+                    "mem_used_gib": mem.used / GIB,
+                    "mem_total_gib": mem.total / GIB,
+                    "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                    "temp_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                }
+            )
+        return out
+
+
+def _num(text: str) -> float | None:
+    text = text.strip().split(" ")[0]
+    try:
+        return float(text)
+    except ValueError:
+        return None  # "[N/A]", "[Not Supported]"
+
+
+def parse_ixsmi_csv(text: str) -> list[dict[str, Any]]:
+    """Parse ``ixsmi --query-gpu=<IXSMI_FIELDS> --format=csv`` output (MiB, W, C)."""
+    rows = list(csv.reader(io.StringIO(text.strip())))
+    if not rows:
+        return []
+    header = [h.strip().split(" ")[0] for h in rows[0]]
+    out = []
+    for row in rows[1:]:
+        if not row or len(row) != len(header):
+            continue
+        cell = dict(zip(header, row))
+        used, total = _num(cell.get("memory.used", "")), _num(cell.get("memory.total", ""))
+        out.append(
+            {
+                "index": int(_num(cell.get("index", "0")) or 0),
+                "util_percent": _num(cell.get("utilization.gpu", "")),
+                "mem_used_gib": used / 1024 if used is not None else None,
+                "mem_total_gib": total / 1024 if total is not None else None,
+                "power_w": _num(cell.get("power.draw", "")),
+                "temp_c": _num(cell.get("temperature.gpu", "")),
+            }
+        )
+    return out
+
+
+def ixsmi_reader() -> list[dict[str, Any]]:
+    text = subprocess.run(
+        ["ixsmi", f"--query-gpu={IXSMI_FIELDS}", "--format=csv"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+    return parse_ixsmi_csv(text)
+
+
+def gpu_reader(kind: str) -> Callable[[], list[dict[str, Any]]] | None:
+    if kind == "nvml":
+        try:
+            return NVMLReader()
+        except Exception:  # no driver on this host: host metrics only
+            return None
+    if kind == "ixsmi":
+        return ixsmi_reader
+    return None
+
+
+class MonitorThread:
+    """Samples every ``interval`` seconds into a JSON-lines file until stopped."""
+
+    def __init__(self, kind: str, out: Path, interval: float = 1.0) -> None:
+        self.kind, self.out, self.interval = kind, out, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"monitor-{kind}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        read = gpu_reader(self.kind)
+        psutil.cpu_percent(interval=None)
+        with open(self.out, "a", encoding="utf-8") as fh:
+            while not self._stop.is_set():
+                sample: dict[str, Any] = {"t": time.time(), "host": host_sample(), "gpus": []}
+                if read is not None:
+                    try:
+                        sample["gpus"] = read()
+                    except Exception as exc:  # a reader failing must not fail the round
+                        sample["gpu_error"] = str(exc)
+                fh.write(json.dumps(sample) + "\n")
+                fh.flush()
+                self._stop.wait(self.interval)
+
+
+def summarize(path: Path) -> dict[str, Any] | None:
+    """Peak memory used/total per GPU, mean utilisation and power, host CPU/memory."""
+    if not path.is_file():
+        return None
+    samples = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if not samples:
+        return None
+    gpus: dict[int, dict[str, list[float]]] = {}
+    for s in samples:
+        for g in s.get("gpus", []):
+            d = gpus.setdefault(int(g["index"]), {"mem": [], "total": [], "util": [], "power": []})
+            for key, field in (("mem", "mem_used_gib"), ("total", "mem_total_gib"), ("util", "util_percent"), ("power", "power_w")):
+                if g.get(field) is not None:
+                    d[key].append(float(g[field]))
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    return {
+        "samples": len(samples),
+        "duration_s": samples[-1]["t"] - samples[0]["t"],
+        "host_cpu_mean_percent": mean([s["host"]["cpu_percent"] for s in samples]),
+        "host_mem_peak_gib": max(s["host"]["mem_used_gib"] for s in samples),
+        "gpus": {
+            str(i): {
+                "mem_peak_gib": max(d["mem"]) if d["mem"] else None,
+                "mem_total_gib": max(d["total"]) if d["total"] else None,
+                "util_mean_percent": mean(d["util"]),
+                "power_mean_w": mean(d["power"]),
+            }
+            for i, d in sorted(gpus.items())
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="sample host and GPU metrics until terminated")
+    ap.add_argument("--kind", choices=["nvml", "ixsmi", "none"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--interval", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    mon = MonitorThread(args.kind, Path(args.out), args.interval)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    mon.start()
+    done.wait()
+    mon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

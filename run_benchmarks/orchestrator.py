@@ -1,0 +1,204 @@
+"""Runs a planned case round by round and turns its logs into results."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from run_benchmarks import metrics, results
+from run_benchmarks.monitors import summarize
+from run_benchmarks.plan import Plan, plan_nodes
+from run_benchmarks.runtimes.base import NodeOutcome, Runtime
+from training import metriclog as ml
+
+TAIL_LINES = 20
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def reference_path(plan: Plan, phase: str = "train") -> Path | None:
+    """The committed curve of a phase: exact config, else the size's default config.
+
+    Files are ``reference/<model>/<config>.json`` (phase ``train``) or
+    ``<config>.<phase>.json``.
+    """
+    base = plan.case_dir / "reference" / plan.case.model
+    suffix = "" if phase == "train" else f".{phase}"
+    for name in (plan.config_name, f"config_{plan.case.size}"):
+        if (base / f"{name}{suffix}.json").is_file():
+            return base / f"{name}{suffix}.json"
+    return None
+
+
+def metric_files(node_dir: Path) -> list[Path]:
+    """Per-rank logs written by the launcher (the metric lines' source)."""
+    ranks = node_dir / "ranks"
+    files = sorted(p for p in ranks.rglob("*") if p.is_file()) if ranks.is_dir() else []
+    return files or [node_dir / "stdout.log"]
+
+
+def tail(path: Path, n: int = TAIL_LINES) -> str:
+    if not path.is_file():
+        return ""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+def _failed_rank_tail(outcome: NodeOutcome) -> str:
+    """The last lines of the first rank log that reports an error, else the node's stdout."""
+    for f in metric_files(outcome.node_dir):
+        text = f.read_text(encoding="utf-8", errors="replace")
+        if "Traceback" in text or "Error" in text:
+            return f"{f.relative_to(outcome.node_dir.parent)}:\n{tail(f)}"
+    return f"{outcome.node_dir.name}/stdout.log:\n{tail(outcome.node_dir / 'stdout.log')}"
+
+
+def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], started: float) -> dict[str, Any]:
+    parsed = ml.ParsedLog([], [])
+    for o in outcomes:
+        for f in metric_files(o.node_dir):
+            parsed.extend(ml.parse_file(f))
+    warmup = int(plan.settings["train"]["warmup_steps"])
+    refs = {ph: reference_path(plan, ph) for ph in plan.phases}
+    phases = [
+        metrics.phase_metrics(parsed, ph, warmup, plan.world_size, plan.counts[ph], plan.hardware["peak_flops"],
+                              metrics.load_reference(refs[ph]) if refs[ph] else None)
+        for ph in plan.phases
+    ]  # fmt: skip
+    mem = metrics.memory_summary(parsed)
+    mon = {f"node{o.node_rank}": summarize(o.node_dir / "monitor.jsonl") for o in outcomes}
+    # a monitor's view of device memory (used/total as nvidia-smi shows it) fills the seeds' mem column
+    for m in mon.values():
+        for g in (m or {}).get("gpus", {}).values():
+            if g.get("mem_total_gib") and mem["total_mem_gib"] is None:
+                mem["total_mem_gib"] = g["mem_total_gib"]
+
+    errors: list[str] = []
+    for o in outcomes:
+        if o.error:
+            errors.append(f"node{o.node_rank} ({o.host}): {o.error}")
+        elif o.timed_out:
+            errors.append(f"node{o.node_rank} ({o.host}): round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
+        elif o.returncode != 0:
+            errors.append(f"node{o.node_rank} ({o.host}): exit status {o.returncode}; {_failed_rank_tail(o)}")
+    ends = parsed.of(ml.EV_END, ml.K_RUN_END)
+    for e in parsed.of(ml.EV_ERROR):
+        errors.append(f"rank {e.rank}: {e.value.get('message', '')}")
+    steps_expected = int(plan.settings["train"]["steps"])
+    if not errors:
+        if not ends:
+            errors.append("the case exited without its run_end record")
+        for p in phases:
+            if p["steps_run"] < steps_expected:
+                errors.append(f"phase {p['phase']}: {p['steps_run']} of {steps_expected} steps reported")
+            if not p["meta"]:
+                errors.append(f"phase {p['phase']}: no run_meta record")
+    if parsed.errors:
+        errors += [f"bad metric line {e.source}:{e.lineno}: {e.reason}" for e in parsed.errors[:3]]
+
+    first = phases[0]
+    meta_par = (first.get("meta") or {}).get("parallel") or {}
+    par = {**plan.settings["parallel"], "dp": plan.world_size // (int(plan.settings["parallel"].get("tp", 1)) * int(plan.settings["parallel"].get("pp", 1))), **meta_par}
+    return {
+        "round": round_no,
+        "status": "ok" if not errors else "failed",
+        "error": "\n".join(errors) or None,
+        "duration_s": round(time.monotonic() - started, 3),
+        "layout": results.layout(par),
+        "tokens_per_gpu_s": first["tokens_per_gpu_s"],
+        "mfu_6n": first["mfu_6n"],
+        "mfu_palm": first["mfu_palm"],
+        "peak_mem_gib": mem["peak_mem_gib"],
+        "total_mem_gib": mem["total_mem_gib"],
+        "per_rank_mem_gib": mem["per_rank_gib"],
+        "loss_mre": first["loss_mre"],
+        "loss_aligned": first["loss_aligned"],
+        "window": first["window"],
+        "phases": phases,
+        "monitor": mon,
+        "reference": {ph: (str(p) if p else None) for ph, p in refs.items()},
+        "nodes": [{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
+        "metric_parse_errors": len(parsed.errors),
+    }
+
+
+def base_results(plan: Plan) -> dict[str, Any]:
+    return {
+        "schema": 1,
+        "run_id": plan.run_id,
+        "case": str(plan.case),
+        "model": plan.case.model,
+        "framework": plan.case.framework,
+        "vendor": plan.vendor.name,
+        "hardware": plan.case.hardware,
+        "nnodes": plan.case.nnodes,
+        "nprocs": plan.case.nprocs,
+        "world_size": plan.world_size,
+        "config_name": plan.config_name,
+        "config_file": str(plan.config_file),
+        "validated": plan.validated,
+        "launcher": plan.launcher,
+        "backend": plan.cluster.backend,
+        "runtime": "local" if plan.cluster.backend == "local" else plan.cluster.runtime,
+        "started": _now(),
+        "finished": None,
+        "system": results.system_info(),
+        "settings": plan.settings,
+        "overrides": plan.overrides,
+        "user_overrides": plan.user_overrides,
+        "model_counts": plan.counts,
+        "hardware_info": plan.hardware,
+        "rounds": [],
+    }
+
+
+def run(plan: Plan, runtime: Runtime, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console(stderr=True)
+    run_dir = plan.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    res = base_results(plan)
+    results.write(res, run_dir)
+    try:
+        with console.status(f"preparing {plan.case.framework} environment"):
+            python, root = runtime.prepare(plan, run_dir / "env_build.log")
+        plan.python = python
+        res["python"] = python
+        res["runtime_info"] = runtime.describe()
+        for r in range(1, plan.case.repeat + 1):
+            round_dir = run_dir / f"round{r}"
+            round_dir.mkdir(parents=True, exist_ok=True)
+            nodes = plan_nodes(plan, python, root, round_dir)
+            plan.nodes = nodes
+            (round_dir / "resolved.json").write_text(
+                json.dumps(plan.resolved(r, str(round_dir / "output"), str(_cache_dir(plan, root))), indent=2)
+            )
+            (round_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2, default=str))
+            started = time.monotonic()
+            with console.status(f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"):
+                outcomes = runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
+            rnd = evaluate_round(plan, r, outcomes, started)
+            res["rounds"].append(rnd)
+            res["runtime_info"] = runtime.describe()
+            results.write(res, run_dir)
+            console.print(f"round {r}: {rnd['status']}" + (f" - {rnd['error'].splitlines()[0]}" if rnd["error"] else ""))
+    finally:
+        runtime.cleanup()
+        res["finished"] = _now()
+        results.write(res, run_dir)
+    return res
+
+
+def _cache_dir(plan: Plan, root: Path) -> Path:
+    """Where a case writes its synthetic corpus: a cache shared across runs on that host."""
+    from run_benchmarks.registry import ROOT
+
+    if root == ROOT:
+        return Path.home() / ".cache" / "flagbench" / "data"
+    return Path(plan.cluster.work_dir) / "cache" / "data"

@@ -1,0 +1,267 @@
+"""Planning: from a case name, a vendor and a cluster to what each node runs.
+
+Nothing here executes anything; ``--dry-run`` prints the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import socket
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from run_benchmarks import registry
+from run_benchmarks.casename import CaseName, check_name
+from run_benchmarks.config import ClusterConfig, VendorConfig
+from run_benchmarks.errors import InputError
+from run_benchmarks.launchers import LAUNCHERS, LaunchSpec
+
+
+@dataclasses.dataclass
+class NodePlan:
+    host: str
+    address: str
+    node_rank: int
+    command: list[str]
+    env: dict[str, str]
+    cwd: str
+
+
+@dataclasses.dataclass
+class Plan:
+    run_id: str
+    case: CaseName
+    vendor: VendorConfig
+    cluster: ClusterConfig
+    case_dir: Path
+    launcher: str
+    entry: str  # the case's entry point, relative to the case folder
+    phases: list[str]
+    config_name: str
+    config_file: Path
+    validated: bool
+    settings: dict[str, Any]  # train / parallel / data after all overrides
+    model: dict[str, Any]  # the case.yaml model entry, shape included
+    overrides: list[dict[str, Any]]  # vendor overrides: param, value, standard
+    user_overrides: list[dict[str, Any]]
+    counts: dict[str, dict[str, Any]]  # phase -> params and FLOPs per token
+    hardware: dict[str, Any]
+    run_dir: Path
+    python: str  # interpreter on the nodes ("" until the runtime resolves it)
+    nodes: list[NodePlan] = dataclasses.field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.case.world_size
+
+    def resolved(self, round_no: int, output_dir: str, cache_dir: str) -> dict[str, Any]:
+        """The resolved.json a round's ranks read (docs/architecture.md)."""
+        s = self.settings
+        return {
+            "run_id": self.run_id,
+            "round": round_no,
+            "case": {
+                "model": self.case.model,
+                "framework": self.case.framework,
+                "hardware": self.case.hardware,
+                "nnodes": self.case.nnodes,
+                "nprocs": self.case.nprocs,
+            },
+            "config_name": self.config_name,
+            "model": {"name": self.case.model, "params_nominal": self.model["params_nominal"], **self.model["shape"]},
+            "train": s["train"],
+            "parallel": s["parallel"],
+            "data": {**s["data"], "cache_dir": cache_dir},
+            "vendor": {
+                "name": self.vendor.name,
+                "device": self.vendor.device,
+                "dist_backend": self.vendor.dist_backend,
+                "adapters": dict(self.vendor.adapters),
+            },
+            "output_dir": output_dir,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.phases[0]
+        return {
+            "run_id": self.run_id,
+            "case": str(self.case),
+            "vendor": self.vendor.name,
+            "config_name": self.config_name,
+            "config_file": str(self.config_file),
+            "validated": self.validated,
+            "backend": self.cluster.backend,
+            "runtime": "local" if self.cluster.backend == "local" else self.cluster.runtime,
+            "launcher": self.launcher,
+            "python": self.python,
+            "hosts": [{"name": n.host, "address": n.address} for n in self.nodes],
+            "nodes": [dataclasses.asdict(n) for n in self.nodes],
+            "settings": self.settings,
+            "overrides": self.overrides,
+            "user_overrides": self.user_overrides,
+            "model": {"name": self.case.model, **self.counts[first], "per_phase": self.counts, "shape": self.model["shape"]},
+            "hardware": self.hardware,
+            "run_dir": str(self.run_dir),
+        }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise InputError(f"--set {text!r}: expected KEY=VALUE, e.g. train.steps=20")
+    for part in key.split("."):
+        if not part.isidentifier():
+            raise InputError(f"--set {text!r}: {key!r} is not a dotted parameter name")
+    if key.split(".")[0] not in ("train", "parallel", "data"):
+        raise InputError(f"--set {text!r}: only train.*, parallel.* and data.* may be set")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise InputError(f"--set {text!r}: value is not a YAML scalar") from None
+    if isinstance(value, (dict, list)):
+        raise InputError(f"--set {text!r}: value must be a scalar")
+    return key, value
+
+
+def _phase_value(train: dict[str, Any], phase: str, key: str) -> Any:
+    return ((train.get("phases") or {}).get(phase) or {}).get(key, train.get(key))
+
+
+def check_layout(settings: dict[str, Any], phases: list[str], world: int, source: str) -> None:
+    par = settings["parallel"]
+    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise InputError(f"{source}: tp={tp} x pp={pp} does not divide the world size {world}")
+    dp = world // (tp * pp)
+    for phase in phases:
+        gb = int(_phase_value(settings["train"], phase, "global_batch"))
+        mb = int(_phase_value(settings["train"], phase, "micro_batch"))
+        if mb < 1 or gb % (mb * dp):
+            raise InputError(
+                f"{source}: global batch {gb} is not a multiple of micro batch {mb} x data-parallel size {dp}"
+                + (f" (phase {phase})" if phase != "train" else "")
+            )
+
+
+def build(
+    cn: CaseName,
+    vendor_name: str,
+    cluster: ClusterConfig,
+    log_dir: Path,
+    variant: str | None = None,
+    sets: list[str] | None = None,
+    data_dir: str | None = None,
+) -> Plan:
+    vendor = registry.load_vendor(vendor_name)
+    entry = registry.find_case(cn)
+    case = entry.config
+    if cn.hardware not in vendor.chips:
+        raise InputError(
+            f"vendor {vendor.name!r} has no chip {cn.hardware!r} in vendors/{vendor.name}/vendor.yaml "
+            f"(known: {', '.join(vendor.chips)})"
+        )
+    cfg_path = registry.vendor_config_path(vendor.name, cn, variant)
+    vcfg = registry.load_vendor_case(cfg_path)
+    standard = registry.standard_settings(case, cn.model)
+    overrides = registry.fairness_check(vcfg.values(), case, standard, str(cfg_path))
+    settings = registry.deep_merge(standard, vcfg.values())
+
+    user_overrides = []
+    for text in sets or []:
+        key, value = parse_override(text)
+        user_overrides.append({"param": key, "value": value, "standard": registry.get_path(standard, key)})
+        registry.set_path(settings, key, value)
+
+    data_dir = data_dir or cluster.data_dir
+    if data_dir:
+        settings["data"]["data_dir"] = data_dir
+        if cluster.backend == "local" and not Path(data_dir).is_dir():
+            raise InputError(f"data dir {data_dir} does not exist on this host")
+    else:
+        settings["data"].setdefault("data_dir", None)
+
+    if len(cluster.hosts) < cn.nnodes:
+        raise InputError(f"case {cn} needs {cn.nnodes} nodes but the cluster config names {len(cluster.hosts)} host(s)")
+    if cluster.backend == "local" and cn.nnodes != 1:
+        raise InputError(f"case {cn}: the local runtime runs one node; give --cluster with {cn.nnodes} hosts")
+    check_layout(settings, case.phases, cn.world_size, str(cfg_path))
+
+    count_fn = registry.counter(case)
+    counts = {ph: count_fn(case.models[cn.model].model_dump(), ph) for ph in case.phases}
+    chip = vendor.chips[cn.hardware]
+    precision = str(settings["train"]["precision"])
+    hardware = {
+        "chip": cn.hardware,
+        "precision": precision,
+        "peak_flops": chip.peak_flops.get(precision),
+        "memory_gib": chip.memory_gib,
+        "peak_source": chip.source,
+    }
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    run_id = f"{cn.model}_{cn.framework}_{cn.size}_{stamp}"
+    return Plan(
+        run_id=run_id,
+        case=cn,
+        vendor=vendor,
+        cluster=cluster,
+        case_dir=entry.path,
+        launcher=case.launcher,
+        entry=case.entry,
+        phases=list(case.phases),
+        config_name=cfg_path.stem,
+        config_file=cfg_path,
+        validated=vcfg.validated,
+        settings=settings,
+        model=case.models[cn.model].model_dump(),
+        overrides=overrides,
+        user_overrides=user_overrides,
+        counts=counts,
+        hardware=hardware,
+        run_dir=log_dir / run_id,
+        python="",
+    )
+
+
+def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
+    """Each node's launcher command for one round, with ``root`` the code's location there."""
+    cluster = plan.cluster
+    port = cluster.master_port if cluster.backend != "local" or "master_port" in cluster.model_fields_set else _free_port()
+    master = cluster.hosts[0].address
+    launcher = LAUNCHERS[plan.launcher]
+    env = {
+        **plan.vendor.env,
+        "PYTHONPATH": str(root),
+        "PYTHONUNBUFFERED": "1",
+        "FB_RUN_ID": plan.run_id,
+        "FB_ROUND": round_dir.name,
+    }
+    nodes = []
+    for rank, host in enumerate(cluster.hosts[: plan.case.nnodes]):
+        node_dir = round_dir / f"node{rank}"
+        spec = LaunchSpec(
+            python=python,
+            nnodes=plan.case.nnodes,
+            nprocs=plan.case.nprocs,
+            node_rank=rank,
+            master_addr=master,
+            master_port=port,
+            entry=str(root / plan.case_dir.relative_to(registry.ROOT) / plan.entry),
+            config=str(round_dir / "resolved.json"),
+            log_dir=str(node_dir / "ranks"),
+            device=plan.vendor.device,
+        )
+        nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), dict(env), str(root)))
+    return nodes
+
+
+def check_variant(variant: str | None) -> str | None:
+    return check_name(variant, "variant") if variant else None

@@ -1,0 +1,166 @@
+"""Finds cases and vendors by name and resolves a case's effective settings.
+
+The registry is the file tree: ``cases/<family>/<framework>/case.yaml`` and
+``vendors/<vendor>/vendor.yaml``.  Shared code never branches on a vendor or
+case name; it reads their data.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+from pathlib import Path
+from typing import Any, Callable
+
+from run_benchmarks.casename import CaseName, check_name
+from run_benchmarks.config import CaseConfig, VendorCaseConfig, VendorConfig, load
+from run_benchmarks.errors import InputError
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES_DIR = ROOT / "cases"
+VENDORS_DIR = ROOT / "vendors"
+META_KEYS = {"description", "validated", "hook"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseEntry:
+    path: Path  # the case folder
+    config: CaseConfig
+
+
+def cases(cases_dir: Path = CASES_DIR) -> dict[str, CaseEntry]:
+    """model name -> case, over every case.yaml."""
+    out: dict[str, CaseEntry] = {}
+    for yml in sorted(cases_dir.glob("*/*/case.yaml")):
+        cfg = load(CaseConfig, yml)
+        if (cfg.family, cfg.framework) != (yml.parent.parent.name, yml.parent.name):
+            raise InputError(
+                f"{yml}: family/framework {cfg.family}/{cfg.framework} do not match the folder "
+                f"{yml.parent.parent.name}/{yml.parent.name}"
+            )
+        for model in cfg.models:
+            if model in out and out[model].config.framework == cfg.framework:
+                raise InputError(f"{yml}: model {model!r} is also served by {out[model].path}")
+            out.setdefault(model, CaseEntry(yml.parent, cfg))
+            out[f"{model}:{cfg.framework}"] = CaseEntry(yml.parent, cfg)
+    return out
+
+
+def vendors(vendors_dir: Path = VENDORS_DIR) -> list[str]:
+    return sorted(p.parent.name for p in vendors_dir.glob("*/vendor.yaml"))
+
+
+def load_vendor(name: str, vendors_dir: Path = VENDORS_DIR) -> VendorConfig:
+    check_name(name, "vendor")
+    path = vendors_dir / name / "vendor.yaml"
+    if not path.is_file():
+        raise InputError(f"unknown vendor {name!r}: known vendors are {', '.join(vendors(vendors_dir)) or 'none'}")
+    v = load(VendorConfig, path)
+    if v.name != name:
+        raise InputError(f"{path}: field 'name': {v.name!r} does not match the folder {name!r}")
+    return v
+
+
+def find_case(cn: CaseName, cases_dir: Path = CASES_DIR) -> CaseEntry:
+    table = cases(cases_dir)
+    entry = table.get(f"{cn.model}:{cn.framework}")
+    if entry is None:
+        models = sorted(k for k in table if ":" in k)
+        if cn.model not in table:
+            raise InputError(f"unknown model {cn.model!r}: known are {', '.join(m.replace(':', ' on ') for m in models)}")
+        raise InputError(
+            f"model {cn.model!r} has no case for framework {cn.framework!r}: "
+            f"it runs on {', '.join(sorted({k.split(':')[1] for k in models if k.startswith(cn.model + ':')}))}"
+        )
+    return entry
+
+
+def vendor_config_path(vendor: str, cn: CaseName, variant: str | None, vendors_dir: Path = VENDORS_DIR) -> Path:
+    folder = vendors_dir / vendor / "cases" / cn.model
+    stem = f"config_{cn.size}" + (f"_{check_name(variant, 'variant')}" if variant else "")
+    path = folder / f"{stem}.yaml"
+    if not path.is_file():
+        have = sorted(p.stem for p in folder.glob("config_*.yaml")) if folder.is_dir() else []
+        raise InputError(
+            f"vendor {vendor!r} has no {stem} for {cn.model} ({path.relative_to(vendors_dir.parent)} missing); "
+            f"configs that exist: {', '.join(have) if have else 'none'}"
+        )
+    return path
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def get_path(d: dict[str, Any], dotted: str) -> Any:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = d
+    for part in parts[:-1]:
+        cur = cur.setdefault(part, {})
+        if not isinstance(cur, dict):
+            raise InputError(f"override {dotted!r}: {part!r} is not a section")
+    cur[parts[-1]] = value
+
+
+def allowed(path: str, whitelist: list[str]) -> bool:
+    """A path is allowed when it or one of its parent sections is whitelisted."""
+    return any(path == w or path.startswith(w + ".") for w in whitelist)
+
+
+def standard_settings(case: CaseConfig, model: str) -> dict[str, Any]:
+    """The case's standard settings for one model: train, parallel, data."""
+    std = case.standard.model_dump()
+    m = case.models[model]
+    return deep_merge(std, {"train": m.train, "parallel": m.parallel, "data": m.data})
+
+
+def fairness_check(values: dict[str, Any], case: CaseConfig, standard: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """Reject any vendor value the case does not allow; list the overrides applied."""
+    overrides = []
+    for path, value in sorted(flatten(values).items()):
+        if not allowed(path, case.vendor_may_change):
+            raise InputError(
+                f"{source}: parameter '{path}' may not be changed by a vendor for this case "
+                f"(allowed: {', '.join(case.vendor_may_change)})"
+            )
+        overrides.append({"param": path, "value": value, "standard": get_path(standard, path)})
+    return overrides
+
+
+def load_vendor_case(path: Path) -> VendorCaseConfig:
+    return load(VendorCaseConfig, path)
+
+
+def counter(case: CaseConfig) -> Callable[..., dict[str, Any]]:
+    module, _, func = case.flops.partition(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as exc:
+        raise InputError(f"case {case.family}/{case.framework}: flops counter {case.flops!r} not found: {exc}") from None

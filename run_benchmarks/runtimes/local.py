@@ -1,0 +1,117 @@
+"""The local runtime (the embedded default): this host, no SSH, no container.
+
+Runs each node's launcher command as a child process group, streams its
+output into ``node<k>/stdout.log``, waits on the real exit with a deadline,
+and kills the whole group on timeout, failure of a peer or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from run_benchmarks.config import ClusterConfig
+from run_benchmarks.envs import env_dir, framework_python, python_of
+from run_benchmarks.monitors import MonitorThread
+from run_benchmarks.plan import NodePlan, Plan
+from run_benchmarks.registry import ROOT
+from run_benchmarks.runtimes.base import NodeOutcome, Runtime
+
+KILL_GRACE_S = 10.0
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+class LocalRuntime(Runtime):
+    name = "local"
+
+    def __init__(self, cluster: ClusterConfig | None = None, python: str | None = None) -> None:
+        self.python_override = python or (cluster.python if cluster else None)
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
+        if self.python_override:
+            return self.python_override, ROOT
+        return str(python_of(env_dir(plan.vendor.name, plan.case.framework))), ROOT
+
+    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+        py = framework_python(plan.vendor.name, plan.case.framework, self.python_override, log)
+        return str(py), ROOT
+
+    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+        started = time.monotonic()
+        outcomes: list[NodeOutcome] = []
+        monitors = []
+        files = []
+        try:
+            for node in nodes:
+                node_dir = round_dir / f"node{node.node_rank}"
+                (node_dir / "ranks").mkdir(parents=True, exist_ok=True)
+                out = open(node_dir / "stdout.log", "wb")
+                files.append(out)
+                env = {**os.environ, **node.env}
+                proc = subprocess.Popen(
+                    node.command, cwd=node.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+                self.procs.append(proc)
+                mon = MonitorThread(plan.vendor.monitor, node_dir / "monitor.jsonl")
+                mon.start()
+                monitors.append(mon)
+            deadline = started + timeout_s
+            pending = dict(enumerate(self.procs))
+            rcs: dict[int, int | None] = {}
+            timed_out = False
+            while pending:
+                for i, proc in list(pending.items()):
+                    try:
+                        rcs[i] = proc.wait(timeout=0.2)
+                        del pending[i]
+                        if rcs[i] != 0:  # a failed node fails the round: stop its peers
+                            for other in pending.values():
+                                _kill_group(other)
+                    except subprocess.TimeoutExpired:
+                        pass
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    for i, proc in pending.items():
+                        _kill_group(proc)
+                        rcs[i] = None
+                    break
+            for i, node in enumerate(nodes):
+                outcomes.append(
+                    NodeOutcome(node.host, node.node_rank, rcs.get(i), timed_out and rcs.get(i) is None,
+                                round_dir / f"node{node.node_rank}")
+                )  # fmt: skip
+        finally:
+            for proc in self.procs:
+                _kill_group(proc)
+            self.procs.clear()
+            for mon in monitors:
+                mon.stop()
+            for fh in files:
+                fh.close()
+        return outcomes
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            _kill_group(proc, grace=2.0)
+        self.procs.clear()

@@ -1,0 +1,144 @@
+"""Run a benchmark case: ``start_task.py --vendor V --case_name model:framework:hardware:nnodes:nprocs[:repeat]``.
+
+Without --cluster the case runs here (the embedded default): this host, no SSH,
+no container, the framework's own launcher in that framework's environment
+(built once from vendors/<vendor>/<framework>/requirements.txt and cached).
+
+To run on a cluster, write a cluster YAML and pass it with --cluster:
+
+    backend: ssh              # local | ssh | slurm
+    runtime: container        # process | container (the vendor's image per framework)
+    hosts:
+      - {name: node1, address: 10.1.2.1}
+      - {name: node2, address: 10.1.2.3}
+    ssh: {user: root, port: 22, key_file: ~/.ssh/id_ed25519, known_hosts: ~/.ssh/known_hosts}
+    master_port: 29500
+    data_dir: /data/wudao
+    log_dir: /var/log/flagbench
+
+The first host is the rendezvous master.  Results land in <log-dir>/<run_id>/:
+results.json, results.md, and per round the resolved config and every rank's log.
+Exit status: 0 all rounds passed, 1 a round failed, 2 bad input, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rich.console import Console  # noqa: E402
+
+from run_benchmarks import envs, plan as planning, results  # noqa: E402
+from run_benchmarks.casename import GRAMMAR, CaseName, check_name  # noqa: E402
+from run_benchmarks.config import ClusterConfig, load  # noqa: E402
+from run_benchmarks.errors import InputError  # noqa: E402
+from run_benchmarks.registry import ROOT  # noqa: E402
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="start_task.py",
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--vendor", required=True, help="vendor folder under vendors/ (nvidia, iluvatar, cpu, ...)")
+    ap.add_argument("--case_name", "--case-name", dest="case_name", required=True, help=f"{GRAMMAR}, e.g. llama3_8b:megatron:A100:1:8")
+    ap.add_argument("--variant", help="layout variant of the size's config, e.g. PP4DP2TP1 -> config_A100x1x8_PP4DP2TP1.yaml")
+    ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (default: this host, no SSH, no container)")
+    ap.add_argument("--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the cluster's log_dir, else ./logs)")
+    ap.add_argument("--data-dir", "--data_dir", dest="data_dir", metavar="DIR", help="dataset folder (default: the cluster's data_dir, else a synthetic corpus)")
+    ap.add_argument("--python", metavar="PATH", help="use this Python as is instead of building the framework environment")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a setting for a shorter run, e.g. train.steps=20 (listed in the results as a user override)")  # fmt: skip
+    ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
+    ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
+    return ap
+
+
+def load_cluster(args: argparse.Namespace) -> ClusterConfig:
+    cluster = load(ClusterConfig, args.cluster) if args.cluster else ClusterConfig()
+    updates = {}
+    if args.python:
+        updates["python"] = args.python
+    if args.round_timeout:
+        if args.round_timeout <= 0:
+            raise InputError("--round-timeout must be positive")
+        updates["round_timeout_s"] = args.round_timeout
+    return cluster.model_copy(update=updates) if updates else cluster
+
+
+def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]
+    from run_benchmarks.runtimes import select
+
+    return select(cluster, python)
+
+
+def describe(plan: planning.Plan) -> str:
+    d = plan.to_json()
+    m, hw = d["model"], d["hardware"]
+    lines = [
+        f"case        {d['case']}  (vendor {d['vendor']}, config {d['config_name']}{'' if d['validated'] else ', not yet validated'})",
+        f"backend     {d['backend']}  runtime {d['runtime']}  launcher {d['launcher']}",
+        f"hosts       {', '.join(h['name'] + '=' + h['address'] for h in d['hosts'])}",
+        f"python      {d['python']}",
+        f"model       params exact {m['params_exact']:,}  nominal {m['params_nominal']:.3g}",
+        f"FLOPs/token 6N {m['flops_per_token_6n']:.4g}  PaLM {m['flops_per_token_palm']:.4g}",
+        f"hardware    {hw['chip']} {hw['precision']} peak {'unknown' if hw['peak_flops'] is None else format(hw['peak_flops'], '.4g') + ' FLOP/s'}",
+        f"overrides   {', '.join(o['param'] + '=' + str(o['value']) for o in d['overrides']) or 'none'}",
+    ]
+    if d["user_overrides"]:
+        lines.append(f"user set    {', '.join(o['param'] + '=' + str(o['value']) for o in d['user_overrides'])}")
+    for n in d["nodes"]:
+        env = " ".join(f"{k}={v}" for k, v in sorted(n["env"].items()))
+        lines.append(f"node {n['node_rank']} @ {n['host']}: env {env}")
+        lines.append("  " + " ".join(n["command"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    console = Console(stderr=True)
+    try:
+        if args.json and not args.dry_run:
+            raise InputError("--json is only valid with --dry-run")
+        check_name(args.vendor, "vendor")
+        cn = CaseName.parse(args.case_name)
+        cluster = load_cluster(args)
+        log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
+        plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
+        if args.dry_run:
+            runtime = make_runtime(cluster, args.python)
+            python, root = runtime.dry_prepare(plan)
+            plan.python = python
+            plan.nodes = planning.plan_nodes(plan, python, root, plan.run_dir / "round1")
+            print(json.dumps(plan.to_json(), indent=2, default=str) if args.json else describe(plan))
+            return 0
+        runtime = make_runtime(cluster, args.python)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from run_benchmarks import orchestrator
+
+    try:
+        res = orchestrator.run(plan, runtime, console)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted; finished rounds are kept in {plan.run_dir}", file=sys.stderr)
+        return 130
+    results.print_table(res, Console())
+    print(f"results: {plan.run_dir / 'results.json'}")
+    return 0 if res["rounds"] and all(r["status"] == "ok" for r in res["rounds"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

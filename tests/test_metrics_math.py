@@ -1,0 +1,110 @@
+"""Metric math against the seeds' own tables."""
+
+import pytest
+
+from run_benchmarks import metrics
+from training import flops, metriclog as ml
+
+LLAMA3_8B = dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_heads=32, num_kv_groups=8,
+                 seq_length=8192, vocab_size=128256)  # fmt: skip
+A100, H100, H100_FP8 = 312e12, 989e12, 1979e12
+
+# seed 000 (llama3_8b, megatron): token/p/s and the MFU column as printed.
+SEED000 = [
+    ("A100 1x8 PP2DP4TP1", 3698.7, A100, 56.9),
+    ("H100 1x8 PP1DP4TP2", 8103, H100, 39.3),
+    ("H100 1x8 bf16+fp8 upper", 10486, H100, 50.6),
+    ("H100 1x8 bf16+fp8 lower", 10486, H100_FP8, 25.4),
+    ("H100 2x8 PP1DP8TP2", 7914, H100, 38.4),
+    ("H100 2x8 bf16+fp8 upper", 10280, H100, 49.9),
+    ("H100 2x8 bf16+fp8 lower", 10280, H100_FP8, 24.9),
+    ("H100 55x8 PP1DP220TP2", 7047, H100, 34.2),
+    ("A100 1x8 PP4DP2TP1", 3306.5, A100, 50.0),
+    ("A100 1x8 PP2DP2TP2", 3409.2, A100, 52.4),
+    ("A100 1x8 PP2DP1TP4", 3006.1, A100, 46.2),
+    ("A100 1x8 PP8DP1TP1", 2690.3, A100, 41.4),
+    ("A100 1x8 PP1DP1TP8", 2451.2, A100, 37.7),
+    ("A100 1x8 PP4DP1TP2", 3042.7, A100, 46.8),
+]
+# Rows the seed itself gets wrong: 6 x 8e9 x tok/p/s / peak gives another figure.
+SEED000_WRONG = {
+    "H100 1x8 bf16+fp8 upper": 50.9,  # the seed prints 50.6%
+    "A100 1x8 PP4DP2TP1": 50.9,  # the seed prints 50.0%
+}
+
+
+@pytest.mark.parametrize("row, tps, peak, printed", SEED000, ids=[r[0] for r in SEED000])
+def test_seed000_mfu_column_reproduced(row, tps, peak, printed):
+    got = 100 * flops.mfu(flops.flops_per_token_6n(8e9), tps, peak)
+    expected = SEED000_WRONG.get(row, printed)
+    assert round(got, 1) == expected, f"{row}: computed {got:.2f}%"
+    if row in SEED000_WRONG:
+        assert abs(got - printed) > 0.2  # the seed's figure really is off
+
+
+def test_llama3_8b_counts():
+    s = flops.DecoderShape(**LLAMA3_8B)
+    counts = flops.param_counts(s)
+    assert counts["total"] == 8_030_261_248
+    assert counts["embedding"] == 128256 * 4096
+    assert counts["non_embedding"] == counts["total"] - counts["embedding"]
+    # PaLM's count at seq 8192: 57.9 GFLOP/token, the figure NVIDIA publishes for NeMo
+    assert round(flops.flops_per_token_palm(s) / 1e9, 1) == 57.9
+    assert flops.decoder_flops({"params_nominal": 8e9, "shape": LLAMA3_8B})["flops_per_token_6n"] == 48e9
+
+
+def test_unknown_peak_gives_no_mfu():
+    assert flops.mfu(48e9, 1000.0, None) is None
+    assert flops.mfu(48e9, None, 312e12) is None
+
+
+def _curve(scale: float, n: int = 40) -> dict[int, float]:
+    return {s: (4.0 - s * 0.05) * scale for s in range(1, n + 1)}
+
+
+def test_loss_alignment_both_ways():
+    ref = _curve(1.0)
+    near = _curve(1.019)
+    far = _curve(1.021)
+    mre, n = metrics.loss_mre(near, ref)
+    assert n == 20 and metrics.is_aligned(mre) is True and mre == pytest.approx(0.019)
+    mre, _ = metrics.loss_mre(far, ref)
+    assert metrics.is_aligned(mre) is False and mre == pytest.approx(0.021)
+
+
+def test_alignment_ignores_steps_before_21():
+    ref = _curve(1.0)
+    got = dict(ref)
+    for s in range(1, 21):
+        got[s] = ref[s] * 3  # wild early steps do not count
+    mre, n = metrics.loss_mre(got, ref)
+    assert mre == 0 and n == 20
+    got[21] = float("nan")
+    assert metrics.is_aligned(metrics.loss_mre(got, ref)[0]) is False
+    assert metrics.loss_mre({1: 1.0}, ref) == (None, 0)
+
+
+def _rec(event, key, value, rank=0):
+    return ml.Record(run="r", t=0.0, host="h", rank=rank, event=event, key=key, value=value)
+
+
+def test_window_excludes_warmup_and_divides_by_world():
+    recs = [_rec(ml.EV_STEP, ml.K_TRAIN_STEP, {"step": i, "loss": 1.0, "tokens": 8192, "step_time_s": 10.0 if i <= 2 else 1.0, "lr": 0})
+            for i in range(1, 7)]  # fmt: skip
+    recs += [r for r in recs]  # duplicates from another log are ignored
+    parsed = ml.ParsedLog(recs, [])
+    counts = {"flops_per_token_6n": 48e9, "flops_per_token_palm": 57.9e9}
+    m = metrics.phase_metrics(parsed, "train", warmup_steps=2, world_size=2, counts=counts, peak_flops=312e12, reference=None)
+    assert m["window"] == {"first_step": 3, "last_step": 6, "steps": 4, "warmup_steps": 2}
+    assert m["tokens_per_gpu_s"] == pytest.approx(8192 / 2)
+    assert m["mfu_6n"] == pytest.approx(48e9 * 4096 / 312e12)
+    assert m["steps_run"] == 6
+
+
+def test_memory_takes_peak_over_ranks():
+    parsed = ml.ParsedLog([
+        _rec(ml.EV_MEMORY, ml.K_PEAK_MEMORY, {"peak_bytes": 2 * metrics.GIB, "total_bytes": 80 * metrics.GIB, "device": "cuda:0"}, 0),
+        _rec(ml.EV_MEMORY, ml.K_PEAK_MEMORY, {"peak_bytes": 3 * metrics.GIB, "total_bytes": 80 * metrics.GIB, "device": "cuda:1"}, 1),
+    ], [])  # fmt: skip
+    mem = metrics.memory_summary(parsed)
+    assert mem["peak_mem_gib"] == 3 and mem["total_mem_gib"] == 80

@@ -1,0 +1,54 @@
+"""Shared fixtures.
+
+Framework environments are the harness's own (run_benchmarks.envs): the cpu
+vendor's per-framework virtualenvs, built once and cached.  Tests of a case
+find its Python through FB_TEST_<FRAMEWORK>_PYTHON, set here when not given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from run_benchmarks import envs
+
+FRAMEWORKS = ("megatron", "deepspeed", "paddle")
+
+
+def _framework_python(framework: str) -> str | None:
+    var = f"FB_TEST_{framework.upper()}_PYTHON"
+    if os.environ.get(var):
+        return os.environ[var]
+    if os.environ.get("FB_TEST_BUILD_ENVS", "1") == "0":
+        return None
+    log = Path(envs.cache_root()) / f"build-{framework}.log"
+    py = str(envs.ensure_env("cpu", framework, log))
+    os.environ[var] = py
+    return py
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for fw in FRAMEWORKS:  # environments already built are used without asking
+        var = f"FB_TEST_{fw.upper()}_PYTHON"
+        ready = envs.env_dir("cpu", fw) / ".flagbench-ready"
+        if not os.environ.get(var) and ready.is_file():
+            os.environ[var] = str(envs.python_of(envs.env_dir("cpu", fw)))
+    config.addinivalue_line("markers", "framework(name): needs the cpu vendor's environment for a framework")
+    config.addinivalue_line("markers", "cluster: needs the network-namespace test cluster (root, sshd, dockerd)")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    needed = {m.args[0] for item in items for m in item.iter_markers("framework")}
+    # build every environment the selected tests need before any test runs
+    for fw in sorted(needed):
+        _framework_python(fw)
+
+
+@pytest.fixture(scope="session")
+def megatron_python() -> str:
+    py = _framework_python("megatron")
+    if not py:
+        pytest.skip("megatron environment not available (FB_TEST_BUILD_ENVS=0)")
+    return py

@@ -1,0 +1,95 @@
+"""Bad input: exit 2, one line naming the problem, nothing launched or written."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from run_benchmarks.registry import ROOT
+from run_benchmarks.start_task import main
+
+GOOD = ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8"]
+
+
+def _write(tmp: Path, name: str, text: str) -> str:
+    p = tmp / name
+    p.write_text(text)
+    return str(p)
+
+
+CASES = [
+    ("malformed case name", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:8"], "must have the form"),
+    ("shell metacharacters in model", ["--vendor", "nvidia", "--case_name", "llama3_8b;reboot:megatron:A100:1:8"], "model 'llama3_8b;reboot' is not a valid name"),
+    ("command substitution in framework", ["--vendor", "nvidia", "--case_name", "llama3_8b:$(id):A100:1:8"], "framework '$(id)' is not a valid name"),
+    ("path separator in hardware", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:../../etc:1:8"], "hardware '../../etc' is not a valid name"),
+    ("path in vendor", ["--vendor", "../nvidia", "--case_name", "llama3_8b:megatron:A100:1:8"], "vendor '../nvidia' is not a valid name"),
+    ("unknown vendor", ["--vendor", "acme", "--case_name", "llama3_8b:megatron:A100:1:8"], "unknown vendor 'acme': known vendors are"),
+    ("unknown model", ["--vendor", "nvidia", "--case_name", "llama9_1t:megatron:A100:1:8"], "unknown model 'llama9_1t'"),
+    ("unknown framework", ["--vendor", "nvidia", "--case_name", "llama3_8b:paddle:A100:1:8"], "has no case for framework 'paddle'"),
+    ("unknown chip", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:B999:1:8"], "has no chip 'B999'"),
+    ("no config for the size", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:3"], "configs that exist: config_A100x1x8"),
+    ("unknown variant", GOOD + ["--variant", "PP9DP9TP9"], "no config_A100x1x8_PP9DP9TP9"),
+    ("nprocs < 1", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:0"], "nprocs must be a positive integer"),
+    ("negative repeat", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8:-1"], "repeat must be a positive integer"),
+    ("missing data dir", GOOD + ["--data-dir", "/nonexistent/wudao"], "data dir /nonexistent/wudao does not exist"),
+    ("bad --set", GOOD + ["--set", "train.steps"], "expected KEY=VALUE"),
+    ("--set outside the allowed sections", GOOD + ["--set", "model.hidden_size=8"], "only train.*, parallel.* and data.* may be set"),
+    ("global batch not divisible", GOOD + ["--set", "train.global_batch=6"], "global batch 6 is not a multiple"),
+    ("--json without --dry-run", GOOD + ["--json"], "--json is only valid with --dry-run"),
+]
+
+
+@pytest.mark.parametrize("what, argv, fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_argv(what, argv, fragment, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc = main(argv + ["--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert fragment in err, err
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even the log dir
+
+
+CLUSTER_CASES = [
+    ("cluster YAML syntax error", "hosts: [a, b\n", "YAML syntax error"),
+    ("cluster wrong type", "master_port: abc\n", "field 'master_port': Input should be a valid integer, got 'abc'"),
+    ("cluster unknown field", "hostz: []\n", "field 'hostz': Extra inputs are not permitted"),
+    ("cluster host with metacharacters", "backend: ssh\nhosts:\n  - {name: 'n1;ls', address: 10.0.0.1}\n", "field 'hosts.0.name'"),
+    ("cluster bad address", "backend: ssh\nhosts:\n  - {name: n1, address: 'a b'}\n", "field 'hosts.0.address'"),
+    ("cluster port out of range", "ssh: {port: 70000}\n", "field 'ssh.port'"),
+    ("cluster top level not a mapping", "- 1\n- 2\n", "expected a mapping at the top level"),
+    ("container runtime without remote backend", "runtime: container\n", "runtime 'container' needs backend"),
+]
+
+
+@pytest.mark.parametrize("what, text, fragment", CLUSTER_CASES, ids=[c[0] for c in CLUSTER_CASES])
+def test_bad_cluster_file(what, text, fragment, tmp_path, capsys, monkeypatch):
+    cfg_dir = tmp_path / "cfg"
+    cfg_dir.mkdir()
+    path = _write(cfg_dir, "cluster.yaml", text)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rc = main(GOOD + ["--cluster", path, "--log-dir", str(work / "logs")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err, err
+    assert path in err and fragment in err, err
+    assert list(work.iterdir()) == []
+
+
+def test_missing_cluster_file(tmp_path, capsys):
+    rc = main(GOOD + ["--cluster", str(tmp_path / "nope.yaml"), "--log-dir", str(tmp_path / "logs")])
+    assert rc == 2
+    assert f"{tmp_path / 'nope.yaml'}: file not found" in capsys.readouterr().err
+
+
+def test_exit_status_2_from_the_command_line(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--vendor", "nvidia", "--case_name", "x:y"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: case name 'x:y' must have the form model:framework:hardware:nnodes:nprocs[:repeat] (got 2 fields)"]
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,54 @@
+"""--dry-run plans without executing; --json gives the documented keys."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from run_benchmarks.registry import ROOT
+
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+
+
+def dry(*args, cwd):
+    proc = subprocess.run([sys.executable, START, *args, "--dry-run", "--json"], capture_output=True, text=True, cwd=cwd, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("hw, peak", [("A100", 312e12), ("H100", 989e12)])
+def test_llama3_8b_plan(hw, peak, tmp_path):
+    d = dry("--vendor", "nvidia", "--case_name", f"llama3_8b:megatron:{hw}:1:8", "--python", sys.executable, cwd=tmp_path)
+    assert d["model"]["params_exact"] == 8_030_261_248
+    assert d["model"]["params_nominal"] == 8e9
+    assert d["model"]["flops_per_token_6n"] == 48e9
+    assert round(d["model"]["flops_per_token_palm"] / 1e9, 1) == 57.9
+    assert d["hardware"]["peak_flops"] == peak and d["hardware"]["precision"] == "bf16"
+    assert d["config_name"] == f"config_{hw}x1x8"
+    assert len(d["nodes"]) == 1
+    cmd = d["nodes"][0]["command"]
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    assert cmd[-2:] == ["--config", str(tmp_path / "logs" / d["run_id"] / "round1" / "resolved.json")]
+    assert d["nodes"][0]["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert d["runtime"] == "local" and d["hosts"] == [{"name": "localhost", "address": "127.0.0.1"}]
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_seed_layouts_are_named(tmp_path):
+    base = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8", "--python", sys.executable, cwd=tmp_path)
+    assert {o["param"]: o["value"] for o in base["overrides"]}["parallel.pp"] == 2
+    variant = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8", "--variant", "PP4DP2TP1",
+                  "--python", sys.executable, cwd=tmp_path)  # fmt: skip
+    assert variant["config_name"] == "config_A100x1x8_PP4DP2TP1"
+    assert variant["settings"]["parallel"]["pp"] == 4 and variant["settings"]["parallel"]["tp"] == 1
+
+
+def test_human_plan_lists_everything(tmp_path):
+    proc = subprocess.run([sys.executable, START, "--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:8", "--dry-run",
+                           "--python", sys.executable], capture_output=True, text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for fragment in ("params exact 8,030,261,248", "PaLM 5.791e+10", "peak 9.89e+14 FLOP/s", "torch.distributed.run", "hosts       localhost=127.0.0.1"):
+        assert fragment in out, out

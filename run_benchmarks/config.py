@@ -122,6 +122,9 @@ class ContainerOptions(Strict):
     privileged_reason: str | None = None
     extra_env: dict[str, str] = {}
     mounts: list[str] = []  # "src:dst[:ro]"
+    # the image gives the OS only; the host-built framework environment and the
+    # interpreter it was made from are mounted read-only (the cpu vendor in CI)
+    mount_framework_env: bool = False
 
     @model_validator(mode="after")
     def _priv(self) -> "ContainerOptions":

@@ -1,0 +1,228 @@
+"""The vendor engineer's tools: ``check`` a vendor folder, ``scaffold`` a vendor or a config.
+
+    python -m run_benchmarks.vendor_tools check nvidia
+    python -m run_benchmarks.vendor_tools scaffold-vendor acme --chip X1 --framework megatron
+    python -m run_benchmarks.vendor_tools scaffold-config acme llama3_8b:megatron:X1:1:8 [--variant V]
+
+``check`` runs nothing: it validates vendor.yaml, the image definitions, every
+per-size config against its case's schema and fairness whitelist, the peak
+table and the monitor, and prints every problem at once with file and field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import yaml  # noqa: E402
+
+from run_benchmarks import plan as planning, registry  # noqa: E402
+from run_benchmarks.casename import CaseName, check_name  # noqa: E402
+from run_benchmarks.config import VendorConfig, VendorCaseConfig, load  # noqa: E402
+from run_benchmarks.errors import InputError  # noqa: E402
+
+CONFIG_NAME = re.compile(r"^config_(?P<hw>[A-Za-z0-9][A-Za-z0-9.\-]*)x(?P<n>[0-9]+)x(?P<m>[0-9]+)(?:_(?P<variant>[A-Za-z0-9][A-Za-z0-9_.\-]*))?$")
+
+
+def _function_defined(spec: str, root: Path) -> str | None:
+    """Check 'module:function' exists without importing it (no framework needed)."""
+    module, _, func = spec.partition(":")
+    path = root / Path(*module.split("."))
+    src = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+    if not src.is_file():
+        found = importlib.util.find_spec(module.split(".")[0]) if module.split(".")[0] not in ("vendors", "cases", "training") else None
+        return None if found else f"module {module} not found"
+    tree = ast.parse(src.read_text(), str(src))
+    if not any(isinstance(n, ast.FunctionDef) and n.name == func for n in tree.body):
+        return f"{src.relative_to(root)} defines no function {func}"
+    return None
+
+
+def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir: Path = registry.CASES_DIR) -> list[str]:
+    """Every problem of a vendor folder, each as 'file: field: problem'."""
+    problems: list[str] = []
+    root = vendors_dir.parent
+    vdir = vendors_dir / name
+    vfile = vdir / "vendor.yaml"
+    try:
+        vendor = load(VendorConfig, vfile)
+    except InputError as exc:
+        return [str(exc)]
+    if vendor.name != name:
+        problems.append(f"{vfile}: field 'name': {vendor.name!r} does not match the folder {name!r}")
+    for chip, c in vendor.chips.items():
+        if not c.peak_flops:
+            problems.append(f"{vfile}: field 'chips.{chip}.peak_flops': empty peak table (write null for an unknown peak)")
+        for prec, val in c.peak_flops.items():
+            if val is not None and not (1e9 < val < 1e17):
+                problems.append(f"{vfile}: field 'chips.{chip}.peak_flops.{prec}': {val} is not a plausible FLOP/s figure")
+    if vendor.monitor == "nvml" and importlib.util.find_spec("pynvml") is None:
+        problems.append(f"{vfile}: field 'monitor': nvml needs nvidia-ml-py installed")
+    for fw, spec in vendor.adapters.items():
+        err = _function_defined(spec, root)
+        if err:
+            problems.append(f"{vfile}: field 'adapters.{fw}': {err}")
+
+    try:
+        table = registry.cases(cases_dir)
+    except InputError as exc:
+        return problems + [str(exc)]
+    frameworks_used: set[str] = set()
+    for cfg_file in sorted((vdir / "cases").glob("*/*.yaml")):
+        model = cfg_file.parent.name
+        m = CONFIG_NAME.match(cfg_file.stem)
+        if not m:
+            problems.append(f"{cfg_file}: file name must be config_<HW>x<N>x<M>[_<variant>].yaml")
+            continue
+        if model not in table:
+            problems.append(f"{cfg_file}: no case serves model {model!r}")
+            continue
+        entry = table[model]
+        frameworks_used.add(entry.config.framework)
+        if m["hw"] not in vendor.chips:
+            problems.append(f"{cfg_file}: chip {m['hw']!r} is not in {vfile} chips ({', '.join(vendor.chips)})")
+        try:
+            vcfg = load(VendorCaseConfig, cfg_file)
+            standard = registry.standard_settings(entry.config, model)
+            registry.fairness_check(vcfg.values(), entry.config, standard, str(cfg_file))
+            if vcfg.hook:
+                err = _function_defined(vcfg.hook, root)
+                if err:
+                    problems.append(f"{cfg_file}: field 'hook': {err}")
+            settings = registry.deep_merge(standard, vcfg.values())
+            planning.check_layout(settings, entry.config.phases, int(m["n"]) * int(m["m"]), str(cfg_file))
+            prec = settings["train"]["precision"]
+            if m["hw"] in vendor.chips and prec not in vendor.chips[m["hw"]].peak_flops:
+                problems.append(f"{vfile}: field 'chips.{m['hw']}.peak_flops': no entry for precision {prec!r} used by {cfg_file.name}")
+        except InputError as exc:
+            problems.append(str(exc))
+    for fw in sorted(frameworks_used):
+        for f in ("Dockerfile", "requirements.txt"):
+            if not (vdir / fw / f).is_file():
+                problems.append(f"{vdir / fw / f}: missing (image definition for framework {fw})")
+    return problems
+
+
+VENDOR_TEMPLATE = """\
+# Vendor {name}: fill in every field; `python -m run_benchmarks.vendor_tools check {name}` validates.
+name: {name}
+description: {name} accelerators
+device: cuda                 # cuda (torch device of the vendor's build) or cpu
+dist_backend: nccl           # nccl (or the vendor's NCCL-compatible library) or gloo
+visible_devices_env: CUDA_VISIBLE_DEVICES
+monitor: none                # nvml | ixsmi | none
+chips:
+  {chip}:
+    # dense peak FLOP/s per precision from the vendor's public datasheet; null if not public
+    peak_flops: {{bf16: null, fp16: null, fp32: null}}
+    memory_gib: null
+    source: fill in the datasheet the peak comes from
+env: {{}}
+adapters: {{}}               # framework: "vendors.{name}.adapters.<module>:install"
+container:
+  shm_size: 16g
+"""
+
+DOCKERFILE_TEMPLATE = """\
+# {name} image for {framework} cases: start from the vendor's base image holding its
+# torch (or paddle) build, then install requirements.txt beside this file.
+ARG BASE_IMAGE=fill-in/base-image:tag
+FROM ${{BASE_IMAGE}}
+COPY requirements.txt /opt/flagbench/requirements.txt
+RUN python3 -m pip install --no-cache-dir -r /opt/flagbench/requirements.txt
+ENV PYTHONUNBUFFERED=1
+LABEL org.flagbench.vendor={name} org.flagbench.framework={framework}
+"""
+
+
+def scaffold_vendor(name: str, chip: str, frameworks: list[str], vendors_dir: Path = registry.VENDORS_DIR) -> list[Path]:
+    check_name(name, "vendor")
+    check_name(chip, "chip")
+    vdir = vendors_dir / name
+    if vdir.exists():
+        raise InputError(f"{vdir} exists already")
+    written = []
+    vdir.mkdir(parents=True)
+    (vdir / "vendor.yaml").write_text(VENDOR_TEMPLATE.format(name=name, chip=chip))
+    (vdir / "__init__.py").write_text("")
+    (vdir / "adapters").mkdir()
+    (vdir / "adapters" / "__init__.py").write_text('"""Adapters of this vendor: functions install(cfg: dict) -> None."""\n')
+    written += [vdir / "vendor.yaml", vdir / "adapters" / "__init__.py"]
+    for fw in frameworks:
+        check_name(fw, "framework")
+        (vdir / fw).mkdir()
+        (vdir / fw / "Dockerfile").write_text(DOCKERFILE_TEMPLATE.format(name=name, framework=fw))
+        (vdir / fw / "requirements.txt").write_text(f"# packages for {fw} cases on top of the base image\npyyaml\n")
+        written += [vdir / fw / "Dockerfile", vdir / fw / "requirements.txt"]
+    return written
+
+
+def scaffold_config(vendor: str, case_name: str, variant: str | None, vendors_dir: Path = registry.VENDORS_DIR) -> Path:
+    cn = CaseName.parse(case_name)
+    check_name(vendor, "vendor")
+    entry = registry.find_case(cn)
+    standard = registry.standard_settings(entry.config, cn.model)
+    stem = f"config_{cn.size}" + (f"_{check_name(variant, 'variant')}" if variant else "")
+    path = vendors_dir / vendor / "cases" / cn.model / f"{stem}.yaml"
+    if path.exists():
+        raise InputError(f"{path} exists already")
+    values: dict[str, Any] = {}
+    for p in entry.config.vendor_may_change:
+        v = registry.get_path(standard, p)
+        if v is not None and not p.startswith("phases."):
+            registry.set_path(values, p, v)
+    lines = [
+        f"# {vendor} config for {cn.model} on {cn.size}: the values below are the case's standard;",
+        "# keep only those you change. Allowed keys: " + ", ".join(entry.config.vendor_may_change),
+        f"description: {cn.model} on {cn.nnodes} x {cn.nprocs} {cn.hardware}",
+        "validated: false   # true once run on this hardware",
+        yaml.safe_dump(values, sort_keys=False).rstrip(),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m run_benchmarks.vendor_tools", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="validate a vendor folder without running anything")
+    c.add_argument("vendor")
+    sv = sub.add_parser("scaffold-vendor", help="create vendors/<name>/ from templates")
+    sv.add_argument("vendor")
+    sv.add_argument("--chip", required=True)
+    sv.add_argument("--framework", action="append", default=[], help="megatron, deepspeed, paddle (repeatable)")
+    sc = sub.add_parser("scaffold-config", help="create a per-size config for a case")
+    sc.add_argument("vendor")
+    sc.add_argument("case_name")
+    sc.add_argument("--variant")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "check":
+            check_name(args.vendor, "vendor")
+            problems = check_vendor(args.vendor)
+            for p in problems:
+                print(p)
+            print(f"{args.vendor}: {len(problems)} problem(s)" if problems else f"{args.vendor}: ok")
+            return 1 if problems else 0
+        if args.cmd == "scaffold-vendor":
+            for p in scaffold_vendor(args.vendor, args.chip, args.framework or ["megatron"]):
+                print(f"wrote {p}")
+            return 0
+        print(f"wrote {scaffold_config(args.vendor, args.case_name, args.variant)}")
+        return 0
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

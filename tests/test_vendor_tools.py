@@ -1,0 +1,80 @@
+"""The vendor engineer's path: check, fairness guard, scaffold."""
+
+import shutil
+
+import pytest
+import yaml
+
+from run_benchmarks import registry, vendor_tools
+from run_benchmarks.casename import CaseName
+from run_benchmarks.errors import InputError
+
+
+@pytest.mark.parametrize("vendor", ["cpu", "nvidia", "iluvatar"])
+def test_shipped_vendors_pass_check(vendor):
+    assert vendor_tools.check_vendor(vendor) == []
+
+
+def _copy_vendor(tmp_path, name="nvidia"):
+    vendors = tmp_path / "vendors"
+    shutil.copytree(registry.VENDORS_DIR / name, vendors / name)
+    return vendors, vendors / name
+
+
+def test_check_reports_every_defect_at_once(tmp_path):
+    vendors, v = _copy_vendor(tmp_path)
+    (v / "megatron" / "Dockerfile").unlink()
+    cfgs = v / "cases" / "llama3_8b"
+    (cfgs / "config_H100x1x8_BADLAYOUT.yaml").write_text("parallel: {tp: 3}\n")
+    (cfgs / "config_H100x1x8_CHEAT.yaml").write_text("model: {hidden_size: 1024}\n")
+    (cfgs / "config_Z9x1x8.yaml").write_text("train: {micro_batch: 1}\n")
+    (cfgs / "settings.yaml").write_text("train: {micro_batch: 1}\n")
+    (cfgs / "config_H100x1x8_HOOK.yaml").write_text("hook: vendors.nvidia.adapters.nope:install\n")
+    vy = yaml.safe_load((v / "vendor.yaml").read_text())
+    vy["chips"]["A100"]["peak_flops"]["bf16"] = 312  # forgot the e12
+    vy["adapters"] = {"megatron": "vendors.nvidia.adapters.tuning:install"}
+    (v / "vendor.yaml").write_text(yaml.safe_dump(vy))
+    problems = vendor_tools.check_vendor("nvidia", vendors_dir=vendors)
+    text = "\n".join(problems)
+    expected = [
+        "megatron/Dockerfile: missing",
+        "config_H100x1x8_BADLAYOUT.yaml: tp=3 x pp=1 does not divide the world size 8",
+        "config_H100x1x8_CHEAT.yaml: parameter 'model.hidden_size' may not be changed by a vendor",
+        "chip 'Z9' is not in",
+        "settings.yaml: file name must be config_",
+        "config_H100x1x8_HOOK.yaml: field 'hook': module vendors.nvidia.adapters.nope not found",
+        "field 'chips.A100.peak_flops.bf16': 312 is not a plausible",
+        "field 'adapters.megatron': module vendors.nvidia.adapters.tuning not found",
+    ]
+    for fragment in expected:
+        assert fragment in text, f"{fragment!r} not reported:\n{text}"
+    assert len(problems) == len(expected)
+
+
+def test_check_command_exit_status(tmp_path, capsys):
+    assert vendor_tools.main(["check", "cpu"]) == 0
+    assert "cpu: ok" in capsys.readouterr().out
+    assert vendor_tools.main(["check", "../etc"]) == 2
+
+
+def test_fairness_guard_both_ways():
+    case = registry.find_case(CaseName.parse("llama3_8b:megatron:A100:1:8")).config
+    std = registry.standard_settings(case, "llama3_8b")
+    ok = registry.fairness_check({"parallel": {"tp": 2, "recompute": "full"}, "train": {"micro_batch": 2}}, case, std, "f.yaml")
+    assert {"param": "parallel.tp", "value": 2, "standard": 1} in ok
+    assert {"param": "train.micro_batch", "value": 2, "standard": 1} in ok
+    for bad in ({"train": {"global_batch": 256}}, {"train": {"lr": 1e-4}}, {"model": {"num_layers": 16}},
+                {"train": {"steps": 5}}, {"data": {"data_dir": "/x"}}):  # fmt: skip
+        with pytest.raises(InputError, match="may not be changed by a vendor"):
+            registry.fairness_check(bad, case, std, "f.yaml")
+
+
+def test_scaffolded_vendor_and_config_pass_check(tmp_path, monkeypatch):
+    vendors = tmp_path / "vendors"
+    written = vendor_tools.scaffold_vendor("acme", "X1", ["megatron"], vendors_dir=vendors)
+    assert (vendors / "acme" / "megatron" / "Dockerfile") in written
+    path = vendor_tools.scaffold_config("acme", "llama3_8b:megatron:X1:1:8", None, vendors_dir=vendors)
+    assert path.name == "config_X1x1x8.yaml"
+    assert vendor_tools.check_vendor("acme", vendors_dir=vendors) == []
+    with pytest.raises(InputError, match="exists already"):
+        vendor_tools.scaffold_vendor("acme", "X1", ["megatron"], vendors_dir=vendors)

@@ -68,6 +68,8 @@ class LocalRuntime(Runtime):
                 out = open(node_dir / "stdout.log", "wb")
                 files.append(out)
                 env = {**os.environ, **node.env}
+                if os.environ.get("PYTHONPATH"):  # keep what this host's Python needs (e.g. carried packages)
+                    env["PYTHONPATH"] = f"{node.env['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
                 proc = subprocess.Popen(
                     node.command, cwd=node.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, start_new_session=True,

@@ -1,0 +1,92 @@
+"""Training data of the llama3/megatron case: corpus, sample order, per-rank batches.
+
+With ``data.data_dir`` set, the corpus is ``<data_dir>/<prefix>.bin/.idx`` (a
+Megatron indexed dataset, e.g. the tokenized wudao corpus).  Without it, a
+deterministic synthetic corpus is written once into ``data.cache_dir`` (by
+local rank 0 of each node, atomically; the other ranks wait on a barrier).
+
+Samples are contiguous windows of ``seq_length + 1`` tokens in a seeded
+shuffled order (``training.data.indexed.TokenWindows``).  Optimizer step ``t``
+(0-based) uses samples ``t*G .. t*G+G-1`` of that order (G = global batch);
+data-parallel rank ``r`` takes the ``r``-th contiguous slice of ``G/dp``
+samples and cuts it into ``grad_accum`` microbatches.  The samples of a step
+are therefore the same for every parallel layout.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from settings import Settings
+from training.data import synthetic
+from training.data.indexed import IndexedReader, TokenWindows, bin_path, idx_path
+
+#: smallest and largest synthetic corpus written when data.synthetic_tokens is not set
+SYNTHETIC_MIN_TOKENS = 1 << 20
+SYNTHETIC_MAX_TOKENS = 1 << 26
+
+
+def synthetic_tokens(s: Settings) -> int:
+    if s.synthetic_tokens:
+        return s.synthetic_tokens
+    needed = s.steps * s.global_batch * (s.shape.seq_length + 1)
+    return int(min(max(needed, SYNTHETIC_MIN_TOKENS), SYNTHETIC_MAX_TOKENS))
+
+
+def corpus_prefix(s: Settings, local_rank: int) -> tuple[str, str]:
+    """The corpus's file prefix and a description for the run's meta record."""
+    if s.data_dir:
+        prefix = os.path.join(s.data_dir, s.data_prefix)
+        for path in (idx_path(prefix), bin_path(prefix)):
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"data.data_dir is set but {path} does not exist")
+        return prefix, f"indexed:{prefix}"
+    cache_dir = s.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
+    n = synthetic_tokens(s)
+    prefix = os.path.join(cache_dir, synthetic.corpus_name(s.shape.vocab_size, n, s.seed))
+    if local_rank == 0:
+        synthetic.ensure_corpus(cache_dir, s.shape.vocab_size, n, s.seed)
+    dist.barrier()
+    return prefix, f"synthetic:{os.path.basename(prefix)}"
+
+
+class StepBatches:
+    """This data-parallel rank's share of every optimizer step."""
+
+    def __init__(self, prefix: str, s: Settings, dp_rank: int, device: torch.device):
+        reader = IndexedReader(prefix)
+        vocab_max = s.shape.vocab_size
+        self.windows = TokenWindows(reader.tokens, s.shape.seq_length, s.seed)
+        self.s = s
+        self.dp_rank = dp_rank
+        self.device = device
+        self.per_rank = s.global_batch // s.layout.dp
+        sample = self.windows.window(0)
+        if int(sample.max()) >= vocab_max:
+            raise ValueError(f"corpus {prefix} holds token ids >= vocab_size {vocab_max}")
+
+    def local_samples(self, step: int) -> np.ndarray:
+        """``[global_batch/dp, seq+1]`` int64 token windows of ``step`` (0-based) for this rank."""
+        first = step * self.s.global_batch + self.dp_rank * self.per_rank
+        return self.windows.batch(first, self.per_rank)
+
+    def microbatches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The step's microbatches on the device: tokens, labels, position ids."""
+        seq, mb = self.s.shape.seq_length, self.s.layout.micro_batch
+        host = torch.from_numpy(self.local_samples(step))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        data = host.to(self.device, non_blocking=True)
+        positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(mb, seq)
+        for m in range(self.s.layout.grad_accum):
+            chunk = data[m * mb:(m + 1) * mb]
+            yield {
+                "tokens": chunk[:, :-1].contiguous(),
+                "labels": chunk[:, 1:].contiguous(),
+                "position_ids": positions,
+            }

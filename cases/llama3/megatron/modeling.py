@@ -1,0 +1,213 @@
+"""Llama 3 on megatron-core: transformer config, layer spec, core attention, model.
+
+Imported after ``training.runtime.setup()`` (the vendor adapter must run
+before megatron is imported).  Works with megatron-core 0.16 and 0.19.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from settings import Settings
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails on import
+        return False
+    return True
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    A drop-in for megatron's ``DotProductAttention`` (same constructor and
+    forward arguments): causal, grouped-query attention without materialising
+    the score matrix and without repeating K/V across the heads of a group
+    (``enable_gqa``), so torch picks its flash / memory-efficient kernel.
+    Takes ``[s, b, heads, head_dim]`` query and ``[s, b, groups, head_dim]``
+    key/value, returns ``[s, b, heads * head_dim]``, for this rank's share of
+    the heads under tensor parallelism.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        **kwargs: Any,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention does not support context parallelism")
+        tp = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") else (
+            parallel_state.get_tensor_model_parallel_world_size()
+        )
+        self.heads = config.num_attention_heads // tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
+        head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPACoreAttention supports neither packed sequences nor an attention bias")
+        sq, b = query.shape[0], query.shape[1]
+        q = query.permute(1, 2, 0, 3)  # [b, heads, s, d]
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=self.heads != self.groups,
+        )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def use_transformer_engine(s: Settings) -> bool:
+    impl = s.layout.transformer_impl
+    if impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise RuntimeError("parallel.transformer_impl: transformer_engine, but transformer_engine does not import")
+        return True
+    return impl == "auto" and s.device == "cuda" and transformer_engine_available()
+
+
+def layer_spec(s: Settings) -> ModuleSpec:
+    """Megatron's local layer spec (TransformerEngine's where it is used), core attention per ``parallel.attention``."""
+    if use_transformer_engine(s):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        if s.layout.attention == "te":
+            raise RuntimeError("parallel.attention: te needs TransformerEngine, which is not in use")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if s.layout.attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def transformer_config(s: Settings) -> TransformerConfig:
+    sh, lay = s.shape, s.layout
+    dtype = DTYPES[s.precision]
+    kw: dict[str, Any] = dict(
+        num_layers=sh.num_layers,
+        hidden_size=sh.hidden_size,
+        ffn_hidden_size=sh.ffn_hidden_size,
+        num_attention_heads=sh.num_heads,
+        num_query_groups=sh.num_kv_groups,
+        kv_channels=sh.hidden_size // sh.num_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=sh.norm_eps,
+        gated_linear_unit=True,  # SwiGLU: silu(x W1) * (x W3), then W2
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=s.init_std,
+        tensor_model_parallel_size=lay.tp,
+        pipeline_model_parallel_size=lay.pp,
+        sequence_parallel=lay.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=s.precision == "bf16",
+        fp16=s.precision == "fp16",
+        # every rank builds the full weights from one seed on the CPU and keeps its
+        # shard, so every tp/pp layout starts from the same model; on GPUs the
+        # weights are drawn on the device (per-rank RNG streams), as megatron does
+        use_cpu_initialization=s.device == "cpu",
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=True,
+    )
+    if lay.recompute != "none":
+        kw["recompute_granularity"] = lay.recompute
+        if lay.recompute == "full":
+            kw["recompute_method"] = lay.recompute_method
+            kw["recompute_num_layers"] = lay.recompute_num_layers
+    if lay.sequence_parallel and not use_transformer_engine(s):
+        raise RuntimeError(
+            "parallel.sequence_parallel needs TransformerEngine norms (megatron's torch RMSNorm wrapper refuses it)"
+        )
+    return TransformerConfig(**kw)
+
+
+def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
+    """This rank's pipeline stage of the model (all layers when pp == 1)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(s),
+        vocab_size=s.shape.vocab_size,
+        max_sequence_length=s.shape.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=int(s.shape.rope_base),
+    )
+
+
+def local_param_count(model: torch.nn.Module) -> int:
+    """Parameters this rank contributes to the model's total.
+
+    Tensor-parallel shards count on every TP rank; replicated parameters
+    (norm weights) count on TP rank 0 only.  Summed over all TP and PP ranks of
+    one data-parallel replica this is the model's exact parameter count.
+    """
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    total = 0
+    for p in model.parameters():
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            total += p.numel()
+    return total
+
+
+def framework_version() -> str:
+    try:
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+    except Exception:
+        import megatron.core
+
+        return str(getattr(megatron.core, "__version__", "unknown"))

@@ -1,0 +1,278 @@
+"""The llama3/megatron case's settings, read from the harness's ``resolved.json``.
+
+Everything the case reads from the resolved config is read here, validated and
+derived once (data-parallel size, gradient accumulation), so that a bad value
+fails before any process group or model exists, with a message that names the
+key.  Standard library only.
+
+Keys read (``cfg`` is the resolved.json object):
+
+* ``case.model`` (or ``model.name``), ``config_name``
+* ``model.params_nominal`` and the shape, under ``model.shape`` or flat in
+  ``model``: ``num_layers, hidden_size, ffn_hidden_size, num_heads,
+  num_kv_groups, seq_length, vocab_size, norm_eps, rope_base``
+* ``train``: ``steps, global_batch, micro_batch, precision, lr, min_lr,
+  lr_warmup_steps, weight_decay, clip_grad, adam_beta1, adam_beta2, init_std,
+  seed``; optional ``lr_decay_steps`` (default ``steps``), ``adam_eps``
+  (1e-8); ``betas: [b1, b2]`` is accepted in place of the two beta keys
+* ``parallel``: ``tp, pp``; optional ``recompute`` (none|selective|full),
+  ``recompute_method`` (uniform|block), ``recompute_num_layers``,
+  ``sequence_parallel``, ``distributed_optimizer``, ``overlap_grad_reduce``,
+  ``overlap_param_gather``, ``attention`` (sdpa|local|te),
+  ``transformer_impl`` (auto|local|transformer_engine),
+  ``optimizer_cpu_offload``, ``optimizer_offload_fraction``; ``dp`` when
+  present must equal ``world_size / (tp * pp)``
+* ``data``: ``data_dir`` (null: synthetic), ``prefix``, ``cache_dir``,
+  optional ``synthetic_tokens``
+* ``vendor``: ``device`` (cpu|cuda), ``dist_backend`` (gloo|nccl)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """A resolved config value the case cannot run with."""
+
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size")
+PRECISIONS = ("bf16", "fp16", "fp32")
+RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("sdpa", "local", "te")
+TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_groups: int
+    seq_length: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_base: float = 500000.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    grad_accum: int
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    attention: str = "sdpa"
+    transformer_impl: str = "auto"
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model_name: str
+    config_name: str
+    params_nominal: float
+    shape: Shape
+    layout: Layout
+    world_size: int
+    steps: int
+    global_batch: int
+    precision: str
+    lr: float
+    min_lr: float
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    init_std: float
+    seed: int
+    device: str
+    dist_backend: str
+    data_dir: str | None
+    data_prefix: str
+    cache_dir: str | None
+    synthetic_tokens: int | None
+
+
+def _get(section: dict, key: str, where: str, default: Any = dataclasses.MISSING) -> Any:
+    if key in section and section[key] is not None:
+        return section[key]
+    if default is dataclasses.MISSING:
+        raise SettingsError(f"resolved config: {where}.{key} is missing")
+    return default
+
+
+def _int(value: Any, where: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise SettingsError(f"resolved config: {where} must be an integer, got {value!r}")
+    if int(value) < minimum:
+        raise SettingsError(f"resolved config: {where} must be >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _float(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SettingsError(f"resolved config: {where} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise SettingsError(f"resolved config: {where} must be true or false, got {value!r}")
+    return value
+
+
+def _choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise SettingsError(f"resolved config: {where} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _divides(what: str, a: int, b: int, fix: str) -> None:
+    if b % a != 0:
+        raise SettingsError(f"{what}: {b} is not divisible by {a}; {fix}")
+
+
+def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_size: int) -> Layout:
+    """DP = world / (tp * pp); grad accumulation = global_batch / (micro_batch * dp), exactly."""
+    tp = _int(_get(parallel, "tp", "parallel", 1), "parallel.tp", 1)
+    pp = _int(_get(parallel, "pp", "parallel", 1), "parallel.pp", 1)
+    if world_size % (tp * pp) != 0:
+        raise SettingsError(
+            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; choose tp and pp whose product divides the number of processes"
+        )
+    dp = world_size // (tp * pp)
+    if parallel.get("dp") is not None and _int(parallel["dp"], "parallel.dp", 1) != dp:
+        raise SettingsError(f"parallel.dp = {parallel['dp']} but world_size / (tp * pp) = {world_size} / ({tp} * {pp}) = {dp}")
+    if global_batch % (micro_batch * dp) != 0:
+        raise SettingsError(
+            f"global batch {global_batch} is not divisible by micro_batch * dp = {micro_batch} * {dp}; "
+            f"gradient accumulation must be a whole number: change train.micro_batch or the parallel layout"
+        )
+    recompute = _choice(_get(parallel, "recompute", "parallel", "none"), "parallel.recompute", RECOMPUTE)
+    return Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        micro_batch=micro_batch,
+        grad_accum=global_batch // (micro_batch * dp),
+        recompute=recompute,
+        recompute_method=_choice(_get(parallel, "recompute_method", "parallel", "uniform"), "parallel.recompute_method", ("uniform", "block")),
+        recompute_num_layers=_int(_get(parallel, "recompute_num_layers", "parallel", 1), "parallel.recompute_num_layers", 1),
+        sequence_parallel=_bool(_get(parallel, "sequence_parallel", "parallel", False), "parallel.sequence_parallel"),
+        distributed_optimizer=_bool(_get(parallel, "distributed_optimizer", "parallel", True), "parallel.distributed_optimizer"),
+        overlap_grad_reduce=_bool(_get(parallel, "overlap_grad_reduce", "parallel", False), "parallel.overlap_grad_reduce"),
+        overlap_param_gather=_bool(_get(parallel, "overlap_param_gather", "parallel", False), "parallel.overlap_param_gather"),
+        attention=_choice(_get(parallel, "attention", "parallel", "sdpa"), "parallel.attention", ATTENTION),
+        transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
+        optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
+        optimizer_offload_fraction=_float(_get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"),
+    )
+
+
+def read_shape(model: dict) -> Shape:
+    src = model.get("shape", model)
+    vals = {k: _int(_get(src, k, "model.shape"), f"model.shape.{k}", 1) for k in SHAPE_KEYS}
+    shape = Shape(
+        **vals,
+        norm_eps=_float(_get(src, "norm_eps", "model.shape", 1e-5), "model.shape.norm_eps"),
+        rope_base=_float(_get(src, "rope_base", "model.shape", 500000.0), "model.shape.rope_base"),
+    )
+    _divides("model.shape.hidden_size / num_heads", shape.num_heads, shape.hidden_size, "hidden size must split into whole heads")
+    _divides("model.shape.num_heads / num_kv_groups", shape.num_kv_groups, shape.num_heads, "heads must split evenly into KV groups")
+    return shape
+
+
+def check_layout_fits(shape: Shape, layout: Layout) -> None:
+    fix = "choose another parallel.tp"
+    _divides("num_heads over tensor parallelism", layout.tp, shape.num_heads, fix)
+    _divides("num_kv_groups over tensor parallelism", layout.tp, shape.num_kv_groups, fix)
+    _divides("ffn_hidden_size over tensor parallelism", layout.tp, shape.ffn_hidden_size, fix)
+    _divides("vocab_size over tensor parallelism", layout.tp, shape.vocab_size, fix)
+    _divides("num_layers over pipeline parallelism", layout.pp, shape.num_layers, "choose another parallel.pp")
+    if layout.sequence_parallel and layout.tp == 1:
+        raise SettingsError("parallel.sequence_parallel needs parallel.tp > 1")
+    if layout.attention == "te" and layout.transformer_impl == "local":
+        raise SettingsError("parallel.attention: te needs parallel.transformer_impl auto or transformer_engine")
+    if layout.overlap_param_gather and not layout.distributed_optimizer:
+        raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
+    if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
+        raise SettingsError("parallel.optimizer_cpu_offload needs parallel.distributed_optimizer: true")
+
+
+def from_config(cfg: dict, world_size: int) -> Settings:
+    """Validate the resolved config and derive the run's settings."""
+    for section in ("case", "model", "train", "vendor"):
+        if not isinstance(cfg.get(section), dict):
+            raise SettingsError(f"resolved config: section {section!r} is missing or not an object")
+    train, model, vendor = cfg["train"], cfg["model"], cfg["vendor"]
+    parallel = cfg.get("parallel") or {}
+    data = cfg.get("data") or {}
+    shape = read_shape(model)
+    global_batch = _int(_get(train, "global_batch", "train"), "train.global_batch", 1)
+    micro_batch = _int(_get(train, "micro_batch", "train", 1), "train.micro_batch", 1)
+    layout = derive_layout(parallel, micro_batch, global_batch, world_size)
+    check_layout_fits(shape, layout)
+    steps = _int(_get(train, "steps", "train"), "train.steps", 1)
+    betas = train.get("betas")
+    if betas is not None and (not isinstance(betas, (list, tuple)) or len(betas) != 2):
+        raise SettingsError(f"resolved config: train.betas must be a pair, got {betas!r}")
+    beta1 = _float(_get(train, "adam_beta1", "train", betas[0] if betas else 0.9), "train.adam_beta1")
+    beta2 = _float(_get(train, "adam_beta2", "train", betas[1] if betas else 0.95), "train.adam_beta2")
+    lr_warmup = _int(_get(train, "lr_warmup_steps", "train", 0), "train.lr_warmup_steps")
+    lr_decay = _int(_get(train, "lr_decay_steps", "train", steps), "train.lr_decay_steps", 1)
+    if lr_warmup >= lr_decay:
+        raise SettingsError(f"train.lr_warmup_steps ({lr_warmup}) must be below the decay steps ({lr_decay})")
+    device = _choice(_get(vendor, "device", "vendor", "cpu"), "vendor.device", ("cpu", "cuda"))
+    backend = _get(vendor, "dist_backend", "vendor", "gloo" if device == "cpu" else "nccl")
+    name = cfg["case"].get("model") or model.get("name")
+    if not name:
+        raise SettingsError("resolved config: case.model is missing")
+    synthetic_tokens = data.get("synthetic_tokens")
+    return Settings(
+        model_name=str(name),
+        config_name=str(cfg.get("config_name", "")),
+        params_nominal=_float(_get(model, "params_nominal", "model"), "model.params_nominal"),
+        shape=shape,
+        layout=layout,
+        world_size=world_size,
+        steps=steps,
+        global_batch=global_batch,
+        precision=_choice(_get(train, "precision", "train", "bf16"), "train.precision", PRECISIONS),
+        lr=_float(_get(train, "lr", "train"), "train.lr"),
+        min_lr=_float(_get(train, "min_lr", "train", 0.0), "train.min_lr"),
+        lr_warmup_steps=lr_warmup,
+        lr_decay_steps=lr_decay,
+        weight_decay=_float(_get(train, "weight_decay", "train", 0.0), "train.weight_decay"),
+        clip_grad=_float(_get(train, "clip_grad", "train", 0.0), "train.clip_grad"),
+        adam_beta1=beta1,
+        adam_beta2=beta2,
+        adam_eps=_float(_get(train, "adam_eps", "train", 1e-8), "train.adam_eps"),
+        init_std=_float(_get(train, "init_std", "train", 0.02), "train.init_std"),
+        seed=_int(_get(train, "seed", "train", 1234), "train.seed"),
+        device=device,
+        dist_backend=str(backend),
+        data_dir=data.get("data_dir"),
+        data_prefix=str(data.get("prefix") or "llama3_text_document"),
+        cache_dir=data.get("cache_dir"),
+        synthetic_tokens=None if synthetic_tokens is None else _int(synthetic_tokens, "data.synthetic_tokens", 2),
+    )

@@ -1,0 +1,325 @@
+"""llama3 on megatron-core: the case's entry point.
+
+Run by the harness on every rank::
+
+    python -m torch.distributed.run --nnodes N --nproc-per-node M ... \\
+        cases/llama3/megatron/train.py --config <round_dir>/resolved.json
+
+with the repository root on PYTHONPATH.  ``training.runtime.setup()`` runs
+first: it applies the vendor's adapter (e.g. the CPU redirection of
+``vendors/cpu/adapters/megatron.py``) before megatron is imported.
+
+Training: megatron-core GPTModel (Llama 3 architecture: RMSNorm, SwiGLU, RoPE,
+grouped-query attention, untied output layer) with tensor and pipeline
+parallelism from ``parallel_state``, megatron's DDP with the distributed
+optimizer (Adam with decoupled weight decay), a cosine learning-rate schedule
+from ``OptimizerParamScheduler``, and the pipeline schedule of
+``get_forward_backward_func()``.  Metrics go out through
+``training.metriclog.MetricLogger`` (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+import traceback
+from functools import partial
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from training import flops, runtime  # noqa: E402
+from training.metriclog import MetricLogger  # noqa: E402
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_memory(device) -> tuple[int, int | None, str]:
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(torch.cuda.max_memory_allocated(device)), int(props.total_memory), props.name
+    # ru_maxrss is in KiB on Linux
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None, "cpu"
+
+
+def loss_func(output_tensor):
+    """Mean next-token loss of one microbatch (every token counts)."""
+    loss = output_tensor.float().mean()
+    # a copy: the schedule divides the returned loss in place by the number of microbatches
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, loss_func
+
+
+class Trainer:
+    def __init__(self, cfg: dict, log: MetricLogger):
+        import torch
+
+        from settings import from_config
+
+        self.cfg = cfg
+        self.log = log
+        self.dist = runtime.dist_info()
+        self.s = from_config(cfg, self.dist.world_size)
+        if self.s.device == "cuda":
+            torch.cuda.set_device(self.dist.local_rank)
+            self.device = torch.device("cuda", self.dist.local_rank)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.dist.local_world_size)))
+        self.steps_done = 0
+
+    # -- setup -------------------------------------------------------------
+    def init_distributed(self) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if not dist.is_initialized():
+            dist.init_process_group(backend=self.s.dist_backend)
+        lay = self.s.layout
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp
+        )
+        model_parallel_cuda_manual_seed(self.s.seed)
+        self.ps = parallel_state
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.reporting = self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+
+    def build(self) -> None:
+        import torch
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.transformer.module import Float16Module
+
+        import modeling
+
+        s, lay = self.s, self.s.layout
+        torch.manual_seed(s.seed)  # the same full weights on every rank (CPU initialisation)
+        self.tconfig = modeling.transformer_config(s)
+        model = modeling.build_model(s, self.tconfig)
+        model = model.to(self.device)
+        self.params_exact = self._exact_params(model)
+        if s.precision in ("bf16", "fp16"):
+            model = Float16Module(self.tconfig, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=s.precision != "fp32",
+            overlap_grad_reduce=lay.overlap_grad_reduce,
+            overlap_param_gather=lay.overlap_param_gather,
+            use_distributed_optimizer=lay.distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        self.model = DistributedDataParallel(config=self.tconfig, ddp_config=ddp_config, module=model)
+        self.tconfig.no_sync_func = self.model.no_sync
+        self.tconfig.finalize_model_grads_func = finalize_model_grads
+        if lay.overlap_grad_reduce:
+            self.tconfig.grad_sync_func = self.model.start_grad_sync
+        if lay.overlap_param_gather:
+            self.tconfig.param_sync_func = self.model.start_param_sync
+        opt_kw = dict(
+            optimizer="adam",
+            lr=s.lr,
+            min_lr=s.min_lr,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.adam_beta1,
+            adam_beta2=s.adam_beta2,
+            adam_eps=s.adam_eps,
+            clip_grad=s.clip_grad,
+            bf16=s.precision == "bf16",
+            fp16=s.precision == "fp16",
+            params_dtype=modeling.DTYPES[s.precision],
+            use_distributed_optimizer=lay.distributed_optimizer,
+            overlap_param_gather=lay.overlap_param_gather,
+        )
+        if lay.optimizer_cpu_offload:
+            opt_kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=lay.optimizer_offload_fraction)
+        self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=s.lr,
+            min_lr=s.min_lr,
+            lr_warmup_steps=s.lr_warmup_steps,
+            lr_decay_steps=s.lr_decay_steps,
+            lr_decay_style="cosine",
+            start_wd=s.weight_decay,
+            end_wd=s.weight_decay,
+            wd_incr_steps=s.steps,
+            wd_incr_style="constant",
+        )
+
+    def _exact_params(self, model) -> int:
+        import torch
+        import torch.distributed as dist
+
+        import modeling
+
+        local = torch.tensor([modeling.local_param_count(model)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(local)  # every data-parallel replica adds the same count
+        total = int(round(local.item())) // self.s.layout.dp
+        sh = self.s.shape
+        shape = flops.DecoderShape(
+            num_layers=sh.num_layers,
+            hidden_size=sh.hidden_size,
+            num_heads=sh.num_heads,
+            seq_length=sh.seq_length,
+            vocab_size=sh.vocab_size,
+            ffn_hidden_size=sh.ffn_hidden_size,
+            num_kv_groups=sh.num_kv_groups,
+        )
+        expected = flops.param_counts(shape)["total"]
+        if total != expected:
+            raise RuntimeError(
+                f"the built model has {total} parameters but training.flops.param_counts gives {expected} "
+                f"for {sh}: the model does not have the shape the case declares"
+            )
+        return total
+
+    def prepare_data(self) -> None:
+        import batches
+
+        prefix, self.data_desc = batches.corpus_prefix(self.s, self.dist.local_rank)
+        self.batches = batches.StepBatches(prefix, self.s, self.dp_rank, self.device)
+
+    def emit_meta(self) -> None:
+        import torch
+
+        import modeling
+
+        s, lay, sh = self.s, self.s.layout, self.s.shape
+        if not self.reporting:
+            return
+        self.log.meta(
+            model=s.model_name,
+            framework="megatron",
+            framework_version=modeling.framework_version(),
+            params_exact=self.params_exact,
+            params_nominal=s.params_nominal,
+            num_layers=sh.num_layers,
+            hidden_size=sh.hidden_size,
+            ffn_hidden_size=sh.ffn_hidden_size,
+            num_heads=sh.num_heads,
+            num_kv_groups=sh.num_kv_groups,
+            seq_length=sh.seq_length,
+            vocab_size=sh.vocab_size,
+            global_batch=s.global_batch,
+            precision=s.precision,
+            parallel=dict(
+                tp=lay.tp,
+                pp=lay.pp,
+                dp=lay.dp,
+                micro_batch=lay.micro_batch,
+                grad_accum=lay.grad_accum,
+                recompute=lay.recompute,
+                sequence_parallel=lay.sequence_parallel,
+                distributed_optimizer=lay.distributed_optimizer,
+                overlap_grad_reduce=lay.overlap_grad_reduce,
+                overlap_param_gather=lay.overlap_param_gather,
+                attention=lay.attention,
+                transformer_engine=modeling.use_transformer_engine(s),
+                optimizer_cpu_offload=lay.optimizer_cpu_offload,
+            ),
+            world_size=s.world_size,
+            steps=s.steps,
+            config_name=s.config_name,
+            device=s.device,
+            torch_version=torch.__version__,
+            data=self.data_desc,
+        )
+
+    # -- training ----------------------------------------------------------
+    def train(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        s, lay = self.s, self.s.layout
+        fwd_bwd = get_forward_backward_func()
+        tokens_per_step = s.global_batch * s.shape.seq_length
+        dp_group = self.ps.get_data_parallel_group()
+        for step in range(s.steps):
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            _sync(self.device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            losses = fwd_bwd(
+                forward_step_func=forward_step,
+                data_iterator=self.batches.microbatches(step),
+                model=[self.model],
+                num_microbatches=lay.grad_accum,
+                seq_length=s.shape.seq_length,
+                micro_batch_size=lay.micro_batch,
+                decoder_seq_length=s.shape.seq_length,
+                forward_only=False,
+            )
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            _sync(self.device)
+            dist.barrier()
+            step_time = time.perf_counter() - t0
+            self.steps_done = step + 1
+            if self.is_last_stage:
+                local = torch.stack([x["lm loss"] for x in losses]).float().mean().reshape(1)
+                dist.all_reduce(local, group=dp_group)
+                loss = local.item() / lay.dp
+                if self.reporting:
+                    self.log.step(
+                        step + 1,
+                        loss,
+                        tokens_per_step,
+                        step_time,
+                        lr,
+                        grad_norm=None if grad_norm is None else float(grad_norm),
+                        skipped=not ok,
+                    )
+
+    def emit_memory(self) -> None:
+        peak, total, name = _peak_memory(self.device)
+        self.log.peak_memory(peak, total, name)
+
+
+def main() -> int:
+    cfg = runtime.setup()
+    log = MetricLogger()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, log)
+        trainer.init_distributed()
+        trainer.build()
+        trainer.prepare_data()
+        trainer.emit_meta()
+        trainer.train()
+        trainer.emit_memory()
+        if trainer.reporting:
+            log.end("ok", trainer.steps_done)
+    except BaseException as exc:
+        log.error(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
+        log.end("failed", trainer.steps_done if trainer is not None else 0)
+        raise
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

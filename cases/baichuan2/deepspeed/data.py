@@ -1,0 +1,135 @@
+"""Training data of the baichuan2 case: samples of ``seq_length + 1`` tokens.
+
+Two sources, both Megatron indexed datasets (``training.data.indexed``):
+
+- ``cfg["data"]["data_dir"]`` set: a tokenized corpus (seed 003: openwebtext,
+  the first 1e8 tokens) in ``<data_dir>/<prefix>.bin`` + ``<prefix>.idx``,
+  tokenized with the Baichuan2 tokenizer (ids below the model's vocabulary,
+  125,696).  ``cfg["data"]["prefix"]`` names the pair; without it the
+  directory must hold exactly one ``.idx`` file.  ``cfg["data"]["max_tokens"]``
+  (when set) keeps only the first that many tokens of the concatenated stream.
+- ``data_dir`` null: a deterministic synthetic Markov corpus of
+  ``cfg["data"]["synthetic_tokens"]`` tokens over the model's vocabulary,
+  written once into ``cfg["data"]["cache_dir"]`` (by local rank 0; the others
+  wait for the complete pair).  Its loss is not comparable to a real-data loss.
+
+Samples are contiguous windows visited in a seeded order
+(:class:`training.data.indexed.TokenWindows`).  Optimizer step ``s`` uses
+samples ``s * global_batch`` to ``(s + 1) * global_batch - 1``, whatever the
+data-parallel layout: micro step ``m`` of data-parallel rank ``r`` takes the
+``micro_batch`` samples starting at ``s * global_batch + (m * dp + r) * micro_batch``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from training.data.indexed import IndexedReader, TokenWindows
+from training.data.synthetic import corpus_name, ensure_corpus, is_complete
+
+DEFAULT_SYNTHETIC_TOKENS = 1 << 23
+
+
+def find_prefix(data_dir: str, prefix: str | None = None) -> str:
+    """The ``<data_dir>/<prefix>`` path of the corpus's ``.bin/.idx`` pair."""
+    if prefix:
+        path = prefix if os.path.isabs(prefix) else os.path.join(data_dir, prefix)
+        if path.endswith(".idx") or path.endswith(".bin"):
+            path = path[:-4]
+        if not os.path.exists(path + ".idx"):
+            raise FileNotFoundError(f"{path}.idx not found (data.prefix={prefix!r}, data.data_dir={data_dir!r})")
+        return path
+    found = sorted(glob.glob(os.path.join(data_dir, "*.idx")))
+    if len(found) != 1:
+        raise FileNotFoundError(
+            f"data.data_dir {data_dir!r} holds {len(found)} .idx files; name one with data.prefix"
+            + (f" (found: {', '.join(os.path.basename(f) for f in found)})" if found else "")
+        )
+    return found[0][:-4]
+
+
+def synthetic_prefix(data: dict[str, Any], vocab_size: int, seed: int, local_rank: int, timeout_s: float = 600.0) -> str:
+    """Write (local rank 0) or wait for (other ranks) the synthetic corpus; return its prefix."""
+    cache_dir = data.get("cache_dir")
+    if not cache_dir:
+        raise ValueError("data.cache_dir is needed to write the synthetic corpus (data.data_dir is null)")
+    num_tokens = int(float(data.get("synthetic_tokens") or DEFAULT_SYNTHETIC_TOKENS))
+    if local_rank == 0:
+        return ensure_corpus(cache_dir, vocab_size, num_tokens, seed)
+    prefix = os.path.join(cache_dir, corpus_name(vocab_size, num_tokens, seed))
+    deadline = time.monotonic() + timeout_s
+    while not is_complete(prefix):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"synthetic corpus {prefix} not written within {timeout_s:.0f} s")
+        time.sleep(0.2)
+    return prefix
+
+
+class CaseData:
+    """Batches for one data-parallel rank.
+
+    ``data`` is the resolved config's ``data`` section; the other arguments
+    come from the checked settings (``settings.shape`` / ``settings.train``).
+    """
+
+    def __init__(
+        self,
+        data: dict[str, Any],
+        *,
+        seq_length: int,
+        vocab_size: int,
+        global_batch: int,
+        micro_batch: int,
+        seed: int,
+        dp_rank: int,
+        dp_size: int,
+        local_rank: int = 0,
+    ):
+        data = data or {}
+        self.seq_length = int(seq_length)
+        self.vocab_size = int(vocab_size)
+        self.global_batch = int(global_batch)
+        self.micro_batch = int(micro_batch)
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
+        if self.global_batch % (self.micro_batch * self.dp_size):
+            raise ValueError(
+                f"global_batch {self.global_batch} is not a multiple of micro_batch {self.micro_batch} x dp {self.dp_size}"
+            )
+        self.grad_accum = self.global_batch // (self.micro_batch * self.dp_size)
+        if data.get("data_dir"):
+            self.source = "indexed"
+            self.prefix = find_prefix(data["data_dir"], data.get("prefix"))
+        else:
+            self.source = "synthetic"
+            self.prefix = synthetic_prefix(data, self.vocab_size, int(data.get("synthetic_seed", seed)), local_rank)
+        tokens = IndexedReader(self.prefix).tokens
+        max_tokens = data.get("max_tokens")
+        if max_tokens and self.source == "indexed":
+            tokens = tokens[: int(float(max_tokens))]
+        self.num_tokens = int(tokens.size)
+        self.windows = TokenWindows(tokens, self.seq_length, int(seed))
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "prefix": self.prefix, "num_tokens": self.num_tokens, "num_windows": self.windows.num_windows}
+
+    def micro_batch_tokens(self, step: int, micro_step: int) -> np.ndarray:
+        """int64 ``[micro_batch, seq_length + 1]`` for optimizer step ``step`` (0-based), micro step ``micro_step``."""
+        first = step * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.micro_batch
+        batch = self.windows.batch(first, self.micro_batch)
+        if batch.max() >= self.vocab_size or batch.min() < 0:
+            raise ValueError(f"token id {int(batch.max())} outside the vocabulary of {self.vocab_size} ({self.prefix})")
+        return batch
+
+    def micro_batch_tensors(self, step: int, micro_step: int, device: Any = None):
+        """``(input_ids, labels)`` torch tensors, each ``[micro_batch, seq_length]``."""
+        import torch
+
+        batch = torch.from_numpy(self.micro_batch_tokens(step, micro_step))
+        if device is not None:
+            batch = batch.to(device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]

@@ -1,0 +1,741 @@
+"""SSH to benchmark hosts: one reused connection per host, strict host keys, bounded calls.
+
+``SSHPool`` opens one paramiko ``Transport`` per host (in parallel), on a socket we create
+with ``TCP_NODELAY`` (without it every exec pays ~45 ms of Nagle + delayed ACK). Host keys
+are checked against a known_hosts file; an unknown key is accepted only when
+``accept_new_host_keys=True`` is passed, and it is then written to that file. Only key
+authentication is used (the SSH agent only with ``allow_agent=True``).
+
+Every remote command goes through ``remote_command``, the one place where argv is quoted
+for the remote shell. It starts the command in its own process group with ``setsid`` and
+prints ``FBPGID <pgid>`` on stderr first, so a timed-out or killed command can be ended
+as a group (``kill -TERM -<pgid>``, then ``KILL`` after a grace period). The remote login
+shell must be POSIX (sh, bash, dash, zsh).
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import fnmatch
+import hashlib
+import os
+import re
+import select
+import shlex
+import socket
+import stat
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterable, Mapping, Sequence
+
+import paramiko
+
+from .errors import (
+    AuthFailed,
+    CommandTimeout,
+    HostKeyMismatch,
+    HostKeyUnknown,
+    HostUnreachable,
+    RemoteCommandFailed,
+)
+
+PGID_MARK = "FBPGID"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_BUF = 65536
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host: how to reach it and how to trust it."""
+
+    name: str
+    address: str
+    port: int = 22
+    user: str = "root"
+    key_file: str | None = None
+    known_hosts: str = "~/.ssh/known_hosts"
+
+    @property
+    def known_hosts_name(self) -> str:
+        """The name under which the host's key is recorded (OpenSSH's form)."""
+        return self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished remote command."""
+
+    rc: int
+    stdout: str
+    stderr: str
+    duration: float
+    host: str = ""
+    argv: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    def check(self) -> "Result":
+        """Return self, or raise ``RemoteCommandFailed`` if the command exited non-zero."""
+        if self.rc != 0:
+            raise RemoteCommandFailed(
+                self.host,
+                f"{shlex.join(self.argv)} exited {self.rc}: {self.stderr.strip()[-2000:]}",
+                rc=self.rc,
+                stderr=self.stderr,
+            )
+        return self
+
+
+@dataclass
+class TransferStats:
+    """What ``put_tree``/``get_tree`` did."""
+
+    copied: int = 0
+    skipped: int = 0
+    bytes: int = 0
+    dirs: int = 0
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH-style SHA256 fingerprint of a public key."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def remote_command(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    merge_stderr: bool = False,
+) -> str:
+    """The command line sent to the remote shell: the one place argv gets quoted.
+
+    The command runs in a new session/process group; ``FBPGID <pgid>`` is printed on its
+    stderr before it starts. With ``merge_stderr`` the command's stderr goes to stdout
+    (only the marker stays on stderr). The outer shell waits for it and reports its exit
+    status (128+signal when killed).
+    """
+    if not argv:
+        raise ValueError("argv is empty")
+    q = shlex.quote
+    parts: list[str] = []
+    if cwd:
+        parts.append(f"cd -- {q(str(cwd))} || exit;")
+    for name, value in (env or {}).items():
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"invalid environment variable name {name!r}")
+        parts.append(f"export {name}={q(str(value))};")
+    inner = f'echo "{PGID_MARK} $$" >&2; exec "$@"' + (" 2>&1" if merge_stderr else "")
+    parts.append(f"setsid sh -c {q(inner)} flagbench {' '.join(q(str(a)) for a in argv)} & wait $!")
+    return " ".join(parts)
+
+
+def _split_marker(buf: bytearray) -> tuple[int | None, bool]:
+    """Parse and remove the leading ``FBPGID n`` line; (pgid, complete_line_seen)."""
+    nl = buf.find(b"\n")
+    if nl < 0:
+        return None, False
+    line = bytes(buf[:nl]).decode("ascii", "replace").split()
+    if len(line) == 2 and line[0] == PGID_MARK and line[1].isdigit():
+        del buf[: nl + 1]
+        return int(line[1]), True
+    return None, True
+
+
+def _pump(
+    chan: paramiko.Channel,
+    on_out: Callable[[bytes], None],
+    on_err: Callable[[bytes], None],
+    deadline: float | None,
+) -> bool:
+    """Read a channel until it is finished (EOF and exit status). False on deadline."""
+    while True:
+        got = False
+        if chan.recv_ready():
+            on_out(chan.recv(_BUF))
+            got = True
+        if chan.recv_stderr_ready():
+            on_err(chan.recv_stderr(_BUF))
+            got = True
+        if got:
+            continue
+        if chan.closed or (chan.eof_received and chan.exit_status_ready()):
+            return True
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        wait_for = 1.0 if remaining is None else min(remaining, 1.0)
+        if chan.eof_received:
+            chan.status_event.wait(wait_for)  # data done; the exit status is on its way
+        else:
+            select.select([chan], [], [], wait_for)
+
+
+class RemoteProcess:
+    """A long-running remote command whose combined output streams into a local file."""
+
+    def __init__(self, pool: "SSHPool", spec: HostSpec, argv: Sequence[str],
+                 chan: paramiko.Channel, output_path: Path, append: bool,
+                 start_timeout: float) -> None:
+        self.host = spec.name
+        self.argv = tuple(argv)
+        self.output_path = output_path
+        self.pgid: int | None = None
+        self._pool = pool
+        self._spec = spec
+        self._chan = chan
+        self._file = open(output_path, "ab" if append else "wb")
+        self._err = bytearray()
+        self._marker_done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"remote-output-{spec.name}", daemon=True
+        )
+        self._thread.start()
+        if not self._marker_done.wait(start_timeout):
+            self.kill()
+            raise CommandTimeout(
+                self.host, f"{shlex.join(self.argv)} did not start within {start_timeout}s",
+                timeout=start_timeout,
+            )
+
+    def _on_err(self, data: bytes) -> None:
+        if self._marker_done.is_set():
+            self._write(data)
+            return
+        self._err += data
+        pgid, complete = _split_marker(self._err)
+        if complete:
+            self.pgid = pgid
+            self._write(bytes(self._err))
+            self._err.clear()
+            self._marker_done.set()
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            self._file.write(data)
+            self._file.flush()
+
+    def _run(self) -> None:
+        try:
+            _pump(self._chan, self._write, self._on_err, None)
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+        finally:
+            self._write(bytes(self._err))
+            self._err.clear()
+            self._file.close()
+            self._marker_done.set()
+
+    def poll(self) -> int | None:
+        """The exit status if the command finished and its output is written, else None."""
+        return None if self._thread.is_alive() else self._chan.exit_status
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the remote exit status (-1 if the connection died without one)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise CommandTimeout(
+                self.host, f"{shlex.join(self.argv)} still running after {timeout}s",
+                timeout=timeout,
+            )
+        self._chan.status_event.wait(1.0)
+        return self._chan.exit_status
+
+    def kill(self, grace: float = 5.0) -> int | None:
+        """TERM the remote process group, KILL it after ``grace`` seconds; the exit status."""
+        if self.pgid is not None:
+            self._pool._kill_group(self._spec, self.pgid, self._chan, grace)
+        else:
+            self._chan.close()
+        self._thread.join(grace + 5.0)
+        return self._chan.exit_status if self._chan.exit_status_ready() else None
+
+    def __enter__(self) -> "RemoteProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.poll() is None:
+            self.kill()
+
+
+class SSHPool:
+    """One SSH connection per host, opened in parallel and reused by every call."""
+
+    def __init__(
+        self,
+        hosts: Iterable[HostSpec],
+        *,
+        accept_new_host_keys: bool = False,
+        allow_agent: bool = False,
+        connect_timeout: float = 10.0,
+        keepalive: int = 30,
+    ) -> None:
+        self.hosts: dict[str, HostSpec] = {}
+        for spec in hosts:
+            if spec.name in self.hosts:
+                raise ValueError(f"duplicate host name {spec.name!r}")
+            self.hosts[spec.name] = spec
+        self.accept_new_host_keys = accept_new_host_keys
+        self.allow_agent = allow_agent
+        self.connect_timeout = connect_timeout
+        self.keepalive = keepalive
+        self._conns: dict[str, paramiko.Transport] = {}
+        self._host_locks = {name: threading.Lock() for name in self.hosts}
+        self._known_hosts_lock = threading.Lock()
+
+    # -- connections -------------------------------------------------------------------
+    def _spec(self, host: str | HostSpec) -> HostSpec:
+        name = host.name if isinstance(host, HostSpec) else host
+        try:
+            return self.hosts[name]
+        except KeyError:
+            raise KeyError(f"unknown host {name!r}; known: {sorted(self.hosts)}") from None
+
+    def connect(self, hosts: Iterable[str | HostSpec] | None = None) -> None:
+        """Connect to the given hosts (default all) in parallel; raise the first failure.
+
+        When several hosts fail, the first one's exception carries the others in
+        ``.other_errors``.
+        """
+        specs = [self._spec(h) for h in (hosts if hosts is not None else self.hosts)]
+        if not specs:
+            return
+        with ThreadPoolExecutor(max_workers=min(32, len(specs))) as ex:
+            futures = [ex.submit(self.transport, s) for s in specs]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            first = errors[0]
+            first.other_errors = errors[1:]  # type: ignore[attr-defined]
+            raise first
+
+    def transport(self, host: str | HostSpec) -> paramiko.Transport:
+        """The host's live transport, connecting (or reconnecting) when needed."""
+        spec = self._spec(host)
+        with self._host_locks[spec.name]:
+            t = self._conns.get(spec.name)
+            if t is not None and t.is_active():
+                return t
+            if t is not None:
+                t.close()
+            t = self._open(spec)
+            self._conns[spec.name] = t
+            return t
+
+    def _open(self, spec: HostSpec) -> paramiko.Transport:
+        timeout = self.connect_timeout
+        try:
+            sock = socket.create_connection((spec.address, spec.port), timeout=timeout)
+        except socket.timeout:
+            raise HostUnreachable(
+                spec.name, f"connecting to {spec.address}:{spec.port} timed out after {timeout}s"
+            ) from None
+        except OSError as e:
+            raise HostUnreachable(
+                spec.name, f"cannot connect to {spec.address}:{spec.port}: {e.strerror or e}"
+            ) from e
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        transport = paramiko.Transport(sock)
+        transport.banner_timeout = timeout
+        transport.handshake_timeout = timeout
+        transport.auth_timeout = timeout
+        try:
+            known = self._load_known_hosts(spec)
+            recorded = known.lookup(spec.known_hosts_name)
+            if recorded:
+                opts = transport.get_security_options()
+                preferred = [k for k in opts.key_types if k in recorded or
+                             (k.startswith("rsa-sha2") and "ssh-rsa" in recorded)]
+                opts.key_types = preferred + [k for k in opts.key_types if k not in preferred]
+            try:
+                transport.start_client(timeout=timeout)
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise HostUnreachable(spec.name, f"SSH handshake failed: {e}") from e
+            self._check_host_key(spec, transport.get_remote_server_key(), known)
+            self._authenticate(spec, transport)
+            transport.set_keepalive(self.keepalive)
+            return transport
+        except BaseException:
+            transport.close()
+            raise
+
+    def _load_known_hosts(self, spec: HostSpec) -> paramiko.HostKeys:
+        path = os.path.expanduser(spec.known_hosts)
+        keys = paramiko.HostKeys()
+        if os.path.exists(path):
+            keys.load(path)
+        return keys
+
+    def _check_host_key(self, spec: HostSpec, key: paramiko.PKey,
+                        known: paramiko.HostKeys) -> None:
+        name = spec.known_hosts_name
+        path = os.path.expanduser(spec.known_hosts)
+        recorded = known.lookup(name)
+        if recorded is not None and key.get_name() in recorded:
+            expected = recorded[key.get_name()]
+            if expected != key:
+                raise HostKeyMismatch(
+                    spec.name,
+                    f"host key for {name} has CHANGED: got {key.get_name()} "
+                    f"{fingerprint(key)}, {path} has {fingerprint(expected)}. "
+                    "Refusing to connect; if the host was reinstalled, remove its old "
+                    "entry from the known_hosts file.",
+                    key_type=key.get_name(), fingerprint=fingerprint(key),
+                    expected=fingerprint(expected),
+                )
+            return
+        if not self.accept_new_host_keys:
+            raise HostKeyUnknown(
+                spec.name,
+                f"host key for {name} ({key.get_name()} {fingerprint(key)}) is not in "
+                f"{path}; verify it and add it, or connect once with "
+                "accept_new_host_keys=True to record it",
+                key_type=key.get_name(), fingerprint=fingerprint(key),
+            )
+        line = f"{name} {key.get_name()} {key.get_base64()}\n"
+        with self._known_hosts_lock:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "r+b") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                f.seek(0, os.SEEK_END)
+                if f.tell() > 0:
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        line = "\n" + line
+                f.write(line.encode())
+
+    def _authenticate(self, spec: HostSpec, transport: paramiko.Transport) -> None:
+        tried: list[str] = []
+        if spec.key_file:
+            path = os.path.expanduser(spec.key_file)
+            try:
+                pkey = paramiko.PKey.from_path(path)
+            except (OSError, paramiko.SSHException, ValueError) as e:
+                raise AuthFailed(spec.name, f"cannot load key file {path}: {e}") from e
+            tried.append(path)
+            try:
+                transport.auth_publickey(spec.user, pkey)
+            except paramiko.AuthenticationException:
+                pass
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                raise HostUnreachable(spec.name, f"connection lost during auth: {e}") from e
+        if not transport.is_authenticated() and self.allow_agent:
+            for agent_key in paramiko.Agent().get_keys():
+                tried.append(f"agent:{fingerprint(agent_key)}")
+                try:
+                    transport.auth_publickey(spec.user, agent_key)
+                    break
+                except paramiko.AuthenticationException:
+                    continue
+        if not transport.is_authenticated():
+            what = ", ".join(tried) if tried else "no key (key_file unset, agent not allowed)"
+            raise AuthFailed(spec.name, f"{spec.user}@{spec.address}:{spec.port} refused {what}")
+
+    def _open_channel(self, spec: HostSpec, timeout: float) -> paramiko.Channel:
+        transport = self.transport(spec)
+        try:
+            return transport.open_session(timeout=timeout)
+        except paramiko.ChannelException as e:
+            raise RemoteCommandFailed(spec.name, f"the server refused a channel: {e}") from e
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            if transport.is_active():
+                raise HostUnreachable(spec.name, f"cannot open a channel: {e}") from e
+        try:
+            return self.transport(spec).open_session(timeout=timeout)  # reconnected once
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            raise HostUnreachable(spec.name, f"cannot open a channel: {e}") from e
+
+    # -- commands ----------------------------------------------------------------------
+    def run(
+        self,
+        host: str | HostSpec,
+        argv: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        *,
+        check: bool = False,
+        kill_grace: float = 2.0,
+    ) -> Result:
+        """Run argv on host and collect its output; the command is killed on timeout."""
+        spec = self._spec(host)
+        start = time.monotonic()
+        deadline = start + timeout
+        command = remote_command(argv, env=env, cwd=cwd)
+        out, err = bytearray(), bytearray()
+        chan = self._open_channel(spec, timeout)
+        try:
+            chan.exec_command(command)
+            finished = _pump(chan, out.extend, err.extend, deadline)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            chan.close()
+            raise HostUnreachable(spec.name, f"connection lost running {argv[0]}: {e}") from e
+        pgid, _ = _split_marker(err)
+        if not finished:
+            if pgid is not None:
+                self._kill_group(spec, pgid, chan, kill_grace)
+            chan.close()
+            raise CommandTimeout(
+                spec.name, f"{shlex.join(argv)} timed out after {timeout}s", timeout=timeout
+            )
+        chan.status_event.wait(1.0)
+        rc = chan.exit_status
+        chan.close()
+        result = Result(
+            rc=rc,
+            stdout=out.decode("utf-8", "replace"),
+            stderr=err.decode("utf-8", "replace"),
+            duration=time.monotonic() - start,
+            host=spec.name,
+            argv=tuple(str(a) for a in argv),
+        )
+        return result.check() if check else result
+
+    def run_all(self, argv: Sequence[str], timeout: float,
+                hosts: Iterable[str | HostSpec] | None = None, **kwargs: object
+                ) -> dict[str, Result]:
+        """``run`` on several hosts in parallel; results by host name."""
+        specs = [self._spec(h) for h in (hosts if hosts is not None else self.hosts)]
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(specs)))) as ex:
+            futures = {s.name: ex.submit(self.run, s, argv, timeout, **kwargs) for s in specs}
+        return {name: f.result() for name, f in futures.items()}
+
+    def start(
+        self,
+        host: str | HostSpec,
+        argv: Sequence[str],
+        stdout_path_local: str | os.PathLike[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        append: bool = False,
+        start_timeout: float | None = None,
+    ) -> RemoteProcess:
+        """Start a long-running command; its stdout+stderr stream into a local file."""
+        spec = self._spec(host)
+        start_timeout = start_timeout or max(self.connect_timeout, 10.0)
+        chan = self._open_channel(spec, start_timeout)
+        try:
+            chan.exec_command(remote_command(argv, env=env, cwd=cwd, merge_stderr=True))
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            chan.close()
+            raise HostUnreachable(spec.name, f"connection lost starting {argv[0]}: {e}") from e
+        return RemoteProcess(self, spec, argv, chan, Path(stdout_path_local), append,
+                             start_timeout)
+
+    def _kill_group(self, spec: HostSpec, pgid: int, chan: paramiko.Channel,
+                    grace: float) -> None:
+        """TERM the group, wait up to ``grace`` for the command's exit, then KILL the rest."""
+        if pgid <= 1:
+            raise ValueError(f"refusing to signal process group {pgid}")
+        bound = max(self.connect_timeout, 10.0)
+        self._signal(spec, pgid, "TERM", bound)
+        chan.status_event.wait(grace)
+        self._signal(spec, pgid, "KILL", bound)
+
+    def _signal(self, spec: HostSpec, pgid: int, sig: str, timeout: float) -> None:
+        kill_chan = self._open_channel(spec, timeout)
+        try:
+            # A fixed, unquoted command: pgid is an int and sig one of two literals.
+            kill_chan.exec_command(f"kill -{sig} -- -{int(pgid)} 2>/dev/null; exit 0")
+            if not _pump(kill_chan, lambda b: None, lambda b: None, time.monotonic() + timeout):
+                raise CommandTimeout(spec.name, f"kill -{sig} -{pgid} timed out", timeout=timeout)
+        finally:
+            kill_chan.close()
+
+    # -- files -------------------------------------------------------------------------
+    def _sftp(self, spec: HostSpec, timeout: float) -> paramiko.SFTPClient:
+        chan = self._open_channel(spec, timeout)
+        chan.settimeout(timeout)
+        try:
+            chan.invoke_subsystem("sftp")
+            return paramiko.SFTPClient(chan)
+        except (paramiko.SSHException, OSError, EOFError) as e:
+            chan.close()
+            raise RemoteCommandFailed(spec.name, f"cannot start SFTP: {e}") from e
+
+    def put_tree(
+        self,
+        host: str | HostSpec,
+        local_dir: str | os.PathLike[str],
+        remote_dir: str,
+        *,
+        exclude: Sequence[str] = (),
+        timeout: float = 600.0,
+    ) -> TransferStats:
+        """Copy a local tree to ``remote_dir``; files whose size and mtime match are skipped.
+
+        ``exclude`` holds fnmatch patterns tried on each relative path and on each name.
+        """
+        spec = self._spec(host)
+        root = Path(local_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"put_tree: {root} is not a directory")
+        deadline = time.monotonic() + timeout
+        stats = TransferStats()
+        sftp = self._sftp(spec, timeout)
+        try:
+            for dirpath, dirnames, filenames in os.walk(root):
+                rel = Path(dirpath).relative_to(root)
+                dirnames[:] = sorted(d for d in dirnames if not _excluded(rel / d, exclude))
+                rdir = str(PurePosixPath(remote_dir, *rel.parts))
+                _sftp_mkdir(sftp, rdir)
+                stats.dirs += 1
+                remote = {a.filename: a for a in sftp.listdir_attr(rdir)}
+                for fname in sorted(filenames):
+                    if time.monotonic() > deadline:
+                        raise CommandTimeout(spec.name, f"put_tree to {remote_dir} timed out "
+                                             f"after {timeout}s", timeout=timeout)
+                    if _excluded(rel / fname, exclude):
+                        continue
+                    _put_one(sftp, Path(dirpath, fname), f"{rdir}/{fname}",
+                             remote.get(fname), stats)
+        except socket.timeout:
+            raise CommandTimeout(spec.name, f"put_tree to {remote_dir} stalled", timeout=timeout)
+        except (OSError, paramiko.SSHException) as e:
+            raise RemoteCommandFailed(spec.name, f"put_tree to {remote_dir}: {e}") from e
+        finally:
+            sftp.close()
+        return stats
+
+    def get_tree(
+        self,
+        host: str | HostSpec,
+        remote_dir: str,
+        local_dir: str | os.PathLike[str],
+        *,
+        timeout: float = 600.0,
+    ) -> TransferStats:
+        """Copy a remote tree into ``local_dir``; unchanged files (size+mtime) are skipped."""
+        spec = self._spec(host)
+        deadline = time.monotonic() + timeout
+        stats = TransferStats()
+        sftp = self._sftp(spec, timeout)
+        try:
+            pending = [(remote_dir, Path(local_dir))]
+            while pending:
+                rdir, ldir = pending.pop()
+                ldir.mkdir(parents=True, exist_ok=True)
+                stats.dirs += 1
+                for attr in sorted(sftp.listdir_attr(rdir), key=lambda a: a.filename):
+                    if time.monotonic() > deadline:
+                        raise CommandTimeout(spec.name, f"get_tree from {remote_dir} timed "
+                                             f"out after {timeout}s", timeout=timeout)
+                    rpath, lpath = f"{rdir}/{attr.filename}", ldir / attr.filename
+                    mode = attr.st_mode or 0
+                    if stat.S_ISDIR(mode):
+                        pending.append((rpath, lpath))
+                    elif stat.S_ISLNK(mode):
+                        target = sftp.readlink(rpath)
+                        if lpath.is_symlink() and os.readlink(lpath) == target:
+                            stats.skipped += 1
+                            continue
+                        if lpath.is_symlink() or lpath.exists():
+                            lpath.unlink()
+                        lpath.symlink_to(target)
+                        stats.copied += 1
+                    elif stat.S_ISREG(mode):
+                        _get_one(sftp, rpath, lpath, attr, stats)
+        except socket.timeout:
+            raise CommandTimeout(spec.name, f"get_tree from {remote_dir} stalled",
+                                 timeout=timeout)
+        except (OSError, paramiko.SSHException) as e:
+            raise RemoteCommandFailed(spec.name, f"get_tree from {remote_dir}: {e}") from e
+        finally:
+            sftp.close()
+        return stats
+
+    def close(self) -> None:
+        """Close every connection."""
+        for name in list(self._conns):
+            with self._host_locks[name]:
+                t = self._conns.pop(name, None)
+                if t is not None:
+                    t.close()
+
+    def __enter__(self) -> "SSHPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _excluded(rel: Path, patterns: Sequence[str]) -> bool:
+    posix = rel.as_posix()
+    return any(fnmatch.fnmatch(posix, p) or fnmatch.fnmatch(rel.name, p) for p in patterns)
+
+
+def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str) -> None:
+    try:
+        if stat.S_ISDIR(sftp.stat(path).st_mode or 0):
+            return
+    except FileNotFoundError:
+        pass
+    parent = str(PurePosixPath(path).parent)
+    if parent != path:
+        _sftp_mkdir(sftp, parent)
+    sftp.mkdir(path)
+
+
+def _put_one(sftp: paramiko.SFTPClient, local: Path, remote: str,
+             rattr: paramiko.SFTPAttributes | None, stats: TransferStats) -> None:
+    st = local.lstat()
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(local)
+        if rattr is not None:
+            if stat.S_ISLNK(rattr.st_mode or 0) and sftp.readlink(remote) == target:
+                stats.skipped += 1
+                return
+            sftp.remove(remote)
+        sftp.symlink(target, remote)
+        stats.copied += 1
+        return
+    if not stat.S_ISREG(st.st_mode):
+        return
+    if (rattr is not None and rattr.st_size == st.st_size
+            and int(rattr.st_mtime or -1) == int(st.st_mtime)):
+        stats.skipped += 1
+        return
+    sftp.put(str(local), remote, confirm=True)
+    sftp.chmod(remote, stat.S_IMODE(st.st_mode))
+    sftp.utime(remote, (int(st.st_atime), int(st.st_mtime)))
+    stats.copied += 1
+    stats.bytes += st.st_size
+
+
+def _get_one(sftp: paramiko.SFTPClient, remote: str, local: Path,
+             rattr: paramiko.SFTPAttributes, stats: TransferStats) -> None:
+    try:
+        st = local.stat()
+        if st.st_size == rattr.st_size and int(st.st_mtime) == int(rattr.st_mtime or -1):
+            stats.skipped += 1
+            return
+    except FileNotFoundError:
+        pass
+    sftp.get(remote, str(local))
+    if rattr.st_mode is not None:
+        os.chmod(local, stat.S_IMODE(rattr.st_mode))
+    mtime = int(rattr.st_mtime or time.time())
+    os.utime(local, (int(rattr.st_atime or mtime), mtime))
+    stats.copied += 1
+    stats.bytes += rattr.st_size or 0
+
+
+__all__ = [
+    "HostSpec",
+    "PGID_MARK",
+    "RemoteProcess",
+    "Result",
+    "SSHPool",
+    "TransferStats",
+    "fingerprint",
+    "remote_command",
+]

@@ -1,0 +1,111 @@
+"""The base image of the test cluster: a Debian bookworm minbase rootfs, imported, never pulled.
+
+The tarball is built once with debootstrap (it uses Debian's package mirror) and cached
+under ``~/.cache/flagbench/images``; its name carries a hash of the recipe, so changing
+the package list builds a new one. CPU containers run the host's Python and the framework
+virtualenv bind-mounted read-only, so the image only carries the shared libraries that
+CPython's extension modules and torch link against.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+SUITE = "bookworm"
+IMAGE_REF = "flagbench/base:bookworm"
+PACKAGES = (
+    "ca-certificates",
+    "libbz2-1.0",
+    "libexpat1",
+    "libffi8",
+    "libgomp1",
+    "liblzma5",
+    "libncursesw6",
+    "libnsl2",
+    "libreadline8",
+    "libsqlite3-0",
+    "libssl3",
+    "libstdc++6",
+    "libuuid1",
+    "procps",
+    "zlib1g",
+)
+# Trimmed from the rootfs after debootstrap (documentation, translations, apt caches).
+_TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
+         "var/cache/apt", "var/lib/apt/lists", "var/log")
+DEFAULT_MIRROR = "http://deb.debian.org/debian"
+
+
+def cache_dir() -> Path:
+    """Where built images are kept (``FLAGBENCH_CACHE`` overrides ``~/.cache/flagbench``)."""
+    root = os.environ.get("FLAGBENCH_CACHE") or os.path.expanduser("~/.cache/flagbench")
+    return Path(root) / "images"
+
+
+def recipe_hash() -> str:
+    """A short hash of everything that decides the tarball's contents."""
+    recipe = "\n".join([SUITE, "minbase", *PACKAGES, *_TRIM])
+    return hashlib.sha256(recipe.encode()).hexdigest()[:12]
+
+
+def tarball_path() -> Path:
+    return cache_dir() / f"debian-{SUITE}-minbase-{recipe_hash()}.tar.gz"
+
+
+def build_tarball(*, mirror: str | None = None, log=print) -> Path:
+    """Return the cached rootfs tarball, building it first if it is missing (~2 min)."""
+    final = tarball_path()
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same one
+        if final.exists():
+            return final
+        if shutil.which("debootstrap") is None:
+            raise RuntimeError("debootstrap is missing: run tests/cluster/install_deps.sh")
+        work = final.parent / f".build-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        root = work / "root"
+        mirror = mirror or os.environ.get("FLAGBENCH_DEBIAN_MIRROR") or DEFAULT_MIRROR
+        t0 = time.monotonic()
+        log(f"building base image rootfs with debootstrap from {mirror} (about 2 min)")
+        try:
+            proc = subprocess.run(
+                ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}",
+                 SUITE, str(root), mirror],
+                capture_output=True, text=True, timeout=1200,
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                    f"\n{proc.stderr[-3000:]}"
+                )
+            for rel in _TRIM:
+                target = root / rel
+                if target.is_dir():
+                    shutil.rmtree(target)
+                    target.mkdir()
+            tmp = work / "rootfs.tar.gz"
+            with open(tmp, "wb") as out:
+                tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(root), "-cf", "-", "."],
+                                       stdout=subprocess.PIPE)
+                gz = subprocess.run(["gzip", "-1"], stdin=tar.stdout, stdout=out, timeout=600)
+                tar.stdout.close()
+                if tar.wait(timeout=600) != 0 or gz.returncode != 0:
+                    raise RuntimeError(f"packing {root} failed")
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        log(f"base image rootfs built in {time.monotonic() - t0:.0f}s: {final}")
+        return final
+
+
+if __name__ == "__main__":
+    print(build_tarball())

@@ -1,0 +1,98 @@
+"""pytest fixtures for the real test cluster (see docs/cluster-testing.md).
+
+``cluster``: a 2-host cluster for the whole session (or the one named by the
+``FLAGBENCH_CLUSTER`` environment variable: a directory made by ``python -m
+tests.cluster.netns up``). Tests that need it are skipped, with the reason, when not root
+or when a tool is missing. ``cluster_pool``: a connected ``SSHPool`` over its hosts.
+``torch_venv``: a Python 3.11 virtualenv with the CPU torch build, cached under
+``~/.cache/flagbench/venvs`` (or ``FLAGBENCH_TORCH_VENV``), to bind-mount into containers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.cluster import netns
+
+TORCH_VERSION = "2.13.0"
+# The interpreter the harness runs on; containers get it bind-mounted at the same path.
+HOST_PYTHON_PREFIX = Path(sys.base_prefix)
+
+
+def cluster_skip_reason() -> str | None:
+    """Why a cluster cannot be built here, or None."""
+    if os.environ.get("FLAGBENCH_CLUSTER"):
+        return None
+    missing = netns.missing_requirements()
+    if missing:
+        return ("the test cluster needs root and these tools (tests/cluster/install_deps.sh "
+                f"installs them): missing {', '.join(missing)}")
+    return None
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[netns.Cluster]:
+    existing = os.environ.get("FLAGBENCH_CLUSTER")
+    if existing:
+        yield netns.Cluster.load(existing)
+        return
+    reason = cluster_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    # A short directory: dockerd and containerd put unix sockets (108-byte limit) under it.
+    directory = tempfile.mkdtemp(prefix="fbc-", dir="/tmp")
+    try:
+        c = netns.up(2, directory, log=lambda msg: print(msg, file=sys.stderr))
+        yield c
+    finally:
+        netns.down(directory, log=lambda msg: print(msg, file=sys.stderr))
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cluster_pool(cluster: netns.Cluster):
+    from run_benchmarks.remote.ssh import SSHPool
+
+    pool = SSHPool(cluster.host_specs())
+    pool.connect()
+    yield pool
+    pool.close()
+
+
+def _build_torch_venv(target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "bin" / "python").exists():
+            return target
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        python = HOST_PYTHON_PREFIX / "bin" / "python3"
+        subprocess.run([str(python), "-m", "venv", str(tmp)], check=True, timeout=300)
+        subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q",
+                        f"torch=={TORCH_VERSION}", "numpy"], check=True, timeout=1200)
+        os.replace(tmp, target)  # bin/python and site-packages do not depend on the path
+        return target
+
+
+@pytest.fixture(scope="session")
+def torch_venv() -> Path:
+    given = os.environ.get("FLAGBENCH_TORCH_VENV")
+    if given:
+        return Path(given)
+    cache = Path(os.environ.get("FLAGBENCH_CACHE") or os.path.expanduser("~/.cache/flagbench"))
+    ver = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return _build_torch_venv(cache / "venvs" / f"torch-{TORCH_VERSION}-cpu-{ver}")
+
+
+__all__ = ["cluster", "cluster_pool", "cluster_skip_reason", "torch_venv",
+           "HOST_PYTHON_PREFIX", "TORCH_VERSION"]

@@ -1,0 +1,378 @@
+"""Benchmark history in one SQLite file: nights, case runs, rounds, loss curves, verdicts.
+
+``python -m run_benchmarks.history list --case llama3_tiny:megatron:cpu:1:2 [--vendor cpu] [--db PATH]``
+prints a case's runs as a table.  The schema (``SCHEMA``) is versioned with
+``PRAGMA user_version``; a file written by a newer harness is refused, never rewritten.
+
+A run's identity for comparisons is (case_key, vendor, hardware_key, config_key):
+``case_key`` is ``model:framework:hardware:nnodes:nprocs`` (the size without the
+repeat count), ``config_key`` hashes the config name and the resolved settings after
+every override, ``hardware_key`` names the chip and the machines it ran on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+from run_benchmarks.casename import CaseName, check_name
+from run_benchmarks.errors import InputError
+
+SCHEMA_VERSION = 1
+#: the per-round figures aggregated per run (first phase, as results.json's round level)
+METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib")
+OLYMPIC_MIN_ROUNDS = 5  # MLPerf-style: drop the fastest and the slowest from 5 rounds on
+
+SCHEMA = """
+CREATE TABLE nights (               -- one nightly invocation over a run list
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  started TEXT NOT NULL, finished TEXT,
+  runlist_path TEXT NOT NULL, runlist_text TEXT NOT NULL,
+  host TEXT NOT NULL,
+  exit_status INTEGER,               -- NULL while running
+  report_path TEXT
+);
+CREATE TABLE runs (                 -- one case run: one results.json
+  id INTEGER PRIMARY KEY AUTOINCREMENT,
+  night_id INTEGER REFERENCES nights(id),
+  run_id TEXT NOT NULL UNIQUE,
+  case_key TEXT NOT NULL, vendor TEXT NOT NULL,
+  hardware_key TEXT NOT NULL, config_key TEXT NOT NULL,
+  config_name TEXT NOT NULL, variant TEXT,
+  started TEXT NOT NULL, finished TEXT, run_dir TEXT,
+  rounds_requested INTEGER NOT NULL, rounds_ok INTEGER NOT NULL, rounds_failed INTEGER NOT NULL,
+  loss_aligned INTEGER,              -- 1 every ok round aligned, 0 one was not, NULL no reference
+  good INTEGER NOT NULL,             -- 1: no failed round and no unaligned loss; feeds baselines
+  verdict TEXT NOT NULL,             -- pass | regressed | baseline: none
+  baseline_runs INTEGER NOT NULL DEFAULT 0,  -- how many good runs the baseline is the median of
+  baseline_json TEXT NOT NULL,       -- metric -> baseline median at judging time
+  tolerances_json TEXT NOT NULL,     -- the tolerances (percent) the run was judged with
+  error TEXT,
+  system_json TEXT NOT NULL, settings_json TEXT NOT NULL, overrides_json TEXT NOT NULL,
+  user_overrides_json TEXT NOT NULL, hardware_json TEXT NOT NULL
+);
+CREATE INDEX runs_identity ON runs (case_key, vendor, hardware_key, config_key, started);
+CREATE TABLE run_stats (            -- per run and metric, over its ok rounds
+  run INTEGER NOT NULL REFERENCES runs(id), metric TEXT NOT NULL,
+  n INTEGER NOT NULL, median REAL, min REAL, max REAL, q1 REAL, q3 REAL,
+  olympic REAL,                      -- mean without fastest and slowest; NULL under 5 rounds
+  PRIMARY KEY (run, metric)
+);
+CREATE TABLE rounds (
+  run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL,
+  status TEXT NOT NULL, error TEXT, duration_s REAL,
+  tokens_per_gpu_s REAL, mfu_6n REAL, mfu_palm REAL, peak_mem_gib REAL,
+  loss_mre REAL, loss_aligned INTEGER,
+  PRIMARY KEY (run, round)
+);
+CREATE TABLE losses (               -- round 0: the committed reference curve compared against
+  run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL, phase TEXT NOT NULL,
+  step INTEGER NOT NULL, loss REAL,
+  PRIMARY KEY (run, round, phase, step)
+);
+CREATE TABLE findings (             -- what made a run's verdict 'regressed'
+  run INTEGER NOT NULL REFERENCES runs(id),
+  metric TEXT NOT NULL, baseline REAL, now REAL, change REAL, tolerance REAL,
+  message TEXT NOT NULL
+);
+"""
+
+
+def default_db() -> Path:
+    data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(data) / "flagbench" / "history.sqlite"
+
+
+def connect(path: str | os.PathLike[str], create: bool = True) -> sqlite3.Connection:
+    """Open (and create or check) a history file."""
+    p = Path(path).expanduser()
+    if not create and not p.is_file():
+        raise InputError(f"{p}: no history database there")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(p, timeout=30)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA foreign_keys = ON")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+    except (sqlite3.DatabaseError, OSError) as exc:
+        raise InputError(f"{p}: not a usable history database: {exc}") from None
+    if version > SCHEMA_VERSION:
+        db.close()
+        raise InputError(f"{p}: history schema {version} is newer than this harness's ({SCHEMA_VERSION}); use a newer flagbench")
+    if version == 0:
+        if db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]:
+            db.close()
+            raise InputError(f"{p}: an SQLite file that is not a flagbench history (no schema version)")
+        with db:
+            db.executescript(SCHEMA)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    return db
+
+
+# --------------------------------------------------------------------------- keys and stats
+
+
+def case_key(case: str | CaseName) -> str:
+    """``model:framework:hardware:nnodes:nprocs``; the repeat count is not part of a case."""
+    cn = CaseName.parse(case) if isinstance(case, str) else case
+    return f"{cn.model}:{cn.framework}:{cn.hardware}:{cn.nnodes}:{cn.nprocs}"
+
+
+def config_key(config_name: str, settings: dict[str, Any]) -> str:
+    text = json.dumps({"config": config_name, "settings": settings}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def hardware_key(chip: str, backend: str, hosts: Iterable[str], cpu_model: str | None) -> str:
+    """The chip plus the machines: this host's CPU for local runs, the host names otherwise."""
+    where = f"{cpu_model or 'unknown cpu'}" if backend == "local" else ",".join(sorted(hosts))
+    return f"{chip}|{backend}|{where}"
+
+
+def cpu_model() -> str | None:
+    """This host's CPU model and logical core count, e.g. ``AMD EPYC 7B13 x2``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return None
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+    """Median, min/max, quartiles and (from 5 values on) the olympic mean."""
+    xs = sorted(values)
+    out: dict[str, Any] = {"n": len(xs), "median": None, "min": None, "max": None, "q1": None, "q3": None, "olympic": None}
+    if not xs:
+        return out
+    q1, q3 = statistics.quantiles(xs, n=4, method="inclusive")[::2] if len(xs) > 1 else (xs[0], xs[0])
+    out.update(median=statistics.median(xs), min=xs[0], max=xs[-1], q1=q1, q3=q3)
+    if len(xs) >= OLYMPIC_MIN_ROUNDS:
+        out["olympic"] = statistics.fmean(xs[1:-1])
+    return out
+
+
+def round_stats(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per metric, the summary over the rounds that finished ok (failed rounds are counted apart)."""
+    ok = [r for r in results.get("rounds", []) if r.get("status") == "ok"]
+    return {m: summarize([float(r[m]) for r in ok if r.get(m) is not None]) for m in METRICS}
+
+
+def loss_verdict(results: dict[str, Any]) -> bool | None:
+    """False: an ok round's loss did not align; True: all with a reference did; None: no reference."""
+    flags = [r.get("loss_aligned") for r in results.get("rounds", []) if r.get("status") == "ok"]
+    flags = [f for f in flags if f is not None]
+    return None if not flags else all(flags)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def start_night(db: sqlite3.Connection, started: str, runlist_path: str, runlist_text: str, host: str) -> int:
+    with db:
+        cur = db.execute(
+            "INSERT INTO nights (started, runlist_path, runlist_text, host) VALUES (?, ?, ?, ?)",
+            (started, runlist_path, runlist_text, host),
+        )
+    return int(cur.lastrowid or 0)
+
+
+def finish_night(db: sqlite3.Connection, night: int, finished: str, exit_status: int, report_path: str | None) -> None:
+    with db:
+        db.execute("UPDATE nights SET finished = ?, exit_status = ?, report_path = ? WHERE id = ?", (finished, exit_status, report_path, night))
+
+
+def _loss_points(curve: dict[Any, Any] | None) -> list[tuple[int, float | None]]:
+    return sorted((int(s), None if v is None else float(v)) for s, v in (curve or {}).items())
+
+
+def record_run(
+    db: sqlite3.Connection,
+    night: int | None,
+    results: dict[str, Any],
+    *,
+    hardware: str,
+    variant: str | None,
+    rounds_requested: int,
+    verdict: str,
+    baseline_runs: int,
+    findings: list[dict[str, Any]],
+    baseline: dict[str, float | None] | None = None,
+    tolerances: dict[str, float] | None = None,
+    error: str | None = None,
+    run_dir: str | None = None,
+    reference: dict[str, dict[int, float]] | None = None,
+) -> int:
+    """Store one case run with its rounds, stats, loss curves and findings; returns its row id."""
+    rounds = results.get("rounds", [])
+    ok = sum(1 for r in rounds if r.get("status") == "ok")
+    failed = rounds_requested - ok  # rounds that never ran count as failed
+    aligned = loss_verdict(results)
+    good = int(failed == 0 and aligned is not False and ok > 0)
+    j = lambda x: json.dumps(x, sort_keys=True, default=str)  # noqa: E731
+    with db:
+        cur = db.execute(
+            "INSERT INTO runs (night_id, run_id, case_key, vendor, hardware_key, config_key, config_name, variant,"
+            " started, finished, run_dir, rounds_requested, rounds_ok, rounds_failed, loss_aligned, good, verdict,"
+            " baseline_runs, baseline_json, tolerances_json, error, system_json, settings_json, overrides_json,"
+            " user_overrides_json, hardware_json)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                night, results["run_id"], case_key(results["case"]), results["vendor"], hardware,
+                config_key(results["config_name"], results["settings"]), results["config_name"], variant,
+                results["started"], results.get("finished"), run_dir,
+                rounds_requested, ok, failed, None if aligned is None else int(aligned), good, verdict,
+                baseline_runs, j(baseline or {}), j(tolerances or {}), error, j(results.get("system", {})), j(results["settings"]),
+                j(results.get("overrides", [])), j(results.get("user_overrides", [])), j(results.get("hardware_info", {})),
+            ),
+        )  # fmt: skip
+        run = int(cur.lastrowid or 0)
+        for metric, s in round_stats(results).items():
+            db.execute(
+                "INSERT INTO run_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run, metric, s["n"], s["median"], s["min"], s["max"], s["q1"], s["q3"], s["olympic"]),
+            )
+        for r in rounds:
+            flag = r.get("loss_aligned")
+            db.execute(
+                "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run, r["round"], r["status"], r.get("error"), r.get("duration_s"), r.get("tokens_per_gpu_s"),
+                 r.get("mfu_6n"), r.get("mfu_palm"), r.get("peak_mem_gib"), r.get("loss_mre"), None if flag is None else int(flag)),
+            )  # fmt: skip
+            for p in r.get("phases") or []:
+                db.executemany(
+                    "INSERT INTO losses VALUES (?, ?, ?, ?, ?)",
+                    [(run, r["round"], p["phase"], s, v) for s, v in _loss_points(p.get("loss"))],
+                )
+        for phase, curve in (reference or {}).items():
+            db.executemany("INSERT INTO losses VALUES (?, 0, ?, ?, ?)", [(run, phase, s, v) for s, v in _loss_points(curve)])
+        db.executemany(
+            "INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(run, f["metric"], f.get("baseline"), f.get("now"), f.get("change"), f.get("tolerance"), f["message"]) for f in findings],
+        )
+    return run
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def stats_of(db: sqlite3.Connection, run: int) -> dict[str, dict[str, Any]]:
+    return {row["metric"]: dict(row) for row in db.execute("SELECT * FROM run_stats WHERE run = ?", (run,))}
+
+
+def baseline_runs(db: sqlite3.Connection, identity: dict[str, str], limit: int, before_run: int | None = None) -> list[sqlite3.Row]:
+    """The last ``limit`` good runs of one identity (case_key, vendor, hardware_key, config_key), newest first."""
+    sql = "SELECT * FROM runs WHERE case_key = ? AND vendor = ? AND hardware_key = ? AND config_key = ? AND good = 1"
+    args: list[Any] = [identity["case_key"], identity["vendor"], identity["hardware_key"], identity["config_key"]]
+    if before_run is not None:
+        sql += " AND id < ?"
+        args.append(before_run)
+    return db.execute(sql + " ORDER BY started DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
+
+
+def identity_of(row: sqlite3.Row | dict[str, Any]) -> dict[str, str]:
+    return {k: row[k] for k in ("case_key", "vendor", "hardware_key", "config_key")}
+
+
+def runs_of_identity(db: sqlite3.Connection, identity: dict[str, str], up_to_run: int | None = None) -> list[sqlite3.Row]:
+    """Every run of one identity, oldest first (the trend)."""
+    sql = "SELECT * FROM runs WHERE case_key = ? AND vendor = ? AND hardware_key = ? AND config_key = ?"
+    args: list[Any] = [identity["case_key"], identity["vendor"], identity["hardware_key"], identity["config_key"]]
+    if up_to_run is not None:
+        sql += " AND id <= ?"
+        args.append(up_to_run)
+    return db.execute(sql + " ORDER BY started, id", args).fetchall()
+
+
+def losses_of(db: sqlite3.Connection, run: int) -> dict[tuple[int, str], dict[int, float]]:
+    """(round, phase) -> step -> loss; round 0 is the reference curve."""
+    out: dict[tuple[int, str], dict[int, float]] = {}
+    for row in db.execute("SELECT round, phase, step, loss FROM losses WHERE run = ? ORDER BY round, phase, step", (run,)):
+        out.setdefault((row["round"], row["phase"]), {})[row["step"]] = row["loss"]
+    return out
+
+
+def case_runs(db: sqlite3.Connection, case: str, vendor: str | None = None, limit: int | None = None) -> list[sqlite3.Row]:
+    sql, args = "SELECT * FROM runs WHERE case_key = ?", [case]
+    if vendor:
+        sql += " AND vendor = ?"
+        args.append(vendor)
+    rows = db.execute(sql + " ORDER BY started DESC, id DESC" + (" LIMIT ?" if limit else ""), (*args, *([limit] if limit else []))).fetchall()
+    return rows[::-1]
+
+
+# --------------------------------------------------------------------------- the list command
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def history_table(db: sqlite3.Connection, rows: list[sqlite3.Row], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for col in ("started", "run", "vendor", "hardware", "config", "ok/failed", "tokens/p/s", "min-max", "IQR", "olympic", "MFU-6N", "mem GiB", "loss", "verdict"):
+        table.add_column(col, no_wrap=col not in ("hardware", "config"), overflow="fold")
+    for row in rows:
+        st = stats_of(db, row["id"])
+        tps, mfu, mem = st.get("tokens_per_gpu_s", {}), st.get("mfu_6n", {}), st.get("peak_mem_gib", {})
+        sets = json.loads(row["user_overrides_json"])
+        config = row["config_name"].removeprefix("config_") + (" " + ",".join(f"{o['param']}={o['value']}" for o in sets) if sets else "")
+        loss = {None: "no ref", 1: "aligned", 0: "NOT aligned"}[row["loss_aligned"]]
+        table.add_row(
+            row["started"][:16].replace("T", " "), row["run_id"].rsplit("_", 1)[-1], row["vendor"], row["hardware_key"].split("|", 2)[-1],
+            config, f"{row['rounds_ok']}/{row['rounds_failed']}", _num(tps.get("median")),
+            f"{_num(tps.get('min'))}-{_num(tps.get('max'))}", f"{_num(tps.get('q1'))}-{_num(tps.get('q3'))}",
+            _num(tps.get("olympic")), "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
+            _num(mem.get("median"), ".3f"), loss, row["verdict"],
+        )  # fmt: skip
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m run_benchmarks.history", description="query the benchmark history")
+    sub = ap.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("list", help="a case's runs, oldest first")
+    ls.add_argument("--case", required=True, help="model:framework:hardware:nnodes:nprocs, e.g. llama3_tiny:megatron:cpu:1:2")
+    ls.add_argument("--vendor", help="only this vendor's runs")
+    ls.add_argument("--db", metavar="PATH", help=f"history file (default {default_db()})")
+    ls.add_argument("--last", type=int, metavar="N", help="only the newest N runs")
+    ls.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        key = case_key(args.case)
+        if args.vendor:
+            check_name(args.vendor, "vendor")
+        if args.last is not None and args.last < 1:
+            raise InputError("--last must be a positive integer")
+        db = connect(args.db or default_db(), create=False)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = case_runs(db, key, args.vendor, args.last)
+    if args.json:
+        print(json.dumps([{**dict(r), "stats": stats_of(db, r["id"])} for r in rows], indent=2))
+    elif not rows:
+        print(f"no runs of {key}{' on ' + args.vendor if args.vendor else ''} in {args.db or default_db()}")
+    else:
+        console = Console(width=max(shutil.get_terminal_size((200, 24)).columns, 180))  # a table, never squeezed
+        console.print(history_table(db, rows, f"{key}{' / ' + args.vendor if args.vendor else ''}: {len(rows)} run(s)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

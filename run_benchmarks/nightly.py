@@ -1,0 +1,480 @@
+"""Nightly rounds: run a list of cases, keep the history, flag regressions, write a report.
+
+``start_task.py --nightly RUNLIST.yaml`` or ``python -m run_benchmarks.nightly RUNLIST.yaml``.
+Every case goes through the same planning and orchestrator as start_task.py; the run list
+format, the verdict and the exit statuses are in docs/nightly.md.
+
+Exit status: 0 nothing regressed, 1 a case regressed or failed (listed), 2 bad run list
+or flags (nothing ran), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import socket
+import statistics
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from run_benchmarks import history, plan as planning  # noqa: E402
+from run_benchmarks.casename import CaseName, check_name  # noqa: E402
+from run_benchmarks.config import ClusterConfig, load, read_yaml  # noqa: E402
+from run_benchmarks.errors import InputError  # noqa: E402
+
+EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+# --------------------------------------------------------------------------- the run list
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class Tolerances(_Strict):
+    """How far a median may move from the baseline before it is a regression, in percent."""
+
+    throughput_drop_pct: float = Field(5.0, gt=0, lt=100)
+    mfu_drop_pct: float = Field(5.0, gt=0, lt=100)
+    memory_rise_pct: float = Field(10.0, gt=0)
+
+
+class CaseTolerances(_Strict):
+    throughput_drop_pct: float | None = Field(None, gt=0, lt=100)
+    mfu_drop_pct: float | None = Field(None, gt=0, lt=100)
+    memory_rise_pct: float | None = Field(None, gt=0)
+
+
+class CaseEntry(_Strict):
+    case: str  # model:framework:hardware:nnodes:nprocs
+    vendor: str
+    rounds: int = Field(3, ge=1, le=100)
+    variant: str | None = None
+    sets: list[str] = Field([], alias="set")  # start_task.py --set KEY=VALUE
+    tolerances: CaseTolerances = CaseTolerances()
+
+    @field_validator("case")
+    @classmethod
+    def _case(cls, v: str) -> str:
+        try:
+            cn = CaseName.parse(v)
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+        if len(v.split(":")) == 6:
+            raise ValueError(f"give the round count as 'rounds:', not as the case name's repeat field ({cn.repeat})")
+        return v
+
+    @field_validator("vendor", "variant")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        try:
+            return None if v is None else check_name(v, "name")
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("sets")
+    @classmethod
+    def _sets(cls, v: list[str]) -> list[str]:
+        for text in v:
+            try:
+                planning.parse_override(text)
+            except InputError as exc:
+                raise ValueError(str(exc).replace("--set ", "set ")) from None
+        return v
+
+
+class RunList(_Strict):
+    """A nightly run list (YAML).  Relative paths are relative to the run list's folder."""
+
+    cases: list[CaseEntry] = Field(min_length=1)
+    cluster: str | None = None  # cluster YAML as for start_task.py --cluster; none: this host
+    log_dir: str = "logs/nightly"
+    history_db: str | None = None  # default ~/.local/share/flagbench/history.sqlite
+    report_dir: str | None = None  # default <log_dir>/reports
+    baseline_runs: int = Field(5, ge=1, le=100)  # the baseline is the median of this many good runs
+    tolerances: Tolerances = Tolerances()
+    round_timeout_s: float | None = Field(None, gt=0)
+    python: str | None = None  # as start_task.py --python: use this interpreter as is
+
+    @model_validator(mode="after")
+    def _unique(self) -> "RunList":
+        seen: dict[tuple[Any, ...], int] = {}
+        for i, c in enumerate(self.cases):
+            key = (c.case, c.vendor, c.variant, tuple(c.sets))
+            if key in seen:
+                raise ValueError(f"cases.{i} repeats cases.{seen[key]} ({c.case} on {c.vendor}); raise its 'rounds' instead")
+            seen[key] = i
+        return self
+
+
+def _field(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(x) for x in loc) or "(top level)"
+
+
+def parse_runlist(path: Path) -> RunList:
+    """Load and validate; errors name the file, the field and what was expected."""
+    data = read_yaml(path)
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a mapping with a 'cases' list at the top level, got {type(data).__name__}")
+    try:
+        return RunList.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        loc = err["loc"]
+        if err["type"] == "extra_forbidden":
+            parent = RunList if len(loc) == 1 else CaseEntry if loc[0] == "cases" and len(loc) == 3 else None
+            fields = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
+            msg = "unknown field" + (f"; expected one of: {', '.join(fields)}" if fields else "")
+        else:
+            got = err.get("input")
+            got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
+            msg = err["msg"].removeprefix("Value error, ") + got_txt
+        raise InputError(f"{path}: field '{_field(loc)}': {msg}{more}") from None
+
+
+@dataclasses.dataclass
+class Job:
+    index: int
+    entry: CaseEntry
+    plan: planning.Plan
+    tolerances: Tolerances
+    hardware_key: str
+
+
+@dataclasses.dataclass
+class Night:
+    path: Path
+    text: str
+    runlist: RunList
+    cluster: ClusterConfig
+    log_dir: Path
+    db_path: Path
+    report_dir: Path
+    jobs: list[Job]
+
+
+def _resolve(base: Path, p: str) -> Path:
+    q = Path(p).expanduser()
+    return q if q.is_absolute() else (base / q).resolve()
+
+
+def prepare(path: Path, db: str | None = None, log_dir: str | None = None, report_dir: str | None = None) -> Night:
+    """Validate the run list and plan every case; raises InputError, writes nothing."""
+    rl = parse_runlist(path)
+    base = path.resolve().parent
+    cluster = load(ClusterConfig, _resolve(base, rl.cluster)) if rl.cluster else ClusterConfig()
+    updates: dict[str, Any] = {}
+    if rl.python:
+        updates["python"] = rl.python
+    if rl.round_timeout_s:
+        updates["round_timeout_s"] = rl.round_timeout_s
+    cluster = cluster.model_copy(update=updates) if updates else cluster
+    logs = Path(log_dir).expanduser().resolve() if log_dir else _resolve(base, rl.log_dir)
+    jobs = []
+    for i, e in enumerate(rl.cases):
+        cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
+        try:
+            plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets))
+        except InputError as exc:
+            raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None
+        tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
+        hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
+        hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
+        jobs.append(Job(i, e, plan, tol, hw))
+    return Night(
+        path=path,
+        text=path.read_text(encoding="utf-8"),
+        runlist=rl,
+        cluster=cluster,
+        log_dir=logs,
+        db_path=Path(db).expanduser().resolve() if db else _resolve(base, rl.history_db) if rl.history_db else history.default_db(),
+        report_dir=Path(report_dir).expanduser().resolve() if report_dir else _resolve(base, rl.report_dir) if rl.report_dir else logs / "reports",
+        jobs=jobs,
+    )
+
+
+# --------------------------------------------------------------------------- the verdict
+
+METRIC_LABELS = {"tokens_per_gpu_s": "tokens/p/s", "mfu_6n": "MFU-6N", "peak_mem_gib": "peak memory (GiB)"}
+
+
+@dataclasses.dataclass
+class Verdict:
+    status: str  # pass | regressed | baseline: none
+    baseline_runs: int
+    baseline: dict[str, float | None]  # metric -> baseline median
+    findings: list[dict[str, Any]]
+
+
+def judge(
+    label: str,
+    stats: dict[str, dict[str, Any]],
+    rounds_requested: int,
+    rounds_failed: int,
+    loss_aligned: bool | None,
+    first_error: str | None,
+    baseline: list[dict[str, dict[str, Any]]],
+    tol: Tolerances,
+) -> Verdict:
+    """Compare one case run with the medians of its baseline runs (their per-run medians).
+
+    Failed rounds and unaligned losses are failures with or without a baseline (the baseline
+    runs never have them: only good runs count).  Throughput and MFU falling, or memory
+    rising, by more than the tolerance is a regression; without a baseline nothing is compared.
+    """
+    findings: list[dict[str, Any]] = []
+    base: dict[str, float | None] = {}
+    n = len(baseline)
+    for metric in METRIC_LABELS:
+        meds = [b[metric]["median"] for b in baseline if b.get(metric, {}).get("median") is not None]
+        base[metric] = statistics.median(meds) if meds else None
+    if rounds_failed:
+        why = f": {first_error.strip().splitlines()[0]}" if first_error else ""
+        findings.append({
+            "metric": "rounds failed", "baseline": 0.0 if n else None, "now": float(rounds_failed), "change": None, "tolerance": 0.0,
+            "message": f"{label}: {rounds_failed} of {rounds_requested} round(s) failed"
+                       f" (baseline: {'none' if not n else f'no failed round in the last {n} good runs'}){why}",
+        })  # fmt: skip
+    if loss_aligned is False:
+        findings.append({
+            "metric": "loss alignment", "baseline": 1.0 if n else None, "now": 0.0, "change": None, "tolerance": None,
+            "message": f"{label}: loss no longer aligns with the reference"
+                       f" (baseline: {'none' if not n else f'aligned or no reference in the last {n} good runs'})",
+        })  # fmt: skip
+    for metric, pct, direction in (
+        ("tokens_per_gpu_s", tol.throughput_drop_pct, -1),
+        ("mfu_6n", tol.mfu_drop_pct, -1),
+        ("peak_mem_gib", tol.memory_rise_pct, +1),
+    ):
+        now, b = stats.get(metric, {}).get("median"), base[metric]
+        if now is None or not b:
+            continue
+        change = now / b - 1
+        if direction * change > pct / 100:
+            fmt = (lambda x: f"{100 * x:.2f}%") if metric == "mfu_6n" else (lambda x: f"{x:.4g}")
+            findings.append({
+                "metric": METRIC_LABELS[metric], "baseline": b, "now": now, "change": change, "tolerance": direction * pct / 100,
+                "message": f"{label}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
+                           f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%",
+            })  # fmt: skip
+    status = "regressed" if findings else "pass" if n else "baseline: none"
+    return Verdict(status, n, base, findings)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+class _ProgressConsole:
+    """The console handed to the orchestrator: its spinner text becomes the progress line,
+    and whenever it reports, finished rounds are counted from the run's results.json."""
+
+    def __init__(self, progress: Progress, task: Any, label: str, results_file: Path, done_before: int) -> None:
+        self.progress, self.task, self.label = progress, task, label
+        self.results_file, self.done_before = results_file, done_before
+
+    @contextlib.contextmanager
+    def status(self, text: str, *args: Any, **kwargs: Any) -> Iterator[None]:
+        self.progress.update(self.task, description=f"{self.label}: {text}")
+        try:
+            yield
+        finally:
+            self.sync()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.progress.console.print(*args, **kwargs)
+        self.sync()
+
+    def sync(self) -> None:
+        try:
+            done = len(json.loads(self.results_file.read_text(encoding="utf-8"))["rounds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        self.progress.update(self.task, completed=self.done_before + done)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.progress.console, name)
+
+
+def run_case(job: Job, console: Any) -> tuple[dict[str, Any], str | None]:
+    """Run one case through the orchestrator; returns its results and, if it broke off, why."""
+    from run_benchmarks import orchestrator
+    from run_benchmarks.runtimes import select
+
+    plan = job.plan
+    try:
+        runtime = select(plan.cluster, plan.cluster.python)
+        return orchestrator.run(plan, runtime, console), None
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # a broken case must not hide the others' verdicts
+        why = str(exc) if isinstance(exc, InputError) else "".join(traceback.format_exception_only(exc)).strip()
+        f = plan.run_dir / "results.json"
+        res = json.loads(f.read_text()) if f.is_file() else orchestrator.base_results(plan)
+        return res, why
+
+
+def _label(job: Job) -> str:
+    e = job.entry
+    extra = (f" variant {e.variant}" if e.variant else "") + (f" set {','.join(e.sets)}" if e.sets else "")
+    return f"{history.case_key(e.case)} on {e.vendor}{extra}"
+
+
+def run_night(night: Night, db: Any, night_id: int, console: Console) -> list[dict[str, Any]]:
+    """Every case in order; each is stored and judged as soon as it finishes."""
+    outcomes: list[dict[str, Any]] = []
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("nightly", total=sum(j.entry.rounds for j in night.jobs))
+        done = 0
+        for job in night.jobs:
+            label = f"[{job.index + 1}/{len(night.jobs)}] {_label(job)}"
+            progress.console.print(f"[bold]{label}[/bold]: {job.entry.rounds} round(s), run {job.plan.run_id}")
+            proxy = _ProgressConsole(progress, task, label, job.plan.run_dir / "results.json", done)
+            res, broke = run_case(job, proxy)
+            done += job.entry.rounds
+            progress.update(task, completed=done)
+            outcomes.append(_judge_and_store(night, db, night_id, job, res, broke, console=progress.console))
+    return outcomes
+
+
+def _judge_and_store(night: Night, db: Any, night_id: int, job: Job, res: dict[str, Any], broke: str | None, console: Console) -> dict[str, Any]:
+    rounds = res.get("rounds", [])
+    ok = sum(1 for r in rounds if r.get("status") == "ok")
+    failed = job.entry.rounds - ok
+    first_error = broke or next((r.get("error") for r in rounds if r.get("status") != "ok" and r.get("error")), None)
+    if failed and not first_error:
+        first_error = f"{job.entry.rounds - len(rounds)} round(s) never ran"
+    identity = {
+        "case_key": history.case_key(res["case"]), "vendor": res["vendor"], "hardware_key": job.hardware_key,
+        "config_key": history.config_key(res["config_name"], res["settings"]),
+    }  # fmt: skip
+    base_rows = history.baseline_runs(db, identity, night.runlist.baseline_runs)
+    stats = history.round_stats(res)
+    verdict = judge(
+        f"{identity['case_key']} on {res['vendor']} ({res['config_name']})",
+        stats, job.entry.rounds, failed, history.loss_verdict(res), first_error,
+        [history.stats_of(db, r["id"]) for r in base_rows], job.tolerances,
+    )  # fmt: skip
+    reference = _reference_curves(res)
+    run_pk = history.record_run(
+        db, night_id, res, hardware=job.hardware_key, variant=job.entry.variant, rounds_requested=job.entry.rounds,
+        verdict=verdict.status, baseline_runs=verdict.baseline_runs, findings=verdict.findings, error=broke,
+        baseline=verdict.baseline, tolerances=job.tolerances.model_dump(),
+        run_dir=str(job.plan.run_dir), reference=reference,
+    )  # fmt: skip
+    tps = stats["tokens_per_gpu_s"]
+    b = verdict.baseline.get("tokens_per_gpu_s")
+    line = (
+        f"  {ok}/{job.entry.rounds} round(s) ok; tokens/p/s median {history._num(tps['median'])}"
+        f" (IQR {history._num(tps['q1'])}-{history._num(tps['q3'])}); "
+        + (f"baseline {b:.1f} from {verdict.baseline_runs} run(s)" if b else "baseline: none")
+        + f"; verdict: {verdict.status}"
+    )
+    console.print(line if not broke else f"  case broke off: {broke}\n{line}", markup=False, highlight=False)
+    return {"job": job, "run_pk": run_pk, "verdict": verdict, "stats": stats, "rounds_ok": ok, "rounds_failed": failed}
+
+
+def _reference_curves(res: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """The committed curves the rounds were compared against (kept with the run)."""
+    from run_benchmarks.metrics import load_reference
+
+    for r in res.get("rounds", []):
+        refs = {ph: load_reference(Path(p)) for ph, p in (r.get("reference") or {}).items() if p}
+        return {ph: c for ph, c in refs.items() if c}
+    return {}
+
+
+def summary_table(outcomes: list[dict[str, Any]]) -> Table:
+    table = Table(title="nightly results")
+    for col in ("case", "rounds ok/failed", "tokens/p/s median", "IQR", "olympic", "mem (GiB)", "baseline tokens/p/s", "verdict"):
+        table.add_column(col, overflow="fold")
+    for o in outcomes:
+        tps, mem, v = o["stats"]["tokens_per_gpu_s"], o["stats"]["peak_mem_gib"], o["verdict"]
+        table.add_row(
+            _label(o["job"]), f"{o['rounds_ok']}/{o['rounds_failed']}", history._num(tps["median"]),
+            f"{history._num(tps['q1'])}-{history._num(tps['q3'])}", history._num(tps["olympic"]), history._num(mem["median"], ".3f"),
+            "none" if not v.baseline_runs else f"{history._num(v.baseline['tokens_per_gpu_s'])} ({v.baseline_runs} runs)", v.status,
+        )  # fmt: skip
+    return table
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nightly", description=__doc__.split("\n\n")[0], epilog="Format and exit statuses: docs/nightly.md")
+    ap.add_argument("runlist", nargs="?", metavar="RUNLIST.yaml", help="the run list")
+    ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="the run list (as start_task.py takes it)")
+    ap.add_argument("--db", metavar="PATH", help="history file (default: the run list's history_db)")
+    ap.add_argument("--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the run list's log_dir)")
+    ap.add_argument("--report-dir", dest="report_dir", metavar="DIR", help="where report pages go (default: the run list's report_dir)")
+    ap.add_argument("--check", action="store_true", help="validate the run list and plan every case, run nothing")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as exc:  # argparse: usage errors are bad input
+        return int(exc.code or 0) and EXIT_BAD_INPUT
+    console = Console(stderr=True)
+    try:
+        if bool(args.runlist) == bool(args.nightly):
+            raise InputError("give the run list once: start_task.py --nightly RUNLIST.yaml, or python -m run_benchmarks.nightly RUNLIST.yaml")
+        night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir)
+        if args.check:
+            for j in night.jobs:
+                print(f"{_label(j)}: {j.entry.rounds} round(s), config {j.plan.config_name}, tolerances {j.tolerances.model_dump()}")
+            print(f"history {night.db_path}\nlogs    {night.log_dir}\nreports {night.report_dir}")
+            return EXIT_OK
+        db = history.connect(night.db_path)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from run_benchmarks import report
+
+    night_id = history.start_night(db, _now(), str(night.path.resolve()), night.text, socket.gethostname())
+    status, outcomes = EXIT_OK, []
+    try:
+        outcomes = run_night(night, db, night_id, console)
+    except KeyboardInterrupt:
+        status = EXIT_INTERRUPTED
+        print("interrupted; finished cases are in the history and the report", file=sys.stderr)
+    findings = [f for o in outcomes for f in o["verdict"].findings]
+    if findings and status == EXIT_OK:
+        status = EXIT_REGRESSED
+    page = report.write_night(db, night_id, night.report_dir, status)
+    history.finish_night(db, night_id, _now(), status, str(page))
+    report.write_index(db, night.report_dir)
+    out = Console(width=160)
+    if outcomes:
+        out.print(summary_table(outcomes))
+    for f in findings:
+        print(f"REGRESSION {f['message']}")
+    print(f"report: {page}")
+    print(f"nightly: {len(outcomes)} case(s), {len(findings)} finding(s); exit status {status}")
+    db.close()
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

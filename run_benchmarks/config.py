@@ -69,12 +69,44 @@ class HostConfig(Strict):
             return v
 
 
+_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$", re.I)
+
+
 class SlurmConfig(Strict):
+    """The ``slurm:`` section of a cluster file (backend ``slurm``, docs/slurm.md)."""
+
     partition: str | None = None
     account: str | None = None
-    time_limit: str = "01:00:00"
-    extra_sbatch: list[str] = []
+    time_limit: str = "01:00:00"  # sbatch --time: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]], UNLIMITED
+    extra_sbatch: list[str] = []  # more sbatch options, one per item, e.g. "--gres=gpu:8"
     container_runtime: Literal["none", "docker"] = "none"
+    exclusive: bool = True  # whole nodes (sbatch --exclusive), as a benchmark needs
+    srun_extra: list[str] = []  # more options for the srun step, e.g. "--mpi=none"
+    slurm_conf: str | None = None  # SLURM_CONF for the client commands; default: the site's
+    node_python: str | None = None  # runs the node wrapper and monitors; default: this Python
+    image: str | None = None  # docker: image on the nodes; {vendor} and {framework} are filled in
+    poll_interval_s: float = Field(1.0, gt=0)  # how often the job state is read
+
+    @field_validator("extra_sbatch", "srun_extra")
+    @classmethod
+    def _options(cls, v: list[str]) -> list[str]:
+        for opt in v:
+            if not opt.startswith("-") or any(c in opt for c in "\n\r\0"):
+                raise ValueError(f"{opt!r} is not one command-line option (starts with '-', one line)")
+        return v
+
+    @field_validator("time_limit")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        if not _SLURM_TIME.match(v):
+            raise ValueError(f"{v!r} is not a Slurm time (MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]], UNLIMITED)")
+        return v
+
+    @model_validator(mode="after")
+    def _container(self) -> "SlurmConfig":
+        if self.container_runtime == "docker" and not self.image:
+            raise ValueError("container_runtime 'docker' needs image (the vendor image present on the nodes)")
+        return self
 
 
 class ClusterConfig(Strict):

@@ -37,6 +37,10 @@ class Runtime:
     def run_round(self, plan: "Plan", round_dir: Path, nodes: list["NodePlan"], timeout_s: float) -> list[NodeOutcome]:
         raise NotImplementedError
 
+    def dry_run_details(self, plan: "Plan") -> dict[str, Any]:
+        """What --dry-run shows beyond the node commands (a batch script, submit lines); runs nothing."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
         """Extra facts for results.json (image ids, job ids)."""
         return {}

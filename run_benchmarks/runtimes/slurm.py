@@ -1,0 +1,457 @@
+"""The slurm runtime: each round is one batch job of ``nnodes`` whole nodes.
+
+Per round it writes ``<round_dir>/slurm/``: ``spec.json`` (every node's launcher
+command, planned with a placeholder for the master address) and ``job.sh`` (the
+batch script), submits the script with ``sbatch`` (options as arguments), and
+follows the job through ``scontrol show job -o`` until it ends. Inside the job one
+``srun`` step starts ``python -m run_benchmarks.slurm_node`` once per node; that
+wrapper picks its node rank from ``SLURM_NODEID``, puts the allocation's first host
+in as the master, runs a monitor beside the launcher and writes the node's logs
+straight into ``<round_dir>/node<k>/``.
+
+The run directory, the harness's code and the interpreters must be on a filesystem
+that the submit host and every node share (docs/slurm.md). Ctrl-C during a round
+cancels its job (``scancel``) and waits until Slurm has nothing left of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from run_benchmarks.config import ClusterConfig, HostConfig, SlurmConfig
+from run_benchmarks.envs import env_dir, framework_python, python_of
+from run_benchmarks.errors import InputError
+from run_benchmarks.plan import NodePlan, Plan, plan_nodes
+from run_benchmarks.registry import ROOT
+from run_benchmarks.runtimes.base import NodeOutcome, Runtime
+from run_benchmarks.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC, SPEC_VERSION
+from training import metriclog as ml
+
+#: the master address in planned commands; slurm_node puts the allocation's first host in
+MASTER_PLACEHOLDER = "fb-slurm-master"
+CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel")
+#: job states (scontrol's JobState) while the job waits or runs
+WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+ACTIVE = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
+#: terminal states other than COMPLETED, FAILED, TIMEOUT, CANCELLED: the job ended by Slurm's hand
+ENDED_BY_SLURM = {"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "OUT_OF_MEMORY", "REVOKED"}
+GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
+GONE_WAIT_S = 60.0
+REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
+TAIL = 15
+
+
+def parse_show_job(line: str) -> dict[str, str]:
+    """``scontrol show job -o`` output -> {field: value}; values may hold spaces."""
+    keys = list(re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=", line))
+    out = {}
+    for i, m in enumerate(keys):
+        end = keys[i + 1].start() if i + 1 < len(keys) else len(line)
+        out[m.group(1)] = line[m.end() : end].strip()
+    return out
+
+
+@dataclasses.dataclass
+class Job:
+    job_id: str
+    name: str
+    round: str
+    nnodes: int
+    submitted_at: float  # wall clock
+    submitted: float  # monotonic
+    state: str = "PENDING"
+    reason: str = ""
+    exit_code: str = ""
+    nodelist: str = ""
+    batch_host: str = ""
+    time_limit: str = ""
+    running: float | None = None  # first seen running (monotonic)
+    ended: float | None = None  # first seen in a terminal state
+    gone: float | None = None  # squeue no longer lists it
+    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup"
+    first_step_at: float | None = None  # wall clock of the first train_step line
+
+    def summary(self) -> dict[str, Any]:
+        def span(a: float | None, b: float | None) -> float | None:
+            return round(b - a, 3) if a is not None and b is not None else None
+
+        return {
+            "job_id": self.job_id, "name": self.name, "round": self.round, "state": self.state,
+            "reason": self.reason, "exit_code": self.exit_code, "nodelist": self.nodelist,
+            "batch_host": self.batch_host, "time_limit": self.time_limit,
+            "cancelled_by_harness": self.cancelled_by_harness,
+            "submit_to_running_s": span(self.submitted, self.running),
+            "submit_to_first_step_s": round(self.first_step_at - self.submitted_at, 3) if self.first_step_at else None,
+            "running_s": span(self.running, self.ended),
+            "teardown_s": span(self.ended, self.gone),
+        }  # fmt: skip
+
+
+class SlurmRuntime(Runtime):
+    name = "slurm"
+
+    def __init__(self, cluster: ClusterConfig, python: str | None = None) -> None:
+        self.cluster = cluster
+        self.conf: SlurmConfig = cluster.slurm or SlurmConfig()
+        self.python_override = python or cluster.python
+        docker = self.conf.container_runtime == "docker"
+        if docker != (cluster.runtime == "container"):
+            raise InputError(
+                f"cluster file: runtime {cluster.runtime!r} and slurm.container_runtime "
+                f"{self.conf.container_runtime!r} disagree (container goes with docker, process with none)"
+            )
+        self.node_python = self.conf.node_python or sys.executable
+        self.jobs: list[Job] = []
+        self.mounts: list[str] = []  # docker: extra read-only mounts for a host-built environment
+
+    # ------------------------------------------------------------------ client commands
+
+    def _env(self) -> dict[str, str]:
+        # a harness started inside an allocation must not hand that job's variables to sbatch
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        if self.conf.slurm_conf:
+            env["SLURM_CONF"] = str(Path(self.conf.slurm_conf).expanduser())
+        elif os.environ.get("SLURM_CONF"):
+            env["SLURM_CONF"] = os.environ["SLURM_CONF"]
+        return env
+
+    def _run(self, argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=self._env(), capture_output=True, text=True, timeout=timeout)
+
+    # ------------------------------------------------------------------ prepare
+
+    def _python(self, plan: Plan, log: Path | None) -> str:
+        fw, vendor = plan.case.framework, plan.vendor
+        if self.conf.container_runtime == "docker" and not vendor.container.mount_framework_env:
+            return self.python_override or "python3"  # the image's interpreter
+        if log is None:
+            return self.python_override or str(python_of(env_dir(vendor.name, fw)))
+        return str(framework_python(vendor.name, fw, self.python_override, log))
+
+    def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
+        return self._python(plan, None), ROOT
+
+    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+        missing = [c for c in CLIENTS if shutil.which(c) is None]
+        if missing:
+            raise InputError(f"backend slurm: {', '.join(missing)} not found on this host (Slurm client commands)")
+        ping = self._run(["scontrol", "ping"], timeout=30)
+        if ping.returncode != 0 or "DOWN" in ping.stdout:
+            why = (ping.stdout + ping.stderr).strip().splitlines()
+            raise InputError(f"backend slurm: the Slurm controller does not answer ({why[-1] if why else 'scontrol ping failed'})")
+        if not plan.run_dir.is_absolute():
+            raise InputError(f"backend slurm: run dir {plan.run_dir} must be an absolute path on a shared filesystem")
+        python = self._python(plan, log)
+        if self.conf.container_runtime == "docker" and plan.vendor.container.mount_framework_env:
+            env = Path(python).parent.parent
+            home = _venv_home(env)
+            self.mounts = [f"{env}:{env}:ro"] + ([f"{home}:{home}:ro"] if home else [])
+        return python, ROOT
+
+    # ------------------------------------------------------------------ what a round submits
+
+    def node_plans(self, plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
+        """The planner's node commands with the master address left as a placeholder."""
+        hosts = [HostConfig(name=f"slurm-node{k}", address=MASTER_PLACEHOLDER) for k in range(plan.case.nnodes)]
+        cluster = plan.cluster.model_copy(update={"hosts": hosts})
+        return plan_nodes(dataclasses.replace(plan, cluster=cluster), python, root, round_dir)
+
+    def _docker_options(self, plan: Plan, round_dir: Path) -> list[str]:
+        c = plan.vendor.container
+        opts = ["--network", "host", "--init"]
+        if c.shm_size:
+            opts += ["--shm-size", c.shm_size]
+        for k, v in sorted(c.ulimits.items()):
+            opts += ["--ulimit", f"{k}={v}:{v}"]
+        if c.gpus:
+            opts += ["--gpus", "all"]
+        for d in c.devices:
+            opts += ["--device", d]
+        if c.privileged:
+            opts += ["--privileged"]
+        for k, v in sorted(c.extra_env.items()):
+            opts += ["--env", f"{k}={v}"]
+        mounts = [f"{ROOT}:{ROOT}:ro", f"{plan.run_dir}:{plan.run_dir}", *self.mounts, *c.mounts]
+        resolved = round_dir / "resolved.json"
+        data = json.loads(resolved.read_text())["data"] if resolved.is_file() else plan.settings["data"]
+        if data.get("cache_dir"):
+            Path(data["cache_dir"]).mkdir(parents=True, exist_ok=True)
+            mounts.append(f"{data['cache_dir']}:{data['cache_dir']}")
+        if data.get("data_dir"):
+            mounts.append(f"{data['data_dir']}:{data['data_dir']}:ro")
+        for m in mounts:
+            opts += ["--volume", m]
+        return opts
+
+    def spec(self, plan: Plan, round_dir: Path, nodes: list[NodePlan]) -> dict[str, Any]:
+        container = None
+        if self.conf.container_runtime == "docker":
+            image = (self.conf.image or "").format(vendor=plan.vendor.name, framework=plan.case.framework)
+            container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, round_dir)}
+        return {
+            "version": SPEC_VERSION,
+            "run_id": plan.run_id,
+            "round_dir": str(round_dir),
+            "master_placeholder": MASTER_PLACEHOLDER,
+            "monitor": {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)},
+            "container": container,
+            "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
+        }
+
+    def job_name(self, plan: Plan, round_dir: Path) -> str:
+        return f"fb-{plan.run_id}-{round_dir.name}"
+
+    def sbatch_argv(self, plan: Plan, round_dir: Path) -> list[str]:
+        c, n = self.conf, plan.case.nnodes
+        argv = [
+            "sbatch", "--parsable", f"--job-name={self.job_name(plan, round_dir)}",
+            f"--nodes={n}", "--ntasks-per-node=1", f"--time={c.time_limit}", "--no-requeue",
+            f"--chdir={round_dir}", f"--output={round_dir / 'slurm' / 'job-%j.out'}",
+        ]  # fmt: skip
+        if c.exclusive:
+            argv.append("--exclusive")
+        if c.partition:
+            argv.append(f"--partition={c.partition}")
+        if c.account:
+            argv.append(f"--account={c.account}")
+        if "hosts" in self.cluster.model_fields_set:  # named hosts pin the job to those nodes
+            argv.append("--nodelist=" + ",".join(h.name for h in self.cluster.hosts[:n]))
+        return argv + list(c.extra_sbatch) + [str(round_dir / "slurm" / "job.sh")]
+
+    def srun_argv(self, plan: Plan, round_dir: Path) -> list[str]:
+        n = plan.case.nnodes
+        return [
+            "srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            *self.conf.srun_extra,
+            self.node_python, "-m", "run_benchmarks.slurm_node", "--spec", str(round_dir / "slurm" / "spec.json"),
+        ]  # fmt: skip
+
+    def batch_script(self, plan: Plan, round_dir: Path) -> str:
+        q = shlex.quote
+        srun = self.srun_argv(plan, round_dir)
+        spec = round_dir / "slurm" / "spec.json"
+        # every CPU the job has on a node goes to that node's one task (the launcher's ranks)
+        srun_line = f'{shlex.join(srun[:5])} --cpus-per-task="$SLURM_CPUS_ON_NODE" {shlex.join(srun[5:])}'
+        return "\n".join([
+            "#!/bin/bash",
+            f"# flagbench {plan.run_id} {round_dir.name}: {plan.case} on {plan.case.nnodes} node(s), one task per node",
+            f"# submitted as: {shlex.join(self.sbatch_argv(plan, round_dir))}",
+            "set -u",
+            f"if [ ! -r {q(str(spec))} ]; then",
+            f"  echo \"flagbench: {q(str(spec))} is not readable on $(hostname): the run directory must be on a"
+            " filesystem shared by the submit host and every node\" >&2",
+            f"  exit {EXIT_NO_SPEC}",
+            "fi",
+            f'export PYTHONPATH={q(str(ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+            f"exec {srun_line}",
+            "",
+        ])  # fmt: skip
+
+    def dry_run_details(self, plan: Plan) -> dict[str, Any]:
+        round_dir = plan.run_dir / "round1"
+        python = plan.python or self.dry_prepare(plan)[0]
+        nodes = self.node_plans(plan, python, ROOT, round_dir)
+        return {
+            "backend": "slurm",
+            "sbatch": self.sbatch_argv(plan, round_dir),
+            "script": self.batch_script(plan, round_dir),
+            "srun": self.srun_argv(plan, round_dir),
+            "master": f"first host of the allocation, in place of {MASTER_PLACEHOLDER!r}; node rank = SLURM_NODEID",
+            "spec": self.spec(plan, round_dir, nodes),
+        }
+
+    # ------------------------------------------------------------------ a round
+
+    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+        python, root = plan.python, Path(nodes[0].cwd) if nodes else ROOT
+        planned = self.node_plans(plan, python, root, round_dir)
+        slurm_dir = round_dir / "slurm"
+        slurm_dir.mkdir(parents=True, exist_ok=True)
+        for n in planned:
+            (round_dir / f"node{n.node_rank}").mkdir(exist_ok=True)
+        (slurm_dir / "spec.json").write_text(json.dumps(self.spec(plan, round_dir, planned), indent=2))
+        (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
+        job = self._submit(plan, round_dir)
+        try:
+            self._follow(job, time.monotonic() + timeout_s)
+        except KeyboardInterrupt:
+            self._cancel(job, "interrupted")
+            self._wait_gone(job)
+            raise
+        self._wait_gone(job)
+        job.first_step_at = _first_step_time(round_dir)
+        return self._outcomes(plan, job, round_dir)
+
+    def _submit(self, plan: Plan, round_dir: Path) -> Job:
+        argv = self.sbatch_argv(plan, round_dir)
+        name = self.job_name(plan, round_dir)
+        # known by name before its id is: an interrupt during sbatch still finds the job
+        placeholder = Job("", name, round_dir.name, plan.case.nnodes, time.time(), time.monotonic())
+        self.jobs.append(placeholder)
+        proc = self._run(argv, timeout=120)
+        if proc.returncode != 0:
+            self.jobs.remove(placeholder)
+            raise InputError(f"sbatch refused the job: {(proc.stderr or proc.stdout).strip()} (submitted: {shlex.join(argv)})")
+        placeholder.job_id = proc.stdout.strip().split(";")[0]
+        return placeholder
+
+    def _show(self, job: Job) -> None:
+        proc = self._run(["scontrol", "show", "job", "-o", job.job_id], timeout=30)
+        if proc.returncode != 0:
+            if "Invalid job id" in proc.stderr:
+                job.state = GONE if job.state in WAITING | ACTIVE else job.state
+            return  # a controller hiccup: read it again next time
+        info = parse_show_job(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
+        job.state = info.get("JobState", job.state)
+        job.reason = info.get("Reason", job.reason)
+        job.exit_code = info.get("ExitCode", job.exit_code)
+        job.time_limit = info.get("TimeLimit", job.time_limit)
+        if info.get("NodeList") and info["NodeList"] != "(null)":
+            job.nodelist = info["NodeList"]
+        job.batch_host = info.get("BatchHost", job.batch_host)
+
+    def _follow(self, job: Job, deadline: float) -> None:
+        while True:
+            self._show(job)
+            now = time.monotonic()
+            if job.state in ACTIVE and job.running is None:
+                job.running = now
+            if job.state not in WAITING | ACTIVE:
+                job.ended = now
+                return
+            if now > deadline:
+                self._cancel(job, "round deadline")
+                return
+            time.sleep(self.conf.poll_interval_s)
+
+    def _cancel(self, job: Job, why: str) -> None:
+        if job.cancelled_by_harness is None:
+            job.cancelled_by_harness = why
+        target = [job.job_id] if job.job_id else [f"--name={job.name}"]
+        self._run(["scancel", *target], timeout=60)
+
+    def _alive(self, job: Job) -> bool:
+        target = ["--jobs", job.job_id] if job.job_id else ["--name", job.name]
+        proc = self._run(["squeue", "--noheader", "--format=%i %T", *target], timeout=30)
+        return proc.returncode == 0 and bool(proc.stdout.strip())
+
+    def _wait_gone(self, job: Job, limit: float = GONE_WAIT_S) -> None:
+        """Until squeue no longer lists the job (its steps and processes are gone)."""
+        end = time.monotonic() + limit
+        while self._alive(job) and time.monotonic() < end:
+            time.sleep(min(self.conf.poll_interval_s, 0.5))
+        if job.ended is None:
+            job.ended = time.monotonic()
+        job.gone = time.monotonic()
+        self._show(job)
+
+    def _outcomes(self, plan: Plan, job: Job, round_dir: Path) -> list[NodeOutcome]:
+        hosts = self._hostnames(job.nodelist)
+        reports = _read_reports(round_dir, job.nnodes, wait=job.state == "COMPLETED")
+        batch_out = round_dir / "slurm" / f"job-{job.job_id}.out"
+        outcomes = []
+        for k in range(job.nnodes):
+            rep = reports.get(k)
+            host = (rep or {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
+            rc = rep.get("returncode") if rep else None
+            extra = {"slurm_job_id": job.job_id, "slurm_state": job.state, "slurm_reason": job.reason,
+                     "slurm_exit_code": job.exit_code, "slurm_node": host}  # fmt: skip
+            error, timed_out = None, False
+            if job.cancelled_by_harness == "round deadline":
+                timed_out = True
+                if job.running is None:
+                    error = f"Slurm job {job.job_id} still {job.state} ({job.reason}) when the round deadline passed; cancelled"
+            elif job.state == "TIMEOUT":
+                timed_out = True
+                error = f"Slurm job {job.job_id} reached its time limit {job.time_limit or self.conf.time_limit} (TIMEOUT)"
+            elif job.state == "CANCELLED":
+                error = f"Slurm job {job.job_id} was CANCELLED outside the harness"
+            elif job.state in ENDED_BY_SLURM:
+                error = f"Slurm job {job.job_id} ended {job.state} (reason {job.reason})"
+            elif rep is None:
+                error = _no_report(job, k, host, plan.run_dir, batch_out)
+            elif rc is None:
+                error = f"node report says it never finished (job {job.job_id} {job.state})"
+            outcomes.append(NodeOutcome(host, k, rc, timed_out, round_dir / f"node{k}", error, extra))
+        return outcomes
+
+    def _hostnames(self, nodelist: str) -> list[str]:
+        if not nodelist:
+            return []
+        proc = self._run(["scontrol", "show", "hostnames", nodelist], timeout=30)
+        return proc.stdout.split() if proc.returncode == 0 else []
+
+    # ------------------------------------------------------------------ facts and teardown
+
+    def describe(self) -> dict[str, Any]:
+        c = self.conf
+        return {
+            "slurm": {
+                "partition": c.partition, "account": c.account, "time_limit": c.time_limit,
+                "container_runtime": c.container_runtime, "image": c.image, "exclusive": c.exclusive,
+                "node_python": self.node_python, "jobs": [j.summary() for j in self.jobs if j.job_id],
+            }
+        }  # fmt: skip
+
+    def cleanup(self) -> None:
+        for job in self.jobs:
+            if job.gone is None and self._alive(job):
+                self._cancel(job, "cleanup")
+                self._wait_gone(job, limit=30.0)
+
+
+def _venv_home(env: Path) -> Path | None:
+    """The installation a virtualenv was made from (``home`` in pyvenv.cfg), one level up from bin."""
+    cfg = env / "pyvenv.cfg"
+    if not cfg.is_file():
+        return None
+    for line in cfg.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "home":
+            return Path(value.strip()).parent
+    return None
+
+
+def _read_reports(round_dir: Path, nnodes: int, wait: bool) -> dict[int, dict[str, Any]]:
+    end = time.monotonic() + (REPORT_WAIT_S if wait else 0.0)
+    while True:
+        reports = {}
+        for k in range(nnodes):
+            try:
+                reports[k] = json.loads((round_dir / f"node{k}" / "node.json").read_text())
+            except (OSError, ValueError):
+                pass
+        if len(reports) == nnodes or time.monotonic() >= end:
+            return reports
+        time.sleep(0.2)
+
+
+def _no_report(job: Job, k: int, host: str, run_dir: Path, batch_out: Path) -> str:
+    lines = batch_out.read_text(errors="replace").splitlines()[-TAIL:] if batch_out.is_file() else []
+    text = "\n".join(lines)
+    if f"exit {EXIT_NO_SPEC}" in text or "is not readable on" in text or "is not visible on this node" in text or not batch_out.is_file():
+        hint = (f"; nothing came back from {host}: the run directory {run_dir} must be on a filesystem "
+                "shared by this host and every node (docs/slurm.md)")  # fmt: skip
+    elif job.exit_code.startswith(f"{EXIT_BAD_ALLOCATION}:"):
+        hint = "; the allocation did not match the plan (one task per node)"
+    else:
+        hint = ""
+    tail = f"\n{batch_out.name}:\n{text}" if text else ""
+    return f"no report from node {k} (Slurm job {job.job_id} {job.state}, exit code {job.exit_code}){hint}{tail}"
+
+
+def _first_step_time(round_dir: Path) -> float | None:
+    ranks = round_dir / "node0" / "ranks"
+    files = [p for p in ranks.rglob("*") if p.is_file()] if ranks.is_dir() else []
+    times = [r.t for f in files for r in ml.parse_file(f).of(ml.EV_STEP, ml.K_TRAIN_STEP)]
+    return min(times) if times else None

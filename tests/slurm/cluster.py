@@ -1,0 +1,272 @@
+"""A real Slurm cluster on this machine: munged, slurmctld and two slurmd nodes.
+
+Every piece of state (config, munge key and socket, spool, logs, pid files) lives in
+one temporary directory. Each ``slurmd`` runs in its own UTS and mount namespace with
+its own hostname (``n1``, ``n2``) and a private ``/etc/hosts`` that maps the node names
+to 127.0.0.2 and 127.0.0.3, so the tasks it starts see a node of that name and address.
+The nodes share this machine's filesystem (the shared-filesystem assumption of the slurm
+backend holds trivially) and its network namespace.
+
+Everything started here is stopped by PID in ``stop()``; nothing is left behind. Client
+commands (sbatch, squeue, ...) find the cluster through ``SLURM_CONF`` (``env()``).
+
+Run ``python -m tests.slurm.cluster`` to start one by hand; Ctrl-C stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+NODES = (("n1", "127.0.0.2"), ("n2", "127.0.0.3"))
+CPUS_PER_NODE = 2
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "unshare")
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def missing_programs() -> list[str]:
+    return [p for p in PROGRAMS if shutil.which(p) is None]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+class SlurmTestCluster:
+    """Start with ``start()`` (or ``with SlurmTestCluster() as c:``), stop with ``stop()``."""
+
+    def __init__(self, base: Path | None = None, cpus_per_node: int = CPUS_PER_NODE) -> None:
+        self._own_base = base is None
+        self.base = Path(base or tempfile.mkdtemp(prefix="fb-slurm-"))
+        self.cpus = cpus_per_node
+        self.conf = self.base / "etc" / "slurm.conf"
+        self.munge_socket = self.base / "munge" / "munge.socket"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.timings: dict[str, float] = {}
+        self.nodes = [name for name, _ in NODES]
+        self.node_namespaces: set[str] = set()  # UTS namespaces of the slurmd nodes
+
+    # ------------------------------------------------------------------ config
+
+    def env(self) -> dict[str, str]:
+        """The environment client commands need to reach this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def _write_config(self) -> None:
+        b = self.base
+        for sub in ("etc", "munge", "state", "spool", "run", "log"):
+            (b / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(b / "munge", 0o700)
+        ctld_port, *node_ports = _free_ports(1 + len(NODES))
+        nodes = "\n".join(
+            f"NodeName={name} NodeHostname={name} NodeAddr={addr} Port={port} CPUs={self.cpus} State=UNKNOWN"
+            for (name, addr), port in zip(NODES, node_ports)
+        )
+        self.conf.write_text(
+            f"""\
+ClusterName=fbtest
+SlurmctldHost=localhost
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={self.munge_socket}
+CredType=cred/munge
+StateSaveLocation={b}/state
+SlurmdSpoolDir={b}/spool/%n
+SlurmctldPidFile={b}/run/slurmctld.pid
+SlurmdPidFile={b}/run/slurmd-%n.pid
+SlurmctldLogFile={b}/log/slurmctld.log
+SlurmdLogFile={b}/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+MailProg=/bin/true
+KillWait=3
+MinJobAge=600
+InactiveLimit=0
+SlurmdTimeout=60
+{nodes}
+PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
+"""
+        )
+        hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in NODES)
+        (b / "etc" / "hosts").write_text(hosts)
+
+    # ------------------------------------------------------------------ daemons
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.base / "log" / f"{name}.out", "ab")
+        try:
+            self.procs[name] = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=self.env(), start_new_session=True,
+            )  # fmt: skip
+        finally:
+            log.close()
+
+    def _check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                out = (self.base / "log" / f"{name}.out").read_text(errors="replace")[-2000:]
+                raise ClusterError(f"{name} exited with status {proc.returncode}:\n{out}")
+
+    def _wait(self, what: str, ready, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            if ready():
+                return
+            time.sleep(0.1)
+        raise ClusterError(f"{what} not ready after {timeout:.0f} s; logs in {self.base / 'log'}")
+
+    def _scontrol(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["scontrol", *args], env=self.env(), capture_output=True, text=True, timeout=20)
+
+    def _nodes_idle(self) -> bool:
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env(), capture_output=True, text=True, timeout=20
+        ).stdout.split()
+        states = dict(zip(out[::2], out[1::2]))
+        return all(states.get(n) == "idle" for n in self.nodes)
+
+    def start(self) -> "SlurmTestCluster":
+        missing = missing_programs()
+        if missing:
+            raise ClusterError(f"missing {', '.join(missing)}: run tests/slurm/install_deps.sh")
+        t0 = time.monotonic()
+        self._write_config()
+        key = self.base / "munge" / "munge.key"
+        subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
+        os.chmod(key, 0o600)
+        self._spawn("munged", [
+            "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
+            f"--pid-file={self.base / 'run' / 'munged.pid'}", f"--seed-file={self.base / 'munge' / 'seed'}",
+            f"--log-file={self.base / 'log' / 'munged.log'}",
+        ])  # fmt: skip
+        self._wait("munged", self.munge_socket.exists)
+        self.timings["munge_s"] = time.monotonic() - t0
+        try:
+            t1 = time.monotonic()
+            self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
+            self._wait("slurmctld", lambda: self._scontrol("ping").returncode == 0)
+            self.timings["slurmctld_s"] = time.monotonic() - t1
+            t2 = time.monotonic()
+            hosts = self.base / "etc" / "hosts"
+            for name, _ in NODES:
+                script = 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -D -N "$2" -f "$3"'
+                self._spawn(f"slurmd-{name}", [
+                    "unshare", "--uts", "--mount", "--propagation", "private",
+                    "sh", "-c", script, "slurmd-node", str(hosts), name, str(self.conf),
+                ])  # fmt: skip
+            self._wait("nodes idle", self._nodes_idle)
+            self.node_namespaces = {
+                os.readlink(f"/proc/{proc.pid}/ns/uts") for n, proc in self.procs.items() if n.startswith("slurmd-")
+            }
+            self.timings["nodes_idle_s"] = time.monotonic() - t2
+        except BaseException:
+            self.stop()
+            raise
+        self.timings["start_s"] = time.monotonic() - t0
+        return self
+
+    def jobs(self) -> list[str]:
+        """Job ids the controller still lists as pending or running."""
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i %T"], env=self.env(), capture_output=True, text=True, timeout=20
+        ).stdout
+        return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
+
+    def node_processes(self) -> list[int]:
+        """PIDs of processes running inside a node (its slurmd, job steps, tasks)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.readlink(entry / "ns" / "uts") in self.node_namespaces:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        return pids
+
+    def stop(self) -> None:
+        """Cancel every job, stop the daemons by PID (slurmd, slurmctld, munged), then any
+        process left inside a node's namespace (an orphaned job step)."""
+        t0 = time.monotonic()
+        if self.procs.get("slurmctld") and self.procs["slurmctld"].poll() is None:
+            try:
+                ids = self.jobs()
+                if ids:
+                    subprocess.run(["scancel", *ids], env=self.env(), capture_output=True, timeout=20)
+                deadline = time.monotonic() + 15
+                while ids and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    ids = self.jobs()
+            except (subprocess.SubprocessError, OSError):
+                pass
+        order = [n for n in self.procs if n.startswith("slurmd-")] + ["slurmctld", "munged"]
+        for name in order:
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        self.procs.clear()
+        for pid in self.node_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.timings["stop_s"] = time.monotonic() - t0
+        if self._own_base and os.environ.get("FB_KEEP_SLURM_DIR") != "1":
+            shutil.rmtree(self.base, ignore_errors=True)
+
+    def __enter__(self) -> "SlurmTestCluster":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    with SlurmTestCluster() as c:
+        print(f"export SLURM_CONF={c.conf}  # started in {c.timings['start_s']:.1f} s; Ctrl-C stops it", flush=True)
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass

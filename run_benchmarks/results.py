@@ -97,6 +97,8 @@ def markdown(results: dict[str, Any]) -> str:
 
 def print_table(results: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
+    if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
+        console.width = max(console.width, 180)
     table = Table(title=f"{results['case']} / {results['vendor']} / {results['config_name']}")
     for c in COLUMNS:
         table.add_column(c)

@@ -25,7 +25,7 @@ from typing import Any, Iterator
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -99,7 +99,7 @@ class CaseEntry(_Strict):
 class RunList(_Strict):
     """A nightly run list (YAML).  Relative paths are relative to the run list's folder."""
 
-    cases: list[CaseEntry] = Field(min_length=1)
+    cases: list[CaseEntry]
     cluster: str | None = None  # cluster YAML as for start_task.py --cluster; none: this host
     log_dir: str = "logs/nightly"
     history_db: str | None = None  # default ~/.local/share/flagbench/history.sqlite
@@ -109,15 +109,18 @@ class RunList(_Strict):
     round_timeout_s: float | None = Field(None, gt=0)
     python: str | None = None  # as start_task.py --python: use this interpreter as is
 
-    @model_validator(mode="after")
-    def _unique(self) -> "RunList":
+    @field_validator("cases")
+    @classmethod
+    def _cases(cls, v: list[CaseEntry]) -> list[CaseEntry]:
+        if not v:
+            raise ValueError("at least one case is needed")
         seen: dict[tuple[Any, ...], int] = {}
-        for i, c in enumerate(self.cases):
+        for i, c in enumerate(v):
             key = (c.case, c.vendor, c.variant, tuple(c.sets))
             if key in seen:
                 raise ValueError(f"cases.{i} repeats cases.{seen[key]} ({c.case} on {c.vendor}); raise its 'rounds' instead")
             seen[key] = i
-        return self
+        return v
 
 
 def _field(loc: tuple[Any, ...]) -> str:
@@ -433,11 +436,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser().parse_args(argv)
+        args, unknown = parser().parse_known_args(argv)
     except SystemExit as exc:  # argparse: usage errors are bad input
         return int(exc.code or 0) and EXIT_BAD_INPUT
     console = Console(stderr=True)
     try:
+        if unknown:
+            raise InputError(f"{' '.join(unknown)}: not a nightly option; the run list names the cases, vendors and overrides (docs/nightly.md)")
         if bool(args.runlist) == bool(args.nightly):
             raise InputError("give the run list once: start_task.py --nightly RUNLIST.yaml, or python -m run_benchmarks.nightly RUNLIST.yaml")
         night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir)

@@ -75,6 +75,11 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[str]], numeric: set[in
 # --------------------------------------------------------------------------- plots
 
 
+def _legend(ax: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
+
+
 def _png(fig: Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -100,9 +105,11 @@ def loss_plot(curves: dict[tuple[int, str], dict[int, float]], title: str) -> st
             ax.plot(steps, [curve[s] for s in steps], lw=1, alpha=0.85, label=f"round {rnd}{tag}")
     if not curves:
         ax.text(0.5, 0.5, "no loss recorded", ha="center", va="center", transform=ax.transAxes)
+    elif not any(rnd == 0 for rnd, _ in curves):
+        ax.text(0.98, 0.95, "no reference curve committed", ha="right", va="top", transform=ax.transAxes, fontsize=8, color="#666")
     ax.axvline(ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {ALIGN_FROM_STEP}")
     ax.set(xlabel="step", ylabel="loss", title=title)
-    ax.legend(fontsize=7, ncol=2)
+    _legend(ax)
     ax.grid(alpha=0.3)
     return _img(fig, f"loss vs reference: {title}", "loss per step, every round, against the committed reference")
 
@@ -124,7 +131,7 @@ def rounds_plot(rounds: list[sqlite3.Row], baseline: float | None, tol_pct: floa
             ax.axhline(baseline * (1 - tol_pct / 100), color="#b00020", lw=1, ls="--", label=f"tolerance -{tol_pct:g}%")
     ax.set_xticks(xs or [1])
     ax.set(xlabel="round", ylabel="tokens per GPU per second", title=title)
-    ax.legend(fontsize=7)
+    _legend(ax)
     ax.grid(axis="y", alpha=0.3)
     return _img(fig, f"throughput per round: {title}", "tokens/p/s of each round (failed rounds marked)")
 
@@ -146,13 +153,12 @@ def trend_plot(db: sqlite3.Connection, runs: list[sqlite3.Row], title: str) -> s
         ax.errorbar([xs[i] for i in have], [med[i] for i in have],
                     yerr=[[med[i] - lo[i] for i in have], [hi[i] - med[i] for i in have]],
                     fmt="o-", capsize=3, color="#4a78b5", label="median (min-max)")  # fmt: skip
-    for i, r in enumerate(runs):
-        if r["verdict"] == "regressed":
-            ax.plot([xs[i]], [med[i] or 0], "x", color="#b00020", ms=10, mew=2, label="regressed" if i == next(
-                j for j, q in enumerate(runs) if q["verdict"] == "regressed") else None)  # fmt: skip
+    bad = [i for i, r in enumerate(runs) if r["verdict"] == "regressed"]
+    if bad:
+        ax.plot([xs[i] for i in bad], [med[i] or 0 for i in bad], "x", color="#b00020", ms=10, mew=2, ls="none", label="regressed")
     ax.set(ylabel="tokens/p/s", title=title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     ax2.plot([xs[i] for i, v in enumerate(mem) if v is not None], [v for v in mem if v is not None], "s-", color="#7a5195")
     ax2.set(ylabel="peak mem (GiB)", xlabel="run")
     ax2.grid(alpha=0.3)

@@ -1,0 +1,144 @@
+"""Bad run lists and flags: exit 2, one line naming the file and the field, nothing run or written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from run_benchmarks import history, nightly
+from run_benchmarks.registry import ROOT
+
+GOOD_CASE = "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 2, set: [train.steps=10]}\n"
+HEAD = "log_dir: logs\nhistory_db: h.sqlite\n"
+
+BAD = [
+    ("YAML syntax error", "cases: [a, b\n", "YAML syntax error"),
+    ("top level is a list", "- 1\n", "expected a mapping with a 'cases' list at the top level, got list"),
+    ("no cases", HEAD, "field 'cases': Field required"),
+    ("empty cases", HEAD + "cases: []\n", "field 'cases': at least one case is needed, got []"),
+    ("unknown top-level field", "log_dri: x\ncases:\n" + GOOD_CASE, "field 'log_dri': unknown field; expected one of: cases, cluster, log_dir"),
+    ("unknown case field", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, round: 3}\n",
+     "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, set, tolerances"),
+    ("rounds not a number", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: three}\n",
+     "field 'cases.0.rounds': Input should be a valid integer, unable to parse string as an integer, got 'three'"),
+    ("zero rounds", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 0}\n",
+     "field 'cases.0.rounds': Input should be greater than or equal to 1, got 0"),
+    ("missing vendor", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2'}\n", "field 'cases.0.vendor': Field required"),
+    ("malformed case name", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu', vendor: cpu}\n",
+     "field 'cases.0.case': case name 'llama3_tiny:megatron:cpu' must have the form"),
+    ("repeat field in the case name", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2:3', vendor: cpu}\n",
+     "field 'cases.0.case': give the round count as 'rounds:'"),
+    ("vendor with a path", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: ../cpu}\n",
+     "field 'cases.0.vendor': name '../cpu' is not a valid name"),
+    ("override without a value", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.steps]}\n",
+     "field 'cases.0.set': set 'train.steps': expected KEY=VALUE"),
+    ("override outside the allowed sections", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [model.hidden_size=8]}\n",
+     "only train.*, parallel.* and data.* may be set"),
+    ("negative tolerance", HEAD + "tolerances: {throughput_drop_pct: -5}\ncases:\n" + GOOD_CASE,
+     "field 'tolerances.throughput_drop_pct': Input should be greater than 0, got -5"),
+    ("tolerance as a fraction word", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, tolerances: {memory_rise_pct: lots}}\n",
+     "field 'cases.0.tolerances.memory_rise_pct': Input should be a valid number"),
+    ("baseline window zero", HEAD + "baseline_runs: 0\ncases:\n" + GOOD_CASE, "field 'baseline_runs': Input should be greater than or equal to 1"),
+    ("duplicate case", HEAD + "cases:\n" + GOOD_CASE + GOOD_CASE, "field 'cases': cases.1 repeats cases.0"),
+    ("unknown vendor", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: acme}\n",
+     "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on acme): unknown vendor 'acme'"),
+    ("no config for the size", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:3', vendor: cpu}\n",
+     "field 'cases.0' (llama3_tiny:megatron:cpu:1:3 on cpu): vendor 'cpu' has no config_cpux1x3"),
+    ("unknown variant", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, variant: PP9}\n", "no config_cpux1x2_PP9"),
+    ("batch not divisible", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.global_batch=3]}\n",
+     "global batch 3 is not a multiple"),
+    ("missing cluster file", HEAD + "cluster: nope.yaml\ncases:\n" + GOOD_CASE, "nope.yaml: file not found"),
+    ("bad cluster file", HEAD + "cluster: cluster.yaml\ncases:\n" + GOOD_CASE, "cluster.yaml: field 'master_port': Input should be a valid integer"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("what, text, fragment", BAD, ids=[b[0] for b in BAD])
+def test_bad_run_list(what, text, fragment, tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "cluster.yaml").write_text("master_port: abc\n")
+    path = cfg / "nightly.yaml"
+    path.write_text(text)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    rc = nightly.main(["--nightly", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert fragment in err, err
+    if what not in ("missing cluster file", "bad cluster file"):
+        assert str(path) in err, err  # the run list is named ...
+    assert sorted(p.name for p in cfg.iterdir()) == ["cluster.yaml", "nightly.yaml"]  # ... and nothing is written
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        ([], "give the run list once"),
+        (["a.yaml", "--nightly", "b.yaml"], "give the run list once"),
+        (["--nightly", "/nonexistent/nightly.yaml"], "/nonexistent/nightly.yaml: file not found"),
+        (["--nightly", "x.yaml", "--vendor", "cpu"], "--vendor: not a nightly option"),
+    ],
+)
+def test_bad_flags(argv, fragment, capsys):
+    assert nightly.main(argv) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_newer_history_schema_is_refused(tmp_path, capsys):
+    import sqlite3
+
+    db = tmp_path / "h.sqlite"
+    history.connect(db).close()
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA user_version = 99")
+    con.commit()
+    con.close()
+    path = tmp_path / "nightly.yaml"
+    path.write_text(HEAD + "cases:\n" + GOOD_CASE)
+    assert nightly.main([str(path), "--db", str(db)]) == 2
+    assert "history schema 99 is newer" in capsys.readouterr().err
+    assert not (tmp_path / "logs").exists()
+
+
+def test_check_plans_the_example_run_list(capsys):
+    assert nightly.main(["--check", str(ROOT / "examples" / "nightly.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "llama3_tiny:megatron:cpu:1:2 on cpu set train.steps=60: 5 round(s), config config_cpux1x2" in out
+    assert "variant TP2" in out and "config_cpux1x2_TP2" in out
+    assert f"logs    {ROOT / 'logs' / 'nightly'}" in out  # relative to the run list's folder
+
+
+def test_relative_paths_follow_the_run_list(tmp_path):
+    (tmp_path / "ci").mkdir()
+    path = tmp_path / "ci" / "nightly.yaml"
+    path.write_text("log_dir: ../out\nhistory_db: db/h.sqlite\nreport_dir: /srv/pages\ncases:\n" + GOOD_CASE)
+    night = nightly.prepare(path)
+    assert night.log_dir == tmp_path / "out" and night.db_path == tmp_path / "ci" / "db" / "h.sqlite"
+    assert night.report_dir == Path("/srv/pages")
+    assert night.jobs[0].plan.run_dir.parent == tmp_path / "out" and night.jobs[0].plan.case.repeat == 2
+    assert night.jobs[0].plan.user_overrides == [{"param": "train.steps", "value": 10, "standard": 30}]
+    flags = nightly.prepare(path, db=str(tmp_path / "x.sqlite"), log_dir=str(tmp_path / "l"), report_dir=str(tmp_path / "r"))
+    assert (flags.db_path, flags.log_dir, flags.report_dir) == (tmp_path / "x.sqlite", tmp_path / "l", tmp_path / "r")
+
+
+def test_exit_status_2_from_start_task_and_module(tmp_path):
+    """Both entry points: python -m run_benchmarks.nightly, and start_task.py --nightly where dispatched."""
+    path = tmp_path / "nightly.yaml"
+    path.write_text("cases: []\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "run_benchmarks.nightly", str(path)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"error: {path}: field 'cases': at least one case is needed, got []"]
+    start = (ROOT / "run_benchmarks" / "start_task.py").read_text()
+    if "nightly" not in start:
+        pytest.skip("start_task.py does not dispatch --nightly yet")
+    proc = subprocess.run([sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--nightly", str(path)],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)  # fmt: skip
+    assert proc.returncode == 2 and "field 'cases'" in proc.stderr

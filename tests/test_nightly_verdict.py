@@ -1,0 +1,90 @@
+"""The regression verdict: rolling baseline, tolerances, failures, 'baseline: none'.
+
+Unit tests on figures built here; test_nightly_real.py checks the same on real runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_history import HW, fake_results, store
+
+from run_benchmarks import history
+from run_benchmarks.nightly import Tolerances, judge
+
+TOL = Tolerances(throughput_drop_pct=10, mfu_drop_pct=10, memory_rise_pct=10)
+
+
+def stats(tps: float | None, mem: float | None = 1.0, mfu: float | None = None) -> dict:
+    def s(x: float | None) -> dict:
+        return {"n": 0 if x is None else 1, "median": x}
+
+    return {"tokens_per_gpu_s": s(tps), "mfu_6n": s(mfu), "mfu_palm": s(None), "peak_mem_gib": s(mem)}
+
+
+def verdict(now: dict, baseline: list[dict], failed: int = 0, aligned: bool | None = True, error: str | None = None):
+    return judge("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2)", now, 3, failed, aligned, error, baseline, TOL)
+
+
+def test_no_baseline_is_not_a_failure():
+    v = verdict(stats(1.0), [])
+    assert v.status == "baseline: none" and v.findings == [] and v.baseline_runs == 0
+
+
+def test_baseline_is_the_median_of_the_runs_medians():
+    v = verdict(stats(100.0), [stats(100.0), stats(300.0), stats(104.0)])
+    assert v.baseline["tokens_per_gpu_s"] == 104.0 and v.status == "pass"
+
+
+def test_within_tolerance_passes_and_beyond_regresses():
+    base = [stats(1000.0), stats(1000.0)]
+    assert verdict(stats(901.0), base).status == "pass"  # -9.9 %
+    v = verdict(stats(850.0), base)  # -15 %
+    assert v.status == "regressed"
+    (f,) = v.findings
+    assert f["metric"] == "tokens/p/s" and f["baseline"] == 1000.0 and f["now"] == 850.0
+    assert f["change"] == pytest.approx(-0.15)
+    assert "llama3_tiny:megatron:cpu:1:2" in f["message"] and "850 vs baseline 1000" in f["message"] and "-15.0%" in f["message"]
+    assert verdict(stats(2000.0), base).status == "pass"  # faster is never a regression
+
+
+def test_mfu_drop_and_memory_rise():
+    base = [stats(1000.0, mem=10.0, mfu=0.40)]
+    v = verdict(stats(1000.0, mem=11.5, mfu=0.30), base)
+    assert {f["metric"] for f in v.findings} == {"MFU-6N", "peak memory (GiB)"}
+    assert any("30.00% vs baseline 40.00%" in f["message"] for f in v.findings)
+    assert verdict(stats(1000.0, mem=9.0, mfu=0.40), base).status == "pass"  # less memory is fine
+
+
+def test_unknown_figures_are_not_compared():
+    v = verdict(stats(1000.0, mem=None, mfu=None), [stats(1000.0, mem=1.0, mfu=0.4)])
+    assert v.status == "pass"
+
+
+def test_loss_newly_failing_and_failed_rounds():
+    base = [stats(1000.0)]
+    v = verdict(stats(1000.0), base, aligned=False)
+    assert [f["metric"] for f in v.findings] == ["loss alignment"] and "no longer aligns" in v.findings[0]["message"]
+    v = verdict(stats(1000.0), base, failed=1, error="node0 (localhost): exit status 1; Traceback\nmore")
+    assert [f["metric"] for f in v.findings] == ["rounds failed"]
+    assert "1 of 3 round(s) failed" in v.findings[0]["message"] and "exit status 1; Traceback" in v.findings[0]["message"]
+    # with no history a failed round is still a failure: it is named, the baseline is 'none'
+    v = verdict(stats(None), [], failed=3, error="boom")
+    assert v.status == "regressed" and "baseline: none" in v.findings[0]["message"]
+
+
+def test_baseline_takes_the_last_good_runs_of_the_same_identity(tmp_path):
+    db = history.connect(tmp_path / "h.sqlite")
+    ident = None
+    for day, tps in enumerate([500.0, 100.0, 110.0, 120.0, 130.0, 140.0, 150.0], 1):
+        run = store(db, fake_results(f"llama3_tiny_megatron_cpux1x2_202601{day:02d}", [tps], started=f"2026-01-{day:02d}T00:00:00+00:00"))
+        ident = history.identity_of(db.execute("SELECT * FROM runs WHERE id = ?", (run,)).fetchone())
+    # not good (failed round, unaligned loss), other config, other vendor: never in the baseline
+    store(db, fake_results("failed", [1.0, None], started="2026-01-20T00:00:00+00:00"))
+    store(db, fake_results("unaligned", [2.0], aligned=False, started="2026-01-21T00:00:00+00:00"))
+    store(db, fake_results("other_config", [3.0], steps=31, started="2026-01-22T00:00:00+00:00"))
+    store(db, fake_results("other_vendor", [4.0], vendor="nvidia", started="2026-01-23T00:00:00+00:00"))
+    rows = history.baseline_runs(db, ident, 5)
+    assert [history.stats_of(db, r["id"])["tokens_per_gpu_s"]["median"] for r in rows] == [150.0, 140.0, 130.0, 120.0, 110.0]
+    assert ident["hardware_key"] == HW
+    v = verdict(stats(100.0), [history.stats_of(db, r["id"]) for r in rows])
+    assert v.baseline["tokens_per_gpu_s"] == 130.0 and v.status == "regressed"  # -23 % against the last five

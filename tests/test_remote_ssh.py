@@ -84,7 +84,12 @@ def test_fifty_sequential_execs_are_fast(cluster, cluster_pool):
         if trials[-1] < 1.0:
             break
     # Without TCP_NODELAY each exec costs ~45 ms (2.3 s for 50); measured ~0.4 s here.
-    assert min(trials) < 1.0, f"50 execs took {[round(t, 2) for t in trials]} s"
+    took = [round(t, 2) for t in trials]
+    load = os.getloadavg()[0]
+    if min(trials) >= 1.0 and load > 2 * (os.cpu_count() or 1):
+        pytest.skip(f"machine overloaded (load {load:.1f} on {os.cpu_count()} cores): "
+                    f"50 execs took {took} s, a timing that says nothing about TCP_NODELAY")
+    assert min(trials) < 1.0, f"50 execs took {took} s"
 
 
 def test_timeout_names_host_and_kills_command(cluster, cluster_pool):

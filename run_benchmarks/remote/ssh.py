@@ -191,6 +191,7 @@ class RemoteProcess:
         self._pool = pool
         self._spec = spec
         self._chan = chan
+        output_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(output_path, "ab" if append else "wb")
         self._err = bytearray()
         self._marker_done = threading.Event()
@@ -250,6 +251,8 @@ class RemoteProcess:
 
     def kill(self, grace: float = 5.0) -> int | None:
         """TERM the remote process group, KILL it after ``grace`` seconds; the exit status."""
+        if self.poll() is not None:
+            return self._chan.exit_status  # already ended: its pgid may be reused by now
         if self.pgid is not None:
             self._pool._kill_group(self._spec, self.pgid, self._chan, grace)
         else:
@@ -489,6 +492,8 @@ class SSHPool:
         chan.status_event.wait(1.0)
         rc = chan.exit_status
         chan.close()
+        if not chan.exit_status_ready() and not chan.get_transport().is_active():
+            raise HostUnreachable(spec.name, f"connection lost running {argv[0]}")
         result = Result(
             rc=rc,
             stdout=out.decode("utf-8", "replace"),

@@ -409,11 +409,14 @@ def down(directory: str | os.PathLike[str], *, log=print) -> None:
         return
     t0 = time.monotonic()
     c = Cluster.load(root)
+    if c.state == "down":
+        return  # PIDs and names may belong to someone else by now
     for h in c.hosts:
+        hdir = root / "hosts" / h.name
         _remove_containers(h)
-        _end(h.sshd_pid, "sshd")
-        _end(h.dockerd_pid, "dockerd", timeout=15)
-        _end(h.containerd_pid, "containerd")
+        _end(h.sshd_pid, f"-f {hdir / 'sshd_config'}")
+        _end(h.dockerd_pid, f"--data-root {hdir / 'docker'} ", timeout=15)
+        _end(h.containerd_pid, str(hdir / "docker-exec"))
     # Whatever is left in a namespace we made is ours: ssh sessions, commands the tests
     # started, containerd shims and container processes of a daemon that did not stop.
     for h in c.hosts:

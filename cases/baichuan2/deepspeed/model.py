@@ -231,6 +231,14 @@ class Baichuan2ForCausalLM(nn.Module):
         # Parameters are initialized by each leaf module as it is built:
         # N(0, init_std) for every matrix, ones for the norms.
 
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
+        """Recompute every decoder layer in the backward pass (the Hugging Face method name)."""
+        self.config.gradient_checkpointing = True
+        self.config.checkpoint_reentrant = bool((gradient_checkpointing_kwargs or {}).get("use_reentrant", True))
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.config.gradient_checkpointing = False
+
     def alibi_mask(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if seq_len > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {seq_len} tokens exceeds max_position_embeddings {self.config.max_position_embeddings}")

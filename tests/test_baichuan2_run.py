@@ -1,0 +1,187 @@
+"""baichuan2_tiny on DeepSpeed ZeRO-3, 2 CPU processes, through the deepspeed launcher.
+
+The framework Python comes from ``FB_TEST_DEEPSPEED_PYTHON`` (the conftest sets
+it when the cpu vendor's deepspeed environment is built); without it the tests
+skip.  ``train.py`` is started the way the harness starts it, with a
+hand-written ``resolved.json`` (docs/architecture.md), and its output is read
+with ``training.metriclog.parse_lines`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from training.flops import decoder_flops
+from training.metriclog import parse_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
+CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+TINY = CASE["models"]["baichuan2_tiny"]
+REFERENCE = CASE_DIR / "reference" / "baichuan2_tiny" / "config_cpux1x2.json"
+
+
+def _python() -> str:
+    py = os.environ.get("FB_TEST_DEEPSPEED_PYTHON")
+    if not py:
+        pytest.skip("FB_TEST_DEEPSPEED_PYTHON is not set: no deepspeed environment to run the case in")
+    return py
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolved(tmp: Path, **over) -> dict:
+    """A resolved.json as the harness writes it for baichuan2_tiny:deepspeed:cpu:1:2 (config_cpux1x2)."""
+    train = {
+        "steps": 30, "warmup_steps": 5, "global_batch": 16, "micro_batch": 4,
+        "gradient_accumulation_steps": None, "precision": "bf16", "lr": 1.0e-3, "min_lr": 1.0e-4,
+        "lr_warmup_steps": 3, "weight_decay": 0.1, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
+        "adam_eps": 1.0e-8, "init_std": 0.02, "seed": 1234,
+    }  # fmt: skip
+    parallel = {
+        "tp": 1, "pp": 1, "recompute": "full",
+        "zero": {
+            "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": None,
+            "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,
+            "stage3_max_live_parameters": 1000000000, "stage3_max_reuse_distance": 1000000000, "sub_group_size": 1000000000,
+            "offload_optimizer": "none",
+        },
+    }  # fmt: skip
+    train.update(over.pop("train", {}))
+    for k, v in over.pop("zero", {}).items():
+        parallel["zero"][k] = v
+    parallel.update(over.pop("parallel", {}))
+    assert not over
+    return {
+        "run_id": "test_baichuan2_tiny", "round": 1,
+        "case": {"model": "baichuan2_tiny", "framework": "deepspeed", "hardware": "cpu", "nnodes": 1, "nprocs": 2},
+        "config_name": "config_cpux1x2",
+        "model": {"name": "baichuan2_tiny", "params_nominal": TINY["params_nominal"], **TINY["shape"]},
+        "train": train,
+        "parallel": parallel,
+        "data": {"prefix": None, "max_tokens": 100000000, "synthetic_tokens": 1048576, "data_dir": None,
+                 "cache_dir": str(tmp / "cache")},
+        "vendor": {"name": "cpu", "device": "cpu", "dist_backend": "gloo", "adapters": {}},
+        "output_dir": str(tmp / "out"),
+    }  # fmt: skip
+
+
+def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
+    path = tmp / "resolved.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "FB_RUN_ID": cfg["run_id"],
+        "OMP_NUM_THREADS": "1",
+        # DeepSpeed JIT-builds its CPU shared-memory comm op once; keep the build in a cache of the tests
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
+        or str(Path(os.environ.get("FLAGBENCH_ENV_DIR", Path.home() / ".cache" / "flagbench" / "envs")).parent / "torch_extensions"),
+    }
+    cmd = [
+        py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(_free_port()), str(CASE_DIR / "train.py"), "--config", str(path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (tmp / "stdout.log").write_text(proc.stdout)
+    (tmp / "stderr.log").write_text(proc.stderr)
+    return proc, parse_lines(proc.stdout.splitlines(), source="stdout")
+
+
+@pytest.mark.framework("deepspeed")
+def test_tiny_zero3_two_processes(tmp_path):
+    py = _python()
+    cfg = resolved(tmp_path)
+    proc, log = launch(py, tmp_path, cfg)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert not log.errors, log.errors[:3]
+    assert not log.of("error")
+
+    (meta,) = log.of("meta", "run_meta")
+    m = meta.value
+    assert meta.rank == 0
+    assert m["model"] == "baichuan2_tiny" and m["framework"] == "deepspeed"
+    assert m["params_exact"] == decoder_flops(TINY)["params_exact"] == 1_895_840
+    assert m["params_nominal"] == TINY["params_nominal"]
+    for key in ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size"):
+        assert m[key] == TINY["shape"][key]
+    assert m["num_kv_groups"] == TINY["shape"]["num_heads"]
+    assert m["world_size"] == 2 and m["parallel"]["dp"] == 2
+    assert m["zero_stage"] == 3 and m["parallel"]["zero_stage"] == 3
+    assert (m["global_batch"], m["micro_batch"], m["grad_accum"]) == (16, 4, 2)
+    assert m["precision"] == "bf16" and m["recompute"] == "full"
+    assert m["data"]["source"] == "synthetic"
+
+    # the effective config, read back from the engine
+    ds = json.loads((tmp_path / "out" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization_stage"] == 3
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
+    assert ds["bf16"]["enabled"] is True
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 160 * 160  # null resolved from the hidden size
+    (info,) = log.of("info", "ds_config")
+    assert info.value["config"]["zero_optimization_stage"] == 3
+
+    steps = log.of("step", "train_step")
+    assert [r.value["step"] for r in steps] == list(range(1, 31))
+    assert all(r.rank == 0 for r in steps)
+    assert all(r.value["tokens"] == 16 * TINY["shape"]["seq_length"] for r in steps)
+    assert all(r.value["step_time_s"] > 0 and r.value["lr"] > 0 for r in steps)
+    loss = [r.value["loss"] for r in steps]
+    assert all(math.isfinite(x) for x in loss)
+    assert loss[0] > math.log(TINY["shape"]["vocab_size"])  # NormHead: starts about 1/2 above ln V
+    assert sum(loss[-5:]) / 5 < 0.5 * loss[0], loss  # the loss falls
+
+    assert sorted(r.rank for r in log.of("memory", "peak_memory")) == [0, 1]
+    (end,) = log.of("end", "run_end")
+    assert end.value["status"] == "ok" and end.value["steps"] == 30
+
+    # the committed reference (same machine type): mean relative error from step 21 on
+    ref = json.loads(REFERENCE.read_text())
+    assert (ref["model"], ref["config"]) == ("baichuan2_tiny", "config_cpux1x2")
+    pairs = [(x, r) for s, x, r in zip(range(1, 31), loss, ref["loss"]) if s >= 21]
+    mre = sum(abs(x - r) / r for x, r in pairs) / len(pairs)
+    assert mre < 0.02, (mre, loss)
+
+
+@pytest.mark.framework("deepspeed")
+def test_overrides_of_zero_stage_and_global_batch_are_honoured(tmp_path):
+    """Values come from resolved.json, never from the case: a ZeRO-2, global batch 8 run says so."""
+    py = _python()
+    cfg = resolved(tmp_path, train={"steps": 2, "global_batch": 8}, zero={"stage": 2}, parallel={"recompute": "none"})
+    proc, log = launch(py, tmp_path, cfg)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    (meta,) = log.of("meta", "run_meta")
+    assert meta.value["zero_stage"] == 2 and meta.value["zero_stage_requested"] == 2
+    assert (meta.value["global_batch"], meta.value["grad_accum"], meta.value["recompute"]) == (8, 1, "none")
+    ds = json.loads((tmp_path / "out" / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2 and ds["train_batch_size"] == 8
+    assert [r.value["tokens"] for r in log.of("step", "train_step")] == [8 * TINY["shape"]["seq_length"]] * 2
+
+
+def test_resolved_matches_case_yaml_and_cpu_config():
+    """The hand-written resolved.json above is what case.yaml + config_cpux1x2 give (no drift)."""
+    from run_benchmarks import registry
+    from run_benchmarks.config import CaseConfig, load
+
+    case = load(CaseConfig, CASE_DIR / "case.yaml")
+    std = registry.standard_settings(case, "baichuan2_tiny")
+    vcfg = registry.load_vendor_case(ROOT / "vendors" / "cpu" / "cases" / "baichuan2_tiny" / "config_cpux1x2.yaml")
+    registry.fairness_check(vcfg.values(), case, std, "config_cpux1x2")
+    settings = registry.deep_merge(std, vcfg.values())
+    cfg = resolved(Path("/nonexistent"))
+    assert settings["train"] == cfg["train"]
+    assert settings["parallel"] == cfg["parallel"]
+    assert {k: v for k, v in settings["data"].items()} == {k: v for k, v in cfg["data"].items() if k not in ("data_dir", "cache_dir")}

@@ -291,8 +291,12 @@ class Trainer:
                     )
 
     def emit_memory(self) -> None:
+        import torch
+
         peak, total, name = _peak_memory(self.device)
         self.log.peak_memory(peak, total, name)
+        if self.device.type == "cuda":  # the allocator's reserve: what an OOM margin is measured against
+            self.log.emit("info", "cuda_memory", {"max_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))})
 
 
 def main() -> int:

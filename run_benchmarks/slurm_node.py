@@ -7,7 +7,8 @@ this module once per allocated node; it
 
 1. picks its node's command by ``SLURM_NODEID`` (node rank k = the k-th node of the
    allocation, the order of ``scontrol show hostnames $SLURM_JOB_NODELIST``),
-2. replaces the master placeholder with the allocation's first host name,
+2. replaces the master placeholder with the allocation's first host name (for a
+   container, the address this node resolves that name to),
 3. starts ``python -m run_benchmarks.monitors`` in the background, writing
    ``node<k>/monitor.jsonl``,
 4. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
@@ -33,12 +34,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 SPEC_VERSION = 1
 EXIT_NO_SPEC = 97  # the spec is not visible on this node (run dir not shared)
 EXIT_BAD_ALLOCATION = 98  # the allocation does not match the plan
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL; below Slurm's KillWait (30 s by default)
 
 
 def fail(code: int, message: str) -> int:
@@ -54,6 +55,16 @@ def first_host(nodelist: str) -> str:
     if not out:
         raise ValueError(f"scontrol show hostnames {nodelist!r} printed nothing")
     return out[0]
+
+
+def address_of(host: str) -> str:
+    """The address this node resolves ``host`` to (IPv4 first), else the name itself."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return host
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    return str(infos[0][4][0]) if infos else host
 
 
 def resolve(node: dict[str, Any], placeholder: str, master: str) -> tuple[list[str], dict[str, str]]:
@@ -79,6 +90,8 @@ class Node:
         self.monitor: subprocess.Popen[bytes] | None = None
         self.container_name: str | None = None
         self.stop_signal: int | None = None
+        self.stop_deadline: float | None = None
+        self.on_stop: Callable[[int], None] | None = None  # called once, on the first stop signal
         self._lock = threading.Lock()
 
     def start_monitor(self) -> None:
@@ -124,11 +137,18 @@ class Node:
             )  # fmt: skip
 
     def on_signal(self, signum: int, _frame: object) -> None:
-        """scancel, a time limit or a failed peer: stop the launcher's whole process group."""
+        """scancel, a time limit or a failed peer: stop the launcher's whole process group.
+
+        SIGTERM first; what is still there after ``STOP_GRACE_S`` gets SIGKILL from ``wait``,
+        so that this wrapper reports before Slurm's own SIGKILL (after KillWait) arrives."""
         with self._lock:
-            if self.stop_signal is None:
+            first = self.stop_signal is None
+            if first:
                 self.stop_signal = signum
+                self.stop_deadline = time.monotonic() + STOP_GRACE_S
             proc = self.proc
+        if first and self.on_stop is not None:
+            self.on_stop(signum)
         if self.container_name:
             subprocess.run(["docker", "kill", "--signal", "TERM", self.container_name], capture_output=True, timeout=30)
         if proc is not None and proc.poll() is None:
@@ -141,16 +161,22 @@ class Node:
         assert self.proc is not None
         while True:
             try:
-                rc = self.proc.wait(timeout=1.0)
+                rc = self.proc.wait(timeout=0.5)
                 break
             except subprocess.TimeoutExpired:
-                continue
-        # the launcher is gone; so must be anything it left in its group
+                if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+                    self._kill_now()
+        self._kill_now()  # the launcher is gone; so must be anything it left in its group
+        return rc
+
+    def _kill_now(self) -> None:
+        assert self.proc is not None
+        if self.container_name:
+            subprocess.run(["docker", "kill", self.container_name], capture_output=True, timeout=30)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        return rc
 
 
 def write_report(node_dir: Path, report: dict[str, Any]) -> None:
@@ -182,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if nnodes != len(nodes) or rank != procid or not 0 <= rank < len(nodes):
         return fail(EXIT_BAD_ALLOCATION, f"allocation of {nnodes} node(s), node id {rank}, task {procid}: "
                                          f"the plan needs {len(nodes)} nodes with one task each")  # fmt: skip
-    master = env.get("FB_MASTER_ADDR") or first_host(nodelist)
+    master_host = env.get("FB_MASTER_ADDR") or first_host(nodelist)
+    # a container resolves names its own way (its /etc/hosts): give it the node's answer
+    master = address_of(master_host) if spec.get("container") else master_host
     node = nodes[rank]
     cmd, node_env = resolve(node, spec["master_placeholder"], master)
 
@@ -196,12 +224,16 @@ def main(argv: list[str] | None = None) -> int:
         "hostname": socket.gethostname(),
         "job_id": env.get("SLURM_JOB_ID"),
         "step_id": env.get("SLURM_STEP_ID"),
+        "master_host": master_host,
         "master_addr": master,
         "command": cmd,
         "image": (spec.get("container") or {}).get("image"),
         "started": time.time(),
     }
     write_report(runner.node_dir, {**report, "returncode": None})
+    runner.on_stop = lambda signum: write_report(
+        runner.node_dir, {**report, "returncode": None, "stopped_by_signal": signal.Signals(signum).name}
+    )
     runner.start_monitor()
     rc: int
     try:

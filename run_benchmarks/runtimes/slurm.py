@@ -63,23 +63,26 @@ def parse_show_job(line: str) -> dict[str, str]:
 
 @dataclasses.dataclass
 class Job:
+    """One round's batch job as the harness saw it; times are wall-clock seconds."""
+
     job_id: str
     name: str
     round: str
     nnodes: int
-    submitted_at: float  # wall clock
-    submitted: float  # monotonic
+    submitted_at: float
     state: str = "PENDING"
     reason: str = ""
     exit_code: str = ""
     nodelist: str = ""
     batch_host: str = ""
     time_limit: str = ""
-    running: float | None = None  # first seen running (monotonic)
-    ended: float | None = None  # first seen in a terminal state
-    gone: float | None = None  # squeue no longer lists it
+    running_at: float | None = None  # first seen running (poll resolution)
+    ended_at: float | None = None  # first seen in a terminal state (poll resolution)
+    gone_at: float | None = None  # squeue no longer lists it
+    nodes_started_at: float | None = None  # the first node wrapper started (node.json)
+    nodes_finished_at: float | None = None  # the last launcher exited (node.json)
+    first_step_at: float | None = None  # the first train_step line
     cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup"
-    first_step_at: float | None = None  # wall clock of the first train_step line
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -90,10 +93,12 @@ class Job:
             "reason": self.reason, "exit_code": self.exit_code, "nodelist": self.nodelist,
             "batch_host": self.batch_host, "time_limit": self.time_limit,
             "cancelled_by_harness": self.cancelled_by_harness,
-            "submit_to_running_s": span(self.submitted, self.running),
-            "submit_to_first_step_s": round(self.first_step_at - self.submitted_at, 3) if self.first_step_at else None,
-            "running_s": span(self.running, self.ended),
-            "teardown_s": span(self.ended, self.gone),
+            "submit_to_running_s": span(self.submitted_at, self.running_at),
+            "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
+            "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
+            "nodes_running_s": span(self.nodes_started_at, self.nodes_finished_at),
+            # from the last launcher's exit until Slurm has nothing left of the job
+            "teardown_s": span(self.nodes_finished_at or self.ended_at, self.gone_at),
         }  # fmt: skip
 
 
@@ -248,8 +253,8 @@ class SlurmRuntime(Runtime):
             f"# submitted as: {shlex.join(self.sbatch_argv(plan, round_dir))}",
             "set -u",
             f"if [ ! -r {q(str(spec))} ]; then",
-            f"  echo \"flagbench: {q(str(spec))} is not readable on $(hostname): the run directory must be on a"
-            " filesystem shared by the submit host and every node\" >&2",
+            (f"  echo \"flagbench: {q(str(spec))} is not readable on $(hostname): the run directory must be on a"
+             " filesystem shared by the submit host and every node\" >&2"),
             f"  exit {EXIT_NO_SPEC}",
             "fi",
             f'export PYTHONPATH={q(str(ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
@@ -289,14 +294,13 @@ class SlurmRuntime(Runtime):
             self._wait_gone(job)
             raise
         self._wait_gone(job)
-        job.first_step_at = _first_step_time(round_dir)
         return self._outcomes(plan, job, round_dir)
 
     def _submit(self, plan: Plan, round_dir: Path) -> Job:
         argv = self.sbatch_argv(plan, round_dir)
         name = self.job_name(plan, round_dir)
         # known by name before its id is: an interrupt during sbatch still finds the job
-        placeholder = Job("", name, round_dir.name, plan.case.nnodes, time.time(), time.monotonic())
+        placeholder = Job("", name, round_dir.name, plan.case.nnodes, time.time())
         self.jobs.append(placeholder)
         proc = self._run(argv, timeout=120)
         if proc.returncode != 0:
@@ -323,13 +327,12 @@ class SlurmRuntime(Runtime):
     def _follow(self, job: Job, deadline: float) -> None:
         while True:
             self._show(job)
-            now = time.monotonic()
-            if job.state in ACTIVE and job.running is None:
-                job.running = now
+            if job.state in ACTIVE and job.running_at is None:
+                job.running_at = time.time()
             if job.state not in WAITING | ACTIVE:
-                job.ended = now
+                job.ended_at = time.time()
                 return
-            if now > deadline:
+            if time.monotonic() > deadline:
                 self._cancel(job, "round deadline")
                 return
             time.sleep(self.conf.poll_interval_s)
@@ -350,14 +353,19 @@ class SlurmRuntime(Runtime):
         end = time.monotonic() + limit
         while self._alive(job) and time.monotonic() < end:
             time.sleep(min(self.conf.poll_interval_s, 0.5))
-        if job.ended is None:
-            job.ended = time.monotonic()
-        job.gone = time.monotonic()
+        job.gone_at = time.time()
+        if job.ended_at is None:
+            job.ended_at = job.gone_at
         self._show(job)
 
     def _outcomes(self, plan: Plan, job: Job, round_dir: Path) -> list[NodeOutcome]:
         hosts = self._hostnames(job.nodelist)
         reports = _read_reports(round_dir, job.nnodes, wait=job.state == "COMPLETED")
+        started = [r["started"] for r in reports.values() if r.get("started")]
+        finished = [r["finished"] for r in reports.values() if r.get("finished")]
+        job.nodes_started_at = min(started) if started else None
+        job.nodes_finished_at = max(finished) if finished else None
+        job.first_step_at = _first_step_time(round_dir)
         batch_out = round_dir / "slurm" / f"job-{job.job_id}.out"
         outcomes = []
         for k in range(job.nnodes):
@@ -369,7 +377,7 @@ class SlurmRuntime(Runtime):
             error, timed_out = None, False
             if job.cancelled_by_harness == "round deadline":
                 timed_out = True
-                if job.running is None:
+                if job.running_at is None:
                     error = f"Slurm job {job.job_id} still {job.state} ({job.reason}) when the round deadline passed; cancelled"
             elif job.state == "TIMEOUT":
                 timed_out = True
@@ -405,7 +413,7 @@ class SlurmRuntime(Runtime):
 
     def cleanup(self) -> None:
         for job in self.jobs:
-            if job.gone is None and self._alive(job):
+            if job.gone_at is None and self._alive(job):
                 self._cancel(job, "cleanup")
                 self._wait_gone(job, limit=30.0)
 
@@ -439,7 +447,7 @@ def _read_reports(round_dir: Path, nnodes: int, wait: bool) -> dict[int, dict[st
 def _no_report(job: Job, k: int, host: str, run_dir: Path, batch_out: Path) -> str:
     lines = batch_out.read_text(errors="replace").splitlines()[-TAIL:] if batch_out.is_file() else []
     text = "\n".join(lines)
-    if f"exit {EXIT_NO_SPEC}" in text or "is not readable on" in text or "is not visible on this node" in text or not batch_out.is_file():
+    if not batch_out.is_file() or job.exit_code.startswith(f"{EXIT_NO_SPEC}:") or "filesystem shared by" in text:
         hint = (f"; nothing came back from {host}: the run directory {run_dir} must be on a filesystem "
                 "shared by this host and every node (docs/slurm.md)")  # fmt: skip
     elif job.exit_code.startswith(f"{EXIT_BAD_ALLOCATION}:"):

@@ -63,7 +63,7 @@ class SlurmTestCluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.timings: dict[str, float] = {}
         self.nodes = [name for name, _ in NODES]
-        self.node_namespaces: set[str] = set()  # UTS namespaces of the slurmd nodes
+        self.node_namespaces: dict[str, str] = {}  # node name -> its UTS namespace
 
     # ------------------------------------------------------------------ config
 
@@ -106,7 +106,7 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
 MailProg=/bin/true
-KillWait=3
+KillWait=10
 MinJobAge=600
 InactiveLimit=0
 SlurmdTimeout=60
@@ -185,7 +185,9 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
                 ])  # fmt: skip
             self._wait("nodes idle", self._nodes_idle)
             self.node_namespaces = {
-                os.readlink(f"/proc/{proc.pid}/ns/uts") for n, proc in self.procs.items() if n.startswith("slurmd-")
+                n.removeprefix("slurmd-"): os.readlink(f"/proc/{proc.pid}/ns/uts")
+                for n, proc in self.procs.items()
+                if n.startswith("slurmd-")
             }
             self.timings["nodes_idle_s"] = time.monotonic() - t2
         except BaseException:
@@ -201,18 +203,22 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         ).stdout
         return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
 
-    def node_processes(self) -> list[int]:
-        """PIDs of processes running inside a node (its slurmd, job steps, tasks)."""
+    def node_processes(self, node: str | None = None) -> list[int]:
+        """PIDs of processes running inside a node, or inside any node (slurmd, job steps, tasks)."""
+        wanted = {self.node_namespaces[node]} if node else set(self.node_namespaces.values())
         pids = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
             try:
-                if os.readlink(entry / "ns" / "uts") in self.node_namespaces:
+                if os.readlink(entry / "ns" / "uts") in wanted:
                     pids.append(int(entry.name))
             except OSError:
                 continue
         return pids
+
+    def daemon_pids(self) -> set[int]:
+        return {proc.pid for proc in self.procs.values()}
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons by PID (slurmd, slurmctld, munged), then any
@@ -265,8 +271,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
 
 if __name__ == "__main__":
     with SlurmTestCluster() as c:
-        print(f"export SLURM_CONF={c.conf}  # started in {c.timings['start_s']:.1f} s; Ctrl-C stops it", flush=True)
-        try:
-            signal.pause()
-        except KeyboardInterrupt:
-            pass
+        print(f"export SLURM_CONF={c.conf}  # started in {c.timings['start_s']:.1f} s; SIGINT/SIGTERM stops it", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)  # wake from pause() and stop
+        signal.pause()

@@ -154,6 +154,7 @@ def main() -> None:
         del model, loader, batches
     llava_mmmu.run_or_skip(cfg, logger, device, rank)
     dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _range(lo: str, hi: str) -> str:
+    return "-" if lo == hi == "-" else f"{lo} &ndash; {hi}"
+
+
 def _table(header: Iterable[str], rows: Iterable[Iterable[str]], numeric: set[int] = frozenset()) -> str:  # type: ignore[assignment]
     """Cells are HTML already (callers escape text)."""
     head = "".join(f"<th>{e(h)}</th>" for h in header)
@@ -129,6 +133,8 @@ def rounds_plot(rounds: list[sqlite3.Row], baseline: float | None, tol_pct: floa
         ax.axhline(baseline, color="k", lw=1, label="baseline median")
         if tol_pct:
             ax.axhline(baseline * (1 - tol_pct / 100), color="#b00020", lw=1, ls="--", label=f"tolerance -{tol_pct:g}%")
+    top = max([y for _, y in ok] + [baseline or 0])
+    ax.set_ylim(0, 1.15 * top if top > 0 else 1)
     ax.set_xticks(xs or [1])
     ax.set(xlabel="round", ylabel="tokens per GPU per second", title=title)
     _legend(ax)
@@ -204,7 +210,7 @@ def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
     agg = []
     for metric, label, fmt in (("tokens_per_gpu_s", "tokens/p/s", _f), ("mfu_6n", "MFU-6N", _pct), ("mfu_palm", "MFU-PaLM", _pct), ("peak_mem_gib", "peak mem (GiB)", lambda x: _f(x, ".3f"))):
         s = st.get(metric, {})
-        agg.append([e(label), str(s.get("n", 0)), fmt(s.get("median")), fmt(s.get("min")), fmt(s.get("max")), f"{fmt(s.get('q1'))} &ndash; {fmt(s.get('q3'))}", fmt(s.get("olympic"))])
+        agg.append([e(label), str(s.get("n", 0)), fmt(s.get("median")), fmt(s.get("min")), fmt(s.get("max")), _range(fmt(s.get("q1")), fmt(s.get("q3"))), fmt(s.get("olympic"))])
     out.append(f"<p>{row['rounds_ok']} of {row['rounds_requested']} round(s) ok, <b>{row['rounds_failed']} failed</b>; loss {_loss_cell(row['loss_aligned'])}</p>")
     out.append(_table(["metric", "ok rounds", "median", "min", "max", "IQR", "olympic mean (5+ rounds)"], agg, {1, 2, 3, 4, 5, 6}))
     rrows = [
@@ -256,7 +262,7 @@ def write_night(db: sqlite3.Connection, night_id: int, out_dir: Path, exit_statu
         tps, mem, mfu = st.get("tokens_per_gpu_s", {}), st.get("peak_mem_gib", {}), st.get("mfu_6n", {})
         rows.append([
             f'<a href="#run-{r["id"]}">{e(r["case_key"])}</a>', e(r["vendor"]), e(_config_text(r)), f"{r['rounds_ok']}/{r['rounds_failed']}",
-            _f(tps.get("median")), f"{_f(tps.get('min'))} &ndash; {_f(tps.get('max'))}", f"{_f(tps.get('q1'))} &ndash; {_f(tps.get('q3'))}",
+            _f(tps.get("median")), _range(_f(tps.get("min")), _f(tps.get("max"))), _range(_f(tps.get("q1")), _f(tps.get("q3"))),
             _f(tps.get("olympic")), _pct(mfu.get("median")), _f(mem.get("median"), ".3f"), _loss_cell(r["loss_aligned"]),
             str(r["baseline_runs"]), _verdict_cell(r["verdict"]),
         ])  # fmt: skip

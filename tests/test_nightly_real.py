@@ -1,0 +1,128 @@
+"""Nightly rounds on real runs of the tiny CPU case, through the real orchestrator.
+
+Three nights over one history file, each a ``python -m run_benchmarks.nightly`` process
+as CI starts it:
+
+1. seed: no history yet -> "baseline: none", exit 0;
+2. unchanged: same case, same machine -> pass against the seed, exit 0;
+3. slowed: the same run list while the machine is really slower for it -- the nightly
+   process (and so every rank it starts) is pinned to one CPU that three busy-looping
+   neighbour processes share -> the throughput regression is flagged, exit 1, naming the
+   case and the baseline against the new figure.
+
+Nothing in the history is edited; every figure comes from a run.  The tolerance for
+throughput is wide (50 %) because the unchanged night may share the machine with other
+work; the slowed night is about five times slower on a quiet machine (its two ranks get
+two fifths of one core instead of two cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from test_report_browser import assert_loads_offline_with_plots, load_page
+
+from run_benchmarks import history
+from run_benchmarks.registry import ROOT
+
+CASE = "llama3_tiny:megatron:cpu:1:2"
+NEIGHBOURS = 3
+
+
+def write_runlist(tmp: Path, python: str, rounds: int) -> Path:
+    path = tmp / f"nightly-{rounds}.yaml"
+    path.write_text(
+        f"log_dir: logs\nhistory_db: history.sqlite\npython: {python}\nround_timeout_s: 600\nbaseline_runs: 5\n"
+        "tolerances: {throughput_drop_pct: 50, memory_rise_pct: 25}\n"
+        f"cases:\n  - {{case: '{CASE}', vendor: cpu, rounds: {rounds}}}\n"
+    )
+    return path
+
+
+def nightly(runlist: Path, cpus: set[int] | None = None) -> subprocess.CompletedProcess[str]:
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "run_benchmarks.nightly", str(runlist)],
+        capture_output=True, text=True, timeout=1200, cwd=runlist.parent, env=env, preexec_fn=pin,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def noisy_neighbours(cpu: int, n: int) -> Iterator[None]:
+    """``n`` processes spinning on one CPU for as long as the block runs."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        for _ in range(n)
+    ]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.framework("megatron")
+def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
+    runlist = write_runlist(tmp_path, megatron_python, rounds=3)
+
+    seed = nightly(runlist)
+    assert seed.returncode == 0, seed.stdout + seed.stderr
+    assert "baseline: none" in seed.stdout and "0 finding(s)" in seed.stdout
+
+    same = nightly(runlist)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "REGRESSION" not in same.stdout
+
+    cpu = min(os.sched_getaffinity(0))
+    with noisy_neighbours(cpu, NEIGHBOURS):
+        slow = nightly(write_runlist(tmp_path, megatron_python, rounds=1), cpus={cpu})
+    assert slow.returncode == 1, slow.stdout + slow.stderr
+    regressions = [ln for ln in slow.stdout.splitlines() if ln.startswith("REGRESSION")]
+    assert len(regressions) == 1, slow.stdout
+    assert regressions[0].startswith(f"REGRESSION {CASE} on cpu (config_cpux1x2): tokens/p/s median ")
+    assert "vs baseline" in regressions[0] and "(median of 2 run(s))" in regressions[0] and "tolerance -50%" in regressions[0]
+
+    db = history.connect(tmp_path / "history.sqlite")
+    runs = db.execute("SELECT * FROM runs ORDER BY id").fetchall()
+    assert [r["verdict"] for r in runs] == ["baseline: none", "pass", "regressed"]
+    assert [(r["rounds_requested"], r["rounds_ok"], r["rounds_failed"]) for r in runs] == [(3, 3, 0), (3, 3, 0), (1, 1, 0)]
+    assert len({history.identity_of(r)["config_key"] for r in runs}) == 1  # the same config all three nights
+    assert all(r["loss_aligned"] in (1, None) for r in runs)  # aligned, or no reference committed yet
+    meds = [history.stats_of(db, r["id"])["tokens_per_gpu_s"]["median"] for r in runs]
+    baseline = json.loads(runs[2]["baseline_json"])["tokens_per_gpu_s"]
+    assert baseline == pytest.approx((meds[0] + meds[1]) / 2)
+    assert meds[2] < 0.5 * baseline
+    (finding,) = db.execute("SELECT * FROM findings").fetchall()
+    assert finding["metric"] == "tokens/p/s" and finding["now"] == pytest.approx(meds[2])
+
+    # what each run stored: system, settings, every round, and the loss curve of every round
+    first = runs[0]
+    assert json.loads(first["system_json"])["host"] and json.loads(first["settings_json"])["train"]["steps"] == 30
+    rounds = db.execute("SELECT * FROM rounds WHERE run = ? ORDER BY round", (first["id"],)).fetchall()
+    assert [r["status"] for r in rounds] == ["ok"] * 3 and all(r["tokens_per_gpu_s"] > 0 and r["peak_mem_gib"] > 0 for r in rounds)
+    curves = history.losses_of(db, first["id"])
+    for rnd in (1, 2, 3):
+        loss = curves[(rnd, "train")]
+        assert sorted(loss) == list(range(1, 31)) and loss[30] < loss[1]
+    results = json.loads((Path(first["run_dir"]) / "results.json").read_text())
+    assert {int(k): v for k, v in results["rounds"][0]["phases"][0]["loss"].items()} == curves[(1, "train")]
+
+    assert history.main(["list", "--case", CASE, "--vendor", "cpu", "--db", str(tmp_path / "history.sqlite")]) == 0
+
+    night = db.execute("SELECT * FROM nights ORDER BY id DESC").fetchone()
+    assert night["exit_status"] == 1
+    page = load_page(Path(night["report_path"]), tmp_path / "profile")
+    assert_loads_offline_with_plots(page, plots=3)
+    assert "regressed" in page["text"] and CASE in page["text"]
+    index = load_page(tmp_path / "logs" / "reports" / "index.html", tmp_path / "profile2")
+    assert_loads_offline_with_plots(index, plots=1)
+    assert len([link for link in index["links"] if link.startswith("nightly-")]) == 3

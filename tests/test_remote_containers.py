@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import textwrap
 import time
 import uuid
@@ -86,6 +89,30 @@ def test_engine_over_ssh_and_local_socket_agree(cluster, engines):
         assert engines["h1"].images.get(cluster.image).id == local.images.get(cluster.image).id
     finally:
         local.close()
+
+
+def test_engine_over_ssh_without_a_pool(cluster):
+    h2 = cluster.host("h2")
+    client = connect_engine(h2.docker_url, key_file=cluster.key_file,
+                            known_hosts=cluster.known_hosts)
+    try:
+        assert client.info()["DockerRootDir"].endswith("/hosts/h2/docker")
+    finally:
+        client.close()
+
+
+def test_stock_docker_sdk_ssh_transport_reaches_a_host(cluster, tmp_path):
+    """The cluster serves the SDK's own ssh:// transport (it reads ~/.ssh/config)."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text(Path(cluster.ssh_config).read_text())
+    (home / ".ssh" / "known_hosts").write_text(Path(cluster.known_hosts).read_text())
+    code = ("import docker; c = docker.DockerClient(base_url='ssh://h1'); "
+            "print(c.info()['DockerRootDir']); c.close()")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HOME": str(home)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(Path(cluster.host("h1").docker_socket).parent / "docker")
 
 
 def test_ensure_image_builds_once_and_never_pulls(cluster, engines, tmp_path):

@@ -54,6 +54,17 @@ def test_parallel_connect_two_hosts(cluster):
     assert {name: r.stdout.strip() for name, r in results.items()} == {
         h.name: h.hostname for h in cluster.hosts}
     assert elapsed < 5.0
+    # Two silent addresses on the cluster's bridge, 1.5 s connect timeout each: one after
+    # the other would take 3 s, in parallel 1.5 s.
+    silent = [HostSpec(name=f"silent{k}", address=f"10.210.{cluster.index}.{200 + k}",
+                       key_file=cluster.key_file, known_hosts=cluster.known_hosts)
+              for k in range(2)]
+    with SSHPool(silent, connect_timeout=1.5) as pool:
+        start = time.monotonic()
+        with pytest.raises(HostUnreachable) as info:
+            pool.connect()
+        elapsed = time.monotonic() - start
+    assert len(info.value.other_errors) == 1 and 1.4 < elapsed < 2.8
 
 
 def test_exec_env_cwd_and_exact_argv(cluster, cluster_pool):

@@ -12,6 +12,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import docker.errors
 import pytest
 
 from run_benchmarks.remote.containers import (
@@ -123,7 +124,7 @@ def test_ensure_image_builds_once_and_never_pulls(cluster, engines, tmp_path):
         f"FROM {cluster.image}\nCOPY marker.txt /marker.txt\nRUN cat /marker.txt > /copied\n")
     (ctx / "marker.txt").write_text(uuid.uuid4().hex)
     tag = image_tag(ctx, "flagbench/test")
-    with pytest.raises(Exception):
+    with pytest.raises(docker.errors.ImageNotFound):
         client.images.get(tag)
     image_id = ensure_image(client, ctx, "flagbench/test")
     assert client.images.get(tag).id == image_id
@@ -226,7 +227,8 @@ def test_two_host_gloo_all_reduce(cluster, engines, torch_venv, tmp_path):
                      "RANK": str(rank), "GLOO_SOCKET_IFNAME": "eth0"},
                 mounts=_python_mounts(torch_venv, code), network_mode="host"))
         with ThreadPoolExecutor(2) as ex:
-            rcs = dict(zip(handles, ex.map(lambda h: h.wait(timeout=150), handles.values())))
+            rcs = dict(zip(handles, ex.map(lambda h: h.wait(timeout=150), handles.values()),
+                           strict=True))
         logs = {name: h.logs() for name, h in handles.items()}
         assert rcs == {"h1": 0, "h2": 0}, logs
         assert "rank 0 of 2 sum 3.0" in logs["h1"] and "rank 1 of 2 sum 3.0" in logs["h2"]

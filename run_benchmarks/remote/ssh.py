@@ -604,7 +604,8 @@ class SSHPool:
                     _put_one(sftp, Path(dirpath, fname), f"{rdir}/{fname}",
                              remote.get(fname), stats)
         except socket.timeout:
-            raise CommandTimeout(spec.name, f"put_tree to {remote_dir} stalled", timeout=timeout)
+            raise CommandTimeout(spec.name, f"put_tree to {remote_dir} stalled",
+                                 timeout=timeout) from None
         except (OSError, paramiko.SSHException) as e:
             raise RemoteCommandFailed(spec.name, f"put_tree to {remote_dir}: {e}") from e
         finally:
@@ -651,7 +652,7 @@ class SSHPool:
                         _get_one(sftp, rpath, lpath, attr, stats)
         except socket.timeout:
             raise CommandTimeout(spec.name, f"get_tree from {remote_dir} stalled",
-                                 timeout=timeout)
+                                 timeout=timeout) from None
         except (OSError, paramiko.SSHException) as e:
             raise RemoteCommandFailed(spec.name, f"get_tree from {remote_dir}: {e}") from e
         finally:

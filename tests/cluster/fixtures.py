@@ -48,13 +48,15 @@ def cluster() -> Iterator[netns.Cluster]:
     reason = cluster_skip_reason()
     if reason:
         pytest.skip(reason)
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    netns.sweep_stale("/tmp/fbc-*", log=log)  # clusters of test runs that were killed
     # A short directory: dockerd and containerd put unix sockets (108-byte limit) under it.
     directory = tempfile.mkdtemp(prefix="fbc-", dir="/tmp")
     try:
-        c = netns.up(2, directory, log=lambda msg: print(msg, file=sys.stderr))
+        c = netns.up(2, directory, owner_pid=os.getpid(), log=log)
         yield c
     finally:
-        netns.down(directory, log=lambda msg: print(msg, file=sys.stderr))
+        netns.down(directory, log=log)
         shutil.rmtree(directory, ignore_errors=True)
 
 

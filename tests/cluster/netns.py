@@ -76,6 +76,7 @@ class Cluster:
     storage_driver: str
     image: str | None = None
     state: str = "starting"
+    owner_pid: int | None = None
     hosts: list[HostInfo] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -257,8 +258,13 @@ def _import_image(h: HostInfo, tarball: Path, ref: str) -> None:
 
 
 def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
-       storage_driver: str = "overlay2", user: str = "root", log=print) -> Cluster:
-    """Build an n-host cluster recorded in ``<directory>/cluster.json``; undone on failure."""
+       storage_driver: str = "overlay2", user: str = "root", owner_pid: int | None = None,
+       log=print) -> Cluster:
+    """Build an n-host cluster recorded in ``<directory>/cluster.json``; undone on failure.
+
+    ``owner_pid``: the process whose lifetime bounds the cluster's (``sweep_stale`` tears
+    the cluster down once that process is gone); None for a cluster kept until ``down``.
+    """
     if n < 1 or n > 250:
         raise ValueError("n must be in 1..250")
     missing = missing_requirements()
@@ -270,14 +276,15 @@ def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
     if (root / "cluster.json").exists() and Cluster.load(root).state != "down":
         raise ClusterError(f"{root} already holds a cluster; run down first")
     tarball = build_tarball(log=log) if image else None
+    # A previous cluster's keys: ssh-keygen would ask before overwriting them.
     for old in [root / "client_key", root / "client_key.pub", *root.glob("hosts/*/ssh_host_*")]:
-        old.unlink(missing_ok=True)  # a previous cluster's keys (ssh-keygen would ask before overwriting)
+        old.unlink(missing_ok=True)
     i = _claim_index()
     c = Cluster(dir=str(root), index=i, bridge=f"fbbr{i}", bridge_address=f"10.210.{i}.254",
                 subnet=f"10.210.{i}.0/24", key_file=str(root / "client_key"),
                 public_key_file=str(root / "client_key.pub"),
                 known_hosts=str(root / "known_hosts"), ssh_config=str(root / "ssh_config"),
-                storage_driver=storage_driver)
+                storage_driver=storage_driver, owner_pid=owner_pid)
     c.save()
     try:
         _sh("ip", "addr", "add", f"{c.bridge_address}/24", "dev", c.bridge)
@@ -446,6 +453,22 @@ def down(directory: str | os.PathLike[str], *, log=print) -> None:
     c.timings.update(down_s=round(now - t0, 2), down_stop_s=round(t1 - t0, 2),
                      down_net_s=round(t2 - t1, 2), down_rm_s=round(now - t2, 2))
     c.save()
+
+
+def sweep_stale(pattern: str = "/tmp/fbc-*", *, log=print) -> list[str]:
+    """Tear down clusters whose owner process is gone (a test run that was killed)."""
+    swept = []
+    for path in sorted(Path("/").glob(pattern.lstrip("/"))):
+        try:
+            c = Cluster.load(path)
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if c.state != "down" and c.owner_pid and not Path(f"/proc/{c.owner_pid}").exists():
+            log(f"tearing down stale cluster {path} (owner {c.owner_pid} is gone)")
+            down(path, log=log)
+            shutil.rmtree(path, ignore_errors=True)
+            swept.append(str(path))
+    return swept
 
 
 def main(argv: list[str] | None = None) -> int:

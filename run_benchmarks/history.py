@@ -316,7 +316,7 @@ def case_runs(db: sqlite3.Connection, case: str, vendor: str | None = None, limi
 # --------------------------------------------------------------------------- the list command
 
 
-def _num(x: float | None, fmt: str = ".1f") -> str:
+def fmt_num(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
@@ -332,10 +332,10 @@ def history_table(db: sqlite3.Connection, rows: list[sqlite3.Row], title: str) -
         loss = {None: "no ref", 1: "aligned", 0: "NOT aligned"}[row["loss_aligned"]]
         table.add_row(
             row["started"][:16].replace("T", " "), row["run_id"].rsplit("_", 1)[-1], row["vendor"], row["hardware_key"].split("|", 2)[-1],
-            config, f"{row['rounds_ok']}/{row['rounds_failed']}", _num(tps.get("median")),
-            f"{_num(tps.get('min'))}-{_num(tps.get('max'))}", f"{_num(tps.get('q1'))}-{_num(tps.get('q3'))}",
-            _num(tps.get("olympic")), "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
-            _num(mem.get("median"), ".3f"), loss, row["verdict"],
+            config, f"{row['rounds_ok']}/{row['rounds_failed']}", fmt_num(tps.get("median")),
+            f"{fmt_num(tps.get('min'))}-{fmt_num(tps.get('max'))}", f"{fmt_num(tps.get('q1'))}-{fmt_num(tps.get('q3'))}",
+            fmt_num(tps.get("olympic")), "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
+            fmt_num(mem.get("median"), ".3f"), loss, row["verdict"],
         )  # fmt: skip
     return table
 

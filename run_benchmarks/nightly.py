@@ -295,7 +295,7 @@ class _ProgressConsole:
 
     @contextlib.contextmanager
     def status(self, text: str, *args: Any, **kwargs: Any) -> Iterator[None]:
-        self.progress.update(self.task, description=f"{self.label}: {text}")
+        self.progress.update(self.task, description=f"{self.label} {text}")
         try:
             yield
         finally:
@@ -348,9 +348,9 @@ def run_night(night: Night, db: Any, night_id: int, console: Console) -> list[di
         task = progress.add_task("nightly", total=sum(j.entry.rounds for j in night.jobs))
         done = 0
         for job in night.jobs:
-            label = f"[{job.index + 1}/{len(night.jobs)}] {_label(job)}"
-            progress.console.print(f"[bold]{label}[/bold]: {job.entry.rounds} round(s), run {job.plan.run_id}")
-            proxy = _ProgressConsole(progress, task, label, job.plan.run_dir / "results.json", done)
+            counter = f"[{job.index + 1}/{len(night.jobs)}]"
+            progress.console.print(f"{counter} {_label(job)}: {job.entry.rounds} round(s), run {job.plan.run_id}", markup=False, highlight=False)
+            proxy = _ProgressConsole(progress, task, counter, job.plan.run_dir / "results.json", done)
             res, broke = run_case(job, proxy)
             done += job.entry.rounds
             progress.update(task, completed=done)
@@ -386,8 +386,8 @@ def _judge_and_store(night: Night, db: Any, night_id: int, job: Job, res: dict[s
     tps = stats["tokens_per_gpu_s"]
     b = verdict.baseline.get("tokens_per_gpu_s")
     line = (
-        f"  {ok}/{job.entry.rounds} round(s) ok; tokens/p/s median {history._num(tps['median'])}"
-        f" (IQR {history._num(tps['q1'])}-{history._num(tps['q3'])}); "
+        f"  {ok}/{job.entry.rounds} round(s) ok; tokens/p/s median {history.fmt_num(tps['median'])}"
+        f" (IQR {history.fmt_num(tps['q1'])}-{history.fmt_num(tps['q3'])}); "
         + (f"baseline {b:.1f} from {verdict.baseline_runs} run(s)" if b else "baseline: none")
         + f"; verdict: {verdict.status}"
     )
@@ -412,9 +412,9 @@ def summary_table(outcomes: list[dict[str, Any]]) -> Table:
     for o in outcomes:
         tps, mem, v = o["stats"]["tokens_per_gpu_s"], o["stats"]["peak_mem_gib"], o["verdict"]
         table.add_row(
-            _label(o["job"]), f"{o['rounds_ok']}/{o['rounds_failed']}", history._num(tps["median"]),
-            f"{history._num(tps['q1'])}-{history._num(tps['q3'])}", history._num(tps["olympic"]), history._num(mem["median"], ".3f"),
-            "none" if not v.baseline_runs else f"{history._num(v.baseline['tokens_per_gpu_s'])} ({v.baseline_runs} runs)", v.status,
+            _label(o["job"]), f"{o['rounds_ok']}/{o['rounds_failed']}", history.fmt_num(tps["median"]),
+            f"{history.fmt_num(tps['q1'])}-{history.fmt_num(tps['q3'])}", history.fmt_num(tps["olympic"]), history.fmt_num(mem["median"], ".3f"),
+            "none" if not v.baseline_runs else f"{history.fmt_num(v.baseline['tokens_per_gpu_s'])} ({v.baseline_runs} runs)", v.status,
         )  # fmt: skip
     return table
 

@@ -250,8 +250,10 @@ def write_night(db: sqlite3.Connection, night_id: int, out_dir: Path, exit_statu
     status = "regressed" if findings else "pass"
     body = [
         f"<h1>Nightly {e(night['started'])}: {_verdict_cell(status)}</h1>",
-        f'<p class="meta">run list <code>{e(night["runlist_path"])}</code> on {e(night["host"])}; exit status {e(exit_status)} '
-        f"({e(EXIT_MEANING.get(exit_status, '?'))}); <a href=\"index.html\">all nights</a></p>",
+        (
+            f'<p class="meta">run list <code>{e(night["runlist_path"])}</code> on {e(night["host"])}; exit status {e(exit_status)} '
+            f"({e(EXIT_MEANING.get(exit_status, '?'))}); <a href=\"index.html\">all nights</a></p>"
+        ),
     ]
     body.append(
         '<ul class="findings">' + "".join(f"<li>{e(f['message'])}</li>" for f in findings) + "</ul>" if findings else '<p class="pass">No regression.</p>'

@@ -136,7 +136,7 @@ def test_interrupt_keeps_finished_cases(tmp_path, scripted, capsys):
     path = write_runlist(tmp_path, extra_cases=f"  - {{case: '{CASE}', vendor: cpu, variant: TP2, rounds: 2}}\n")
     scripted["config_cpux1x2"] = [1000.0, 1000.0, 1000.0]
     scripted["config_cpux1x2_TP2"] = KeyboardInterrupt()
-    rc, out, err = night(path, capsys)
+    rc, _, err = night(path, capsys)
     assert rc == 130 and "interrupted" in err
     db = sqlite3.connect(tmp_path / "h.sqlite")
     assert db.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
@@ -146,7 +146,7 @@ def test_interrupt_keeps_finished_cases(tmp_path, scripted, capsys):
 def test_olympic_mean_from_five_rounds(tmp_path, scripted, capsys):
     path = write_runlist(tmp_path, rounds=5)
     scripted["config_cpux1x2"] = [100.0, 200.0, 210.0, 220.0, 5000.0]
-    rc, out, _ = night(path, capsys)
+    rc, _, _ = night(path, capsys)
     assert rc == 0
     db = history.connect(tmp_path / "h.sqlite")
     st = history.stats_of(db, 1)["tokens_per_gpu_s"]

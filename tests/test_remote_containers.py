@@ -78,6 +78,7 @@ def test_base_images_of_a_dockerfile():
     assert base_images(text, {"BASE": "flagbench/base:bookworm"})[0] == "flagbench/base:bookworm"
 
 
+@pytest.mark.cluster
 def test_engine_over_ssh_and_local_socket_agree(cluster, engines):
     h1 = cluster.host("h1")
     local = connect_engine(h1.docker_socket)
@@ -92,6 +93,7 @@ def test_engine_over_ssh_and_local_socket_agree(cluster, engines):
         local.close()
 
 
+@pytest.mark.cluster
 def test_engine_over_ssh_without_a_pool(cluster):
     h2 = cluster.host("h2")
     client = connect_engine(h2.docker_url, key_file=cluster.key_file,
@@ -102,6 +104,7 @@ def test_engine_over_ssh_without_a_pool(cluster):
         client.close()
 
 
+@pytest.mark.cluster
 def test_stock_docker_sdk_ssh_transport_reaches_a_host(cluster, tmp_path):
     """The cluster serves the SDK's own ssh:// transport (it reads ~/.ssh/config)."""
     home = tmp_path / "home"
@@ -116,6 +119,7 @@ def test_stock_docker_sdk_ssh_transport_reaches_a_host(cluster, tmp_path):
     assert proc.stdout.strip() == str(Path(cluster.host("h1").docker_socket).parent / "docker")
 
 
+@pytest.mark.cluster
 def test_ensure_image_builds_once_and_never_pulls(cluster, engines, tmp_path):
     client = engines["h1"]
     ctx = tmp_path / "ctx"
@@ -143,6 +147,7 @@ def test_ensure_image_builds_once_and_never_pulls(cluster, engines, tmp_path):
         ensure_image(client, ctx, "flagbench/test")
 
 
+@pytest.mark.cluster
 def test_container_runs_host_python_with_torch(cluster, engines, torch_venv, tmp_path):
     code, out = tmp_path / "code", tmp_path / "out"
     code.mkdir()
@@ -180,6 +185,7 @@ def test_container_runs_host_python_with_torch(cluster, engines, torch_venv, tmp
         cleanup_by_label(client, run_id)
 
 
+@pytest.mark.cluster
 def test_wait_timeout_and_cleanup_by_label(cluster, engines):
     client = engines["h2"]
     run_id, other = _run_id(), _run_id()
@@ -203,6 +209,7 @@ def test_wait_timeout_and_cleanup_by_label(cluster, engines):
     assert containers_of_run(client, other) == []
 
 
+@pytest.mark.cluster
 def test_two_host_gloo_all_reduce(cluster, engines, torch_venv, tmp_path):
     code = tmp_path / "code"
     code.mkdir()

@@ -45,6 +45,7 @@ def test_remote_command_quotes_argv_once():
         remote_command([])
 
 
+@pytest.mark.cluster
 def test_parallel_connect_two_hosts(cluster):
     with SSHPool(cluster.host_specs()) as pool:
         start = time.monotonic()
@@ -67,6 +68,7 @@ def test_parallel_connect_two_hosts(cluster):
     assert len(info.value.other_errors) == 1 and 1.4 < elapsed < 2.8
 
 
+@pytest.mark.cluster
 def test_exec_env_cwd_and_exact_argv(cluster, cluster_pool):
     cwd = _workdir(cluster, "h1") + "/dir with space"
     os.makedirs(cwd)
@@ -83,6 +85,7 @@ def test_exec_env_cwd_and_exact_argv(cluster, cluster_pool):
     assert cluster_pool.run("h1", ["true"], timeout=10, cwd="/nonexistent-dir").rc != 0
 
 
+@pytest.mark.cluster
 def test_fifty_sequential_execs_are_fast(cluster, cluster_pool):
     transport = cluster_pool.transport("h2")
     assert transport.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
@@ -103,6 +106,7 @@ def test_fifty_sequential_execs_are_fast(cluster, cluster_pool):
     assert min(trials) < 1.0, f"50 execs took {took} s"
 
 
+@pytest.mark.cluster
 def test_timeout_names_host_and_kills_command(cluster, cluster_pool):
     marker = f"fb-timeout-{uuid.uuid4().hex[:8]}"
     start = time.monotonic()
@@ -113,6 +117,7 @@ def test_timeout_names_host_and_kills_command(cluster, cluster_pool):
     assert res.rc == 1, res.stdout
 
 
+@pytest.mark.cluster
 def test_wrong_key_is_auth_failed(cluster, tmp_path):
     other = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)],
@@ -125,6 +130,7 @@ def test_wrong_key_is_auth_failed(cluster, tmp_path):
             pool.connect(["h1"])
 
 
+@pytest.mark.cluster
 def test_unknown_host_key_rejected_unless_opted_in(cluster, tmp_path):
     known = tmp_path / "known_hosts"
     specs = cluster.host_specs(known_hosts=str(known))
@@ -142,6 +148,7 @@ def test_unknown_host_key_rejected_unless_opted_in(cluster, tmp_path):
         assert pool.run("h2", ["true"], timeout=10).rc == 0
 
 
+@pytest.mark.cluster
 def test_changed_host_key_is_mismatch(cluster, tmp_path):
     fake = tmp_path / "fake_host_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(fake)],
@@ -158,6 +165,7 @@ def test_changed_host_key_is_mismatch(cluster, tmp_path):
     assert known.read_text().count("\n") == 1
 
 
+@pytest.mark.cluster
 def test_host_down_is_unreachable(cluster):
     h1 = cluster.host("h1")
     closed = HostSpec(name="closed", address=h1.address, port=2999,
@@ -177,6 +185,7 @@ def test_host_down_is_unreachable(cluster):
         assert [e.host for e in [info.value, *info.value.other_errors]] == ["closed", "absent"]
 
 
+@pytest.mark.cluster
 def test_start_wait_returns_real_exit_code(cluster, cluster_pool, tmp_path):
     out = tmp_path / "out.log"
     proc = cluster_pool.start("h1", ["sh", "-c", "echo one; echo two >&2; sleep 0.3; exit 7"],
@@ -192,6 +201,7 @@ def test_start_wait_returns_real_exit_code(cluster, cluster_pool, tmp_path):
     assert proc.wait(timeout=10) != 0 and "nonexistent-dir" in out.read_text()
 
 
+@pytest.mark.cluster
 def test_kill_ends_the_whole_process_group(cluster, cluster_pool, tmp_path):
     out = tmp_path / "tree.log"
     proc = cluster_pool.start("h2", ["sh", "-c", "sleep 300 & sleep 300 & echo started; wait"],
@@ -213,6 +223,7 @@ def test_kill_ends_the_whole_process_group(cluster, cluster_pool, tmp_path):
     assert _no_group(cluster_pool, "h2", proc.pgid)
 
 
+@pytest.mark.cluster
 def test_put_tree_and_get_tree(cluster, cluster_pool, tmp_path):
     src = tmp_path / "src"
     (src / "pkg" / "sub").mkdir(parents=True)

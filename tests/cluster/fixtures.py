@@ -4,8 +4,9 @@
 ``FLAGBENCH_CLUSTER`` environment variable: a directory made by ``python -m
 tests.cluster.netns up``). Tests that need it are skipped, with the reason, when not root
 or when a tool is missing. ``cluster_pool``: a connected ``SSHPool`` over its hosts.
-``torch_venv``: a Python 3.11 virtualenv with the CPU torch build, cached under
-``~/.cache/flagbench/venvs`` (or ``FLAGBENCH_TORCH_VENV``), to bind-mount into containers.
+``torch_venv``: a Python 3.11 virtualenv with the CPU torch build to bind-mount into
+containers: ``FLAGBENCH_TORCH_VENV``, else the cpu megatron/deepspeed environment when the
+harness has built it, else one built once under ``~/.cache/flagbench/venvs``.
 """
 
 from __future__ import annotations
@@ -86,11 +87,37 @@ def _build_torch_venv(target: Path) -> Path:
         return target
 
 
+def _framework_venv_with_torch() -> Path | None:
+    """A cpu framework environment already built by the harness (the conftest exports its
+    python as FB_TEST_<FRAMEWORK>_PYTHON) on this interpreter, with torch in it."""
+    for var in ("FB_TEST_MEGATRON_PYTHON", "FB_TEST_DEEPSPEED_PYTHON"):
+        py = os.environ.get(var)
+        if not py:
+            continue
+        venv = Path(py).parent.parent
+        try:
+            cfg = (venv / "pyvenv.cfg").read_text()
+        except OSError:
+            continue
+        home = [line.split("=", 1)[1].strip() for line in cfg.splitlines()
+                if line.split("=", 1)[0].strip() == "home"]
+        ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        if (home and Path(home[0]) == HOST_PYTHON_PREFIX / "bin"
+                and (venv / "lib" / ver / "site-packages" / "torch").is_dir()):
+            return venv
+    return None
+
+
 @pytest.fixture(scope="session")
 def torch_venv() -> Path:
+    """A venv with torch on the harness's interpreter: FLAGBENCH_TORCH_VENV, else a cpu
+    framework environment (what real CPU runs mount), else one built for the tests."""
     given = os.environ.get("FLAGBENCH_TORCH_VENV")
     if given:
         return Path(given)
+    framework = _framework_venv_with_torch()
+    if framework is not None:
+        return framework
     cache = Path(os.environ.get("FLAGBENCH_CACHE") or os.path.expanduser("~/.cache/flagbench"))
     ver = f"py{sys.version_info.major}{sys.version_info.minor}"
     return _build_torch_venv(cache / "venvs" / f"torch-{TORCH_VERSION}-cpu-{ver}")

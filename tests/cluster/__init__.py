@@ -1,0 +1,1 @@
+"""The real test cluster: network-namespace hosts with sshd and dockerd (see netns.py)."""

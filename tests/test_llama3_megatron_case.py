@@ -1,0 +1,262 @@
+"""The llama3/megatron case: settings, shapes, vendor configs, and real 2-process CPU runs.
+
+The runs start ``cases/llama3/megatron/train.py`` exactly as the harness does
+(``python -m torch.distributed.run ... train.py --config resolved.json`` from
+the repository root with it on PYTHONPATH), with a resolved.json written by
+this test, in the framework environment named by FB_TEST_MEGATRON_PYTHON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from training import flops
+from training.metriclog import REQUIRED_META, parse_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE_DIR = ROOT / "cases" / "llama3" / "megatron"
+REFERENCE = CASE_DIR / "reference" / "llama3_tiny"
+
+TINY_SHAPE = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 224,
+    "num_heads": 4,
+    "num_kv_groups": 2,
+    "seq_length": 128,
+    "vocab_size": 1024,
+    "norm_eps": 1e-5,
+    "rope_base": 500000,
+}
+
+
+def _settings_module():
+    spec = importlib.util.spec_from_file_location("llama3_megatron_settings", CASE_DIR / "settings.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def resolved_config(tmp_path: Path, nprocs: int, config_name: str, parallel: dict | None = None, **train) -> dict:
+    """A resolved.json as the harness writes it (docs/architecture.md) for llama3_tiny on the cpu vendor."""
+    return {
+        "run_id": f"test-{config_name}",
+        "round": 1,
+        "case": {"model": "llama3_tiny", "framework": "megatron", "hardware": "cpu", "nnodes": 1, "nprocs": nprocs},
+        "config_name": config_name,
+        "model": {"name": "llama3_tiny", "params_nominal": 2.4e5, **TINY_SHAPE},
+        "train": {
+            "steps": 30,
+            "warmup_steps": 5,
+            "global_batch": 8,
+            "micro_batch": 1,
+            "precision": "fp32",
+            "lr": 3.0e-3,
+            "min_lr": 3.0e-4,
+            "lr_warmup_steps": 0,
+            "weight_decay": 0.1,
+            "clip_grad": 1.0,
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.95,
+            "init_std": 0.02,
+            "seed": 1234,
+            **train,
+        },
+        "parallel": {"tp": 1, "pp": 1, "recompute": "none", "attention": "sdpa", "distributed_optimizer": True, **(parallel or {})},
+        "data": {"data_dir": None, "cache_dir": str(tmp_path / "cache")},
+        "vendor": {
+            "name": "cpu",
+            "device": "cpu",
+            "dist_backend": "gloo",
+            "adapters": {"megatron": "vendors.cpu.adapters.megatron:install"},
+        },
+        "output_dir": str(tmp_path / "output"),
+    }
+
+
+# ---------------------------------------------------------------- settings (no framework)
+
+
+def test_layout_is_derived_and_checked():
+    st = _settings_module()
+    lay = st.derive_layout({"tp": 2, "pp": 2}, micro_batch=1, global_batch=512, world_size=8)
+    assert (lay.dp, lay.grad_accum) == (2, 256)
+    lay = st.derive_layout({"tp": 1, "pp": 2}, micro_batch=2, global_batch=512, world_size=8)
+    assert (lay.dp, lay.grad_accum) == (4, 64)
+    with pytest.raises(st.SettingsError, match="global batch 8 is not divisible by micro_batch \\* dp = 3 \\* 2"):
+        st.derive_layout({"tp": 1, "pp": 1}, micro_batch=3, global_batch=8, world_size=2)
+    with pytest.raises(st.SettingsError, match="world size 6 is not divisible by tp\\*pp"):
+        st.derive_layout({"tp": 4, "pp": 1}, micro_batch=1, global_batch=8, world_size=6)
+    with pytest.raises(st.SettingsError, match="parallel.dp = 3"):
+        st.derive_layout({"tp": 2, "dp": 3}, micro_batch=1, global_batch=8, world_size=4)
+
+
+def test_settings_from_resolved_config(tmp_path):
+    st = _settings_module()
+    cfg = resolved_config(tmp_path, 2, "config_cpux1x2", parallel={"tp": 2})
+    s = st.from_config(cfg, world_size=2)
+    assert (s.layout.tp, s.layout.dp, s.layout.grad_accum) == (2, 1, 8)
+    assert s.shape.num_kv_groups == 2 and s.lr_decay_steps == 30 and s.device == "cpu"
+    bad = resolved_config(tmp_path, 2, "x", parallel={"tp": 8})
+    with pytest.raises(st.SettingsError, match="tp"):
+        st.from_config(bad, world_size=8)
+    bad = resolved_config(tmp_path, 2, "x", parallel={"recompute": "sometimes"})
+    with pytest.raises(st.SettingsError, match="parallel.recompute must be one of"):
+        st.from_config(bad, world_size=2)
+
+
+def test_case_yaml_models():
+    yaml = pytest.importorskip("yaml")
+    case = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    assert (case["family"], case["framework"], case["launcher"], case["entry"]) == ("llama3", "megatron", "torchrun", "train.py")
+    big = case["models"]["llama3_8b"]
+    assert big["shape"] == {
+        "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_heads": 32, "num_kv_groups": 8,
+        "seq_length": 8192, "vocab_size": 128256, "norm_eps": 1e-5, "rope_base": 500000,
+    }  # fmt: skip
+    assert big["params_nominal"] == 8.0e9 and big["train"]["global_batch"] == 512
+    std = case["standard"]["train"]
+    assert (std["lr"], std["min_lr"], std["weight_decay"], std["clip_grad"]) == (1e-5, 1e-6, 0.1, 1.0)
+    assert (std["adam_beta1"], std["adam_beta2"], std["init_std"], std["precision"]) == (0.9, 0.95, 0.008, "bf16")
+    counts = flops.decoder_flops(big)
+    assert counts["params_exact"] == 8_030_261_248
+    assert flops.decoder_flops(case["models"]["llama3_tiny"])["params_exact"] == 241_984
+    assert case["models"]["llama3_tiny"]["shape"] == TINY_SHAPE
+
+
+def test_vendor_configs_change_only_allowed_keys():
+    yaml = pytest.importorskip("yaml")
+    allowed = yaml.safe_load((CASE_DIR / "case.yaml").read_text())["vendor_may_change"]
+    files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b").glob("config_*.yaml"))
+    files += sorted((ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny").glob("config_*.yaml"))
+    names = {f.stem for f in files}
+    for n in ("config_A100x1x8", "config_A100x1x8_PP4DP2TP1", "config_A100x1x8_PP1DP8TP1", "config_A100x1x8_PP2DP2TP2",
+              "config_A100x1x8_PP2DP1TP4", "config_A100x1x8_PP8DP1TP1", "config_A100x1x8_PP1DP1TP8",
+              "config_A100x1x8_PP4DP1TP2", "config_H100x1x8", "config_H100x2x8", "config_cpux1x1", "config_cpux1x2",
+              "config_cpux1x2_TP2"):  # fmt: skip
+        assert n in names
+    for f in files:
+        cfg = yaml.safe_load(f.read_text())
+        for section in ("train", "parallel"):
+            for key in cfg.get(section, {}):
+                assert f"{section}.{key}" in allowed, f"{f.name}: {section}.{key} may not be changed by a vendor"
+        assert set(cfg) <= {"description", "validated", "train", "parallel"}, f.name
+        stem = f.stem.split("_")
+        if len(stem) == 3 and stem[2].startswith("PP"):  # PPxDPyTPz variants name their layout
+            tp = int(stem[2].split("TP")[1])
+            pp = int(stem[2].split("DP")[0][2:])
+            assert (cfg["parallel"]["tp"], cfg["parallel"]["pp"]) == (tp, pp), f.name
+
+
+# ---------------------------------------------------------------- real runs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, cfg: dict, nprocs: int) -> subprocess.CompletedProcess:
+    py = os.environ.get("FB_TEST_MEGATRON_PYTHON")
+    if not py:
+        pytest.skip("FB_TEST_MEGATRON_PYTHON is not set: no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(cfg, indent=2))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", FB_RUN_ID=cfg["run_id"])
+    cmd = [
+        py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "cases/llama3/megatron/train.py", "--config", str(path),
+    ]  # fmt: skip
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _mre_from_21(steps: list[int], loss: list[float], ref: dict) -> float:
+    refmap = dict(zip(ref["steps"], ref["loss"]))
+    errs = [abs(l - refmap[s]) / abs(refmap[s]) for s, l in zip(steps, loss) if s >= 21]
+    assert errs, "no steps from 21 on"
+    return sum(errs) / len(errs)
+
+
+@pytest.mark.framework("megatron")
+@pytest.mark.parametrize(
+    "config_name,parallel,reference",
+    [
+        ("config_cpux1x2", {"tp": 1, "pp": 1}, "config_cpux1x2.json"),
+        ("config_cpux1x2_TP2", {"tp": 2, "pp": 1}, "config_cpux1x2_TP2.json"),
+        ("cpu_x2_PP2", {"tp": 1, "pp": 2}, "config_cpux1x2.json"),
+    ],
+    ids=["DP2", "TP2", "PP2"],
+)
+def test_two_process_cpu_run(tmp_path, config_name, parallel, reference):
+    cfg = resolved_config(tmp_path, 2, config_name, parallel=parallel)
+    proc = _run(tmp_path, cfg, 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    log = parse_lines(out.splitlines(), source="torchrun")
+    assert not log.errors, log.errors[:3]
+
+    (meta,) = log.of("meta", "run_meta")
+    m = meta.value
+    assert all(k in m for k in REQUIRED_META)
+    tp, pp = parallel["tp"], parallel["pp"]
+    dp = 2 // (tp * pp)
+    assert m["parallel"]["tp"] == tp and m["parallel"]["pp"] == pp and m["parallel"]["dp"] == dp
+    assert m["parallel"]["grad_accum"] == 8 // dp and m["parallel"]["micro_batch"] == 1
+    shape = flops.DecoderShape(**{k: v for k, v in TINY_SHAPE.items() if k not in ("norm_eps", "rope_base")})
+    assert m["params_exact"] == flops.param_counts(shape)["total"] == 241_984
+    assert m["params_nominal"] == 2.4e5 and m["framework"] == "megatron" and m["framework_version"]
+    assert m["world_size"] == 2 and m["global_batch"] == 8 and m["precision"] == "fp32"
+    # the reporting rank: last pipeline stage, first tensor and data rank
+    assert meta.rank == (1 if pp == 2 else 0)
+
+    steps = log.of("step", "train_step")
+    assert [r.value["step"] for r in steps] == list(range(1, 31))
+    assert {r.rank for r in steps} == {meta.rank}
+    loss = [r.value["loss"] for r in steps]
+    assert abs(loss[0] - 6.93) < 0.1  # ln(1024): an untrained model
+    assert sum(loss[-5:]) / 5 < loss[0] - 2.0, loss  # the loss falls clearly
+    assert all(r.value["tokens"] == 8 * 128 for r in steps)
+    assert all(r.value["step_time_s"] > 0 for r in steps)
+    lrs = [r.value["lr"] for r in steps]
+    assert lrs[0] == pytest.approx(3e-3) and all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[-1] > 3e-4
+
+    mem = log.of("memory", "peak_memory")
+    assert sorted(r.rank for r in mem) == [0, 1]
+    assert all(r.value["peak_bytes"] > 0 and r.value["total_bytes"] is None for r in mem)
+    (end,) = log.of("end", "run_end")
+    assert end.value == {"status": "ok", "steps": 30}
+
+    ref = json.loads((REFERENCE / reference).read_text())
+    assert ref["model"] == "llama3_tiny" and ref["steps"] == list(range(1, 31))
+    assert _mre_from_21(list(range(1, 31)), loss, ref) < 0.02
+
+
+def test_reference_curves_of_both_layouts_agree():
+    dp2 = json.loads((REFERENCE / "config_cpux1x2.json").read_text())
+    tp2 = json.loads((REFERENCE / "config_cpux1x2_TP2.json").read_text())
+    assert dp2["config"] == "config_cpux1x2" and tp2["config"] == "config_cpux1x2_TP2"
+    assert _mre_from_21(tp2["steps"], tp2["loss"], dp2) < 0.02
+    assert dp2["loss"][-1] < dp2["loss"][0] - 2.0
+
+
+@pytest.mark.framework("megatron")
+def test_bad_layout_fails_with_error_record(tmp_path):
+    cfg = resolved_config(tmp_path, 2, "bad", global_batch=6, micro_batch=4)
+    proc = _run(tmp_path, cfg, 2)
+    assert proc.returncode != 0
+    log = parse_lines((proc.stdout + proc.stderr).splitlines())
+    errors = log.of("error", "run_error")
+    assert errors and "global batch 6 is not divisible by micro_batch * dp = 4 * 2" in errors[0].value["message"]
+    assert {r.value["status"] for r in log.of("end", "run_end")} == {"failed"}

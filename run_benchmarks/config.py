@@ -55,7 +55,10 @@ class HostConfig(Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return check_name(v, "host name")
+        try:
+            return check_name(v, "host name")
+        except InputError as exc:  # reported by validate() with the file and field
+            raise ValueError(str(exc)) from None
 
     @field_validator("address")
     @classmethod

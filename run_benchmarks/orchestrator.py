@@ -12,7 +12,7 @@ from rich.console import Console
 
 from run_benchmarks import metrics, results
 from run_benchmarks.monitors import summarize
-from run_benchmarks.plan import Plan, plan_nodes
+from run_benchmarks.plan import Plan
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 from training import metriclog as ml
 
@@ -174,7 +174,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None) -> dict[st
         for r in range(1, plan.case.repeat + 1):
             round_dir = run_dir / f"round{r}"
             round_dir.mkdir(parents=True, exist_ok=True)
-            nodes = plan_nodes(plan, python, root, round_dir)
+            nodes = runtime.node_plans(plan, python, root, round_dir)
             plan.nodes = nodes
             (round_dir / "resolved.json").write_text(
                 json.dumps(plan.resolved(r, str(round_dir / "output"), str(_cache_dir(plan, root))), indent=2)

@@ -81,7 +81,7 @@ def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no
     return select(cluster, python)
 
 
-def describe(plan: planning.Plan) -> str:
+def describe(plan: planning.Plan, details: dict | None = None) -> str:
     d = plan.to_json()
     m, hw = d["model"], d["hardware"]
     lines = [
@@ -100,6 +100,10 @@ def describe(plan: planning.Plan) -> str:
         env = " ".join(f"{k}={v}" for k, v in sorted(n["env"].items()))
         lines.append(f"node {n['node_rank']} @ {n['host']}: env {env}")
         lines.append("  " + " ".join(n["command"]))
+    for key, value in (details or {}).items():
+        text = value if isinstance(value, str) else json.dumps(value, indent=2, default=str)
+        lines.append(f"{key}:")
+        lines += ["  " + ln for ln in text.splitlines()]
     return "\n".join(lines)
 
 
@@ -118,8 +122,9 @@ def main(argv: list[str] | None = None) -> int:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)
             plan.python = python
-            plan.nodes = planning.plan_nodes(plan, python, root, plan.run_dir / "round1")
-            print(json.dumps(plan.to_json(), indent=2, default=str) if args.json else describe(plan))
+            plan.nodes = runtime.node_plans(plan, python, root, plan.run_dir / "round1")
+            out = {**plan.to_json(), "runtime_details": runtime.dry_run_details(plan)}
+            print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, out["runtime_details"]))
             return 0
         runtime = make_runtime(cluster, args.python)
     except InputError as exc:

@@ -52,3 +52,7 @@ def megatron_python() -> str:
     if not py:
         pytest.skip("megatron environment not available (FB_TEST_BUILD_ENVS=0)")
     return py
+
+
+# the real test cluster (network namespaces with sshd + dockerd): tests/cluster/
+from tests.cluster.fixtures import cluster, cluster_pool, torch_venv  # noqa: E402,F401

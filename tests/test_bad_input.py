@@ -54,7 +54,7 @@ def test_bad_argv(what, argv, fragment, tmp_path, capsys, monkeypatch):
 
 CLUSTER_CASES = [
     ("cluster YAML syntax error", "hosts: [a, b\n", "YAML syntax error"),
-    ("cluster wrong type", "master_port: abc\n", "field 'master_port': Input should be a valid integer, got 'abc'"),
+    ("cluster wrong type", "master_port: abc\n", "field 'master_port': Input should be a valid integer, unable to parse string as an integer, got 'abc'"),
     ("cluster unknown field", "hostz: []\n", "field 'hostz': Extra inputs are not permitted"),
     ("cluster host with metacharacters", "backend: ssh\nhosts:\n  - {name: 'n1;ls', address: 10.0.0.1}\n", "field 'hosts.0.name'"),
     ("cluster bad address", "backend: ssh\nhosts:\n  - {name: n1, address: 'a b'}\n", "field 'hosts.0.address'"),

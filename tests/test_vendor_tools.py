@@ -43,7 +43,7 @@ def test_check_reports_every_defect_at_once(tmp_path):
         "chip 'Z9' is not in",
         "settings.yaml: file name must be config_",
         "config_H100x1x8_HOOK.yaml: field 'hook': module vendors.nvidia.adapters.nope not found",
-        "field 'chips.A100.peak_flops.bf16': 312 is not a plausible",
+        "field 'chips.A100.peak_flops.bf16': 312.0 is not a plausible",
         "field 'adapters.megatron': module vendors.nvidia.adapters.tuning not found",
     ]
     for fragment in expected:

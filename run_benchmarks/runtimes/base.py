@@ -34,6 +34,12 @@ class Runtime:
         """Make nodes ready; return (python on the nodes, code root on the nodes)."""
         raise NotImplementedError
 
+    def node_plans(self, plan: "Plan", python: str, root: Path, round_dir: Path) -> list["NodePlan"]:
+        """Each node's launcher command for a round (``round_dir`` is the local one)."""
+        from run_benchmarks.plan import plan_nodes
+
+        return plan_nodes(plan, python, root, round_dir)
+
     def run_round(self, plan: "Plan", round_dir: Path, nodes: list["NodePlan"], timeout_s: float) -> list[NodeOutcome]:
         raise NotImplementedError
 

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Iterator
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.registry import VENDORS_DIR
+
+# standard library only: remote hosts run this module before any environment exists
+VENDORS_DIR = Path(__file__).resolve().parent.parent / "vendors"
 
 
 def cache_root() -> Path:
@@ -100,3 +102,28 @@ def framework_python(vendor: str, framework: str, python: str | None, log: Path 
             raise InputError(f"--python {python}: not an executable file")
         return p
     return ensure_env(vendor, framework, log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m run_benchmarks.envs ensure VENDOR FRAMEWORK``: build if needed, print the Python."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m run_benchmarks.envs")
+    ap.add_argument("action", choices=["ensure", "path"])
+    ap.add_argument("vendor")
+    ap.add_argument("framework")
+    ap.add_argument("--log")
+    args = ap.parse_args(argv)
+    try:
+        if args.action == "path":
+            print(python_of(env_dir(args.vendor, args.framework)))
+        else:
+            print(ensure_env(args.vendor, args.framework, Path(args.log) if args.log else None))
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

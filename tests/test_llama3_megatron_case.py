@@ -124,6 +124,7 @@ def test_case_yaml_models():
         "seq_length": 8192, "vocab_size": 128256, "norm_eps": 1e-5, "rope_base": 500000,
     }  # fmt: skip
     assert big["params_nominal"] == 8.0e9 and big["train"]["global_batch"] == 512
+    assert big["train"]["lr_decay_steps"] == 300  # FlagPerf decays the cosine over 300 steps
     std = case["standard"]["train"]
     assert (std["lr"], std["min_lr"], std["weight_decay"], std["clip_grad"]) == (1e-5, 1e-6, 0.1, 1.0)
     assert (std["adam_beta1"], std["adam_beta2"], std["init_std"], std["precision"]) == (0.9, 0.95, 0.008, "bf16")
@@ -260,3 +261,24 @@ def test_bad_layout_fails_with_error_record(tmp_path):
     errors = log.of("error", "run_error")
     assert errors and "global batch 6 is not divisible by micro_batch * dp = 4 * 2" in errors[0].value["message"]
     assert {r.value["status"] for r in log.of("end", "run_end")} == {"failed"}
+
+
+@pytest.mark.framework("megatron")
+def test_one_process_reads_data_dir_corpus(tmp_path):
+    """data.data_dir + data.prefix: the case trains on a Megatron indexed dataset it did not write."""
+    pytest.importorskip("numpy")
+    from training.data import synthetic
+
+    data_dir = tmp_path / "data"
+    synthetic.write_corpus(str(data_dir / "tiny_corpus"), vocab_size=1024, num_tokens=40_000, seed=99)
+    cfg = resolved_config(tmp_path, 1, "config_cpux1x1", steps=6)
+    cfg["data"].update(data_dir=str(data_dir), prefix="tiny_corpus")
+    proc = _run(tmp_path, cfg, 1)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    log = parse_lines(out.splitlines())
+    (meta,) = log.of("meta", "run_meta")
+    assert meta.value["data"] == f"indexed:{data_dir / 'tiny_corpus'}"
+    assert meta.value["parallel"]["dp"] == 1 and meta.value["parallel"]["grad_accum"] == 8
+    assert [r.value["step"] for r in log.of("step")] == [1, 2, 3, 4, 5, 6]
+    assert not (tmp_path / "cache").exists()  # no synthetic corpus written

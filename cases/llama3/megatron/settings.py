@@ -272,7 +272,7 @@ def from_config(cfg: dict, world_size: int) -> Settings:
         device=device,
         dist_backend=str(backend),
         data_dir=data.get("data_dir"),
-        data_prefix=str(data.get("prefix") or "llama3_text_document"),
+        data_prefix=str(data.get("prefix") or "wudao_llama3bpe_content_document"),
         cache_dir=data.get("cache_dir"),
         synthetic_tokens=None if synthetic_tokens is None else _int(synthetic_tokens, "data.synthetic_tokens", 2),
     )

@@ -316,12 +316,11 @@ def main() -> int:
     except BaseException as exc:
         log.error(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
         log.end("failed", trainer.steps_done if trainer is not None else 0)
-        raise
-    finally:
-        import torch.distributed as dist
+        raise  # the launcher stops the other ranks; no collective teardown that could hang
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 

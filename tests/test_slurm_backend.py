@@ -283,3 +283,41 @@ def test_sigint_cancels_the_job(tmp_path: Path, slurm_cluster: SlurmTestCluster,
     assert res["finished"] and res["rounds"] == []
     assert_nothing_left(slurm_cluster, res["run_id"])
     assert stopped_s < 60
+
+
+def test_a_run_dir_the_nodes_cannot_see_fails_clearly(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    """The run directory on a tmpfs private to start_task's mount namespace: not shared."""
+    private = tmp_path / "private"
+    private.mkdir()
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+            "--log-dir", str(private / "logs"), "--python", sys.executable]  # fmt: skip
+    script = 'mount -t tmpfs tmpfs "$1" && shift && exec "$@"'
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(private), *argv],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "no report from node 0" in out and "must be on a filesystem shared" in out, out
+    assert slurm_cluster.jobs() == []
+
+
+def test_a_job_still_pending_at_the_round_deadline_is_cancelled(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    env = slurm_cluster.env()
+    hold = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300"],
+                          env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    try:
+        cfile = cluster_file(tmp_path, slurm_cluster.conf)
+        argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+                "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, "--round-timeout", "4"]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+    finally:
+        subprocess.run(["scancel", hold], env=env, check=True)
+    (rnd,) = results(tmp_path)["rounds"]
+    assert "still PENDING (Resources) when the round deadline passed; cancelled" in rnd["error"], rnd["error"]
+    jid = rnd["nodes"][0]["slurm_job_id"]
+    assert show_job(slurm_cluster, jid)["JobState"] == "CANCELLED"
+    end = time.monotonic() + 30
+    while slurm_cluster.jobs() and time.monotonic() < end:
+        time.sleep(0.5)
+    assert slurm_cluster.jobs() == []

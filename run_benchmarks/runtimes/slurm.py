@@ -83,6 +83,7 @@ class Job:
     nodes_finished_at: float | None = None  # the last launcher exited (node.json)
     first_step_at: float | None = None  # the first train_step line
     cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup"
+    state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -92,7 +93,7 @@ class Job:
             "job_id": self.job_id, "name": self.name, "round": self.round, "state": self.state,
             "reason": self.reason, "exit_code": self.exit_code, "nodelist": self.nodelist,
             "batch_host": self.batch_host, "time_limit": self.time_limit,
-            "cancelled_by_harness": self.cancelled_by_harness,
+            "cancelled_by_harness": self.cancelled_by_harness, "state_at_cancel": self.state_at_cancel or None,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
             "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
@@ -282,8 +283,9 @@ class SlurmRuntime(Runtime):
         planned = self.node_plans(plan, python, root, round_dir)
         slurm_dir = round_dir / "slurm"
         slurm_dir.mkdir(parents=True, exist_ok=True)
-        for n in planned:
-            (round_dir / f"node{n.node_rank}").mkdir(exist_ok=True)
+        for n in planned:  # the layout the orchestrator reads, even if a node never writes
+            (round_dir / f"node{n.node_rank}" / "ranks").mkdir(parents=True, exist_ok=True)
+            (round_dir / f"node{n.node_rank}" / "stdout.log").touch()
         (slurm_dir / "spec.json").write_text(json.dumps(self.spec(plan, round_dir, planned), indent=2))
         (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
         job = self._submit(plan, round_dir)
@@ -340,6 +342,7 @@ class SlurmRuntime(Runtime):
     def _cancel(self, job: Job, why: str) -> None:
         if job.cancelled_by_harness is None:
             job.cancelled_by_harness = why
+            job.state_at_cancel = f"{job.state} ({job.reason})" if job.reason and job.reason != "None" else job.state
         target = [job.job_id] if job.job_id else [f"--name={job.name}"]
         self._run(["scancel", *target], timeout=60)
 
@@ -378,7 +381,7 @@ class SlurmRuntime(Runtime):
             if job.cancelled_by_harness == "round deadline":
                 timed_out = True
                 if job.running_at is None:
-                    error = f"Slurm job {job.job_id} still {job.state} ({job.reason}) when the round deadline passed; cancelled"
+                    error = f"Slurm job {job.job_id} still {job.state_at_cancel} when the round deadline passed; cancelled"
             elif job.state == "TIMEOUT":
                 timed_out = True
                 error = f"Slurm job {job.job_id} reached its time limit {job.time_limit or self.conf.time_limit} (TIMEOUT)"

@@ -162,6 +162,21 @@ def test_dry_run_details_show_the_batch_script(tmp_path: Path) -> None:
     assert plan.run_dir.exists() is False  # a dry run touches nothing
 
 
+def test_docker_runs_the_vendor_image_with_the_run_dir_mounted(tmp_path: Path) -> None:
+    cfile = cluster_file(tmp_path, None, container_runtime="docker", image="registry.example/fb/{vendor}-{framework}:1")
+    data = yaml.safe_load(cfile.read_text())
+    cfile.write_text(yaml.safe_dump({**data, "runtime": "container"}))
+    cluster = load(ClusterConfig, cfile)
+    plan = planning.build(CaseName.parse(CASE), "cpu", cluster, tmp_path / "logs")
+    container = SlurmRuntime(cluster).dry_run_details(plan)["spec"]["container"]
+    assert container["image"] == "registry.example/fb/cpu-megatron:1"
+    opts = container["options"]
+    assert opts[:3] == ["--network", "host", "--init"]
+    assert f"{plan.run_dir}:{plan.run_dir}" in opts and f"{ROOT}:{ROOT}:ro" in opts
+    assert ["--shm-size", plan.vendor.container.shm_size] == opts[3:5]
+    assert not (tmp_path / "logs").exists()
+
+
 def test_config_errors_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="slurm.container_runtime"):
         SlurmRuntime(ClusterConfig(backend="slurm", runtime="container"))

@@ -118,7 +118,6 @@ class SlurmRuntime(Runtime):
             )
         self.node_python = self.conf.node_python or sys.executable
         self.jobs: list[Job] = []
-        self.mounts: list[str] = []  # docker: extra read-only mounts for a host-built environment
 
     # ------------------------------------------------------------------ client commands
 
@@ -157,12 +156,7 @@ class SlurmRuntime(Runtime):
             raise InputError(f"backend slurm: the Slurm controller does not answer ({why[-1] if why else 'scontrol ping failed'})")
         if not plan.run_dir.is_absolute():
             raise InputError(f"backend slurm: run dir {plan.run_dir} must be an absolute path on a shared filesystem")
-        python = self._python(plan, log)
-        if self.conf.container_runtime == "docker" and plan.vendor.container.mount_framework_env:
-            env = Path(python).parent.parent
-            home = _venv_home(env)
-            self.mounts = [f"{env}:{env}:ro"] + ([f"{home}:{home}:ro"] if home else [])
-        return python, ROOT
+        return self._python(plan, log), ROOT
 
     # ------------------------------------------------------------------ what a round submits
 
@@ -172,7 +166,7 @@ class SlurmRuntime(Runtime):
         cluster = plan.cluster.model_copy(update={"hosts": hosts})
         return plan_nodes(dataclasses.replace(plan, cluster=cluster), python, root, round_dir)
 
-    def _docker_options(self, plan: Plan, round_dir: Path) -> list[str]:
+    def _docker_options(self, plan: Plan, python: str, data: dict[str, Any]) -> list[str]:
         c = plan.vendor.container
         opts = ["--network", "host", "--init"]
         if c.shm_size:
@@ -187,23 +181,26 @@ class SlurmRuntime(Runtime):
             opts += ["--privileged"]
         for k, v in sorted(c.extra_env.items()):
             opts += ["--env", f"{k}={v}"]
-        mounts = [f"{ROOT}:{ROOT}:ro", f"{plan.run_dir}:{plan.run_dir}", *self.mounts, *c.mounts]
-        resolved = round_dir / "resolved.json"
-        data = json.loads(resolved.read_text())["data"] if resolved.is_file() else plan.settings["data"]
+        mounts = [f"{ROOT}:{ROOT}:ro", f"{plan.run_dir}:{plan.run_dir}"]
+        if c.mount_framework_env:  # the host-built environment and the Python it was made from
+            env = Path(python).parent.parent
+            home = _venv_home(env)
+            mounts += [f"{env}:{env}:ro"] + ([f"{home}:{home}:ro"] if home else [])
         if data.get("cache_dir"):
-            Path(data["cache_dir"]).mkdir(parents=True, exist_ok=True)
             mounts.append(f"{data['cache_dir']}:{data['cache_dir']}")
         if data.get("data_dir"):
             mounts.append(f"{data['data_dir']}:{data['data_dir']}:ro")
-        for m in mounts:
+        for m in [*mounts, *c.mounts]:
             opts += ["--volume", m]
         return opts
 
-    def spec(self, plan: Plan, round_dir: Path, nodes: list[NodePlan]) -> dict[str, Any]:
+    def spec(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], python: str) -> dict[str, Any]:
         container = None
         if self.conf.container_runtime == "docker":
             image = (self.conf.image or "").format(vendor=plan.vendor.name, framework=plan.case.framework)
-            container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, round_dir)}
+            resolved = round_dir / "resolved.json"
+            data = json.loads(resolved.read_text())["data"] if resolved.is_file() else plan.settings["data"]
+            container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, python, data)}
         return {
             "version": SPEC_VERSION,
             "run_id": plan.run_id,
@@ -273,7 +270,7 @@ class SlurmRuntime(Runtime):
             "script": self.batch_script(plan, round_dir),
             "srun": self.srun_argv(plan, round_dir),
             "master": f"first host of the allocation, in place of {MASTER_PLACEHOLDER!r}; node rank = SLURM_NODEID",
-            "spec": self.spec(plan, round_dir, nodes),
+            "spec": self.spec(plan, round_dir, nodes, python),
         }
 
     # ------------------------------------------------------------------ a round
@@ -286,7 +283,12 @@ class SlurmRuntime(Runtime):
         for n in planned:  # the layout the orchestrator reads, even if a node never writes
             (round_dir / f"node{n.node_rank}" / "ranks").mkdir(parents=True, exist_ok=True)
             (round_dir / f"node{n.node_rank}" / "stdout.log").touch()
-        (slurm_dir / "spec.json").write_text(json.dumps(self.spec(plan, round_dir, planned), indent=2))
+        spec = self.spec(plan, round_dir, planned, python)
+        if spec["container"]:  # a volume docker would otherwise create as an empty root-owned dir
+            cache = json.loads((round_dir / "resolved.json").read_text())["data"].get("cache_dir")
+            if cache:
+                Path(cache).mkdir(parents=True, exist_ok=True)
+        (slurm_dir / "spec.json").write_text(json.dumps(spec, indent=2))
         (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
         job = self._submit(plan, round_dir)
         try:

@@ -51,6 +51,7 @@ class HostConfig(Strict):
     port: int | None = Field(None, ge=1, le=65535)
     key_file: str | None = None
     docker_url: str | None = None  # default: ssh://user@address:port
+    work_dir: str | None = None  # default: the cluster's work_dir
 
     @field_validator("name")
     @classmethod
@@ -125,6 +126,7 @@ class ClusterConfig(Strict):
     data_dir: str | None = None
     work_dir: str = "/tmp/flagbench"  # where the harness's code lands on remote hosts
     python: str | None = None  # use this Python as is (no environment built)
+    image_build_args: dict[str, str] = {}  # e.g. {BASE_IMAGE: ...} for the vendor Dockerfiles
     round_timeout_s: float = Field(3600.0, gt=0)
 
     @model_validator(mode="after")

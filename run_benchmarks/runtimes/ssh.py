@@ -1,0 +1,381 @@
+"""The SSH runtime: hosts from the cluster file, reached over SSH, optionally in the vendor's container.
+
+Per run it opens one SSH connection per host (in parallel, reused), copies the
+harness's code to ``<work_dir>/code`` on every host (SFTP, unchanged files
+skipped), checks each host's data dir, and either builds the framework
+environment there (``python -m run_benchmarks.envs ensure``) or uses the
+cluster's ``python`` as is.  With ``runtime: container`` it builds (once per
+build-context hash) and starts the vendor's image through each host's docker
+engine; the image id is recorded.
+
+Per round every node runs the node agent (``python -m run_benchmarks.node_agent``)
+which starts the monitor, runs the framework launcher and exits with its status;
+the orchestrator waits on the real exits (SSH exit status or container exit
+code) under the round's deadline, stops every node when one fails, and brings
+each node's folder back into ``<round_dir>/node<k>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from run_benchmarks.config import ClusterConfig, HostConfig
+from run_benchmarks.errors import InputError
+from run_benchmarks.plan import NodePlan, Plan, plan_nodes
+from run_benchmarks.registry import ROOT, VENDORS_DIR
+from run_benchmarks.remote.errors import RemoteError
+from run_benchmarks.runtimes.base import NodeOutcome, Runtime
+
+CODE_EXCLUDE = (".git", ".git/*", "logs", "logs/*", ".whl", ".whl/*", "*/__pycache__", "__pycache__", "*.pyc",
+                ".pytest_cache", ".pytest_cache/*", "*.egg-info", "*.egg-info/*")  # fmt: skip
+KILL_GRACE_S = 10.0
+POLL_S = 0.2
+
+
+def _expand(path: str | None) -> str | None:
+    return os.path.expanduser(path) if path else None
+
+
+class _Node:
+    """One node's running agent: an SSH process or a container."""
+
+    def __init__(self, k: int, host: HostConfig, proc: Any = None, container: Any = None) -> None:
+        self.k, self.host, self.proc, self.container = k, host, proc, container
+        self.rc: int | None = None
+        self.error: str | None = None
+
+    def poll(self) -> int | None:
+        if self.rc is not None:
+            return self.rc
+        if self.proc is not None:
+            self.rc = self.proc.poll()
+            return self.rc
+        import docker
+
+        try:
+            self.container.container.reload()
+        except docker.errors.NotFound:
+            self.rc, self.error = -1, self.error or "the container disappeared during the round"
+            return self.rc
+        state = self.container.container.attrs["State"]
+        if state["Status"] in ("exited", "dead"):
+            self.rc = int(state["ExitCode"])
+        return self.rc
+
+    def stop(self) -> None:
+        """Stop the agent (its launcher's process group gets SIGTERM, then SIGKILL); keep the container for its logs."""
+        try:
+            if self.proc is not None:
+                self.proc.kill(grace=KILL_GRACE_S)
+            elif self.container is not None:
+                self.container.container.stop(timeout=int(KILL_GRACE_S))
+        except Exception as exc:  # stopping must go on for the other nodes
+            self.error = self.error or f"stopping the node failed: {exc}"
+
+
+class SSHRuntime(Runtime):
+    name = "ssh"
+
+    def __init__(self, cluster: ClusterConfig, python: str | None = None) -> None:
+        self.cluster = cluster
+        self.python_override = python or cluster.python
+        self.pool: Any = None
+        self.engines: dict[str, Any] = {}
+        self.images: dict[str, str] = {}
+        self.env_python: str = ""
+        self.prefixes: list[str] = []  # the node Python's prefix and base prefix (mounted into cpu containers)
+        self.run_id: str | None = None
+        self.hosts: list[HostConfig] = []
+        self.live: list[_Node] = []
+        self.timings: dict[str, float] = {}
+
+    # -- paths ---------------------------------------------------------------------------
+    def work(self, host: HostConfig) -> PurePosixPath:
+        return PurePosixPath(host.work_dir or self.cluster.work_dir)
+
+    def code_root(self, host: HostConfig) -> PurePosixPath:
+        return self.work(host) / "code"
+
+    def node_round_dir(self, plan: Plan, host: HostConfig, round_dir: Path) -> PurePosixPath:
+        return self.work(host) / "runs" / plan.run_id / round_dir.name
+
+    def cache_dir(self, host: HostConfig) -> PurePosixPath:
+        return self.work(host) / "cache" / "data"
+
+    @property
+    def containerized(self) -> bool:
+        return self.cluster.runtime == "container"
+
+    def _host_specs(self) -> list[Any]:
+        from run_benchmarks.remote.ssh import HostSpec
+
+        ssh = self.cluster.ssh
+        return [
+            HostSpec(
+                name=h.name, address=h.address, port=h.port or ssh.port, user=h.user or ssh.user,
+                key_file=_expand(h.key_file or ssh.key_file), known_hosts=_expand(ssh.known_hosts) or os.path.expanduser("~/.ssh/known_hosts"),
+            )  # fmt: skip
+            for h in self.hosts
+        ]
+
+    # -- preparation ---------------------------------------------------------------------
+    def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
+        self.hosts = self.cluster.hosts[: plan.case.nnodes]
+        py = self.python_override or "<framework environment built on each host>"
+        if self.containerized and not plan.vendor.container.mount_framework_env and not self.python_override:
+            py = "python3"
+        return py, Path(str(self.code_root(self.hosts[0])))
+
+    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+        from run_benchmarks.remote.ssh import SSHPool
+
+        t0 = time.monotonic()
+        self.run_id = plan.run_id
+        self.hosts = self.cluster.hosts[: plan.case.nnodes]
+        self.pool = SSHPool(self._host_specs(), accept_new_host_keys=self.cluster.ssh.accept_new_host_keys,
+                            connect_timeout=self.cluster.ssh.connect_timeout_s)  # fmt: skip
+        try:
+            self.pool.connect()
+            self.timings["connect_s"] = time.monotonic() - t0
+            self._each(lambda h: self._push_code(h))
+            self.timings["code_s"] = time.monotonic() - t0
+            data_dir = plan.settings["data"].get("data_dir")
+            if data_dir:
+                self._each(lambda h: self._check_dir(h, data_dir))
+            self.env_python = self._framework_python(plan, log)
+            if self.containerized:
+                self._each(lambda h: self._ensure_image(plan, h))
+            self.timings["prepare_s"] = time.monotonic() - t0
+        except RemoteError as exc:
+            raise InputError(f"host {exc}") from None
+        return self.env_python, Path(str(self.code_root(self.hosts[0])))
+
+    def _each(self, fn: Any) -> list[Any]:
+        with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
+            return list(ex.map(fn, self.hosts))
+
+    def _push_code(self, host: HostConfig) -> None:
+        self.pool.run(host.name, ["mkdir", "-p", str(self.code_root(host))], timeout=self.cluster.ssh.command_timeout_s, check=True)
+        self.pool.put_tree(host.name, ROOT, str(self.code_root(host)), exclude=CODE_EXCLUDE)
+
+    def _check_dir(self, host: HostConfig, path: str) -> None:
+        res = self.pool.run(host.name, ["test", "-d", path], timeout=self.cluster.ssh.command_timeout_s)
+        if res.rc != 0:
+            raise InputError(f"host {host.name}: data dir {path} does not exist")
+
+    def _framework_python(self, plan: Plan, log: Path) -> str:
+        """The node Python: as given, the image's own, or the framework env built on each host."""
+        mount_env = self.containerized and plan.vendor.container.mount_framework_env
+        if self.containerized and not mount_env and not self.python_override:
+            return "python3"  # the image's
+        py = self.python_override
+        if not py:
+            argv = ["python3", "-m", "run_benchmarks.envs", "ensure", plan.vendor.name, plan.case.framework]
+            results = self._each(lambda h: self.pool.run(h.name, argv, timeout=3600, cwd=str(self.code_root(h))))
+            paths = set()
+            for h, res in zip(self.hosts, results):
+                with open(log, "a") as fh:
+                    fh.write(f"[{h.name}] {res.stdout}{res.stderr}")
+                if res.rc != 0:
+                    raise InputError(f"host {h.name}: building the {plan.case.framework} environment failed: {res.stderr.strip()[-300:]}")
+                paths.add(res.stdout.strip().splitlines()[-1])
+            if len(paths) != 1:
+                raise InputError(f"hosts disagree on the environment's path: {sorted(paths)}")
+            py = paths.pop()
+        probe = [py, "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"]
+        for h, res in zip(self.hosts, self._each(lambda h: self.pool.run(h.name, probe, timeout=60))):
+            if res.rc != 0:
+                raise InputError(f"host {h.name}: python {py} does not run there: {res.stderr.strip()[-200:]}")
+        self.prefixes = sorted(set(res.stdout.split()))
+        return py
+
+    def _engine(self, host: HostConfig) -> Any:
+        from run_benchmarks.remote.containers import connect_engine
+
+        if host.name not in self.engines:
+            spec = self.pool.hosts[host.name]
+            url = host.docker_url or f"ssh://{spec.user}@{spec.address}:{spec.port}"
+            self.engines[host.name] = connect_engine(url, pool=self.pool if url.startswith("ssh://") else None)
+        return self.engines[host.name]
+
+    def image_name(self, plan: Plan) -> str:
+        return f"flagbench/{plan.vendor.name}-{plan.case.framework}"
+
+    def _ensure_image(self, plan: Plan, host: HostConfig) -> None:
+        from run_benchmarks.remote.containers import ensure_image, image_tag
+
+        context = VENDORS_DIR / plan.vendor.name / plan.case.framework
+        if not (context / "Dockerfile").is_file():
+            raise InputError(f"vendor {plan.vendor.name} has no image for {plan.case.framework} ({context / 'Dockerfile'} missing)")
+        args = dict(self.cluster.image_build_args)
+        try:
+            image_id = ensure_image(self._engine(host), context, self.image_name(plan), args)
+        except RemoteError as exc:
+            raise InputError(f"host {host.name}: {exc.detail}") from None
+        self.images[host.name] = f"{image_tag(context, self.image_name(plan), args)} {image_id}"
+
+    # -- one round -----------------------------------------------------------------------
+    def node_plans(self, plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
+        out = []
+        for k, host in enumerate(self.hosts or self.cluster.hosts[: plan.case.nnodes]):
+            rd = Path(str(self.node_round_dir(plan, host, round_dir)))
+            out.append(plan_nodes(plan, python, Path(str(self.code_root(host))), rd)[k])
+        return out
+
+    def _agent_spec(self, plan: Plan, host: HostConfig, round_dir: Path, nodes: list[NodePlan]) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "round_dir": str(self.node_round_dir(plan, host, round_dir)),
+            "master_placeholder": "@@FB_MASTER@@",
+            "monitor": {"kind": plan.vendor.monitor, "python": self.env_python, "interval_s": 1.0, "pythonpath": str(self.code_root(host))},
+            "container": None,
+            "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
+        }
+
+    def _stage(self, plan: Plan, k: int, host: HostConfig, round_dir: Path, nodes: list[NodePlan]) -> None:
+        """Write the node's resolved.json and agent spec and send them to the host."""
+        stage = round_dir / ".stage" / host.name
+        stage.mkdir(parents=True, exist_ok=True)
+        rd = self.node_round_dir(plan, host, round_dir)
+        round_no = int(round_dir.name.removeprefix("round"))
+        resolved = plan.resolved(round_no, str(rd / "output"), str(self.cache_dir(host)))
+        (stage / "resolved.json").write_text(json.dumps(resolved, indent=2))
+        (stage / "agent.json").write_text(json.dumps(self._agent_spec(plan, host, round_dir, nodes), indent=2))
+        (stage / f"node{k}" / "ranks").mkdir(parents=True, exist_ok=True)
+        self.pool.run(host.name, ["mkdir", "-p", str(rd)], timeout=self.cluster.ssh.command_timeout_s, check=True)
+        self.pool.put_tree(host.name, stage, str(rd))
+
+    def _agent_argv(self, plan: Plan, host: HostConfig, round_dir: Path, k: int, python: str) -> list[str]:
+        rd = self.node_round_dir(plan, host, round_dir)
+        return [python, "-m", "run_benchmarks.node_agent", "--spec", str(rd / "agent.json"), "--node-rank", str(k),
+                "--master", self.hosts[0].address]  # fmt: skip
+
+    def _start(self, plan: Plan, k: int, host: HostConfig, round_dir: Path, node: NodePlan) -> _Node:
+        local_node = round_dir / f"node{k}"
+        argv = self._agent_argv(plan, host, round_dir, k, self.env_python)
+        if not self.containerized:
+            proc = self.pool.start(host.name, argv, local_node / "agent.log", env={"PYTHONPATH": str(self.code_root(host))},
+                                   cwd=str(self.code_root(host)), start_timeout=self.cluster.ssh.command_timeout_s)  # fmt: skip
+            return _Node(k, host, proc=proc)
+        from run_benchmarks.remote.containers import ContainerSpec, Mount, nvidia_gpus, run_container
+
+        opts = plan.vendor.container
+        code, rd = str(self.code_root(host)), str(self.node_round_dir(plan, host, round_dir))
+        mounts = [Mount(code, code, True), Mount(rd, rd, False), Mount(str(self.cache_dir(host)), str(self.cache_dir(host)), False)]
+        data_dir = plan.settings["data"].get("data_dir")
+        if data_dir:
+            mounts.append(Mount(data_dir, data_dir, True))
+        if opts.mount_framework_env:
+            mounts += [Mount(p, p, True) for p in self.prefixes]
+        for m in opts.mounts:
+            src, dst, *mode = m.split(":")
+            mounts.append(Mount(src, dst, mode == ["ro"]))
+        self.pool.run(host.name, ["mkdir", "-p", str(self.cache_dir(host))], timeout=self.cluster.ssh.command_timeout_s, check=True)
+        spec = ContainerSpec(
+            image=self.images[host.name].split()[0],
+            command=argv,
+            run_id=plan.run_id,
+            name=f"fb-{plan.run_id[-26:]}-{round_dir.name}-n{k}".replace(":", "-"),
+            env={**opts.extra_env, "PYTHONPATH": code, "PYTHONUNBUFFERED": "1"},
+            mounts=mounts,
+            devices=[f"{d}:{d}:rwm" for d in opts.devices],
+            device_requests=[nvidia_gpus()] if opts.gpus else [],
+            shm_size=opts.shm_size,
+            ulimits=[(n, v, v) for n, v in opts.ulimits.items()],
+            network_mode="host",
+            ipc_mode="host" if opts.gpus else None,
+            privileged=opts.privileged,
+            workdir=code,
+        )
+        return _Node(k, host, container=run_container(self._engine(host), spec))
+
+    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        try:
+            for k, host in enumerate(self.hosts):
+                (round_dir / f"node{k}").mkdir(parents=True, exist_ok=True)
+            self._each(lambda h: self._stage(plan, self.hosts.index(h), h, round_dir, nodes))
+            self.live = [self._start(plan, k, h, round_dir, nodes[k]) for k, h in enumerate(self.hosts)]
+            timed_out = self._wait(deadline)
+        except RemoteError as exc:
+            timed_out = False
+            for n in self.live:
+                n.error = n.error or (str(exc) if exc.host == n.host.name else None)
+            if not self.live:
+                return [NodeOutcome(h.name, k, None, False, round_dir / f"node{k}", error=str(exc)) for k, h in enumerate(self.hosts)]
+        finally:
+            for n in self.live:
+                if n.rc is None:
+                    n.stop()
+                    n.poll()
+        outcomes = []
+        for n in self.live:
+            local = round_dir / f"node{n.k}"
+            if n.container is not None:
+                try:
+                    (local / "container.log").write_text(n.container.logs())
+                except Exception as exc:
+                    n.error = n.error or f"container logs unavailable: {exc}"
+                n.container.stop_and_remove()
+            try:
+                self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
+            except RemoteError as exc:
+                n.error = n.error or f"logs not collected: {exc.detail}"
+            if n.proc is not None and n.rc == -1:
+                n.error = n.error or "the SSH connection to the host was lost during the round"
+            outcomes.append(NodeOutcome(n.host.name, n.k, n.rc, timed_out and n.rc is None, local, n.error))
+        shutil.rmtree(round_dir / ".stage", ignore_errors=True)
+        self.timings["last_round_s"] = time.monotonic() - t0
+        self.live = []
+        return outcomes
+
+    def _wait(self, deadline: float) -> bool:
+        """Wait for every node; on the first failure stop the rest. True if the deadline passed."""
+        pending = list(self.live)
+        while pending:
+            for n in list(pending):
+                try:
+                    rc = n.poll()
+                except Exception as exc:  # engine or connection gone
+                    n.error, rc = f"lost the node: {exc}", -1
+                    n.rc = rc
+                if rc is not None:
+                    pending.remove(n)
+                    if rc != 0:
+                        for other in pending:
+                            other.stop()
+                            other.error = other.error or f"stopped: node{n.k} ({n.host.name}) failed"
+                            other.poll()
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(POLL_S)
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"hosts": [h.name for h in self.hosts], "images": dict(self.images), "timings_s": dict(self.timings)}
+
+    def cleanup(self) -> None:
+        from run_benchmarks.remote.containers import cleanup_by_label
+
+        for n in self.live:
+            n.stop()
+        self.live = []
+        for name, client in list(self.engines.items()):
+            try:
+                if self.run_id:
+                    cleanup_by_label(client, self.run_id)
+                client.close()
+            except Exception:
+                pass
+        self.engines.clear()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

@@ -1,0 +1,177 @@
+"""start_task.py on a real 2-host cluster: SSH, per-host docker engines, the vendor image.
+
+The cluster is made of network namespaces on this machine (tests/cluster/), each with its
+own sshd and dockerd; the tiny llama3 case runs as 2 nodes x 1 process over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from run_benchmarks.registry import ROOT
+
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+CASE = "llama3_tiny:megatron:cpu:2:1"
+pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
+
+
+def cluster_file(cluster, tmp_path: Path, python: str, runtime: str = "container", **extra) -> Path:
+    doc = {
+        "backend": "ssh",
+        "runtime": runtime,
+        "python": python,
+        "hosts": [{"name": h.name, "address": h.address, "port": h.port, "work_dir": f"{h.workdir}/fb"} for h in cluster.hosts],
+        "ssh": {"user": "root", "key_file": cluster.key_file, "known_hosts": cluster.known_hosts, "command_timeout_s": 120},
+        "master_port": 29711,
+        "image_build_args": {"BASE_IMAGE": cluster.image},
+        "round_timeout_s": 600,
+        **extra,
+    }
+    path = tmp_path / f"cluster-{runtime}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def leftovers(cluster, run_id: str) -> list[str]:
+    """Containers of the run still on any host, and case processes still alive."""
+    import docker
+
+    found = []
+    for h in cluster.hosts:
+        client = docker.DockerClient(base_url=f"unix://{h.docker_socket}")
+        found += [c.name for c in client.containers.list(all=True, filters={"label": f"flagbench.run_id={run_id}"})]
+        client.close()
+    ps = subprocess.run(["pgrep", "-f", f"{run_id}"], capture_output=True, text=True).stdout.split()
+    return found + [f"pid {p}" for p in ps if int(p) != os.getpid()]
+
+
+def only_run(log_dir: Path) -> tuple[Path, dict]:
+    (run_dir,) = [p for p in log_dir.iterdir() if p.is_dir()]
+    return run_dir, json.loads((run_dir / "results.json").read_text())
+
+
+def test_two_nodes_in_containers(cluster, megatron_python, tmp_path):
+    cfile = cluster_file(cluster, tmp_path, megatron_python)
+    t0 = time.monotonic()
+    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, res = only_run(tmp_path / "logs")
+    (rnd,) = res["rounds"]
+    assert rnd["status"] == "ok" and res["backend"] == "ssh" and res["runtime"] == "container"
+    assert [n["host"] for n in rnd["nodes"]] == ["h1", "h2"] and all(n["returncode"] == 0 for n in rnd["nodes"])
+    images = res["runtime_info"]["images"]
+    assert set(images) == {"h1", "h2"} and all(v.startswith("flagbench/cpu-megatron:") for v in images.values())
+    assert rnd["loss_aligned"] is True and rnd["tokens_per_gpu_s"] > 0
+    for k in (0, 1):  # every rank's log and the node's monitor came back
+        node = run_dir / "round1" / f"node{k}"
+        assert list((node / "ranks").rglob("stdout.log")), f"node{k} rank logs missing"
+        assert rnd["monitor"][f"node{k}"]["samples"] > 0
+        assert json.loads((node / "node.json").read_text())["returncode"] == 0
+    assert leftovers(cluster, res["run_id"]) == []
+    print(f"2-host container round: {time.monotonic() - t0:.1f} s wall, timings {res['runtime_info']['timings_s']}")
+
+
+def test_crashing_rank_fails_the_round_with_its_log(cluster, megatron_python, tmp_path):
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="process")
+    empty = tmp_path / "empty_data"  # exists on every host (they share this filesystem) but holds no corpus
+    empty.mkdir()
+    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
+                "--data-dir", str(empty)])  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir, res = only_run(tmp_path / "logs")
+    (rnd,) = res["rounds"]
+    assert rnd["status"] == "failed"
+    assert "exit status" in rnd["error"] and "Traceback" in rnd["error"], rnd["error"]
+    assert str(empty) in rnd["error"]  # the rank's own last lines name the missing corpus
+    assert leftovers(cluster, res["run_id"]) == []
+
+
+def test_round_deadline_then_next_round_runs(cluster, megatron_python, tmp_path):
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
+    proc = run(["--vendor", "cpu", "--case_name", CASE + ":2", "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
+                "--set", "train.steps=100000", "--round-timeout", "20"])  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir, res = only_run(tmp_path / "logs")
+    assert [r["status"] for r in res["rounds"]] == ["failed", "failed"]  # round 2 still ran
+    assert all("round deadline of 20 s passed" in r["error"] for r in res["rounds"])
+    assert leftovers(cluster, res["run_id"]) == []
+
+
+def test_ctrl_c_tears_everything_down(cluster, megatron_python, tmp_path):
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
+    log_dir = tmp_path / "logs"
+    p = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+                          "--log-dir", str(log_dir), "--set", "train.steps=100000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(log_dir.rglob("*/ranks")):
+        time.sleep(0.5)
+    run_id = next(log_dir.iterdir()).name
+    # wait until a container of the run exists, then interrupt
+    while time.monotonic() < deadline and not leftovers(cluster, run_id):
+        time.sleep(0.5)
+    time.sleep(3)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, out + err
+    assert "interrupted" in err
+    assert leftovers(cluster, run_id) == []
+    assert (log_dir / run_id / "results.json").is_file()
+
+
+def _refused(cfile: Path, doc: dict, log_dir: Path) -> str:
+    cfile.write_text(yaml.safe_dump(doc))
+    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(log_dir)])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert not log_dir.exists() or not any((log_dir).rglob("stdout.log"))  # nothing launched
+    return proc.stderr
+
+
+def test_unknown_and_changed_host_keys_and_wrong_key(cluster, megatron_python, tmp_path):
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="process")
+    doc = yaml.safe_load(cfile.read_text())
+
+    empty = tmp_path / "known_hosts_empty"
+    empty.write_text("")
+    doc["ssh"]["known_hosts"] = str(empty)
+    err = _refused(cfile, doc, tmp_path / "l1")
+    assert "error: host h1: host key for" in err and f"is not in {empty}" in err, err
+    assert empty.read_text() == ""  # never accepted silently
+
+    # h1's entry carries h2's key: a changed key
+    lines = Path(cluster.known_hosts).read_text().splitlines()
+    by_host = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.strip()}
+    names = list(by_host)
+    changed = tmp_path / "known_hosts_changed"
+    changed.write_text("\n".join(" ".join([n, *by_host[names[(i + 1) % len(names)]]]) for i, n in enumerate(names)) + "\n")
+    doc["ssh"]["known_hosts"] = str(changed)
+    err = _refused(cfile, doc, tmp_path / "l2")
+    assert "has CHANGED" in err and ("host h1:" in err or "host h2:" in err), err
+
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "wrong")], check=True)
+    doc["ssh"]["known_hosts"] = cluster.known_hosts
+    doc["ssh"]["key_file"] = str(tmp_path / "wrong")
+    err = _refused(cfile, doc, tmp_path / "l3")
+    assert "refused" in err and "root@10." in err, err
+
+
+def test_host_down(cluster, megatron_python, tmp_path):
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="process")
+    doc = yaml.safe_load(cfile.read_text())
+    doc["hosts"][1]["address"] = cluster.hosts[1].address.rsplit(".", 1)[0] + ".77"  # nobody there
+    doc["ssh"]["connect_timeout_s"] = 3
+    err = _refused(cfile, doc, tmp_path / "l4")
+    assert "host h2: connecting to" in err or "host h2: cannot connect" in err, err

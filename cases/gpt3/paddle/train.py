@@ -1,0 +1,350 @@
+"""GPT-3 on paddle (PaddleNLP's GPT): the case's entry point.
+
+Run by the harness on every rank::
+
+    python -m paddle.distributed.launch --log_dir <node>/ranks \\
+        [--devices 0,1,...  |  --nproc_per_node N] \\
+        cases/gpt3/paddle/train.py --config <round_dir>/resolved.json
+
+with the repository root on PYTHONPATH (gloo on CPU, NCCL on GPUs).
+
+Training: PaddleNLP's ``GPTForCausalLM`` (``GPTForCausalLMPipe`` for pp > 1)
+under paddle's hybrid-parallel fleet: tensor parallelism (``mp_degree``),
+pipeline parallelism (1F1B, ``train_batch``), and the data-parallel width
+split into sharding (stage 1: ``DygraphShardingOptimizer``; stage 2:
+``group_sharded_parallel(level="os_g")``) and plain replicas; AdamW with
+decoupled weight decay (not on biases and norms), global-norm clipping,
+PaddleNLP's cosine schedule with linear warm-up; fp16 AMP O2 with a dynamic
+loss scale as in FlagPerf's paddle configs, bf16 O2, or fp32.  This mirrors
+how PaddleNLP's Trainer wraps the model for these layouts, without the
+Trainer's checkpointing and logging.  Metrics go out through
+``training.metriclog.MetricLogger`` only (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from training import flops, runtime  # noqa: E402
+from training.metriclog import MetricLogger  # noqa: E402
+
+
+class Trainer:
+    def __init__(self, cfg: dict, log: MetricLogger):
+        import paddle
+
+        from gpt3_settings import from_config
+
+        self.cfg = cfg
+        self.log = log
+        self.dist = runtime.dist_info()
+        self.s = from_config(cfg, self.dist.world_size)
+        paddle.set_device(f"gpu:{self.dist.local_rank}" if self.s.device == "gpu" else "cpu")
+        self.steps_done = 0
+        self.reporting = self.dist.rank == 0  # until the topology is known
+
+    # -- setup -------------------------------------------------------------
+    def init_distributed(self) -> None:
+        import paddle
+        from paddle.distributed import fleet
+        from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
+
+        s, lay = self.s, self.s.layout
+        strategy = fleet.DistributedStrategy()
+        strategy.hybrid_configs = {
+            "dp_degree": lay.dp_degree,
+            "mp_degree": lay.tp,
+            "pp_degree": lay.pp,
+            "sharding_degree": lay.sharding_degree,
+        }
+        if lay.pp > 1:
+            strategy.pipeline_configs = {"accumulate_steps": lay.grad_accum, "micro_batch_size": lay.micro_batch}
+        fleet.init(is_collective=True, strategy=strategy)
+        hcg = fleet.get_hybrid_communicate_group()
+        self.hcg = hcg
+        self.tp_rank = hcg.get_model_parallel_rank()
+        self.stage = hcg.get_stage_id()
+        self.dp_rank = hcg.get_data_parallel_rank()
+        self.sharding_rank = hcg.get_sharding_parallel_rank()
+        self.data_rank = lay.sharding_degree * self.dp_rank + self.sharding_rank
+        self.is_last_stage = self.stage == lay.pp - 1
+        self.reporting = self.is_last_stage and self.tp_rank == 0 and self.data_rank == 0
+
+        # parameters: identical on every replica; TP shards from a per-(tp, pp) stream;
+        # dropout: shared inside a TP group ("global_seed"), per rank ("local_seed")
+        paddle.seed(s.seed)
+        tracker = get_rng_state_tracker()
+        tracker.reset()
+        tracker.add("model_parallel_rng", s.seed + 1 + self.tp_rank * lay.pp + self.stage)
+        tracker.add("global_seed", s.seed + 100_003 + self.data_rank * lay.pp + self.stage)
+        tracker.add("local_seed", s.seed + 200_003 + self.dist.rank)
+
+    def _barrier(self) -> None:
+        import paddle
+        import paddle.distributed as dist
+
+        if self.s.device == "gpu":
+            paddle.device.synchronize()
+        if self.dist.world_size > 1:
+            dist.barrier()
+
+    def build(self) -> None:
+        import paddle
+        from paddle.distributed import fleet
+        from paddlenlp.transformers import CosineAnnealingWithWarmupDecay
+
+        import gpt3_model
+
+        s, lay = self.s, self.s.layout
+        self.flash = lay.use_flash_attention and gpt3_model.flash_attention_available(s.device)
+        config = gpt3_model.gpt_config(s, lay.tp, self.tp_rank, self.flash)
+        model = gpt3_model.build_model(s, config)
+        self.params_exact = self._exact_params(model)
+
+        # warm-up from lr/warmup at step 1, as FlagPerf (last_epoch=0)
+        self.scheduler = CosineAnnealingWithWarmupDecay(
+            max_lr=s.lr, min_lr=s.min_lr, warmup_step=s.lr_warmup_steps, decay_step=s.lr_decay_steps, last_epoch=0
+        )
+        decay = {p.name for n, p in model.named_parameters() if not any(k in n for k in ("bias", "norm"))}
+        self.amp_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(s.precision)
+        optimizer = paddle.optimizer.AdamW(
+            learning_rate=self.scheduler,
+            beta1=s.adam_beta1,
+            beta2=s.adam_beta2,
+            epsilon=s.adam_eps,
+            parameters=model.parameters(),
+            weight_decay=s.weight_decay,
+            apply_decay_param_fun=lambda name: name in decay,
+            grad_clip=paddle.nn.ClipGradByGlobalNorm(s.clip_grad) if s.clip_grad > 0 else None,
+            multi_precision=self.amp_dtype is not None and s.amp_level == "O2",
+        )
+        if self.amp_dtype and s.amp_level == "O2":
+            model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=self.amp_dtype)
+
+        self.scaler = None
+        if s.precision == "fp16":
+            self.scaler = paddle.amp.GradScaler(init_loss_scaling=s.loss_scale)
+
+        self.no_sync = False
+        if lay.pp > 1:
+            model = fleet.distributed_model(model)
+            optimizer = fleet.distributed_optimizer(optimizer)
+            if self.scaler is not None:
+                self.scaler = fleet.distributed_scaler(self.scaler)
+        elif lay.sharding_stage == 2:
+            from paddle.distributed.fleet.meta_parallel.sharding.group_sharded_utils import GroupShardedScaler
+            from paddle.distributed.sharding import group_sharded_parallel
+
+            if lay.tp > 1:
+                model = fleet.meta_parallel.TensorParallel(model, self.hcg, strategy=None)
+            model, optimizer, _ = group_sharded_parallel(
+                model,
+                optimizer,
+                level="os_g",
+                scaler=None,
+                group=self.hcg.get_sharding_parallel_group(),
+                dp_group=self.hcg.get_data_parallel_group() if lay.dp_degree > 1 else None,
+            )
+            if self.scaler is not None:
+                self.scaler = GroupShardedScaler(self.scaler)
+        elif self.dist.world_size > 1:
+            model = fleet.distributed_model(model)  # DataParallel or TensorParallel
+            optimizer = fleet.distributed_optimizer(optimizer)  # sharding stage 1 when sharding_degree > 1
+            if self.scaler is not None and (lay.tp > 1 or lay.sharding_stage == 1):
+                self.scaler = fleet.distributed_scaler(self.scaler)
+            self.no_sync = isinstance(model, paddle.DataParallel)
+        self.model, self.optimizer = model, optimizer
+
+    def _exact_params(self, model) -> int:
+        import paddle
+        import paddle.distributed as dist
+
+        import gpt3_model
+
+        lay = self.s.layout
+        local = gpt3_model.local_param_count(model, self.tp_rank, self.stage, lay.pp)
+        t = paddle.to_tensor([float(local)], dtype="float64")
+        if self.dist.world_size > 1:
+            dist.all_reduce(t)  # every data-parallel replica adds the same count
+        total = int(round(float(t.numpy()[0]))) // lay.dp
+        expected = flops.param_counts(flops.decoder_shape(self.s.shape.decoder_shape()))["total"]
+        if total != expected:
+            raise RuntimeError(
+                f"the built model has {total} parameters but training.flops.param_counts gives {expected} "
+                f"for {self.s.shape}: the model does not have the shape the case declares"
+            )
+        return total
+
+    def prepare_data(self) -> None:
+        import gpt3_data
+
+        prefix, self.data_desc = gpt3_data.corpus_prefix(self.s, self.dist.local_rank, self._barrier)
+        self.batches = gpt3_data.StepBatches(prefix, self.s, self.data_rank)
+
+    def emit_meta(self) -> None:
+        import gpt3_model
+
+        if not self.reporting:
+            return
+        s, lay, sh = self.s, self.s.layout, self.s.shape
+        self.log.meta(
+            model=s.model_name,
+            framework="paddle",
+            framework_version=gpt3_model.framework_version(),
+            params_exact=self.params_exact,
+            params_nominal=s.params_nominal,
+            num_layers=sh.num_layers,
+            hidden_size=sh.hidden_size,
+            ffn_hidden_size=sh.ffn_hidden_size,
+            num_heads=sh.num_heads,
+            num_kv_groups=sh.num_heads,
+            seq_length=sh.seq_length,
+            vocab_size=sh.vocab_size,
+            global_batch=s.global_batch,
+            precision=s.precision,
+            amp_level=s.amp_level if s.precision != "fp32" else None,
+            parallel=dict(
+                tp=lay.tp,
+                pp=lay.pp,
+                dp=lay.dp,
+                dp_degree=lay.dp_degree,
+                sharding_stage=lay.sharding_stage,
+                sharding_degree=lay.sharding_degree,
+                micro_batch=lay.micro_batch,
+                grad_accum=lay.grad_accum,
+                recompute=lay.recompute,
+                flash_attention=self.flash,
+                use_fused_rms_norm=lay.use_fused_rms_norm,
+                fuse_attention_qkv=lay.fuse_attention_qkv,
+                sequence_parallel=lay.sequence_parallel,
+            ),
+            inert_options=gpt3_model.inert_flags(s, self.flash),
+            world_size=s.world_size,
+            steps=s.steps,
+            config_name=s.config_name,
+            device=s.device,
+            data=self.data_desc,
+        )
+
+    # -- training ----------------------------------------------------------
+    def _autocast(self):
+        import paddle
+
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        white = ["lookup_table", "lookup_table_v2"] if self.s.amp_level == "O2" else []
+        return paddle.amp.auto_cast(
+            enable=True,
+            custom_white_list=white,
+            custom_black_list=["reduce_sum", "c_softmax_with_cross_entropy"],
+            level=self.s.amp_level,
+            dtype=self.amp_dtype,
+        )
+
+    def _step_nonpipeline(self, step: int):
+        import paddle
+
+        micro = self.batches.micro_batches(step)
+        total = None
+        for a, (x, y) in enumerate(micro):
+            sync_ctx = self.model.no_sync() if self.no_sync and a < len(micro) - 1 else contextlib.nullcontext()
+            with sync_ctx:
+                with self._autocast():
+                    loss, _ = self.model(paddle.to_tensor(x), labels=paddle.to_tensor(y))
+                scaled = loss / len(micro)
+                if self.scaler is not None:
+                    self.scaler.scale(scaled).backward()
+                else:
+                    scaled.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.clear_grad()
+        return total / len(micro)
+
+    def _step_pipeline(self, step: int):
+        import paddle
+
+        rows = self.batches.step(step)
+        data = [paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])]
+        with self._autocast():
+            return self.model.train_batch(data, optimizer=self.optimizer, lr_scheduler=None, scaler=self.scaler)
+
+    def _data_mean(self, loss) -> float:
+        import paddle
+        import paddle.distributed as dist
+
+        lay = self.s.layout
+        t = paddle.cast(loss.reshape([1]), "float32")
+        if lay.dp_degree > 1:
+            dist.all_reduce(t, group=self.hcg.get_data_parallel_group())
+        if lay.sharding_degree > 1:
+            dist.all_reduce(t, group=self.hcg.get_sharding_parallel_group())
+        return float(t.numpy()[0]) / lay.dp
+
+    def train(self) -> None:
+        s = self.s
+        tokens_per_step = s.global_batch * s.shape.seq_length
+        run_step = self._step_pipeline if s.layout.pp > 1 else self._step_nonpipeline
+        for step in range(s.steps):
+            lr = float(self.scheduler.get_lr())
+            self._barrier()
+            t0 = time.perf_counter()
+            loss = run_step(step)
+            self.scheduler.step()
+            self._barrier()
+            step_time = time.perf_counter() - t0
+            self.steps_done = step + 1
+            mean = self._data_mean(loss)  # outside the timed window
+            if self.reporting:
+                extra = {}
+                if self.scaler is not None:
+                    extra["loss_scale"] = float(self.scaler._scale.numpy().reshape(-1)[0])
+                self.log.step(step + 1, mean, tokens_per_step, step_time, lr, **extra)
+
+    def emit_memory(self) -> None:
+        import paddle
+
+        if self.s.device == "gpu":
+            dev = self.dist.local_rank
+            props = paddle.device.cuda.get_device_properties(dev)
+            self.log.peak_memory(int(paddle.device.cuda.max_memory_allocated(dev)), int(props.total_memory), props.name)
+            self.log.emit("info", "gpu_memory", {"max_reserved_bytes": int(paddle.device.cuda.max_memory_reserved(dev))})
+        else:
+            # ru_maxrss is in KiB on Linux: the process's peak resident set
+            self.log.peak_memory(int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None, "cpu")
+
+
+def main() -> int:
+    cfg = runtime.setup()
+    log = MetricLogger(rank=runtime.dist_info().rank)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, log)
+        trainer.init_distributed()
+        trainer.build()
+        trainer.prepare_data()
+        trainer.emit_meta()
+        trainer.train()
+        trainer.emit_memory()
+        if trainer.reporting:
+            log.end("ok", trainer.steps_done)
+    except BaseException as exc:
+        log.error(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
+        log.end("failed", trainer.steps_done if trainer is not None else 0)
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

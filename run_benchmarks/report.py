@@ -67,7 +67,7 @@ def _range(lo: str, hi: str) -> str:
     return "-" if lo == hi == "-" else f"{lo} &ndash; {hi}"
 
 
-def _table(header: Iterable[str], rows: Iterable[Iterable[str]], numeric: set[int] = frozenset()) -> str:  # type: ignore[assignment]
+def _table(header: Iterable[str], rows: Iterable[Iterable[str]], numeric: frozenset[int] | set[int] = frozenset()) -> str:
     """Cells are HTML already (callers escape text)."""
     head = "".join(f"<th>{e(h)}</th>" for h in header)
     body = "".join(

@@ -11,10 +11,10 @@ import json
 import sqlite3
 
 import pytest
-from test_history import fake_results
 
 from run_benchmarks import history, nightly, orchestrator, results
 from run_benchmarks.errors import InputError
+from tests.test_history import fake_results
 
 CASE = "llama3_tiny:megatron:cpu:1:2"
 

@@ -27,21 +27,21 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from test_report_browser import assert_loads_offline_with_plots, load_page
 
 from run_benchmarks import history
 from run_benchmarks.registry import ROOT
+from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 
 CASE = "llama3_tiny:megatron:cpu:1:2"
 NEIGHBOURS = 3
 
 
-def write_runlist(tmp: Path, python: str, rounds: int) -> Path:
+def write_runlist(tmp: Path, python: str, rounds: int, sets: str = "[]") -> Path:
     path = tmp / f"nightly-{rounds}.yaml"
     path.write_text(
         f"log_dir: logs\nhistory_db: history.sqlite\npython: {python}\nround_timeout_s: 600\nbaseline_runs: 5\n"
         "tolerances: {throughput_drop_pct: 50, memory_rise_pct: 25}\n"
-        f"cases:\n  - {{case: '{CASE}', vendor: cpu, rounds: {rounds}}}\n"
+        f"cases:\n  - {{case: '{CASE}', vendor: cpu, rounds: {rounds}, set: {sets}}}\n"
     )
     return path
 
@@ -96,7 +96,7 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     assert [r["verdict"] for r in runs] == ["baseline: none", "pass", "regressed"]
     assert [(r["rounds_requested"], r["rounds_ok"], r["rounds_failed"]) for r in runs] == [(3, 3, 0), (3, 3, 0), (1, 1, 0)]
     assert len({history.identity_of(r)["config_key"] for r in runs}) == 1  # the same config all three nights
-    assert all(r["loss_aligned"] in (1, None) for r in runs)  # aligned, or no reference committed yet
+    assert [r["loss_aligned"] for r in runs] == [1, 1, 1]  # slower, but the same training
     meds = [history.stats_of(db, r["id"])["tokens_per_gpu_s"]["median"] for r in runs]
     baseline = json.loads(runs[2]["baseline_json"])["tokens_per_gpu_s"]
     assert baseline == pytest.approx((meds[0] + meds[1]) / 2)
@@ -110,6 +110,7 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     rounds = db.execute("SELECT * FROM rounds WHERE run = ? ORDER BY round", (first["id"],)).fetchall()
     assert [r["status"] for r in rounds] == ["ok"] * 3 and all(r["tokens_per_gpu_s"] > 0 and r["peak_mem_gib"] > 0 for r in rounds)
     curves = history.losses_of(db, first["id"])
+    assert sorted(curves[(0, "train")]) == list(range(1, 31))  # the committed reference it was compared with
     for rnd in (1, 2, 3):
         loss = curves[(rnd, "train")]
         assert sorted(loss) == list(range(1, 31)) and loss[30] < loss[1]
@@ -126,3 +127,18 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     index = load_page(tmp_path / "logs" / "reports" / "index.html", tmp_path / "profile2")
     assert_loads_offline_with_plots(index, plots=1)
     assert len([link for link in index["links"] if link.startswith("nightly-")]) == 3
+
+
+@pytest.mark.framework("megatron")
+def test_a_loss_that_stops_aligning_fails_the_night(tmp_path, megatron_python):
+    """A real run that trains differently (a tenth of the learning rate) than its committed
+    reference curve: the loss no longer aligns, the night fails and names the case."""
+    proc = nightly(write_runlist(tmp_path, megatron_python, rounds=1, sets="[train.lr=0.0003]"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REGRESSION")]
+    assert line == f"REGRESSION {CASE} on cpu (config_cpux1x2): loss no longer aligns with the reference (baseline: none)"
+    db = history.connect(tmp_path / "history.sqlite")
+    run = db.execute("SELECT * FROM runs").fetchone()
+    assert (run["loss_aligned"], run["good"], run["verdict"]) == (0, 0, "regressed")
+    (rnd,) = db.execute("SELECT * FROM rounds").fetchall()
+    assert rnd["status"] == "ok" and rnd["loss_mre"] > 0.02

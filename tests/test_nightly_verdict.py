@@ -6,10 +6,10 @@ Unit tests on figures built here; test_nightly_real.py checks the same on real r
 from __future__ import annotations
 
 import pytest
-from test_history import HW, fake_results, store
 
 from run_benchmarks import history
 from run_benchmarks.nightly import Tolerances, judge
+from tests.test_history import HW, fake_results, store
 
 TOL = Tolerances(throughput_drop_pct=10, mfu_drop_pct=10, memory_rise_pct=10)
 

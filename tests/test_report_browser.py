@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_history import HW, fake_results
 
 from run_benchmarks import history, report
+from tests.test_history import HW, fake_results
 
 FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

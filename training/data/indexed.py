@@ -190,7 +190,7 @@ class IndexedReader:
 class TokenWindows:
     """Training samples: windows of ``seq_length + 1`` contiguous tokens.
 
-    The corpus is cut into ``num_tokens - 1 // seq_length`` non-overlapping
+    The corpus is cut into ``(num_tokens - 1) // seq_length`` non-overlapping
     windows (each window's last token is the next window's first, as in
     Megatron's GPT dataset).  Sample ``k`` is window ``perm_e[k mod W]`` of epoch
     ``e = k // W``, where ``perm_e`` is a permutation drawn from ``seed`` and

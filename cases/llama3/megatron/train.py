@@ -25,7 +25,6 @@ import resource
 import sys
 import time
 import traceback
-from functools import partial
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

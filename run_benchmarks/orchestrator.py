@@ -41,7 +41,9 @@ def metric_files(node_dir: Path) -> list[Path]:
     """Per-rank logs written by the launcher (the metric lines' source)."""
     ranks = node_dir / "ranks"
     files = sorted(p for p in ranks.rglob("*") if p.is_file()) if ranks.is_dir() else []
-    return files or [node_dir / "stdout.log"]
+    if not files and (node_dir / "stdout.log").is_file():
+        files = [node_dir / "stdout.log"]
+    return files
 
 
 def tail(path: Path, n: int = TAIL_LINES) -> str:
@@ -190,6 +192,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None) -> dict[st
             console.print(f"round {r}: {rnd['status']}" + (f" - {rnd['error'].splitlines()[0]}" if rnd["error"] else ""))
     finally:
         runtime.cleanup()
+        res["runtime_info"] = runtime.describe()
         res["finished"] = _now()
         results.write(res, run_dir)
     return res

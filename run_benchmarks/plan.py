@@ -189,7 +189,7 @@ def build(
     else:
         settings["data"].setdefault("data_dir", None)
 
-    if len(cluster.hosts) < cn.nnodes:
+    if cluster.backend != "slurm" and len(cluster.hosts) < cn.nnodes:  # slurm allocates its nodes
         raise InputError(f"case {cn} needs {cn.nnodes} nodes but the cluster config names {len(cluster.hosts)} host(s)")
     if cluster.backend == "local" and cn.nnodes != 1:
         raise InputError(f"case {cn}: the local runtime runs one node; give --cluster with {cn.nnodes} hosts")

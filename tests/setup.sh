@@ -5,8 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "$(id -u)" = 0 ] && [ -x tests/cluster/install_deps.sh ]; then
-  bash tests/cluster/install_deps.sh
+if [ "$(id -u)" = 0 ]; then
+  bash tests/cluster/install_deps.sh     # sshd, dockerd, iproute2, debootstrap: the namespace cluster
+  bash tests/slurm/install_deps.sh       # munge, slurmctld, slurmd: the Slurm cluster
+  bash tests/install_report_deps.sh      # chromium: the report page test
 fi
 
 python3 -m pip install --disable-pip-version-check -q -e ".[test]"

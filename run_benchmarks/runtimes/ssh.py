@@ -304,9 +304,9 @@ class SSHRuntime(Runtime):
                 (round_dir / f"node{k}").mkdir(parents=True, exist_ok=True)
             self._each(lambda h: self._stage(plan, self.hosts.index(h), h, round_dir, nodes))
             self.live = [self._start(plan, k, h, round_dir, nodes[k]) for k, h in enumerate(self.hosts)]
-            timed_out = self._wait(deadline)
+            late = {n.k for n in self.live if n.rc is None} if self._wait(deadline) else set()
         except RemoteError as exc:
-            timed_out = False
+            late = set()
             for n in self.live:
                 n.error = n.error or (str(exc) if exc.host == n.host.name else None)
             if not self.live:
@@ -331,7 +331,7 @@ class SSHRuntime(Runtime):
                 n.error = n.error or f"logs not collected: {exc.detail}"
             if n.proc is not None and n.rc == -1:
                 n.error = n.error or "the SSH connection to the host was lost during the round"
-            outcomes.append(NodeOutcome(n.host.name, n.k, n.rc, timed_out and n.rc is None, local, n.error))
+            outcomes.append(NodeOutcome(n.host.name, n.k, n.rc, n.k in late, local, n.error))
         shutil.rmtree(round_dir / ".stage", ignore_errors=True)
         self.timings["last_round_s"] = time.monotonic() - t0
         self.live = []

@@ -395,6 +395,8 @@ def test_tiny_both_phases_two_processes(tmp_path):
         assert m["image_tokens"] == 16 and m["precision"] == "bf16" and m["data"] == "synthetic"
         trainable = 24_832 if phase == "pretrain" else 24_832 + llava_params(TINY["shape"])["language_model"]
         assert m["params_trainable"] == trainable  # projector; projector + language model
+        assert sum(g["num_params"] for g in json.loads(Path(m["ds_config_path"]).read_text())["optimizer"][
+            "trainable_params_per_group"]) == trainable
         ds = json.loads(Path(m["ds_config_path"]).read_text())
         assert Path(m["ds_config_path"]) == tmp_path / "out" / f"ds_config_{phase}.json"
         assert ds["zero_optimization"]["stage"] == ds["zero_optimization_stage"] == stage
@@ -411,7 +413,8 @@ def test_tiny_both_phases_two_processes(tmp_path):
         assert all(r.value["step_time_s"] > 0 and r.value["lr"] > 0 for r in steps)
         loss = [r.value["loss"] for r in steps]
         assert all(math.isfinite(x) for x in loss)
-        assert sum(loss[-5:]) / 5 < sum(loss[:3]) / 3 - (0.3 if phase == "pretrain" else 2.0), loss  # falls
+        # falls: a little in pretrain (only the projector learns, in front of a frozen random LM), a lot in finetune
+        assert sum(loss[-5:]) / 5 < sum(loss[:3]) / 3 - (0.2 if phase == "pretrain" else 2.0), loss
         assert sorted(r.rank for r in _phase(log, "memory", "peak_memory", phase)) == [0, 1]
         (end,) = _phase(log, "end", "run_end", phase)
         assert end.value == {"status": "ok", "steps": 30, "phase": phase}

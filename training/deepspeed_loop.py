@@ -346,6 +346,8 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
         elif recompute != "none":
             raise ValueError(f"parallel.recompute {recompute!r} is not one of none, full")
         groups = _param_groups(model)
+        group_sizes = [{"weight_decay": g.get("weight_decay"), "num_params": sum(_numel(p) for p in g["params"])}
+                       for g in groups]  # before DeepSpeed takes the groups over
         if ("optimizer" in ds_config) == (optimizer is not None):
             raise ValueError("give the optimizer either in ds_config or as the optimizer factory, exactly once")
         tr = settings["train"]
@@ -357,9 +359,9 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
         device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
         dtype = DTYPES[settings["train"].get("precision", "bf16")]
         eff = effective_ds_config(engine, ds_config) | {"activation_checkpointing": recompute}
+        default_wd = (eff["optimizer"]["params"] or {}).get("weight_decay")
         eff["optimizer"]["trainable_params_per_group"] = [
-            {"weight_decay": g.get("weight_decay", (eff["optimizer"]["params"] or {}).get("weight_decay")),
-             "num_params": sum(_numel(p) for p in g["params"])} for g in groups]
+            {**g, "weight_decay": default_wd if g["weight_decay"] is None else g["weight_decay"]} for g in group_sizes]
         if schedule is not None:
             eff["scheduler"] |= {"type": "client: training.deepspeed_loop.lr_at (linear warmup, cosine decay)",
                                  "params": {k: tr.get(k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",

@@ -77,8 +77,6 @@ def main() -> None:
     # the DeepSpeed config: every value from the resolved settings (checked there)
     ds_config = dsl.build_ds_config(s, shape["hidden_size"], info.world_size)
     zero = ds_config["zero_optimization"]
-    if "offload_optimizer" in zero:
-        ds_config["zero_force_ds_cpu_optimizer"] = False  # keep torch's AdamW on the offloaded states
     grad_accum = ds_config["gradient_accumulation_steps"]
     steps, seed = int(tr["steps"]), int(tr.get("seed", 1234))
 

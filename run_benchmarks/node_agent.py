@@ -6,7 +6,7 @@ It starts the monitor, runs the node's framework launcher with its output in
 ``node<k>/stdout.log``, forwards SIGTERM/SIGINT to the launcher's process
 group, stops the monitor, writes ``node<k>/node.json`` and exits with the
 launcher's status.  The spec has the same shape as the Slurm node wrapper's
-(``run_benchmarks.slurm_node``), which shares this machinery; here the node
+(``run_benchmarks.slurm_node``), which calls into this module; here the node
 rank and master come from the command line instead of Slurm's environment.
 Standard library only.
 """
@@ -18,12 +18,144 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from run_benchmarks.slurm_node import Node, resolve, write_report
+SPEC_VERSION = 1
+STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL; below Slurm's KillWait (30 s by default)
+
+
+def address_of(host: str) -> str:
+    """The address this node resolves ``host`` to (IPv4 first), else the name itself."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return host
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)
+    return str(infos[0][4][0]) if infos else host
+
+
+def resolve(node: dict[str, Any], placeholder: str, master: str) -> tuple[list[str], dict[str, str]]:
+    """The node's argv and env with the master placeholder replaced by the real host."""
+    argv = [a.replace(placeholder, master) for a in node["command"]]
+    env = {k: v.replace(placeholder, master) for k, v in node["env"].items()}
+    return argv, env
+
+
+def container_argv(container: dict[str, Any], name: str, env: dict[str, str], cwd: str, argv: list[str]) -> list[str]:
+    """``docker run`` of the vendor image around the launcher argv."""
+    out = ["docker", "run", "--rm", "--name", name, "--workdir", cwd, *container["options"]]
+    for k, v in sorted(env.items()):
+        out += ["--env", f"{k}={v}"]
+    return out + [container["image"], *argv]
+
+
+class Node:
+    def __init__(self, spec: dict[str, Any], rank: int, master: str, container_name: str | None = None) -> None:
+        self.spec, self.rank, self.master = spec, rank, master
+        self.default_container_name = container_name or f"fb-node{rank}"
+        self.node_dir = Path(spec["round_dir"]) / f"node{rank}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.monitor: subprocess.Popen[bytes] | None = None
+        self.container_name: str | None = None
+        self.stop_signal: int | None = None
+        self.stop_deadline: float | None = None
+        self.on_stop: Callable[[int], None] | None = None  # called once, on the first stop signal
+        self._lock = threading.Lock()
+
+    def start_monitor(self) -> None:
+        mon = self.spec["monitor"]
+        log = open(self.node_dir / "monitor.log", "ab")
+        try:
+            self.monitor = subprocess.Popen(
+                [mon["python"], "-m", "run_benchmarks.monitors", "--kind", mon["kind"],
+                 "--out", str(self.node_dir / "monitor.jsonl"), "--interval", str(mon["interval_s"])],
+                env={**os.environ, "PYTHONPATH": mon["pythonpath"]}, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        except OSError as exc:  # a monitor must never fail the round
+            log.write(f"monitor not started: {exc}\n".encode())
+        finally:
+            log.close()
+
+    def stop_monitor(self) -> None:
+        mon, self.monitor = self.monitor, None
+        if mon is None or mon.poll() is not None:
+            return
+        mon.terminate()
+        try:
+            mon.wait(5)
+        except subprocess.TimeoutExpired:
+            mon.kill()
+            mon.wait()
+
+    def launch(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        container = self.spec.get("container")
+        if container:
+            self.container_name = self.default_container_name
+            argv = container_argv(container, self.container_name, env, cwd, argv)
+            full_env = dict(os.environ)
+        else:
+            full_env = {**os.environ, **env}
+        with open(self.node_dir / "stdout.log", "ab") as out, self._lock:
+            if self.stop_signal is not None:
+                return  # stopped before it started
+            self.proc = subprocess.Popen(
+                argv, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        """scancel, a time limit or a failed peer: stop the launcher's whole process group.
+
+        SIGTERM first; what is still there after ``STOP_GRACE_S`` gets SIGKILL from ``wait``,
+        so that this wrapper reports before Slurm's own SIGKILL (after KillWait) arrives."""
+        with self._lock:
+            first = self.stop_signal is None
+            if first:
+                self.stop_signal = signum
+                self.stop_deadline = time.monotonic() + STOP_GRACE_S
+            proc = self.proc
+        if first and self.on_stop is not None:
+            self.on_stop(signum)
+        if self.container_name:
+            subprocess.run(["docker", "kill", "--signal", "TERM", self.container_name], capture_output=True, timeout=30)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def wait(self) -> int:
+        assert self.proc is not None
+        while True:
+            try:
+                rc = self.proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if self.stop_deadline is not None and time.monotonic() > self.stop_deadline:
+                    self._kill_now()
+        self._kill_now()  # the launcher is gone; so must be anything it left in its group
+        return rc
+
+    def _kill_now(self) -> None:
+        assert self.proc is not None
+        if self.container_name:
+            subprocess.run(["docker", "kill", self.container_name], capture_output=True, timeout=30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def write_report(node_dir: Path, report: dict[str, Any]) -> None:
+    tmp = node_dir / "node.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2))
+    os.replace(tmp, node_dir / "node.json")
 
 
 def iface_towards(address: str) -> str | None:
@@ -42,6 +174,45 @@ def iface_towards(address: str) -> str | None:
     return None
 
 
+def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any], container_name: str | None = None) -> int:
+    """Run node ``rank`` of the spec: monitor, launcher, report; the launcher's exit status."""
+    node = spec["nodes"][rank]
+    cmd, env = resolve(node, spec["master_placeholder"], master)
+    # gloo binds to the address its host name resolves to (often 127.0.0.1 in a container):
+    # point it at the interface that reaches the master unless the vendor chose one
+    if "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = iface_towards(master)
+        if iface:
+            env["GLOO_SOCKET_IFNAME"] = iface
+    runner = Node(spec, rank, master, container_name)
+    (runner.node_dir / "ranks").mkdir(parents=True, exist_ok=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, runner.on_signal)
+    report = {**report, "node_rank": rank, "hostname": socket.gethostname(), "master_addr": master, "command": cmd,
+              "image": (spec.get("container") or {}).get("image"), "started": time.time()}  # fmt: skip
+    write_report(runner.node_dir, {**report, "returncode": None})
+    runner.on_stop = lambda signum: write_report(
+        runner.node_dir, {**report, "returncode": None, "stopped_by_signal": signal.Signals(signum).name}
+    )
+    runner.start_monitor()
+    rc: int
+    try:
+        runner.launch(cmd, env, node["cwd"])
+        rc = runner.wait() if runner.proc is not None else 128 + (runner.stop_signal or signal.SIGTERM)
+    except OSError as exc:
+        print(f"flagbench node agent: cannot start {cmd[0]}: {exc}", file=sys.stderr, flush=True)
+        rc = 127
+    finally:
+        runner.stop_monitor()
+    if rc < 0:  # killed by a signal: the shell convention
+        rc = 128 - rc
+    write_report(runner.node_dir, {
+        **report, "returncode": rc, "finished": time.time(),
+        "stopped_by_signal": runner.stop_signal and signal.Signals(runner.stop_signal).name,
+    })  # fmt: skip
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="run this node's part of a flagbench round")
     ap.add_argument("--spec", required=True)
@@ -49,39 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master", required=True)
     args = ap.parse_args(argv)
     spec = json.loads(Path(args.spec).read_text())
-    node = spec["nodes"][args.node_rank]
-    cmd, env = resolve(node, spec["master_placeholder"], args.master)
-    # gloo binds to the address its host name resolves to (often 127.0.0.1 in a container):
-    # point it at the interface that reaches the master unless the vendor chose one
-    if "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in os.environ:
-        iface = iface_towards(args.master)
-        if iface:
-            env["GLOO_SOCKET_IFNAME"] = iface
-    runner = Node(spec, args.node_rank, args.master)
-    (runner.node_dir / "ranks").mkdir(parents=True, exist_ok=True)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, runner.on_signal)
-    report: dict[str, Any] = {
-        "node_rank": args.node_rank,
-        "hostname": socket.gethostname(),
-        "master_addr": args.master,
-        "command": cmd,
-        "started": time.time(),
-    }
-    write_report(runner.node_dir, {**report, "returncode": None})
-    runner.start_monitor()
-    try:
-        runner.launch(cmd, env, node["cwd"])
-        rc = runner.wait() if runner.proc is not None else 128 + (runner.stop_signal or signal.SIGTERM)
-    except OSError as exc:
-        print(f"flagbench node_agent: cannot start {cmd[0]}: {exc}", file=sys.stderr, flush=True)
-        rc = 127
-    finally:
-        runner.stop_monitor()
-    if rc < 0:
-        rc = 128 - rc
-    write_report(runner.node_dir, {**report, "returncode": rc, "finished": time.time()})
-    return rc
+    return run_node(spec, args.node_rank, args.master, {})
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ def test_synthetic_corpus_is_deterministic_and_learnable(tmp_path):
     assert w1.shape == (4, 129) and np.array_equal(w1, w2)
 
 
+@pytest.mark.framework("paddle")
 def test_paddlenlp_reads_our_files(tmp_path):
     py = os.environ.get("FB_TEST_PADDLE_PYTHON")
     if not py:

@@ -155,6 +155,7 @@ def _paddle_python() -> str:
     return py
 
 
+@pytest.mark.framework("paddle")
 def test_built_models_match_the_counter():
     """The tiny model built for real, 6.7B and 13B built lazily: parameter counts and
     names as training.flops counts them."""

@@ -60,7 +60,8 @@ def phase_metrics(
     def in_phase(r: ml.Record) -> bool:
         return r.value.get("phase", "train") == phase
 
-    steps = dedup_steps([r for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP) if in_phase(r)])
+    step_recs = [r for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP) if in_phase(r)]
+    steps = dedup_steps(step_recs)
     metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if in_phase(r)]
     window = [s for s in steps if int(s["step"]) > warmup_steps]
     out: dict[str, Any] = {
@@ -77,6 +78,8 @@ def phase_metrics(
         "loss_compared_steps": 0,
         "loss": {int(s["step"]): float(s["loss"]) for s in steps},
         "meta": metas[0] if metas else None,
+        # wall-clock end and duration of each step (for the harness's overhead figure)
+        "step_times": [{"t": r.t, "step_time_s": float(r.value["step_time_s"])} for r in step_recs],
     }
     if window:
         tokens = sum(float(s["tokens"]) for s in window)

@@ -161,8 +161,38 @@ def base_results(plan: Plan) -> dict[str, Any]:
     }
 
 
-def run(plan: Plan, runtime: Runtime, console: Console | None = None) -> dict[str, Any]:
+def launched_at(o: NodeOutcome) -> float | None:
+    """When the node's launcher started: the node agent's report, else the runtime's note."""
+    report = o.node_dir / "node.json"
+    if report.is_file():
+        try:
+            return float(json.loads(report.read_text())["started"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return o.extra.get("launched_at")
+
+
+def orchestration_overhead(rnd: dict[str, Any], outcomes: list[NodeOutcome], begin: float, written: float) -> dict[str, Any] | None:
+    """Harness time around the framework: round begin -> last node launched, last step -> results written."""
+    launched = [t for t in (launched_at(o) for o in outcomes) if t is not None]
+    steps = [(s["t"], s["step_time_s"]) for p in rnd["phases"] for s in p.get("step_times", [])]
+    if not launched or not steps or len(launched) != len(outcomes):
+        return None
+    first_start = min(t - dt for t, dt in steps)
+    last_end = max(t for t, _ in steps)
+    to_launch, after = max(launched) - begin, written - last_end
+    return {
+        "to_launch_s": round(to_launch, 3),
+        "framework_startup_s": round(first_start - max(launched), 3),
+        "after_last_step_s": round(after, 3),
+        "overhead_s": round(to_launch + after, 3),
+    }
+
+
+def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> dict[str, Any]:
+    """Run every round; ``t0`` (wall clock) is when the command started, for the overhead figure."""
     console = console or Console(stderr=True)
+    t0 = t0 if t0 is not None else time.time()
     run_dir = plan.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     res = base_results(plan)
@@ -183,9 +213,13 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None) -> dict[st
             )
             (round_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2, default=str))
             started = time.monotonic()
+            begin = t0 if r == 1 else time.time()
             with console.status(f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"):
                 outcomes = runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
             rnd = evaluate_round(plan, r, outcomes, started)
+            rnd["orchestration"] = orchestration_overhead(rnd, outcomes, begin, time.time())
+            for p in rnd["phases"]:
+                p.pop("step_times", None)
             res["rounds"].append(rnd)
             res["runtime_info"] = runtime.describe()
             results.write(res, run_dir)

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -108,6 +109,7 @@ def describe(plan: planning.Plan, details: dict | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    t0 = time.time()
     args = parser().parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     from run_benchmarks import orchestrator
 
     try:
-        res = orchestrator.run(plan, runtime, console)
+        res = orchestrator.run(plan, runtime, console, t0)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ class LocalRuntime(Runtime):
         outcomes: list[NodeOutcome] = []
         monitors = []
         files = []
+        launched: list[float] = []
         try:
             for node in nodes:
                 node_dir = round_dir / f"node{node.node_rank}"
@@ -75,6 +76,7 @@ class LocalRuntime(Runtime):
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip
                 self.procs.append(proc)
+                launched.append(time.time())
                 mon = MonitorThread(plan.vendor.monitor, node_dir / "monitor.jsonl")
                 mon.start()
                 monitors.append(mon)
@@ -101,7 +103,7 @@ class LocalRuntime(Runtime):
             for i, node in enumerate(nodes):
                 outcomes.append(
                     NodeOutcome(node.host, node.node_rank, rcs.get(i), timed_out and rcs.get(i) is None,
-                                round_dir / f"node{node.node_rank}")
+                                round_dir / f"node{node.node_rank}", extra={"launched_at": launched[i]})
                 )  # fmt: skip
         finally:
             for proc in self.procs:

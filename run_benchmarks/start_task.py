@@ -61,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
+    ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
     return ap
 
 
@@ -110,6 +111,11 @@ def describe(plan: planning.Plan, details: dict | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--nightly" or a.startswith("--nightly=") for a in argv):  # a run list: the nightly driver
+        from run_benchmarks import nightly
+
+        return nightly.main(argv)
     args = parser().parse_args(argv)
     console = Console(stderr=True)
     try:

@@ -1,0 +1,51 @@
+"""Host monitors: the ixsmi parser (on sample output), psutil sampling, summaries."""
+
+import json
+import time
+from pathlib import Path
+
+from run_benchmarks import monitors
+
+SAMPLE = Path(__file__).parent / "data" / "ixsmi_query_sample.csv"
+
+
+def test_ixsmi_parser_on_sample_output():
+    # A SAMPLE written in the CSV shape of `ixsmi --query-gpu=... --format=csv` (the
+    # nvidia-smi query format Iluvatar's tool follows); no Iluvatar hardware runs here.
+    gpus = monitors.parse_ixsmi_csv(SAMPLE.read_text())
+    assert [g["index"] for g in gpus] == [0, 1, 2, 3]
+    assert gpus[0]["util_percent"] == 97 and gpus[0]["power_w"] == 251.30 and gpus[0]["temp_c"] == 61
+    assert round(gpus[0]["mem_used_gib"], 2) == round(57950 / 1024, 2) and gpus[0]["mem_total_gib"] == 64
+    assert gpus[2]["power_w"] is None  # "[N/A]" is unknown, not zero
+    assert monitors.parse_ixsmi_csv("") == []
+
+
+def test_monitor_thread_samples_and_summary(tmp_path):
+    out = tmp_path / "monitor.jsonl"
+    mon = monitors.MonitorThread("none", out, interval=0.05)
+    mon.start()
+    time.sleep(0.5)
+    mon.stop()
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(lines) >= 3 and all(0 <= s["host"]["cpu_percent"] <= 100 for s in lines)
+    summary = monitors.summarize(out)
+    assert summary["samples"] == len(lines) and summary["host_mem_peak_gib"] > 0 and summary["gpus"] == {}
+
+
+def test_summary_of_gpu_samples(tmp_path):
+    out = tmp_path / "m.jsonl"
+    gpus = monitors.parse_ixsmi_csv(SAMPLE.read_text())
+    rows = [{"t": float(i), "host": {"cpu_percent": 50.0, "mem_used_gib": 10.0, "mem_total_gib": 64.0}, "gpus": gpus} for i in range(3)]
+    out.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    s = monitors.summarize(out)
+    assert s["gpus"]["0"]["mem_total_gib"] == 64 and s["gpus"]["0"]["util_mean_percent"] == 97
+    assert s["gpus"]["2"]["power_mean_w"] is None and s["duration_s"] == 2.0
+
+
+def test_nvml_reader_without_a_driver_gives_host_metrics_only():
+    import pytest
+
+    if Path("/dev/nvidiactl").exists():
+        pytest.skip("an NVIDIA driver is present: NVML answers here")
+    assert monitors.gpu_reader("nvml") is None  # no exception: the round goes on with host metrics
+    assert monitors.gpu_reader("none") is None

@@ -31,9 +31,9 @@ class Launcher:
     def command(self, s: LaunchSpec) -> list[str]:
         raise NotImplementedError
 
-    def rank_logs(self, node_dir: Path) -> list[Path]:
-        """Per-rank log files the launcher wrote under a node's log dir."""
-        return sorted(p for p in node_dir.rglob("*") if p.is_file() and p.suffix in (".log", ".txt") or p.name.startswith("workerlog"))
+    def files(self, s: LaunchSpec) -> dict[str, str]:
+        """Files the command needs beside resolved.json (name -> content), the same on every node."""
+        return {}
 
 
 class Torchrun(Launcher):
@@ -67,9 +67,16 @@ class DeepSpeed(Launcher):
             "--enable_each_rank_log", s.log_dir,
         ]  # fmt: skip
         if s.nnodes > 1:
-            # the harness starts every node itself: no pdsh/ssh fan-out from rank 0
-            argv += ["--no_ssh", "--node_rank", str(s.node_rank)]
+            # the harness starts every node itself (no pdsh/ssh fan-out from rank 0); the
+            # hostfile only sizes the world: with --no_ssh its names are labels
+            hostfile = str(Path(s.config).with_name("hostfile"))
+            argv += ["--hostfile", hostfile, "--no_ssh", "--node_rank", str(s.node_rank)]
         return argv + [s.entry, "--config", s.config]
+
+    def files(self, s: LaunchSpec) -> dict[str, str]:
+        if s.nnodes == 1:
+            return {}
+        return {"hostfile": "".join(f"node{k} slots={s.nprocs}\n" for k in range(s.nnodes))}
 
 
 class Paddle(Launcher):

@@ -211,6 +211,8 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             (round_dir / "resolved.json").write_text(
                 json.dumps(plan.resolved(r, str(round_dir / "output"), str(_cache_dir(plan, root))), indent=2)
             )
+            for name, text in nodes[0].files.items():  # launcher files (e.g. DeepSpeed's hostfile)
+                (round_dir / name).write_text(text)
             (round_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2, default=str))
             started = time.monotonic()
             begin = t0 if r == 1 else time.time()

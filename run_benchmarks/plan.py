@@ -28,6 +28,7 @@ class NodePlan:
     command: list[str]
     env: dict[str, str]
     cwd: str
+    files: dict[str, str] = dataclasses.field(default_factory=dict)  # written beside resolved.json
 
 
 @dataclasses.dataclass
@@ -259,7 +260,7 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
             log_dir=str(node_dir / "ranks"),
             device=plan.vendor.device,
         )
-        nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), dict(env), str(root)))
+        nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), dict(env), str(root), launcher.files(spec)))
     return nodes
 
 

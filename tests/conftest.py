@@ -54,5 +54,13 @@ def megatron_python() -> str:
     return py
 
 
+@pytest.fixture(scope="session")
+def deepspeed_python() -> str:
+    py = _framework_python("deepspeed")
+    if not py:
+        pytest.skip("deepspeed environment not available (FB_TEST_BUILD_ENVS=0)")
+    return py
+
+
 # the real test cluster (network namespaces with sshd + dockerd): tests/cluster/
 from tests.cluster.fixtures import cluster, cluster_pool, torch_venv  # noqa: E402,F401

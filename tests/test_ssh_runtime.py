@@ -175,3 +175,23 @@ def test_host_down(cluster, megatron_python, tmp_path):
     doc["ssh"]["connect_timeout_s"] = 3
     err = _refused(cfile, doc, tmp_path / "l4")
     assert "host h2: connecting to" in err or "host h2: cannot connect" in err, err
+
+
+@pytest.mark.framework("deepspeed")
+def test_deepspeed_launcher_across_two_hosts(cluster, deepspeed_python, tmp_path):
+    """The deepspeed launcher on 2 nodes (hostfile + --no_ssh, node ranks from the harness), ZeRO-3."""
+    from run_benchmarks import metrics
+
+    cfile = cluster_file(cluster, tmp_path, deepspeed_python, runtime="process")
+    proc = run(["--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:2:1", "--cluster", str(cfile),
+                "--log-dir", str(tmp_path / "logs")])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, res = only_run(tmp_path / "logs")
+    (rnd,) = res["rounds"]
+    assert rnd["status"] == "ok" and [n["returncode"] for n in rnd["nodes"]] == [0, 0]
+    assert rnd["phases"][0]["meta"]["world_size"] == 2
+    # same global batch and data as the 1 node x 2 processes reference: the curves agree
+    ref = metrics.load_reference(ROOT / "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json")
+    mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
+    assert n >= 10 and metrics.is_aligned(mre), mre
+    assert leftovers(cluster, res["run_id"]) == []

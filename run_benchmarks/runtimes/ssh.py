@@ -248,6 +248,8 @@ class SSHRuntime(Runtime):
         resolved = plan.resolved(round_no, str(rd / "output"), str(self.cache_dir(host)))
         (stage / "resolved.json").write_text(json.dumps(resolved, indent=2))
         (stage / "agent.json").write_text(json.dumps(self._agent_spec(plan, host, round_dir, nodes), indent=2))
+        for name, text in nodes[k].files.items():
+            (stage / name).write_text(text)
         (stage / f"node{k}" / "ranks").mkdir(parents=True, exist_ok=True)
         self.pool.run(host.name, ["mkdir", "-p", str(rd)], timeout=self.cluster.ssh.command_timeout_s, check=True)
         self.pool.put_tree(host.name, stage, str(rd))

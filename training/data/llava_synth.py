@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
@@ -195,18 +196,18 @@ def finetune_record(index: int, seed: int, text_only_every: int = 10) -> dict[st
 def ensure_synthetic(cache_dir: str, num_images: int, image_size: int, seed: int, workers: int | None = None) -> str:
     """Write (or reuse) the synthetic set; returns its directory.
 
-    Call on one process per node (the caller synchronises the others); the
-    set is written into a temporary directory and renamed into place.
+    Call on one process per node, then synchronise the others (which find the
+    finished set). The set is written into a temporary directory and renamed
+    into place, so a reader never sees a partial set; nodes sharing one cache
+    directory may both write it (same content, the first rename wins).
     """
     spec = {"version": SPEC_VERSION, "num_images": int(num_images), "image_size": int(image_size), "seed": int(seed)}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     root = os.path.join(cache_dir, f"llava_synth_{digest}")
     done = os.path.join(root, "DONE")
-    if os.path.exists(done):
-        with open(done, encoding="utf-8") as fh:
-            if json.load(fh) == spec:
-                return root
-    tmp = f"{root}.tmp{os.getpid()}"
+    if _complete(done, spec):
+        return root
+    tmp = f"{root}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     for i in range(0, num_images, 1000):
         os.makedirs(os.path.join(tmp, IMAGE_FOLDER, f"{i // 1000:05d}"), exist_ok=True)
@@ -223,6 +224,20 @@ def ensure_synthetic(cache_dir: str, num_images: int, image_size: int, seed: int
             json.dump([make(i, seed) for i in range(num_images)], fh)
     with open(os.path.join(tmp, "DONE"), "w", encoding="utf-8") as fh:
         json.dump(spec, fh)
-    shutil.rmtree(root, ignore_errors=True)
-    os.replace(tmp, root)
+    if os.path.isdir(root) and not _complete(done, spec):
+        shutil.rmtree(root, ignore_errors=True)  # a partial set left by an interrupted run
+    try:
+        os.replace(tmp, root)
+    except OSError:  # another writer (a node sharing the cache) finished first: same content
+        if not _complete(done, spec):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+def _complete(done: str, spec: dict[str, Any]) -> bool:
+    try:
+        with open(done, encoding="utf-8") as fh:
+            return json.load(fh) == spec
+    except (OSError, ValueError):
+        return False

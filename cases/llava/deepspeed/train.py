@@ -54,22 +54,18 @@ def make_tokenizer(shape: dict, data: dict) -> tuple[data_llava.Tokenizer, str]:
 
 
 def dataset_paths(data: dict, phase: str, local_rank: int) -> tuple[str, str]:
-    """(json, image folder) of a phase: the real set or the synthetic one (written once per node)."""
+    """(json, image folder) of a phase: the real set, or the synthetic one (written by each node's local rank 0)."""
     if data.get("data_dir"):
         root = data["data_dir"]
         return os.path.join(root, data["json"]), os.path.join(root, data.get("image_folder", "."))
-    root = None
+    args = (data["cache_dir"], int(data["synthetic_images"]), int(data["synthetic_image_size"]),
+            int(data.get("synthetic_seed", 1234)))
     if local_rank == 0:
-        root = llava_synth.ensure_synthetic(data["cache_dir"], int(data["synthetic_images"]),
-                                            int(data["synthetic_image_size"]), int(data.get("synthetic_seed", 1234)))
-    box = [root]
-    dist.broadcast_object_list(box, src=0)  # one node here; every node writes its own when several
-    if box[0] is None or not os.path.exists(os.path.join(box[0], "DONE")):
-        root = llava_synth.ensure_synthetic(data["cache_dir"], int(data["synthetic_images"]),
-                                            int(data["synthetic_image_size"]), int(data.get("synthetic_seed", 1234)))
-        box = [root]
+        llava_synth.ensure_synthetic(*args)
+    dist.barrier()
+    root = llava_synth.ensure_synthetic(*args)  # finds the finished set
     name = llava_synth.PRETRAIN_JSON if phase == "pretrain" else llava_synth.FINETUNE_JSON
-    return os.path.join(box[0], name), os.path.join(box[0], llava_synth.IMAGE_FOLDER)
+    return os.path.join(root, name), os.path.join(root, llava_synth.IMAGE_FOLDER)
 
 
 class Counting:

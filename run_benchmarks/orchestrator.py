@@ -161,30 +161,36 @@ def base_results(plan: Plan) -> dict[str, Any]:
     }
 
 
-def launched_at(o: NodeOutcome) -> float | None:
-    """When the node's launcher started: the node agent's report, else the runtime's note."""
+def _node_times(o: NodeOutcome) -> tuple[float | None, float | None]:
+    """When the node's launcher started and ended: the node agent's report, else the runtime's note."""
     report = o.node_dir / "node.json"
     if report.is_file():
         try:
-            return float(json.loads(report.read_text())["started"])
-        except (ValueError, KeyError, TypeError):
+            rep = json.loads(report.read_text())
+            return rep.get("started"), rep.get("finished")
+        except ValueError:
             pass
-    return o.extra.get("launched_at")
+    return o.extra.get("launched_at"), o.extra.get("exited_at")
 
 
 def orchestration_overhead(rnd: dict[str, Any], outcomes: list[NodeOutcome], begin: float, written: float) -> dict[str, Any] | None:
-    """Harness time around the framework: round begin -> last node launched, last step -> results written."""
-    launched = [t for t in (launched_at(o) for o in outcomes) if t is not None]
+    """The harness's own time in a round, apart from the framework's start-up and shut-down.
+
+    round begin (the command's start for round 1) -> last launcher started, plus last
+    launcher exited -> results written.
+    """
+    times = [_node_times(o) for o in outcomes]
     steps = [(s["t"], s["step_time_s"]) for p in rnd["phases"] for s in p.get("step_times", [])]
-    if not launched or not steps or len(launched) != len(outcomes):
+    if not steps or any(a is None or b is None for a, b in times):
         return None
-    first_start = min(t - dt for t, dt in steps)
-    last_end = max(t for t, _ in steps)
-    to_launch, after = max(launched) - begin, written - last_end
+    launched, exited = max(a for a, _ in times), max(b for _, b in times)
+    first_start, last_end = min(t - dt for t, dt in steps), max(t for t, _ in steps)
+    to_launch, after = launched - begin, written - exited
     return {
         "to_launch_s": round(to_launch, 3),
-        "framework_startup_s": round(first_start - max(launched), 3),
-        "after_last_step_s": round(after, 3),
+        "framework_startup_s": round(first_start - launched, 3),
+        "framework_shutdown_s": round(exited - last_end, 3),
+        "after_exit_s": round(after, 3),
         "overhead_s": round(to_launch + after, 3),
     }
 

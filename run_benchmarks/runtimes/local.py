@@ -62,6 +62,7 @@ class LocalRuntime(Runtime):
         monitors = []
         files = []
         launched: list[float] = []
+        exited: dict[int, float] = {}
         try:
             for node in nodes:
                 node_dir = round_dir / f"node{node.node_rank}"
@@ -88,6 +89,7 @@ class LocalRuntime(Runtime):
                 for i, proc in list(pending.items()):
                     try:
                         rcs[i] = proc.wait(timeout=0.2)
+                        exited[i] = time.time()
                         del pending[i]
                         if rcs[i] != 0:  # a failed node fails the round: stop its peers
                             for other in pending.values():
@@ -103,7 +105,7 @@ class LocalRuntime(Runtime):
             for i, node in enumerate(nodes):
                 outcomes.append(
                     NodeOutcome(node.host, node.node_rank, rcs.get(i), timed_out and rcs.get(i) is None,
-                                round_dir / f"node{node.node_rank}", extra={"launched_at": launched[i]})
+                                round_dir / f"node{node.node_rank}", extra={"launched_at": launched[i], "exited_at": exited.get(i)})
                 )  # fmt: skip
         finally:
             for proc in self.procs:

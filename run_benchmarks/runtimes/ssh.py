@@ -95,6 +95,7 @@ class SSHRuntime(Runtime):
         self.hosts: list[HostConfig] = []
         self.live: list[_Node] = []
         self.timings: dict[str, float] = {}
+        self._archive: tuple[Path, str] | None = None
 
     # -- paths ---------------------------------------------------------------------------
     def work(self, host: HostConfig) -> PurePosixPath:
@@ -144,7 +145,7 @@ class SSHRuntime(Runtime):
         try:
             self.pool.connect()
             self.timings["connect_s"] = time.monotonic() - t0
-            self._each(lambda h: self._push_code(h))
+            self._each(lambda h: self._push_code(h, log.parent / ".code"))
             self.timings["code_s"] = time.monotonic() - t0
             data_dir = plan.settings["data"].get("data_dir")
             if data_dir:
@@ -155,15 +156,56 @@ class SSHRuntime(Runtime):
             self.timings["prepare_s"] = time.monotonic() - t0
         except RemoteError as exc:
             raise InputError(f"host {exc}") from None
+        finally:
+            shutil.rmtree(log.parent / ".code", ignore_errors=True)
         return self.env_python, Path(str(self.code_root(self.hosts[0])))
 
     def _each(self, fn: Any) -> list[Any]:
         with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
             return list(ex.map(fn, self.hosts))
 
-    def _push_code(self, host: HostConfig) -> None:
-        self.pool.run(host.name, ["mkdir", "-p", str(self.code_root(host))], timeout=self.cluster.ssh.command_timeout_s, check=True)
-        self.pool.put_tree(host.name, ROOT, str(self.code_root(host)), exclude=CODE_EXCLUDE)
+    def _code_archive(self, staging: Path) -> tuple[Path, str]:
+        """The harness's code as one tar.gz (built once per run) and its content hash."""
+        if self._archive is None:
+            import fnmatch
+            import hashlib
+            import tarfile
+
+            def skip(rel: str) -> bool:
+                return any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(PurePosixPath(rel).name, pat) for pat in CODE_EXCLUDE)
+
+            files = []
+            for dirpath, dirnames, filenames in os.walk(ROOT):
+                rel_dir = Path(dirpath).relative_to(ROOT)
+                dirnames[:] = sorted(d for d in dirnames if not skip(str(rel_dir / d)))
+                files += [rel_dir / f for f in sorted(filenames) if not skip(str(rel_dir / f))]
+            digest = hashlib.sha256()
+            for rel in files:
+                digest.update(str(rel).encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
+            staging.mkdir(parents=True, exist_ok=True)
+            path = staging / "code.tar.gz"
+            with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+                for rel in files:
+                    tar.add(ROOT / rel, arcname=str(rel), recursive=False)
+            self._archive = (path, digest.hexdigest()[:16])
+        return self._archive
+
+    def _push_code(self, host: HostConfig, staging: Path) -> None:
+        """One archive per host, unpacked only when its hash changed (a marker file records it)."""
+        archive, digest = self._code_archive(staging)
+        code, work = str(self.code_root(host)), str(self.work(host))
+        marker = f"{code}/.flagbench-code-{digest}"
+        t = self.cluster.ssh.command_timeout_s
+        if self.pool.run(host.name, ["test", "-f", marker], timeout=t).rc == 0:
+            return
+        self.pool.run(host.name, ["mkdir", "-p", work], timeout=t, check=True)
+        upload = staging / host.name
+        upload.mkdir(parents=True, exist_ok=True)
+        shutil.copy(archive, upload / "code.tar.gz")
+        self.pool.put_tree(host.name, upload, work)
+        script = ('set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; '
+                  'mv "$1.new" "$1"; touch "$3"; rm -f "$2"')  # fmt: skip
+        self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
 
     def _check_dir(self, host: HostConfig, path: str) -> None:
         res = self.pool.run(host.name, ["test", "-d", path], timeout=self.cluster.ssh.command_timeout_s)
@@ -298,46 +340,73 @@ class SSHRuntime(Runtime):
         )
         return _Node(k, host, container=run_container(self._engine(host), spec))
 
+    def _start_all(self, plan: Plan, round_dir: Path, nodes: list[NodePlan]) -> None:
+        """Start every node in parallel; what started is tracked even when another host fails."""
+        with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
+            futures = [ex.submit(self._start, plan, k, h, round_dir, nodes[k]) for k, h in enumerate(self.hosts)]
+        errors = []
+        for f in futures:
+            try:
+                self.live.append(f.result())
+            except Exception as exc:  # noqa: BLE001 - reported below, after the others are tracked
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
     def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
+        late: set[int] = set()
+        failure: RemoteError | None = None  # a host that could not be staged, started or followed
         try:
-            for k, host in enumerate(self.hosts):
+            for k in range(len(self.hosts)):
                 (round_dir / f"node{k}").mkdir(parents=True, exist_ok=True)
             self._each(lambda h: self._stage(plan, self.hosts.index(h), h, round_dir, nodes))
-            self.live = [self._start(plan, k, h, round_dir, nodes[k]) for k, h in enumerate(self.hosts)]
-            late = {n.k for n in self.live if n.rc is None} if self._wait(deadline) else set()
+            self._start_all(plan, round_dir, nodes)
+            if self._wait(deadline):
+                late = {n.k for n in self.live if n.rc is None}
         except RemoteError as exc:
-            late = set()
-            for n in self.live:
-                n.error = n.error or (str(exc) if exc.host == n.host.name else None)
-            if not self.live:
-                return [NodeOutcome(h.name, k, None, False, round_dir / f"node{k}", error=str(exc)) for k, h in enumerate(self.hosts)]
+            failure = exc
         finally:
             for n in self.live:
                 if n.rc is None:
                     n.stop()
                     n.poll()
+        by_rank = {n.k: n for n in self.live}
         outcomes = []
-        for n in self.live:
-            local = round_dir / f"node{n.k}"
-            if n.container is not None:
-                try:
-                    (local / "container.log").write_text(n.container.logs())
-                except Exception as exc:
-                    n.error = n.error or f"container logs unavailable: {exc}"
-                n.container.stop_and_remove()
-            try:
-                self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
-            except RemoteError as exc:
-                n.error = n.error or f"logs not collected: {exc.detail}"
-            if n.proc is not None and n.rc == -1:
-                n.error = n.error or "the SSH connection to the host was lost during the round"
-            outcomes.append(NodeOutcome(n.host.name, n.k, n.rc, n.k in late, local, n.error))
+        for k, host in enumerate(self.hosts):
+            local = round_dir / f"node{k}"
+            n = by_rank.get(k)
+            if n is None:  # never started on this host
+                why = str(failure) if failure is not None else "not started"
+                outcomes.append(NodeOutcome(host.name, k, None, False, local, error=why))
+                continue
+            if failure is not None and failure.host == host.name:
+                n.error = n.error or str(failure)
+            self._collect(plan, n, round_dir, local)
+            outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error))
         shutil.rmtree(round_dir / ".stage", ignore_errors=True)
         self.timings["last_round_s"] = time.monotonic() - t0
         self.live = []
         return outcomes
+
+    def _collect(self, plan: Plan, n: _Node, round_dir: Path, local: Path) -> None:
+        """Bring the node's folder back; keep the container's log; remove the container."""
+        if n.container is not None:
+            try:
+                (local / "container.log").write_text(n.container.logs())
+            except Exception as exc:  # noqa: BLE001 - the engine may be gone with the host
+                n.error = n.error or f"container logs unavailable: {exc}"
+            try:
+                n.container.stop_and_remove()
+            except Exception as exc:  # noqa: BLE001 - cleanup() removes it by label later
+                n.error = n.error or f"container not removed: {exc}"
+        try:
+            self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
+        except RemoteError as exc:
+            n.error = n.error or f"logs not collected: {exc.detail}"
+        if n.proc is not None and n.rc == -1:
+            n.error = n.error or "the SSH connection to the host was lost during the round"
 
     def _wait(self, deadline: float) -> bool:
         """Wait for every node; on the first failure stop the rest. True if the deadline passed."""

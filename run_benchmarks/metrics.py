@@ -96,10 +96,12 @@ def phase_metrics(
     return out
 
 
-def memory_summary(parsed: ml.ParsedLog) -> dict[str, Any]:
-    """Peak device memory over ranks (the seeds' mem column: used / total GiB)."""
+def memory_summary(parsed: ml.ParsedLog, phase: str | None = None) -> dict[str, Any]:
+    """Peak device memory over ranks (the seeds' mem column: used / total GiB), of one phase if given."""
     per_rank: dict[int, dict[str, Any]] = {}
     for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY):
+        if phase is not None and r.value.get("phase", "train") != phase:
+            continue
         cur = per_rank.get(r.rank)
         if cur is None or r.value["peak_bytes"] > cur["peak_bytes"]:
             per_rank[r.rank] = r.value

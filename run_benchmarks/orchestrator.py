@@ -75,6 +75,11 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
         for ph in plan.phases
     ]  # fmt: skip
     mem = metrics.memory_summary(parsed)
+    dp_default = plan.world_size // (int(plan.settings["parallel"].get("tp", 1)) * int(plan.settings["parallel"].get("pp", 1)))
+    for p in phases:  # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
+        p["layout"] = results.layout({**plan.settings["parallel"], "dp": dp_default, **((p.get("meta") or {}).get("parallel") or {})})
+        pm = metrics.memory_summary(parsed, p["phase"])
+        p["peak_mem_gib"] = pm["peak_mem_gib"] if pm["peak_mem_gib"] is not None else mem["peak_mem_gib"]
     mon = {f"node{o.node_rank}": summarize(o.node_dir / "monitor.jsonl") for o in outcomes}
     # a monitor's view of device memory (used/total as nvidia-smi shows it) fills the seeds' mem column
     for m in mon.values():
@@ -106,14 +111,12 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
         errors += [f"bad metric line {e.source}:{e.lineno}: {e.reason}" for e in parsed.errors[:3]]
 
     first = phases[0]
-    meta_par = (first.get("meta") or {}).get("parallel") or {}
-    par = {**plan.settings["parallel"], "dp": plan.world_size // (int(plan.settings["parallel"].get("tp", 1)) * int(plan.settings["parallel"].get("pp", 1))), **meta_par}
     return {
         "round": round_no,
         "status": "ok" if not errors else "failed",
         "error": "\n".join(errors) or None,
         "duration_s": round(time.monotonic() - started, 3),
-        "layout": results.layout(par),
+        "layout": first["layout"],
         "tokens_per_gpu_s": first["tokens_per_gpu_s"],
         "mfu_6n": first["mfu_6n"],
         "mfu_palm": first["mfu_palm"],

@@ -32,7 +32,7 @@ def cluster_file(cluster, tmp_path: Path, python: str, runtime: str = "container
         "hosts": [{"name": h.name, "address": h.address, "port": h.port, "work_dir": f"{h.workdir}/fb"} for h in cluster.hosts],
         "ssh": {"user": "root", "key_file": cluster.key_file, "known_hosts": cluster.known_hosts, "command_timeout_s": 120},
         "master_port": 29711,
-        "image_build_args": {"BASE_IMAGE": cluster.image},
+        "image_build_args": {"BASE_IMAGE": cluster.image} if cluster.image else {},
         "round_timeout_s": 600,
         **extra,
     }
@@ -195,3 +195,42 @@ def test_deepspeed_launcher_across_two_hosts(cluster, deepspeed_python, tmp_path
     mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
     assert n >= 10 and metrics.is_aligned(mre), mre
     assert leftovers(cluster, res["run_id"]) == []
+
+
+def test_host_lost_mid_run_fails_that_round_and_the_next_still_runs(megatron_python, tmp_path):
+    """sshd of h2 (the daemon and its sessions) is killed during round 1, on a cluster of its own."""
+    import shutil
+    import tempfile
+
+    from tests.cluster import netns
+
+    directory = tempfile.mkdtemp(prefix="fbc-", dir="/tmp")
+    try:
+        lost = netns.up(2, directory, image=False, owner_pid=os.getpid(), log=lambda m: None)
+        cfile = cluster_file(lost, tmp_path, megatron_python, runtime="process", round_timeout_s=300)
+        log_dir = tmp_path / "logs"
+        p = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE + ":2", "--cluster", str(cfile),
+                              "--log-dir", str(log_dir), "--set", "train.steps=100000"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 300
+        h2 = lost.host("h2")
+        # wait until h2's rank is training (its step lines reach the shared work dir)
+        while time.monotonic() < deadline and p.poll() is None and not list(Path(h2.workdir).rglob("node1/ranks/**/stdout.log")):
+            time.sleep(0.5)
+        assert p.poll() is None, p.communicate()
+        time.sleep(5)
+        subprocess.run(["pkill", "-KILL", "-P", str(h2.sshd_pid)])  # the sessions
+        os.kill(h2.sshd_pid, signal.SIGKILL)  # and the daemon: h2 is gone for good
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 1, out + err
+        run_dir, res = only_run(log_dir)
+        r1, r2 = res["rounds"]
+        assert r1["status"] == r2["status"] == "failed"
+        assert "node1 (h2)" in r1["error"] and ("connection to the host was lost" in r1["error"] or "lost the node" in r1["error"]), r1["error"]
+        assert "h2" in r2["error"] and ("cannot connect" in r2["error"] or "SSH" in r2["error"]), r2["error"]
+        # h1's side was stopped by the harness: nothing of the run is left there
+        assert subprocess.run(["pgrep", "-f", f"{lost.host('h1').workdir}/fb/runs/{res['run_id']}"], capture_output=True).stdout == b""
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", f"{directory}/"], capture_output=True)  # what was stranded on h2
+        netns.down(directory, log=lambda m: None)
+        shutil.rmtree(directory, ignore_errors=True)

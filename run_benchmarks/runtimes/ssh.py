@@ -33,8 +33,9 @@ from run_benchmarks.registry import ROOT, VENDORS_DIR
 from run_benchmarks.remote.errors import RemoteError
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 
-CODE_EXCLUDE = (".git", ".git/*", "logs", "logs/*", ".whl", ".whl/*", "*/__pycache__", "__pycache__", "*.pyc",
-                ".pytest_cache", ".pytest_cache/*", "*.egg-info", "*.egg-info/*")  # fmt: skip
+# what the nodes need of the repository: the code of both sides, the cases and the vendors
+CODE_PARTS = ("run_benchmarks", "training", "cases", "vendors", "setup.cfg")
+CODE_EXCLUDE = ("__pycache__", "*.pyc", "*.egg-info")
 KILL_GRACE_S = 10.0
 POLL_S = 0.2
 
@@ -174,11 +175,12 @@ class SSHRuntime(Runtime):
             def skip(rel: str) -> bool:
                 return any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(PurePosixPath(rel).name, pat) for pat in CODE_EXCLUDE)
 
-            files = []
-            for dirpath, dirnames, filenames in os.walk(ROOT):
-                rel_dir = Path(dirpath).relative_to(ROOT)
-                dirnames[:] = sorted(d for d in dirnames if not skip(str(rel_dir / d)))
-                files += [rel_dir / f for f in sorted(filenames) if not skip(str(rel_dir / f))]
+            files = [Path(p) for p in CODE_PARTS if (ROOT / p).is_file()]
+            for part in (p for p in CODE_PARTS if (ROOT / p).is_dir()):
+                for dirpath, dirnames, filenames in os.walk(ROOT / part):
+                    rel_dir = Path(dirpath).relative_to(ROOT)
+                    dirnames[:] = sorted(d for d in dirnames if not skip(str(rel_dir / d)))
+                    files += [rel_dir / f for f in sorted(filenames) if not skip(str(rel_dir / f))]
             digest = hashlib.sha256()
             for rel in files:
                 digest.update(str(rel).encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
@@ -401,12 +403,12 @@ class SSHRuntime(Runtime):
                 n.container.stop_and_remove()
             except Exception as exc:  # noqa: BLE001 - cleanup() removes it by label later
                 n.error = n.error or f"container not removed: {exc}"
+        if n.proc is not None and n.rc == -1:
+            n.error = n.error or "the SSH connection to the host was lost during the round"
         try:
             self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
         except RemoteError as exc:
             n.error = n.error or f"logs not collected: {exc.detail}"
-        if n.proc is not None and n.rc == -1:
-            n.error = n.error or "the SSH connection to the host was lost during the round"
 
     def _wait(self, deadline: float) -> bool:
         """Wait for every node; on the first failure stop the rest. True if the deadline passed."""

@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((n, rnd["round"], rnd["orchestration"], res["runtime_info"]["timings_s"]))
     finally:
         netns.down(directory)
-    print(f"| hosts | round | round start -> last launcher | framework start-up | last step -> results | overhead |")
-    print("|---|---|---|---|---|---|")
+    print("| hosts | round | round start -> last launcher | framework start-up | framework shut-down | launcher exit -> results | overhead |")
+    print("|---|---|---|---|---|---|---|")
     for n, r, o, _ in rows:
-        print(f"| {n} | {r} | {o['to_launch_s']:.2f} s | {o['framework_startup_s']:.2f} s | {o['after_last_step_s']:.2f} s | {o['overhead_s']:.2f} s |")
+        print(f"| {n} | {r} | {o['to_launch_s']:.2f} s | {o['framework_startup_s']:.2f} s | {o['framework_shutdown_s']:.2f} s "
+              f"| {o['after_exit_s']:.2f} s | {o['overhead_s']:.2f} s |")
     return 0
 
 

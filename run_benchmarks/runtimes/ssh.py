@@ -375,6 +375,12 @@ class SSHRuntime(Runtime):
                     n.stop()
                     n.poll()
         by_rank = {n.k: n for n in self.live}
+        for n in self.live:
+            if failure is not None and failure.host == n.host.name:
+                n.error = n.error or str(failure)
+        if self.live:  # every node's logs come back in parallel
+            with ThreadPoolExecutor(max_workers=len(self.live)) as ex:
+                list(ex.map(lambda n: self._collect(plan, n, round_dir, round_dir / f"node{n.k}"), self.live))
         outcomes = []
         for k, host in enumerate(self.hosts):
             local = round_dir / f"node{k}"
@@ -382,11 +388,8 @@ class SSHRuntime(Runtime):
             if n is None:  # never started on this host
                 why = str(failure) if failure is not None else "not started"
                 outcomes.append(NodeOutcome(host.name, k, None, False, local, error=why))
-                continue
-            if failure is not None and failure.host == host.name:
-                n.error = n.error or str(failure)
-            self._collect(plan, n, round_dir, local)
-            outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error))
+            else:
+                outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error))
         shutil.rmtree(round_dir / ".stage", ignore_errors=True)
         self.timings["last_round_s"] = time.monotonic() - t0
         self.live = []

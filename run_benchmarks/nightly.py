@@ -340,9 +340,8 @@ def _label(job: Job) -> str:
     return f"{history.case_key(e.case)} on {e.vendor}{extra}"
 
 
-def run_night(night: Night, db: Any, night_id: int, console: Console) -> list[dict[str, Any]]:
-    """Every case in order; each is stored and judged as soon as it finishes."""
-    outcomes: list[dict[str, Any]] = []
+def run_night(night: Night, db: Any, night_id: int, console: Console, outcomes: list[dict[str, Any]]) -> None:
+    """Every case in order; each is judged, stored and appended to ``outcomes`` as soon as it finishes."""
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("nightly", total=sum(j.entry.rounds for j in night.jobs))
@@ -355,7 +354,6 @@ def run_night(night: Night, db: Any, night_id: int, console: Console) -> list[di
             done += job.entry.rounds
             progress.update(task, completed=done)
             outcomes.append(_judge_and_store(night, db, night_id, job, res, broke, console=progress.console))
-    return outcomes
 
 
 def _judge_and_store(night: Night, db: Any, night_id: int, job: Job, res: dict[str, Any], broke: str | None, console: Console) -> dict[str, Any]:
@@ -458,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     from run_benchmarks import report
 
     night_id = history.start_night(db, _now(), str(night.path.resolve()), night.text, socket.gethostname())
-    status, outcomes = EXIT_OK, []
+    status, outcomes = EXIT_OK, []  # type: tuple[int, list[dict[str, Any]]]
     try:
-        outcomes = run_night(night, db, night_id, console)
+        run_night(night, db, night_id, console, outcomes)
     except KeyboardInterrupt:
         status = EXIT_INTERRUPTED
         print("interrupted; finished cases are in the history and the report", file=sys.stderr)

@@ -136,8 +136,9 @@ def test_interrupt_keeps_finished_cases(tmp_path, scripted, capsys):
     path = write_runlist(tmp_path, extra_cases=f"  - {{case: '{CASE}', vendor: cpu, variant: TP2, rounds: 2}}\n")
     scripted["config_cpux1x2"] = [1000.0, 1000.0, 1000.0]
     scripted["config_cpux1x2_TP2"] = KeyboardInterrupt()
-    rc, _, err = night(path, capsys)
+    rc, out, err = night(path, capsys)
     assert rc == 130 and "interrupted" in err
+    assert "nightly: 1 case(s), 0 finding(s); exit status 130" in out
     db = sqlite3.connect(tmp_path / "h.sqlite")
     assert db.execute("SELECT count(*) FROM runs").fetchone()[0] == 1
     assert db.execute("SELECT exit_status FROM nights").fetchone()[0] == 130

@@ -5,15 +5,15 @@ as CI starts it:
 
 1. seed: no history yet -> "baseline: none", exit 0;
 2. unchanged: same case, same machine -> pass against the seed, exit 0;
-3. slowed: the same run list while the machine is really slower for it -- the nightly
-   process (and so every rank it starts) is pinned to one CPU that three busy-looping
-   neighbour processes share -> the throughput regression is flagged, exit 1, naming the
-   case and the baseline against the new figure.
+3. slowed: the same run list while the machine really gives it less CPU -> the throughput
+   regression is flagged, exit 1, naming the case and the baseline against the new figure.
 
-Nothing in the history is edited; every figure comes from a run.  The tolerance for
-throughput is wide (50 %) because the unchanged night may share the machine with other
-work; the slowed night is about five times slower on a quiet machine (its two ranks get
-two fifths of one core instead of two cores).
+The slow-down is real, not written into the history: the slowed nightly process and every
+rank it starts run in a cgroup capped at a quarter of one CPU (``cpu.cfs_quota_us``), where
+the ranks of the other nights had two CPUs; where cgroups cannot be written it is pinned
+to one CPU shared with three busy-looping neighbours instead.  Either is several times
+slower, far beyond the throughput tolerance of 50 %, which is wide so that the unchanged
+night passes on a shared machine.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -33,7 +33,9 @@ from run_benchmarks.registry import ROOT
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 
 CASE = "llama3_tiny:megatron:cpu:1:2"
-NEIGHBOURS = 3
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1 CPU controller
+CPU_SHARE = 25  # percent of one CPU for the slowed night
+NEIGHBOURS = 3  # without cgroups: busy loops sharing the one CPU the slowed night may use
 
 
 def write_runlist(tmp: Path, python: str, rounds: int, sets: str = "[]") -> Path:
@@ -46,26 +48,43 @@ def write_runlist(tmp: Path, python: str, rounds: int, sets: str = "[]") -> Path
     return path
 
 
-def nightly(runlist: Path, cpus: set[int] | None = None) -> subprocess.CompletedProcess[str]:
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+def nightly(runlist: Path, setup: Callable[[], None] | None = None) -> subprocess.CompletedProcess[str]:
+    """One nightly process; ``setup`` runs in it before it starts (its ranks inherit the result)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "run_benchmarks.nightly", str(runlist)],
-        capture_output=True, text=True, timeout=1200, cwd=runlist.parent, env=env, preexec_fn=pin,
+        capture_output=True, text=True, timeout=1200, cwd=runlist.parent, env=env, preexec_fn=setup,
     )  # fmt: skip
 
 
 @contextlib.contextmanager
-def noisy_neighbours(cpu: int, n: int) -> Iterator[None]:
-    """``n`` processes spinning on one CPU for as long as the block runs."""
-    procs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-        for _ in range(n)
-    ]
+def less_cpu() -> Iterator[Callable[[], None]]:
+    """A process setup that really slows a run down: a quarter of one CPU (cgroup v1 CPU
+    quota), or else one CPU shared with busy-looping neighbours."""
+    group: Path | None = CGROUP_CPU / f"flagbench-test-{os.getpid()}"
     try:
-        yield
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(100000 * CPU_SHARE // 100))
+    except OSError:
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        group = None
+    if group is not None:
+        procs = group / "cgroup.procs"
+        try:
+            yield lambda: procs.write_text(str(os.getpid()))
+        finally:
+            with contextlib.suppress(OSError):  # empty again once the nightly and its ranks exited
+                group.rmdir()
+        return
+    cpu = min(os.sched_getaffinity(0))
+    pin = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin) for _ in range(NEIGHBOURS)]
+    try:
+        yield pin
     finally:
-        for p in procs:
+        for p in hogs:
             p.kill()
             p.wait()
 
@@ -82,9 +101,8 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     assert same.returncode == 0, same.stdout + same.stderr
     assert "REGRESSION" not in same.stdout
 
-    cpu = min(os.sched_getaffinity(0))
-    with noisy_neighbours(cpu, NEIGHBOURS):
-        slow = nightly(write_runlist(tmp_path, megatron_python, rounds=1), cpus={cpu})
+    with less_cpu() as setup:
+        slow = nightly(write_runlist(tmp_path, megatron_python, rounds=1), setup)
     assert slow.returncode == 1, slow.stdout + slow.stderr
     regressions = [ln for ln in slow.stdout.splitlines() if ln.startswith("REGRESSION")]
     assert len(regressions) == 1, slow.stdout

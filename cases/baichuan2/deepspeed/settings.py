@@ -41,10 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-class SettingsError(ValueError):
-    """A resolved config value the case cannot run with."""
-
+from training.settings import SettingsError
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "seq_length", "vocab_size")
 

@@ -43,10 +43,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-class SettingsError(ValueError):
-    """A resolved config value the case cannot run with."""
-
+from training import settings as common
+from training.settings import SettingsError, data_parallel, grad_accum
+from training.settings import choice as _choice
+from training.settings import get as _get
+from training.settings import integer as _int
+from training.settings import number as _float
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "seq_length", "vocab_size")
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -128,40 +130,8 @@ class Settings:
     synthetic_tokens: int | None
 
 
-def _get(section: dict, key: str, where: str, default: Any = dataclasses.MISSING) -> Any:
-    if key in section and section[key] is not None:
-        return section[key]
-    if default is dataclasses.MISSING:
-        raise SettingsError(f"resolved config: {where}.{key} is missing")
-    return default
-
-
-def _int(value: Any, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise SettingsError(f"resolved config: {where} must be an integer, got {value!r}")
-    if int(value) < minimum:
-        raise SettingsError(f"resolved config: {where} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _float(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingsError(f"resolved config: {where} must be a number, got {value!r}")
-    return float(value)
-
-
 def _bool(value: Any, where: str) -> bool:
-    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
-        return bool(value)  # FlagPerf's configs write 0/1
-    if not isinstance(value, bool):
-        raise SettingsError(f"resolved config: {where} must be true or false, got {value!r}")
-    return value
-
-
-def _choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise SettingsError(f"resolved config: {where} must be one of {', '.join(choices)}, got {value!r}")
-    return value
+    return common.boolean(value, where, accept_01=True)  # FlagPerf's configs write 0/1
 
 
 def _sharding_stage(value: Any) -> int:
@@ -208,9 +178,7 @@ def _shape(model: dict) -> Shape:
 def _layout(par: dict, train: dict, shape: Shape, world: int) -> Layout:
     tp = _int(par.get("tp", 1), "parallel.tp", 1)
     pp = _int(par.get("pp", 1), "parallel.pp", 1)
-    if world % (tp * pp):
-        raise SettingsError(f"resolved config: tp={tp} x pp={pp} does not divide the world size {world}")
-    dp = world // (tp * pp)
+    dp = data_parallel(world, tp, pp, "resolved config: tp={tp} x pp={pp} does not divide the world size {world}")
     if par.get("dp") is not None and _int(par["dp"], "parallel.dp", 1) != dp:
         raise SettingsError(f"resolved config: parallel.dp is {par['dp']} but world {world} / (tp {tp} x pp {pp}) = {dp}")
     stage = _sharding_stage(par.get("sharding_stage", 0))
@@ -228,9 +196,7 @@ def _layout(par: dict, train: dict, shape: Shape, world: int) -> Layout:
         raise SettingsError(f"resolved config: parallel.pp {pp} exceeds num_layers {shape.num_layers}")
     gb = _int(_get(train, "global_batch", "train"), "train.global_batch", 1)
     mb = _int(_get(train, "micro_batch", "train"), "train.micro_batch", 1)
-    if gb % (mb * dp):
-        raise SettingsError(f"resolved config: train.global_batch {gb} is not a multiple of micro_batch {mb} x data-parallel width {dp}")
-    accum = gb // (mb * dp)
+    accum = grad_accum(gb, mb, dp, "resolved config: train.global_batch {gb} is not a multiple of micro_batch {mb} x data-parallel width {dp}")
     for key in ("grad_accum", "gradient_accumulation_steps"):
         for section, name in ((par, "parallel"), (train, "train")):
             if section.get(key) is not None and _int(section[key], f"{name}.{key}", 1) != accum:

@@ -32,10 +32,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-class SettingsError(ValueError):
-    """A resolved config value the case cannot run with."""
-
+from training.settings import SettingsError, data_parallel, grad_accum
+from training.settings import boolean as _bool
+from training.settings import choice as _choice
+from training.settings import divides as _divides
+from training.settings import get as _get
+from training.settings import integer as _int
+from training.settings import number as _float
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -113,68 +116,28 @@ class Settings:
     synthetic_tokens: int | None
 
 
-def _get(section: dict, key: str, where: str, default: Any = dataclasses.MISSING) -> Any:
-    if key in section and section[key] is not None:
-        return section[key]
-    if default is dataclasses.MISSING:
-        raise SettingsError(f"resolved config: {where}.{key} is missing")
-    return default
-
-
-def _int(value: Any, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise SettingsError(f"resolved config: {where} must be an integer, got {value!r}")
-    if int(value) < minimum:
-        raise SettingsError(f"resolved config: {where} must be >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def _float(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingsError(f"resolved config: {where} must be a number, got {value!r}")
-    return float(value)
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise SettingsError(f"resolved config: {where} must be true or false, got {value!r}")
-    return value
-
-
-def _choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise SettingsError(f"resolved config: {where} must be one of {', '.join(choices)}, got {value!r}")
-    return value
-
-
-def _divides(what: str, a: int, b: int, fix: str) -> None:
-    if b % a != 0:
-        raise SettingsError(f"{what}: {b} is not divisible by {a}; {fix}")
-
-
 def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_size: int) -> Layout:
     """DP = world / (tp * pp); grad accumulation = global_batch / (micro_batch * dp), exactly."""
     tp = _int(_get(parallel, "tp", "parallel", 1), "parallel.tp", 1)
     pp = _int(_get(parallel, "pp", "parallel", 1), "parallel.pp", 1)
-    if world_size % (tp * pp) != 0:
-        raise SettingsError(
-            f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}; choose tp and pp whose product divides the number of processes"
-        )
-    dp = world_size // (tp * pp)
+    dp = data_parallel(
+        world_size, tp, pp,
+        "world size {world} is not divisible by tp*pp = {tp}*{pp}; choose tp and pp whose product divides the number of processes",
+    )
     if parallel.get("dp") is not None and _int(parallel["dp"], "parallel.dp", 1) != dp:
         raise SettingsError(f"parallel.dp = {parallel['dp']} but world_size / (tp * pp) = {world_size} / ({tp} * {pp}) = {dp}")
-    if global_batch % (micro_batch * dp) != 0:
-        raise SettingsError(
-            f"global batch {global_batch} is not divisible by micro_batch * dp = {micro_batch} * {dp}; "
-            f"gradient accumulation must be a whole number: change train.micro_batch or the parallel layout"
-        )
+    accum = grad_accum(
+        global_batch, micro_batch, dp,
+        "global batch {gb} is not divisible by micro_batch * dp = {mb} * {dp}; "
+        "gradient accumulation must be a whole number: change train.micro_batch or the parallel layout",
+    )
     recompute = _choice(_get(parallel, "recompute", "parallel", "none"), "parallel.recompute", RECOMPUTE)
     return Layout(
         tp=tp,
         pp=pp,
         dp=dp,
         micro_batch=micro_batch,
-        grad_accum=global_batch // (micro_batch * dp),
+        grad_accum=accum,
         recompute=recompute,
         recompute_method=_choice(_get(parallel, "recompute_method", "parallel", "uniform"), "parallel.recompute_method", ("uniform", "block")),
         recompute_num_layers=_int(_get(parallel, "recompute_num_layers", "parallel", 1), "parallel.recompute_num_layers", 1),

@@ -53,7 +53,7 @@ def nightly(runlist: Path, setup: Callable[[], None] | None = None) -> subproces
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "run_benchmarks.nightly", str(runlist)],
-        capture_output=True, text=True, timeout=1200, cwd=runlist.parent, env=env, preexec_fn=setup,
+        capture_output=True, text=True, timeout=600, cwd=runlist.parent, env=env, preexec_fn=setup,
     )  # fmt: skip
 
 

@@ -280,7 +280,8 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"{p}:{where}: YAML syntax error: {problem}") from None
 
 
-def _field(loc: tuple[Any, ...]) -> str:
+def field_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the dotted field name users see in error messages."""
     return ".".join(str(x) for x in loc) or "(top level)"
 
 
@@ -297,7 +298,7 @@ def validate(model: type[M], data: Any, source: str) -> M:
         got = err.get("input")
         got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
         msg = err["msg"].removeprefix("Value error, ")
-        raise InputError(f"{source}: field '{_field(err['loc'])}': {msg}{got_txt}{more}") from None
+        raise InputError(f"{source}: field '{field_path(err['loc'])}': {msg}{got_txt}{more}") from None
 
 
 def load(model: type[M], path: str | os.PathLike[str]) -> M:

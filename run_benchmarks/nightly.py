@@ -32,7 +32,7 @@ from rich.table import Table  # noqa: E402
 
 from run_benchmarks import history, plan as planning  # noqa: E402
 from run_benchmarks.casename import CaseName, check_name  # noqa: E402
-from run_benchmarks.config import ClusterConfig, load, read_yaml  # noqa: E402
+from run_benchmarks.config import ClusterConfig, field_path, load, read_yaml  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -123,10 +123,6 @@ class RunList(_Strict):
         return v
 
 
-def _field(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(x) for x in loc) or "(top level)"
-
-
 def parse_runlist(path: Path) -> RunList:
     """Load and validate; errors name the file, the field and what was expected."""
     data = read_yaml(path)
@@ -146,7 +142,7 @@ def parse_runlist(path: Path) -> RunList:
             got = err.get("input")
             got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
             msg = err["msg"].removeprefix("Value error, ") + got_txt
-        raise InputError(f"{path}: field '{_field(loc)}': {msg}{more}") from None
+        raise InputError(f"{path}: field '{field_path(loc)}': {msg}{more}") from None
 
 
 @dataclasses.dataclass

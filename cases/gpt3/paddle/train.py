@@ -28,7 +28,6 @@ import os
 import resource
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -328,21 +327,7 @@ class Trainer:
 def main() -> int:
     cfg = runtime.setup()
     log = MetricLogger(rank=runtime.dist_info().rank)
-    trainer = None
-    try:
-        trainer = Trainer(cfg, log)
-        trainer.init_distributed()
-        trainer.build()
-        trainer.prepare_data()
-        trainer.emit_meta()
-        trainer.train()
-        trainer.emit_memory()
-        if trainer.reporting:
-            log.end("ok", trainer.steps_done)
-    except BaseException as exc:
-        log.error(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
-        log.end("failed", trainer.steps_done if trainer is not None else 0)
-        raise
+    runtime.run_trainer(lambda: Trainer(cfg, log), log)
     return 0
 
 

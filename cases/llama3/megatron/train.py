@@ -24,7 +24,6 @@ import os
 import resource
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -301,21 +300,7 @@ class Trainer:
 def main() -> int:
     cfg = runtime.setup()
     log = MetricLogger()
-    trainer = None
-    try:
-        trainer = Trainer(cfg, log)
-        trainer.init_distributed()
-        trainer.build()
-        trainer.prepare_data()
-        trainer.emit_meta()
-        trainer.train()
-        trainer.emit_memory()
-        if trainer.reporting:
-            log.end("ok", trainer.steps_done)
-    except BaseException as exc:
-        log.error(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
-        log.end("failed", trainer.steps_done if trainer is not None else 0)
-        raise  # the launcher stops the other ranks; no collective teardown that could hang
+    runtime.run_trainer(lambda: Trainer(cfg, log), log)
     import torch.distributed as dist
 
     dist.barrier()

@@ -10,9 +10,9 @@ node; the other ranks wait on a barrier.
 Optimizer step ``t`` (0-based) uses samples ``t*G .. t*G+G-1`` of the seeded
 window order (G = global batch); data-parallel rank ``r`` (paddle's
 ``sharding_degree * dp_rank + sharding_rank``) takes the ``r``-th contiguous
-slice of ``G / dp`` samples, cut into ``grad_accum`` micro-batches.  TP ranks
-and pipeline stages of one replica read the same samples.  So the sequences of
-a step are the same for every layout.
+slice of ``G / dp`` samples, cut into ``grad_accum`` micro-batches
+(``training.data.windows``).  TP ranks and pipeline stages of one replica read
+the same samples.  So the sequences of a step are the same for every layout.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from gpt3_settings import Settings
-from training.data import paddle_gpt
+from training.data import paddle_gpt, windows
 
 #: smallest and largest synthetic corpus written when data.synthetic_tokens is not set
 SYNTHETIC_MIN_TOKENS = 1 << 20
@@ -30,10 +30,9 @@ SYNTHETIC_MAX_TOKENS = 1 << 25
 
 
 def synthetic_tokens(s: Settings) -> int:
-    if s.synthetic_tokens:
-        return s.synthetic_tokens
-    needed = s.steps * s.global_batch * (s.shape.seq_length + 1)
-    return int(min(max(needed, SYNTHETIC_MIN_TOKENS), SYNTHETIC_MAX_TOKENS))
+    return windows.synthetic_tokens(
+        s.synthetic_tokens, s.steps, s.global_batch, s.shape.seq_length, SYNTHETIC_MIN_TOKENS, SYNTHETIC_MAX_TOKENS
+    )
 
 
 def corpus_prefix(s: Settings, local_rank: int, barrier) -> tuple[str, str]:
@@ -66,23 +65,14 @@ class StepBatches:
         if top >= s.shape.vocab_size:
             raise ValueError(f"corpus {prefix} holds token id {top}, outside the model's vocabulary of {s.shape.vocab_size}")
         self.windows = paddle_gpt.token_windows(self.corpus, s.shape.seq_length, s.seed)
-        lay = s.layout
-        self.global_batch = s.global_batch
-        self.per_rank = s.global_batch // lay.dp
-        self.micro_batch = lay.micro_batch
-        self.grad_accum = lay.grad_accum
-        self.data_rank = data_rank
+        self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, data_rank)
+        self.micro_batch = s.layout.micro_batch
+        self.grad_accum = s.layout.grad_accum
 
     def step(self, step: int) -> np.ndarray:
         """All of this rank's samples of one step: ``[per_rank, seq + 1]`` int64."""
-        first = step * self.global_batch + self.data_rank * self.per_rank
-        return self.windows.batch(first, self.per_rank)
+        return self.share.samples(step)
 
     def micro_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """``grad_accum`` pairs (input ids, labels), each ``[micro_batch, seq]``."""
-        rows = self.step(step)
-        out = []
-        for a in range(self.grad_accum):
-            chunk = rows[a * self.micro_batch:(a + 1) * self.micro_batch]
-            out.append((chunk[:, :-1], chunk[:, 1:]))
-        return out
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in windows.micro_split(self.step(step), self.grad_accum, self.micro_batch)]

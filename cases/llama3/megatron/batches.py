@@ -9,8 +9,9 @@ Samples are contiguous windows of ``seq_length + 1`` tokens in a seeded
 shuffled order (``training.data.indexed.TokenWindows``).  Optimizer step ``t``
 (0-based) uses samples ``t*G .. t*G+G-1`` of that order (G = global batch);
 data-parallel rank ``r`` takes the ``r``-th contiguous slice of ``G/dp``
-samples and cuts it into ``grad_accum`` microbatches.  The samples of a step
-are therefore the same for every parallel layout.
+samples and cuts it into ``grad_accum`` microbatches
+(``training.data.windows``).  The samples of a step are therefore the same for
+every parallel layout.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from settings import Settings
-from training.data import synthetic
+from training.data import synthetic, windows
 from training.data.indexed import IndexedReader, TokenWindows, bin_path, idx_path
 
 #: smallest and largest synthetic corpus written when data.synthetic_tokens is not set
@@ -32,10 +33,9 @@ SYNTHETIC_MAX_TOKENS = 1 << 26
 
 
 def synthetic_tokens(s: Settings) -> int:
-    if s.synthetic_tokens:
-        return s.synthetic_tokens
-    needed = s.steps * s.global_batch * (s.shape.seq_length + 1)
-    return int(min(max(needed, SYNTHETIC_MIN_TOKENS), SYNTHETIC_MAX_TOKENS))
+    return windows.synthetic_tokens(
+        s.synthetic_tokens, s.steps, s.global_batch, s.shape.seq_length, SYNTHETIC_MIN_TOKENS, SYNTHETIC_MAX_TOKENS
+    )
 
 
 def corpus_prefix(s: Settings, local_rank: int) -> tuple[str, str]:
@@ -62,18 +62,16 @@ class StepBatches:
         reader = IndexedReader(prefix)
         vocab_max = s.shape.vocab_size
         self.windows = TokenWindows(reader.tokens, s.shape.seq_length, s.seed)
+        self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, dp_rank)
         self.s = s
-        self.dp_rank = dp_rank
         self.device = device
-        self.per_rank = s.global_batch // s.layout.dp
         sample = self.windows.window(0)
         if int(sample.max()) >= vocab_max:
             raise ValueError(f"corpus {prefix} holds token ids >= vocab_size {vocab_max}")
 
     def local_samples(self, step: int) -> np.ndarray:
         """``[global_batch/dp, seq+1]`` int64 token windows of ``step`` (0-based) for this rank."""
-        first = step * self.s.global_batch + self.dp_rank * self.per_rank
-        return self.windows.batch(first, self.per_rank)
+        return self.share.samples(step)
 
     def microbatches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
         """The step's microbatches on the device: tokens, labels, position ids."""
@@ -83,8 +81,7 @@ class StepBatches:
             host = host.pin_memory()
         data = host.to(self.device, non_blocking=True)
         positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(mb, seq)
-        for m in range(self.s.layout.grad_accum):
-            chunk = data[m * mb:(m + 1) * mb]
+        for chunk in windows.micro_split(data, self.s.layout.grad_accum, mb):
             yield {
                 "tokens": chunk[:, :-1].contiguous(),
                 "labels": chunk[:, 1:].contiguous(),

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.case_helpers import load_case_module
 from training.data.indexed import write_indexed
 from training.data.synthetic import corpus_name
 
@@ -16,12 +16,7 @@ CASE_DIR = Path(__file__).resolve().parent.parent / "cases" / "baichuan2" / "dee
 
 
 def _load(name: str):
-    full = f"baichuan2_case_{name}"
-    spec = importlib.util.spec_from_file_location(full, CASE_DIR / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[full] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_case_module(CASE_DIR / f"{name}.py", f"baichuan2_case_{name}")
 
 
 data_mod = _load("data")

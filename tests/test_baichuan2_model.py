@@ -7,17 +7,14 @@ again under the deepspeed environment's Python (``FB_TEST_DEEPSPEED_PYTHON``).
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.case_helpers import framework_python, load_case_module, pytest_in
 from training.flops import decoder_flops
 
 try:
@@ -34,11 +31,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable 
 
 
 def _model_module():
-    spec = importlib.util.spec_from_file_location("baichuan2_case_model", CASE_DIR / "model.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_case_module(CASE_DIR / "model.py", "baichuan2_case_model")
 
 
 @pytest.fixture(scope="module")
@@ -277,14 +270,8 @@ def test_sequence_longer_than_max_positions_is_refused(M):
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the tests above ran in this interpreter")
 def test_model_in_framework_env():
-    py = os.environ.get("FB_TEST_DEEPSPEED_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_DEEPSPEED_PYTHON is not set: no Python with torch to run the model tests")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FB_TEST_BUILD_ENVS": "0"}
-    proc = subprocess.run(
-        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
+    py = framework_python("FB_TEST_DEEPSPEED_PYTHON", "no Python with torch to run the model tests")
+    proc = pytest_in(py, Path(__file__))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
     # only this wrapper itself is skipped there

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.case_helpers import framework_python, free_port, torch_extensions_dir
 from training.flops import decoder_flops
 from training.metriclog import parse_lines
 
@@ -30,16 +30,7 @@ REFERENCE = CASE_DIR / "reference" / "baichuan2_tiny" / "config_cpux1x2.json"
 
 
 def _python() -> str:
-    py = os.environ.get("FB_TEST_DEEPSPEED_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_DEEPSPEED_PYTHON is not set: no deepspeed environment to run the case in")
-    return py
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return framework_python("FB_TEST_DEEPSPEED_PYTHON", "no deepspeed environment to run the case in")
 
 
 def resolved(tmp: Path, **over) -> dict:
@@ -88,12 +79,11 @@ def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
         "FB_RUN_ID": cfg["run_id"],
         "OMP_NUM_THREADS": "1",
         # DeepSpeed JIT-builds its CPU shared-memory comm op once; keep the build in a cache of the tests
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
-        or str(Path(os.environ.get("FLAGBENCH_ENV_DIR", Path.home() / ".cache" / "flagbench" / "envs")).parent / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
     cmd = [
         py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(_free_port()), str(CASE_DIR / "train.py"), "--config", str(path),
+        "--master_port", str(free_port()), str(CASE_DIR / "train.py"), "--config", str(path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     (tmp / "stdout.log").write_text(proc.stdout)

@@ -9,18 +9,16 @@ models without memory (``paddle.LazyGuard`` and no weight initialisation).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.case_helpers import framework_python, load_case_module
 from training import flops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,15 +26,7 @@ CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 
 
-def _settings_module():
-    spec = importlib.util.spec_from_file_location("gpt3_settings_under_test", CASE_DIR / "gpt3_settings.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
-S = _settings_module()
+S = load_case_module(CASE_DIR / "gpt3_settings.py", "gpt3_settings_under_test")
 
 
 def _hand_count(L: int, h: int, V: int, T: int) -> int:
@@ -149,10 +139,7 @@ def test_settings_errors():
 
 
 def _paddle_python() -> str:
-    py = os.environ.get("FB_TEST_PADDLE_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_PADDLE_PYTHON is not set: no paddle environment to build the model in")
-    return py
+    return framework_python("FB_TEST_PADDLE_PYTHON", "no paddle environment to build the model in")
 
 
 @pytest.mark.framework("paddle")

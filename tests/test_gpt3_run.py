@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.case_helpers import framework_python
 from training.flops import decoder_flops
 from training.metriclog import REQUIRED_META, parse_lines
 
@@ -32,10 +33,7 @@ pytestmark = pytest.mark.framework("paddle")
 
 
 def _python() -> str:
-    py = os.environ.get("FB_TEST_PADDLE_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_PADDLE_PYTHON is not set: no paddle environment to run the case in")
-    return py
+    return framework_python("FB_TEST_PADDLE_PYTHON", "no paddle environment to run the case in")
 
 
 def resolved(tmp: Path, nprocs: int, train: dict | None = None, parallel: dict | None = None) -> dict:

@@ -8,16 +8,14 @@ this test, in the framework environment named by FB_TEST_MEGATRON_PYTHON.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.case_helpers import framework_python, free_port, load_case_module
 from training import flops
 from training.metriclog import REQUIRED_META, parse_lines
 
@@ -39,11 +37,7 @@ TINY_SHAPE = {
 
 
 def _settings_module():
-    spec = importlib.util.spec_from_file_location("llama3_megatron_settings", CASE_DIR / "settings.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_case_module(CASE_DIR / "settings.py", "llama3_megatron_settings")
 
 
 def resolved_config(tmp_path: Path, nprocs: int, config_name: str, parallel: dict | None = None, **train) -> dict:
@@ -161,23 +155,15 @@ def test_vendor_configs_change_only_allowed_keys():
 # ---------------------------------------------------------------- real runs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, cfg: dict, nprocs: int) -> subprocess.CompletedProcess:
-    py = os.environ.get("FB_TEST_MEGATRON_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_MEGATRON_PYTHON is not set: no megatron-core environment to run the case in")
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(cfg, indent=2))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", FB_RUN_ID=cfg["run_id"])
     cmd = [
         py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         "cases/llama3/megatron/train.py", "--config", str(path),
     ]  # fmt: skip
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

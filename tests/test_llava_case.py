@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.case_helpers import (
+    framework_python,
+    free_port,
+    pytest_in,
+    torch_extensions_dir,
+)
 from training.flops_llava import llava_params
 from training.metriclog import parse_lines
 
@@ -292,23 +297,13 @@ def test_mmmu_not_run_without_paths_and_scores_records(case_modules, tmp_path):
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
 def test_units_in_framework_env():
-    py = os.environ.get("FB_TEST_DEEPSPEED_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_DEEPSPEED_PYTHON is not set: no Python with torch to run the unit tests")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FB_TEST_BUILD_ENVS": "0", "FB_TEST_DEEPSPEED_PYTHON": ""}
-    proc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "not two_processes"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    py = framework_python("FB_TEST_DEEPSPEED_PYTHON", "no Python with torch to run the unit tests")
+    proc = pytest_in(py, Path(__file__), "-k", "not two_processes", env={"FB_TEST_DEEPSPEED_PYTHON": ""}, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"\d+ passed", proc.stdout.strip().splitlines()[-1])
 
 
 # --------------------------------------------------------------------------- end to end
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolved(tmp: Path) -> dict:
@@ -355,19 +350,16 @@ def resolved(tmp: Path) -> dict:
 
 
 def launch(tmp: Path, cfg: dict, timeout: int = 900):
-    py = os.environ.get("FB_TEST_DEEPSPEED_PYTHON")
-    if not py:
-        pytest.skip("FB_TEST_DEEPSPEED_PYTHON is not set: no deepspeed environment to run the case in")
+    py = framework_python("FB_TEST_DEEPSPEED_PYTHON", "no deepspeed environment to run the case in")
     path = tmp / "resolved.json"
     path.write_text(json.dumps(cfg, indent=1))
     env = {
         **os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "FB_RUN_ID": cfg["run_id"], "OMP_NUM_THREADS": "1",
         # DeepSpeed JIT-builds its CPU shared-memory comm op once (about a minute); keep it in a cache
-        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR")
-        or str(Path(os.environ.get("FLAGBENCH_ENV_DIR", Path.home() / ".cache" / "flagbench" / "envs")).parent / "torch_extensions"),
+        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }  # fmt: skip
     cmd = [py, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(CASE_DIR / "train.py"), "--config", str(path)]  # fmt: skip
+           "--master_port", str(free_port()), str(CASE_DIR / "train.py"), "--config", str(path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     (tmp / "stdout.log").write_text(proc.stdout)
     (tmp / "stderr.log").write_text(proc.stderr)

@@ -1,0 +1,60 @@
+"""Helpers shared by the case tests (llama3/megatron, gpt3/paddle, baichuan2 and llava/deepspeed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_case_module(path: Path, name: str) -> ModuleType:
+    """Import a case's module from its file under ``name`` (registered in ``sys.modules``:
+    dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def framework_python(var: str, skip_reason: str) -> str:
+    """The framework environment's Python named by ``var``; skip the test when it is not set."""
+    py = os.environ.get(var)
+    if not py:
+        pytest.skip(f"{var} is not set: {skip_reason}")
+    return py
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a launcher's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torch_extensions_dir() -> str:
+    """Where DeepSpeed JIT-builds its CPU shared-memory comm op: ``TORCH_EXTENSIONS_DIR`` when
+    set, else a ``torch_extensions`` folder beside the framework environments, so the build
+    (about a minute) is kept between test runs."""
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(
+        Path(os.environ.get("FLAGBENCH_ENV_DIR", Path.home() / ".cache" / "flagbench" / "envs")).parent / "torch_extensions"
+    )
+
+
+def pytest_in(py: str, test_file: Path, *args: str, env: dict[str, str] | None = None,
+              timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run pytest on ``test_file`` under another Python (a framework environment's), from the
+    repository root with it on ``PYTHONPATH`` and without building environments."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "FB_TEST_BUILD_ENVS": "0", **(env or {})}
+    return subprocess.run(
+        [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), *args],
+        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False,
+    )

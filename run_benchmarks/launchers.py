@@ -11,6 +11,10 @@ import dataclasses
 from pathlib import Path
 
 
+#: stands for the node's own address in a launcher's env; the node agent fills it in
+NODE_ADDR = "@@FB_NODE_ADDR@@"
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
     python: str
@@ -33,6 +37,10 @@ class Launcher:
 
     def files(self, s: LaunchSpec) -> dict[str, str]:
         """Files the command needs beside resolved.json (name -> content), the same on every node."""
+        return {}
+
+    def env(self, s: LaunchSpec) -> dict[str, str]:
+        """Environment the launcher needs on each node (may hold NODE_ADDR)."""
         return {}
 
 
@@ -91,6 +99,11 @@ class Paddle(Launcher):
         else:
             argv += ["--nproc_per_node", str(s.nprocs)]
         return argv + [s.entry, "--config", s.config]
+
+    def env(self, s: LaunchSpec) -> dict[str, str]:
+        # across nodes paddle's launcher compares its own address with --master to decide who
+        # serves the rendezvous; it reads that address from POD_IP
+        return {"POD_IP": NODE_ADDR} if s.nnodes > 1 else {}
 
 
 LAUNCHERS: dict[str, Launcher] = {cls.name: cls() for cls in (Torchrun, DeepSpeed, Paddle)}

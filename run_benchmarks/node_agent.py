@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from run_benchmarks.launchers import NODE_ADDR  # noqa: E402  (standard library only)
+
 SPEC_VERSION = 1
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL; below Slurm's KillWait (30 s by default)
 
@@ -158,19 +160,26 @@ def write_report(node_dir: Path, report: dict[str, Any]) -> None:
     os.replace(tmp, node_dir / "node.json")
 
 
+def address_towards(address: str) -> str | None:
+    """This node's own address on the route to ``address`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((address, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 def iface_towards(address: str) -> str | None:
     """The network interface this node uses to reach ``address`` (for gloo's socket choice)."""
+    local = address_towards(address)
     try:
         import psutil
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((address, 9))  # no packet is sent for a UDP connect
-            local = s.getsockname()[0]
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.family == socket.AF_INET and a.address == local for a in addrs):
-                return name
-    except (ImportError, OSError):
-        pass
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local for a in addrs):
+            return name
     return None
 
 
@@ -178,6 +187,8 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
     """Run node ``rank`` of the spec: monitor, launcher, report; the launcher's exit status."""
     node = spec["nodes"][rank]
     cmd, env = resolve(node, spec["master_placeholder"], master)
+    own = address_towards(master) or socket.gethostname()
+    cmd, env = [a.replace(NODE_ADDR, own) for a in cmd], {k: v.replace(NODE_ADDR, own) for k, v in env.items()}
     # gloo binds to the address its host name resolves to (often 127.0.0.1 in a container):
     # point it at the interface that reaches the master unless the vendor chose one
     if "GLOO_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in os.environ:

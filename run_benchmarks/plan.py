@@ -260,7 +260,8 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
             log_dir=str(node_dir / "ranks"),
             device=plan.vendor.device,
         )
-        nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), dict(env), str(root), launcher.files(spec)))
+        nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), {**env, **launcher.env(spec)}, str(root),
+                              launcher.files(spec)))  # fmt: skip
     return nodes
 
 

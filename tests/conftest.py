@@ -46,20 +46,22 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         _framework_python(fw)
 
 
-@pytest.fixture(scope="session")
-def megatron_python() -> str:
-    py = _framework_python("megatron")
-    if not py:
-        pytest.skip("megatron environment not available (FB_TEST_BUILD_ENVS=0)")
-    return py
+def _environment_fixture(framework: str):  # type: ignore[no-untyped-def]
+    """A session fixture giving the cpu vendor's Python for ``framework`` (built once)."""
+
+    @pytest.fixture(scope="session")
+    def python() -> str:
+        py = _framework_python(framework)
+        if not py:
+            pytest.skip(f"{framework} environment not available (FB_TEST_BUILD_ENVS=0)")
+        return py
+
+    return python
 
 
-@pytest.fixture(scope="session")
-def deepspeed_python() -> str:
-    py = _framework_python("deepspeed")
-    if not py:
-        pytest.skip("deepspeed environment not available (FB_TEST_BUILD_ENVS=0)")
-    return py
+megatron_python = _environment_fixture("megatron")
+deepspeed_python = _environment_fixture("deepspeed")
+paddle_python = _environment_fixture("paddle")
 
 
 # the real test cluster (network namespaces with sshd + dockerd): tests/cluster/

@@ -234,3 +234,22 @@ def test_host_lost_mid_run_fails_that_round_and_the_next_still_runs(megatron_pyt
         subprocess.run(["pkill", "-KILL", "-f", f"{directory}/"], capture_output=True)  # what was stranded on h2
         netns.down(directory, log=lambda m: None)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.framework("paddle")
+def test_paddle_launcher_across_two_hosts(cluster, paddle_python, tmp_path):
+    """paddle.distributed.launch on 2 nodes (--master on the first host, --rank from the harness)."""
+    from run_benchmarks import metrics
+
+    cfile = cluster_file(cluster, tmp_path, paddle_python, runtime="process")
+    proc = run(["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:2:1", "--cluster", str(cfile),
+                "--log-dir", str(tmp_path / "logs")])  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir, res = only_run(tmp_path / "logs")
+    (rnd,) = res["rounds"]
+    assert rnd["status"] == "ok" and [n["returncode"] for n in rnd["nodes"]] == [0, 0]
+    assert rnd["phases"][0]["meta"]["world_size"] == 2
+    ref = metrics.load_reference(ROOT / "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json")
+    mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
+    assert n >= 10 and metrics.is_aligned(mre), mre
+    assert leftovers(cluster, res["run_id"]) == []

@@ -252,7 +252,14 @@ class VendorCaseConfig(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     description: str = ""
     validated: bool = False
-    hook: str | None = None
+    hook: str | None = None  # "module:function", called as fn(cfg) in every rank, runtime only
+
+    @field_validator("hook")
+    @classmethod
+    def _hook(cls, v: str | None) -> str | None:
+        if v is not None and not _MODSPEC.match(v):
+            raise ValueError(f"must be 'module:function', got {v!r}")
+        return v
 
     def values(self) -> dict[str, Any]:
         return dict(self.model_extra or {})

@@ -157,6 +157,7 @@ def base_results(plan: Plan) -> dict[str, Any]:
         "system": results.system_info(),
         "settings": plan.settings,
         "overrides": plan.overrides,
+        "hook": plan.hook,
         "user_overrides": plan.user_overrides,
         "model_counts": plan.counts,
         "hardware_info": plan.hardware,

@@ -47,6 +47,7 @@ class Plan:
     settings: dict[str, Any]  # train / parallel / data after all overrides
     model: dict[str, Any]  # the case.yaml model entry, shape included
     overrides: list[dict[str, Any]]  # vendor overrides: param, value, standard
+    hook: str | None  # the vendor config's adapter hook ("module:function"), if any
     user_overrides: list[dict[str, Any]]
     counts: dict[str, dict[str, Any]]  # phase -> params and FLOPs per token
     hardware: dict[str, Any]
@@ -81,6 +82,7 @@ class Plan:
                 "device": self.vendor.device,
                 "dist_backend": self.vendor.dist_backend,
                 "adapters": dict(self.vendor.adapters),
+                "hooks": [self.hook] if self.hook else [],
             },
             "output_dir": output_dir,
         }
@@ -224,6 +226,7 @@ def build(
         settings=settings,
         model=case.models[cn.model].model_dump(),
         overrides=overrides,
+        hook=vcfg.hook,
         user_overrides=user_overrides,
         counts=counts,
         hardware=hardware,

@@ -51,17 +51,35 @@ def resolve_hook(spec: str) -> Any:
     return getattr(importlib.import_module(module), func)
 
 
-def apply_adapter(cfg: dict[str, Any]) -> None:
-    """Run the vendor's adapter for this framework, if it declares one.
+def _changed(before: Any, after: Any, path: str = "") -> str | None:
+    """The first dotted path where two JSON-like values differ, or None."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        for key in sorted(set(before) | set(after), key=str):
+            found = _changed(before.get(key), after.get(key), f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+        return None
+    return None if before == after else (path or "(the whole config)")
 
-    An adapter has the signature ``install(cfg: dict) -> None`` and may only
-    adapt the runtime (device redirection, kernels, environment); it receives
-    the resolved config read-only by convention and returns nothing.
+
+def apply_adapter(cfg: dict[str, Any]) -> None:
+    """Run the vendor's adapter for this framework and the vendor config's hook, if declared.
+
+    Each has the signature ``fn(cfg: dict) -> None`` and may only adapt the runtime
+    (device redirection, kernels, environment). It gets a copy of the resolved config;
+    a function that changes any setting (model shape, optimizer, data, batch) is refused,
+    naming the setting: a vendor changes settings only through its config file, where the
+    case's whitelist applies and the change is listed in the results.
     """
     framework = cfg["case"]["framework"]
-    spec = (cfg.get("vendor", {}).get("adapters") or {}).get(framework)
-    if spec:
-        resolve_hook(spec)(cfg)
+    vendor = cfg.get("vendor", {})
+    specs = [s for s in ((vendor.get("adapters") or {}).get(framework), *(vendor.get("hooks") or [])) if s]
+    for spec in specs:
+        copy = json.loads(json.dumps(cfg))
+        resolve_hook(spec)(copy)
+        where = _changed(cfg, copy)
+        if where:
+            raise RuntimeError(f"vendor function {spec} changed '{where}': adapters and hooks may adapt the runtime only")
 
 
 def seed_everything(seed: int) -> None:

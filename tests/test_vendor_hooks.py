@@ -1,0 +1,51 @@
+"""Vendor adapters and per-config hooks may adapt the runtime, never the settings."""
+
+import os
+import sys
+
+import pytest
+
+from training import runtime
+
+
+def _cfg(hooks):
+    return {"case": {"framework": "megatron"}, "train": {"lr": 1e-5, "global_batch": 512},
+            "model": {"hidden_size": 4096}, "vendor": {"adapters": {}, "hooks": hooks}}  # fmt: skip
+
+
+@pytest.fixture
+def hook_module(tmp_path, monkeypatch):
+    (tmp_path / "acme_hooks.py").write_text(
+        "import os\n"
+        "def kernels(cfg):\n    os.environ['ACME_FAST_KERNELS'] = '1'\n"
+        "def cheat(cfg):\n    cfg['train']['global_batch'] = 64\n"
+        "def widen(cfg):\n    cfg['model']['hidden_size'] = 1024\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("ACME_FAST_KERNELS", raising=False)
+    yield
+    sys.modules.pop("acme_hooks", None)
+
+
+def test_a_runtime_hook_runs(hook_module):
+    cfg = _cfg(["acme_hooks:kernels"])
+    runtime.apply_adapter(cfg)
+    assert os.environ["ACME_FAST_KERNELS"] == "1"
+
+
+@pytest.mark.parametrize("hook, path", [("acme_hooks:cheat", "train.global_batch"), ("acme_hooks:widen", "model.hidden_size")])
+def test_a_hook_changing_settings_is_refused(hook_module, hook, path):
+    cfg = _cfg([hook])
+    with pytest.raises(RuntimeError, match=f"vendor function {hook} changed '{path}'"):
+        runtime.apply_adapter(cfg)
+    assert cfg["train"]["global_batch"] == 512 and cfg["model"]["hidden_size"] == 4096
+
+
+def test_hook_reaches_the_resolved_config(tmp_path):
+    from run_benchmarks import plan as planning
+    from run_benchmarks.casename import CaseName
+    from run_benchmarks.config import ClusterConfig
+
+    p = planning.build(CaseName.parse("llama3_tiny:megatron:cpu:1:2"), "cpu", ClusterConfig(), tmp_path)
+    assert p.resolved(1, "o", "c")["vendor"]["hooks"] == []
+    assert p.resolved(1, "o", "c")["vendor"]["adapters"]["megatron"] == "vendors.cpu.adapters.megatron:install"

@@ -179,12 +179,15 @@ def scaffold_config(vendor: str, case_name: str, variant: str | None, vendors_di
         v = registry.get_path(standard, p)
         if v is not None and not p.startswith("phases."):
             registry.set_path(values, p, v)
+    standard_text = yaml.safe_dump(values, sort_keys=False).rstrip()
     lines = [
-        f"# {vendor} config for {cn.model} on {cn.size}: the values below are the case's standard;",
-        "# keep only those you change. Allowed keys: " + ", ".join(entry.config.vendor_may_change),
+        f"# {vendor} config for {cn.model} on {cn.size}. Uncomment and change only what this hardware",
+        "# needs; every value set here is listed in results.json as an override of the standard.",
+        "# Allowed keys: " + ", ".join(entry.config.vendor_may_change),
         f"description: {cn.model} on {cn.nnodes} x {cn.nprocs} {cn.hardware}",
         "validated: false   # true once run on this hardware",
-        yaml.safe_dump(values, sort_keys=False).rstrip(),
+        "# the case's standard values:",
+        *("# " + ln for ln in standard_text.splitlines()),
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -6,9 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" = 0 ]; then
-  bash tests/cluster/install_deps.sh     # sshd, dockerd, iproute2, debootstrap: the namespace cluster
-  bash tests/slurm/install_deps.sh       # munge, slurmctld, slurmd: the Slurm cluster
-  bash tests/install_report_deps.sh      # chromium: the report page test
+  bash tests/install_system_deps.sh      # sshd, dockerd, debootstrap, Slurm, munge, Chromium
 fi
 
 python3 -m pip install --disable-pip-version-check -q -e ".[test]"

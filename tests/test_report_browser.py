@@ -3,7 +3,7 @@ request, every plot an image that decoded to a non-zero size.
 
 Chromium is driven through the DevTools protocol over a pipe (``--remote-debugging-pipe``:
 JSON messages ended by NUL on file descriptors 3 and 4), so nothing beyond the standard
-library is needed.  tests/install_report_deps.sh installs Chromium.
+library is needed.  tests/install_system_deps.sh installs Chromium.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Chromium:
     def __init__(self, profile: Path) -> None:
         exe = shutil.which("chromium") or shutil.which("chromium-browser")
         if not exe:
-            pytest.skip("chromium is not installed (tests/install_report_deps.sh)")
+            pytest.skip("chromium is not installed (tests/install_system_deps.sh)")
         to_chrome_r, self._to_chrome = os.pipe()
         self._from_chrome, from_chrome_w = os.pipe()
 

@@ -69,7 +69,7 @@ def build_tarball(*, mirror: str | None = None, log=print) -> Path:
         if final.exists():
             return final
         if shutil.which("debootstrap") is None:
-            raise RuntimeError("debootstrap is missing: run tests/cluster/install_deps.sh")
+            raise RuntimeError("debootstrap is missing: run tests/install_system_deps.sh")
         work = final.parent / f".build-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         root = work / "root"

@@ -35,7 +35,7 @@ def cluster_skip_reason() -> str | None:
         return None
     missing = netns.missing_requirements()
     if missing:
-        return ("the test cluster needs root and these tools (tests/cluster/install_deps.sh "
+        return ("the test cluster needs root and these tools (tests/install_system_deps.sh "
                 f"installs them): missing {', '.join(missing)}")
     return None
 

@@ -157,7 +157,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
     def start(self) -> "SlurmTestCluster":
         missing = missing_programs()
         if missing:
-            raise ClusterError(f"missing {', '.join(missing)}: run tests/slurm/install_deps.sh")
+            raise ClusterError(f"missing {', '.join(missing)}: run tests/install_system_deps.sh")
         t0 = time.monotonic()
         self._write_config()
         key = self.base / "munge" / "munge.key"

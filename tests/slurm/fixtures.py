@@ -2,7 +2,7 @@
 
 ``slurm_cluster`` (defined as ``slurm_cluster_fixture``; import that name): munged, slurmctld and two slurmd nodes (``n1``, ``n2``) for the whole
 session, stopped by PID at the end. Tests that need it are skipped, with the reason,
-when not root or when Slurm or munge is missing (``tests/slurm/install_deps.sh``).
+when not root or when Slurm or munge is missing (``tests/install_system_deps.sh``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def slurm_skip_reason() -> str | None:
         return "the Slurm test cluster needs root (it runs slurmd in its own namespaces)"
     missing = missing_programs()
     if missing:
-        return f"the Slurm test cluster needs {', '.join(missing)} (tests/slurm/install_deps.sh installs them)"
+        return f"the Slurm test cluster needs {', '.join(missing)} (tests/install_system_deps.sh installs them)"
     return None
 
 

@@ -177,21 +177,30 @@ def test_host_down(cluster, megatron_python, tmp_path):
     assert "host h2: connecting to" in err or "host h2: cannot connect" in err, err
 
 
-@pytest.mark.framework("deepspeed")
-def test_deepspeed_launcher_across_two_hosts(cluster, deepspeed_python, tmp_path):
-    """The deepspeed launcher on 2 nodes (hostfile + --no_ssh, node ranks from the harness), ZeRO-3."""
+@pytest.mark.parametrize(
+    "framework, case, reference",
+    [
+        # the deepspeed launcher: hostfile + --no_ssh, node ranks from the harness, ZeRO-3
+        pytest.param("deepspeed", "baichuan2_tiny:deepspeed:cpu:2:1", "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json",
+                     marks=pytest.mark.framework("deepspeed"), id="deepspeed"),
+        # paddle.distributed.launch: --master on the first host, --rank from the harness
+        pytest.param("paddle", "gpt3_tiny:paddle:cpu:2:1", "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json",
+                     marks=pytest.mark.framework("paddle"), id="paddle"),
+    ],
+)  # fmt: skip
+def test_launcher_across_two_hosts(cluster, request, framework, case, reference, tmp_path):
     from run_benchmarks import metrics
 
-    cfile = cluster_file(cluster, tmp_path, deepspeed_python, runtime="process")
-    proc = run(["--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:2:1", "--cluster", str(cfile),
-                "--log-dir", str(tmp_path / "logs")])  # fmt: skip
+    python = request.getfixturevalue(f"{framework}_python")
+    cfile = cluster_file(cluster, tmp_path, python, runtime="process")
+    proc = run(["--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
     assert rnd["status"] == "ok" and [n["returncode"] for n in rnd["nodes"]] == [0, 0]
     assert rnd["phases"][0]["meta"]["world_size"] == 2
     # same global batch and data as the 1 node x 2 processes reference: the curves agree
-    ref = metrics.load_reference(ROOT / "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json")
+    ref = metrics.load_reference(ROOT / reference)
     mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
     assert n >= 10 and metrics.is_aligned(mre), mre
     assert leftovers(cluster, res["run_id"]) == []
@@ -234,22 +243,3 @@ def test_host_lost_mid_run_fails_that_round_and_the_next_still_runs(megatron_pyt
         subprocess.run(["pkill", "-KILL", "-f", f"{directory}/"], capture_output=True)  # what was stranded on h2
         netns.down(directory, log=lambda m: None)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-@pytest.mark.framework("paddle")
-def test_paddle_launcher_across_two_hosts(cluster, paddle_python, tmp_path):
-    """paddle.distributed.launch on 2 nodes (--master on the first host, --rank from the harness)."""
-    from run_benchmarks import metrics
-
-    cfile = cluster_file(cluster, tmp_path, paddle_python, runtime="process")
-    proc = run(["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:2:1", "--cluster", str(cfile),
-                "--log-dir", str(tmp_path / "logs")])  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dir, res = only_run(tmp_path / "logs")
-    (rnd,) = res["rounds"]
-    assert rnd["status"] == "ok" and [n["returncode"] for n in rnd["nodes"]] == [0, 0]
-    assert rnd["phases"][0]["meta"]["world_size"] == 2
-    ref = metrics.load_reference(ROOT / "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json")
-    mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
-    assert n >= 10 and metrics.is_aligned(mre), mre
-    assert leftovers(cluster, res["run_id"]) == []

@@ -97,10 +97,10 @@ def ensure_env(vendor: str, framework: str, log: Path | None = None, vendors_dir
 def framework_python(vendor: str, framework: str, python: str | None, log: Path | None = None) -> Path:
     """The interpreter a round runs with: ``python`` as is, else the built env."""
     if python:
-        p = Path(python)
-        if not (p.is_file() and os.access(p, os.X_OK)):
+        found = shutil.which(python)  # a path, or a name on PATH such as python3
+        if not found:
             raise InputError(f"--python {python}: not an executable file")
-        return p
+        return Path(found)
     return ensure_env(vendor, framework, log)
 
 

@@ -6,7 +6,7 @@ are checked against a known_hosts file; an unknown key is accepted only when
 ``accept_new_host_keys=True`` is passed, and it is then written to that file. Only key
 authentication is used (the SSH agent only with ``allow_agent=True``).
 
-Every remote command goes through ``remote_command``, the one place where argv is quoted
+Every remote command goes through ``remote_command`` (``process.py``), the one place where argv is quoted
 for the remote shell. It starts the command in its own process group with ``setsid`` and
 prints ``FBPGID <pgid>`` on stderr first, so a timed-out or killed command can be ended
 as a group (``kill -TERM -<pgid>``, then ``KILL`` after a grace period). The remote login
@@ -17,20 +17,16 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import fnmatch
 import hashlib
 import os
-import re
-import select
 import shlex
 import socket
-import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
 
 import paramiko
 
@@ -42,10 +38,8 @@ from .errors import (
     HostUnreachable,
     RemoteCommandFailed,
 )
-
-PGID_MARK = "FBPGID"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_BUF = 65536
+from .process import PGID_MARK, RemoteProcess, _pump, _split_marker, remote_command
+from .transfer import TransferMixin, TransferStats
 
 
 @dataclass(frozen=True)
@@ -92,183 +86,14 @@ class Result:
         return self
 
 
-@dataclass
-class TransferStats:
-    """What ``put_tree``/``get_tree`` did."""
-
-    copied: int = 0
-    skipped: int = 0
-    bytes: int = 0
-    dirs: int = 0
-
-
 def fingerprint(key: paramiko.PKey) -> str:
     """OpenSSH-style SHA256 fingerprint of a public key."""
     digest = hashlib.sha256(key.asbytes()).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
 
 
-def remote_command(
-    argv: Sequence[str],
-    *,
-    env: Mapping[str, str] | None = None,
-    cwd: str | None = None,
-    merge_stderr: bool = False,
-) -> str:
-    """The command line sent to the remote shell: the one place argv gets quoted.
 
-    The command runs in a new session/process group; ``FBPGID <pgid>`` is printed on its
-    stderr before it starts. With ``merge_stderr`` the command's stderr goes to stdout
-    (only the marker stays on stderr). The outer shell waits for it and reports its exit
-    status (128+signal when killed).
-    """
-    if not argv:
-        raise ValueError("argv is empty")
-    q = shlex.quote
-    parts: list[str] = []
-    if cwd:
-        parts.append(f"cd -- {q(str(cwd))} || exit;")
-    for name, value in (env or {}).items():
-        if not _ENV_NAME.match(name):
-            raise ValueError(f"invalid environment variable name {name!r}")
-        parts.append(f"export {name}={q(str(value))};")
-    inner = f'echo "{PGID_MARK} $$" >&2; exec "$@"' + (" 2>&1" if merge_stderr else "")
-    parts.append(f"setsid sh -c {q(inner)} flagbench {' '.join(q(str(a)) for a in argv)} & wait $!")
-    return " ".join(parts)
-
-
-def _split_marker(buf: bytearray) -> tuple[int | None, bool]:
-    """Parse and remove the leading ``FBPGID n`` line; (pgid, complete_line_seen)."""
-    nl = buf.find(b"\n")
-    if nl < 0:
-        return None, False
-    line = bytes(buf[:nl]).decode("ascii", "replace").split()
-    if len(line) == 2 and line[0] == PGID_MARK and line[1].isdigit():
-        del buf[: nl + 1]
-        return int(line[1]), True
-    return None, True
-
-
-def _pump(
-    chan: paramiko.Channel,
-    on_out: Callable[[bytes], None],
-    on_err: Callable[[bytes], None],
-    deadline: float | None,
-) -> bool:
-    """Read a channel until it is finished (EOF and exit status). False on deadline."""
-    while True:
-        got = False
-        if chan.recv_ready():
-            on_out(chan.recv(_BUF))
-            got = True
-        if chan.recv_stderr_ready():
-            on_err(chan.recv_stderr(_BUF))
-            got = True
-        if got:
-            continue
-        if chan.closed or (chan.eof_received and chan.exit_status_ready()):
-            return True
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            return False
-        wait_for = 1.0 if remaining is None else min(remaining, 1.0)
-        if chan.eof_received:
-            chan.status_event.wait(wait_for)  # data done; the exit status is on its way
-        else:
-            select.select([chan], [], [], wait_for)
-
-
-class RemoteProcess:
-    """A long-running remote command whose combined output streams into a local file."""
-
-    def __init__(self, pool: "SSHPool", spec: HostSpec, argv: Sequence[str],
-                 chan: paramiko.Channel, output_path: Path, append: bool,
-                 start_timeout: float) -> None:
-        self.host = spec.name
-        self.argv = tuple(argv)
-        self.output_path = output_path
-        self.pgid: int | None = None
-        self._pool = pool
-        self._spec = spec
-        self._chan = chan
-        output_path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(output_path, "ab" if append else "wb")
-        self._err = bytearray()
-        self._marker_done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"remote-output-{spec.name}", daemon=True
-        )
-        self._thread.start()
-        if not self._marker_done.wait(start_timeout):
-            self.kill()
-            raise CommandTimeout(
-                self.host, f"{shlex.join(self.argv)} did not start within {start_timeout}s",
-                timeout=start_timeout,
-            )
-
-    def _on_err(self, data: bytes) -> None:
-        if self._marker_done.is_set():
-            self._write(data)
-            return
-        self._err += data
-        pgid, complete = _split_marker(self._err)
-        if complete:
-            self.pgid = pgid
-            self._write(bytes(self._err))
-            self._err.clear()
-            self._marker_done.set()
-
-    def _write(self, data: bytes) -> None:
-        if data:
-            self._file.write(data)
-            self._file.flush()
-
-    def _run(self) -> None:
-        try:
-            _pump(self._chan, self._write, self._on_err, None)
-        except (OSError, EOFError, paramiko.SSHException):
-            pass
-        finally:
-            self._write(bytes(self._err))
-            self._err.clear()
-            self._file.close()
-            self._marker_done.set()
-
-    def poll(self) -> int | None:
-        """The exit status if the command finished and its output is written, else None."""
-        return None if self._thread.is_alive() else self._chan.exit_status
-
-    def wait(self, timeout: float) -> int:
-        """Wait for the remote exit status (-1 if the connection died without one)."""
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise CommandTimeout(
-                self.host, f"{shlex.join(self.argv)} still running after {timeout}s",
-                timeout=timeout,
-            )
-        self._chan.status_event.wait(1.0)
-        return self._chan.exit_status
-
-    def kill(self, grace: float = 5.0) -> int | None:
-        """TERM the remote process group, KILL it after ``grace`` seconds; the exit status."""
-        if self.poll() is not None:
-            return self._chan.exit_status  # already ended: its pgid may be reused by now
-        if self.pgid is not None:
-            self._pool._kill_group(self._spec, self.pgid, self._chan, grace)
-        else:
-            self._chan.close()
-        self._thread.join(grace + 5.0)
-        return self._chan.exit_status if self._chan.exit_status_ready() else None
-
-    def __enter__(self) -> "RemoteProcess":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.poll() is None:
-            self.kill()
-
-
-class SSHPool:
+class SSHPool(TransferMixin):
     """One SSH connection per host, opened in parallel and reused by every call."""
 
     def __init__(
@@ -557,108 +382,6 @@ class SSHPool:
             kill_chan.close()
 
     # -- files -------------------------------------------------------------------------
-    def _sftp(self, spec: HostSpec, timeout: float) -> paramiko.SFTPClient:
-        chan = self._open_channel(spec, timeout)
-        chan.settimeout(timeout)
-        try:
-            chan.invoke_subsystem("sftp")
-            return paramiko.SFTPClient(chan)
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            chan.close()
-            raise RemoteCommandFailed(spec.name, f"cannot start SFTP: {e}") from e
-
-    def put_tree(
-        self,
-        host: str | HostSpec,
-        local_dir: str | os.PathLike[str],
-        remote_dir: str,
-        *,
-        exclude: Sequence[str] = (),
-        timeout: float = 600.0,
-    ) -> TransferStats:
-        """Copy a local tree to ``remote_dir``; files whose size and mtime match are skipped.
-
-        ``exclude`` holds fnmatch patterns tried on each relative path and on each name.
-        """
-        spec = self._spec(host)
-        root = Path(local_dir)
-        if not root.is_dir():
-            raise FileNotFoundError(f"put_tree: {root} is not a directory")
-        deadline = time.monotonic() + timeout
-        stats = TransferStats()
-        sftp = self._sftp(spec, timeout)
-        try:
-            for dirpath, dirnames, filenames in os.walk(root):
-                rel = Path(dirpath).relative_to(root)
-                dirnames[:] = sorted(d for d in dirnames if not _excluded(rel / d, exclude))
-                rdir = str(PurePosixPath(remote_dir, *rel.parts))
-                _sftp_mkdir(sftp, rdir)
-                stats.dirs += 1
-                remote = {a.filename: a for a in sftp.listdir_attr(rdir)}
-                for fname in sorted(filenames):
-                    if time.monotonic() > deadline:
-                        raise CommandTimeout(spec.name, f"put_tree to {remote_dir} timed out "
-                                             f"after {timeout}s", timeout=timeout)
-                    if _excluded(rel / fname, exclude):
-                        continue
-                    _put_one(sftp, Path(dirpath, fname), f"{rdir}/{fname}",
-                             remote.get(fname), stats)
-        except socket.timeout:
-            raise CommandTimeout(spec.name, f"put_tree to {remote_dir} stalled",
-                                 timeout=timeout) from None
-        except (OSError, paramiko.SSHException) as e:
-            raise RemoteCommandFailed(spec.name, f"put_tree to {remote_dir}: {e}") from e
-        finally:
-            sftp.close()
-        return stats
-
-    def get_tree(
-        self,
-        host: str | HostSpec,
-        remote_dir: str,
-        local_dir: str | os.PathLike[str],
-        *,
-        timeout: float = 600.0,
-    ) -> TransferStats:
-        """Copy a remote tree into ``local_dir``; unchanged files (size+mtime) are skipped."""
-        spec = self._spec(host)
-        deadline = time.monotonic() + timeout
-        stats = TransferStats()
-        sftp = self._sftp(spec, timeout)
-        try:
-            pending = [(remote_dir, Path(local_dir))]
-            while pending:
-                rdir, ldir = pending.pop()
-                ldir.mkdir(parents=True, exist_ok=True)
-                stats.dirs += 1
-                for attr in sorted(sftp.listdir_attr(rdir), key=lambda a: a.filename):
-                    if time.monotonic() > deadline:
-                        raise CommandTimeout(spec.name, f"get_tree from {remote_dir} timed "
-                                             f"out after {timeout}s", timeout=timeout)
-                    rpath, lpath = f"{rdir}/{attr.filename}", ldir / attr.filename
-                    mode = attr.st_mode or 0
-                    if stat.S_ISDIR(mode):
-                        pending.append((rpath, lpath))
-                    elif stat.S_ISLNK(mode):
-                        target = sftp.readlink(rpath)
-                        if lpath.is_symlink() and os.readlink(lpath) == target:
-                            stats.skipped += 1
-                            continue
-                        if lpath.is_symlink() or lpath.exists():
-                            lpath.unlink()
-                        lpath.symlink_to(target)
-                        stats.copied += 1
-                    elif stat.S_ISREG(mode):
-                        _get_one(sftp, rpath, lpath, attr, stats)
-        except socket.timeout:
-            raise CommandTimeout(spec.name, f"get_tree from {remote_dir} stalled",
-                                 timeout=timeout) from None
-        except (OSError, paramiko.SSHException) as e:
-            raise RemoteCommandFailed(spec.name, f"get_tree from {remote_dir}: {e}") from e
-        finally:
-            sftp.close()
-        return stats
-
     def close(self) -> None:
         """Close every connection."""
         for name in list(self._conns):
@@ -672,67 +395,6 @@ class SSHPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _excluded(rel: Path, patterns: Sequence[str]) -> bool:
-    posix = rel.as_posix()
-    return any(fnmatch.fnmatch(posix, p) or fnmatch.fnmatch(rel.name, p) for p in patterns)
-
-
-def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str) -> None:
-    try:
-        if stat.S_ISDIR(sftp.stat(path).st_mode or 0):
-            return
-    except FileNotFoundError:
-        pass
-    parent = str(PurePosixPath(path).parent)
-    if parent != path:
-        _sftp_mkdir(sftp, parent)
-    sftp.mkdir(path)
-
-
-def _put_one(sftp: paramiko.SFTPClient, local: Path, remote: str,
-             rattr: paramiko.SFTPAttributes | None, stats: TransferStats) -> None:
-    st = local.lstat()
-    if stat.S_ISLNK(st.st_mode):
-        target = os.readlink(local)
-        if rattr is not None:
-            if stat.S_ISLNK(rattr.st_mode or 0) and sftp.readlink(remote) == target:
-                stats.skipped += 1
-                return
-            sftp.remove(remote)
-        sftp.symlink(target, remote)
-        stats.copied += 1
-        return
-    if not stat.S_ISREG(st.st_mode):
-        return
-    if (rattr is not None and rattr.st_size == st.st_size
-            and int(rattr.st_mtime or -1) == int(st.st_mtime)):
-        stats.skipped += 1
-        return
-    sftp.put(str(local), remote, confirm=True)
-    sftp.chmod(remote, stat.S_IMODE(st.st_mode))
-    sftp.utime(remote, (int(st.st_atime), int(st.st_mtime)))
-    stats.copied += 1
-    stats.bytes += st.st_size
-
-
-def _get_one(sftp: paramiko.SFTPClient, remote: str, local: Path,
-             rattr: paramiko.SFTPAttributes, stats: TransferStats) -> None:
-    try:
-        st = local.stat()
-        if st.st_size == rattr.st_size and int(st.st_mtime) == int(rattr.st_mtime or -1):
-            stats.skipped += 1
-            return
-    except FileNotFoundError:
-        pass
-    sftp.get(remote, str(local))
-    if rattr.st_mode is not None:
-        os.chmod(local, stat.S_IMODE(rattr.st_mode))
-    mtime = int(rattr.st_mtime or time.time())
-    os.utime(local, (int(rattr.st_atime or mtime), mtime))
-    stats.copied += 1
-    stats.bytes += rattr.st_size or 0
 
 
 __all__ = [

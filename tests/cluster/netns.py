@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,9 @@ REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "umount", "ssh-keygen", "
                   "containerd", "runc", "docker", "setsid")
 SSHD = "/usr/sbin/sshd"
 MAX_CLUSTERS = 32
+
+
+_SAVE_LOCK = threading.Lock()
 
 
 class ClusterError(RuntimeError):
@@ -85,9 +89,11 @@ class Cluster:
         return Path(self.dir) / "cluster.json"
 
     def save(self) -> None:
-        tmp = self.json_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, self.json_path)
+        # hosts start in parallel threads and each records its PIDs: one writer at a time
+        with _SAVE_LOCK:
+            tmp = self.json_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+            os.replace(tmp, self.json_path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Cluster":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,11 +34,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from rich.console import Console  # noqa: E402
 
-from run_benchmarks import envs, plan as planning, results  # noqa: E402
+from run_benchmarks import plan as planning, results  # noqa: E402
 from run_benchmarks.casename import GRAMMAR, CaseName, check_name  # noqa: E402
 from run_benchmarks.config import ClusterConfig, load  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
-from run_benchmarks.registry import ROOT  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:

@@ -66,7 +66,7 @@ class TransferMixin:
         try:
             for dirpath, dirnames, filenames in os.walk(root):
                 rel = Path(dirpath).relative_to(root)
-                dirnames[:] = sorted(d for d in dirnames if not _excluded(rel / d, exclude))
+                dirnames[:] = sorted(d for d in dirnames if not excluded(rel / d, exclude))
                 rdir = str(PurePosixPath(remote_dir, *rel.parts))
                 _sftp_mkdir(sftp, rdir)
                 stats.dirs += 1
@@ -75,7 +75,7 @@ class TransferMixin:
                     if time.monotonic() > deadline:
                         raise CommandTimeout(spec.name, f"put_tree to {remote_dir} timed out "
                                              f"after {timeout}s", timeout=timeout)
-                    if _excluded(rel / fname, exclude):
+                    if excluded(rel / fname, exclude):
                         continue
                     _put_one(sftp, Path(dirpath, fname), f"{rdir}/{fname}",
                              remote.get(fname), stats)
@@ -136,7 +136,7 @@ class TransferMixin:
         return stats
 
 
-def _excluded(rel: Path, patterns: Sequence[str]) -> bool:
+def excluded(rel: Path, patterns: Sequence[str]) -> bool:
     posix = rel.as_posix()
     return any(fnmatch.fnmatch(posix, p) or fnmatch.fnmatch(rel.name, p) for p in patterns)
 

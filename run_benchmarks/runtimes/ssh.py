@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -168,19 +167,17 @@ class SSHRuntime(Runtime):
     def _code_archive(self, staging: Path) -> tuple[Path, str]:
         """The harness's code as one tar.gz (built once per run) and its content hash."""
         if self._archive is None:
-            import fnmatch
             import hashlib
             import tarfile
 
-            def skip(rel: str) -> bool:
-                return any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(PurePosixPath(rel).name, pat) for pat in CODE_EXCLUDE)
+            from run_benchmarks.remote.transfer import excluded
 
             files = [Path(p) for p in CODE_PARTS if (ROOT / p).is_file()]
             for part in (p for p in CODE_PARTS if (ROOT / p).is_dir()):
                 for dirpath, dirnames, filenames in os.walk(ROOT / part):
                     rel_dir = Path(dirpath).relative_to(ROOT)
-                    dirnames[:] = sorted(d for d in dirnames if not skip(str(rel_dir / d)))
-                    files += [rel_dir / f for f in sorted(filenames) if not skip(str(rel_dir / f))]
+                    dirnames[:] = sorted(d for d in dirnames if not excluded(rel_dir / d, CODE_EXCLUDE))
+                    files += [rel_dir / f for f in sorted(filenames) if not excluded(rel_dir / f, CODE_EXCLUDE)]
             digest = hashlib.sha256()
             for rel in files:
                 digest.update(str(rel).encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")

@@ -75,9 +75,8 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
         for ph in plan.phases
     ]  # fmt: skip
     mem = metrics.memory_summary(parsed)
-    dp_default = plan.world_size // (int(plan.settings["parallel"].get("tp", 1)) * int(plan.settings["parallel"].get("pp", 1)))
     for p in phases:  # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
-        p["layout"] = results.layout({**plan.settings["parallel"], "dp": dp_default, **((p.get("meta") or {}).get("parallel") or {})})
+        p["layout"] = results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((p.get("meta") or {}).get("parallel") or {})})
         pm = metrics.memory_summary(parsed, p["phase"])
         p["peak_mem_gib"] = pm["peak_mem_gib"] if pm["peak_mem_gib"] is not None else mem["peak_mem_gib"]
     mon = {f"node{o.node_rank}": summarize(o.node_dir / "monitor.jsonl") for o in outcomes}

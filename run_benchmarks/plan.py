@@ -59,6 +59,12 @@ class Plan:
     def world_size(self) -> int:
         return self.case.world_size
 
+    @property
+    def data_parallel(self) -> int:
+        """world / (tp * pp); check_layout has made sure it divides."""
+        par = self.settings["parallel"]
+        return self.world_size // (int(par.get("tp", 1)) * int(par.get("pp", 1)))
+
     def resolved(self, round_no: int, output_dir: str, cache_dir: str) -> dict[str, Any]:
         """The resolved.json a round's ranks read (docs/architecture.md)."""
         s = self.settings

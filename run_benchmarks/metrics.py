@@ -33,10 +33,29 @@ def is_aligned(mre: float | None, tolerance: float = ALIGN_TOLERANCE) -> bool | 
     return None if mre is None else mre < tolerance
 
 
-def load_reference(path: Path) -> dict[int, float] | None:
+def load_reference(path: Path, phase: str = "train") -> dict[int, float] | None:
+    """A loss curve: a committed reference file, or a phase of an earlier run's results.json.
+
+    A reference file is ``{"steps": [...], "loss": [...]}``; a results.json gives the curve of
+    its first round that finished ``ok``. None when the file is absent; ValueError (naming the
+    file) when it is neither, or lacks the phase.
+    """
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from None
+    if isinstance(data, dict) and "rounds" in data:
+        ok = [r for r in data["rounds"] if r.get("status") == "ok"]
+        if not ok:
+            raise ValueError(f"{path}: no round finished ok, so there is no loss curve to compare with")
+        curves = {p.get("phase"): p.get("loss") or {} for p in ok[0].get("phases", [])}
+        if not curves.get(phase):
+            raise ValueError(f"{path}: round {ok[0].get('round')} has no loss curve for phase {phase!r} (has {', '.join(map(str, curves)) or 'none'})")
+        return {int(s): float(v) for s, v in curves[phase].items()}
+    if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not isinstance(data.get("loss"), list):
+        raise ValueError(f"{path}: neither a reference curve ({{\"steps\": [...], \"loss\": [...]}}) nor a results.json")
     return {int(s): float(v) for s, v in zip(data["steps"], data["loss"])}
 
 

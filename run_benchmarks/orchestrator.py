@@ -24,11 +24,14 @@ def _now() -> str:
 
 
 def reference_path(plan: Plan, phase: str = "train") -> Path | None:
-    """The committed curve of a phase: exact config, else the size's default config.
+    """The curve a phase is compared with: ``--reference`` if given, else the committed curve
+    of the exact config, else of the size's default config.
 
     Files are ``reference/<model>/<config>.json`` (phase ``train``) or
     ``<config>.<phase>.json``.
     """
+    if plan.reference is not None:  # --reference: an earlier run or a curve file, every phase
+        return plan.reference
     base = plan.case_dir / "reference" / plan.case.model
     suffix = "" if phase == "train" else f".{phase}"
     for name in (plan.config_name, f"config_{plan.case.size}"):
@@ -71,7 +74,7 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
     refs = {ph: reference_path(plan, ph) for ph in plan.phases}
     phases = [
         metrics.phase_metrics(parsed, ph, warmup, plan.world_size, plan.counts[ph], plan.hardware["peak_flops"],
-                              metrics.load_reference(refs[ph]) if refs[ph] else None)
+                              metrics.load_reference(refs[ph], ph) if refs[ph] else None)
         for ph in plan.phases
     ]  # fmt: skip
     mem = metrics.memory_summary(parsed)

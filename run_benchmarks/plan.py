@@ -54,6 +54,7 @@ class Plan:
     run_dir: Path
     python: str  # interpreter on the nodes ("" until the runtime resolves it)
     nodes: list[NodePlan] = dataclasses.field(default_factory=list)
+    reference: Path | None = None  # --reference: compare the loss with this curve instead of the committed one
 
     @property
     def world_size(self) -> int:
@@ -114,6 +115,7 @@ class Plan:
             "model": {"name": self.case.model, **self.counts[first], "per_phase": self.counts, "shape": self.model["shape"]},
             "hardware": self.hardware,
             "run_dir": str(self.run_dir),
+            "reference": None if self.reference is None else str(self.reference),
         }
 
 

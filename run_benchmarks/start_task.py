@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--python", metavar="PATH", help="use this Python as is instead of building the framework environment")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="override a setting for a shorter run, e.g. train.steps=20 (listed in the results as a user override)")  # fmt: skip
+    ap.add_argument("--reference", metavar="FILE",
+                    help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
+                         "(e.g. another parallel layout of the same case) or a {steps, loss} file")
     ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
@@ -73,6 +76,30 @@ def load_cluster(args: argparse.Namespace) -> ClusterConfig:
             raise InputError("--round-timeout must be positive")
         updates["round_timeout_s"] = args.round_timeout
     return cluster.model_copy(update=updates) if updates else cluster
+
+
+def check_reference(path: Path, plan: planning.Plan) -> Path:
+    """A ``--reference`` file that has a curve for every phase of the case, with the same
+    model and global batch when it is a results.json (the loss is compared step by step)."""
+    from run_benchmarks import metrics
+
+    if not path.is_file():
+        raise InputError(f"--reference {path}: no such file")
+    try:
+        for phase in plan.phases:
+            metrics.load_reference(path, phase)
+    except ValueError as exc:
+        raise InputError(f"--reference {exc}") from None
+    data = json.loads(path.read_text())
+    if "rounds" in data:
+        if data.get("model") != plan.case.model:
+            raise InputError(f"--reference {path}: a run of {data.get('model')!r}, not of {plan.case.model!r}")
+        theirs = ((data.get("settings") or {}).get("train") or {}).get("global_batch")
+        ours = plan.settings["train"].get("global_batch")
+        if theirs != ours:
+            raise InputError(f"--reference {path}: global batch {theirs} there, {ours} here; "
+                             "loss curves compare step by step only at the same global batch")
+    return path
 
 
 def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]
@@ -124,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster = load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
         plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
+        if args.reference:
+            plan.reference = check_reference(Path(args.reference).expanduser().resolve(), plan)
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)

@@ -40,3 +40,55 @@ def test_tiny_llama3_two_processes(tmp_path, megatron_python):
     md = (run_dir / "results.md").read_text()
     assert "| config | phase | precision | parallel |" in md and "config_cpux1x2 r1" in md
     assert "config_cpux1x2 r1" in proc.stdout  # the same table in the terminal
+
+    # another parallel layout of the same case on the same data, gated against this run's curve
+    proc2 = subprocess.run(
+        [sys.executable, START, "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--variant", "TP2",
+         "--reference", str(run_dir / "results.json"), "--log-dir", str(tmp_path / "tp2")],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc2.returncode == 0, proc2.stdout + proc2.stderr
+    (run2,) = [p for p in (tmp_path / "tp2").iterdir() if p.is_dir()]
+    res2 = json.loads((run2 / "results.json").read_text())
+    (rnd2,) = res2["rounds"]
+    assert rnd2["layout"].startswith("PP1DP1TP2")
+    assert rnd2["reference"] == {"train": str(run_dir / "results.json")}
+    assert rnd2["phases"][0]["loss_compared_steps"] == 10  # steps 21..30
+    assert rnd2["loss_aligned"] is True and 0 <= rnd2["loss_mre"] < 0.02
+    # the two layouts really differ in arithmetic, yet not beyond the gate
+    assert rnd2["phases"][0]["loss"] != rnd["phases"][0]["loss"]
+
+
+def _dry(*extra):
+    return subprocess.run(
+        [sys.executable, START, "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--dry-run", "--json", *extra],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _results(path, model="llama3_tiny", global_batch=8, loss=None, status="ok"):
+    path.write_text(json.dumps({
+        "model": model, "settings": {"train": {"global_batch": global_batch}},
+        "rounds": [{"round": 1, "status": status, "phases": [{"phase": "train", "loss": loss or {"21": 5.0, "22": 4.9}}]}],
+    }))  # fmt: skip
+    return path
+
+
+def test_reference_file_is_checked_before_anything_runs(tmp_path):
+    ok = _dry("--reference", str(_results(tmp_path / "ok.json")))
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["reference"] == str(tmp_path / "ok.json")
+    curve = tmp_path / "curve.json"
+    curve.write_text(json.dumps({"steps": [21, 22], "loss": [5.0, 4.9]}))
+    assert _dry("--reference", str(curve)).returncode == 0
+    bad = {
+        "missing.json": (None, "no such file"),
+        "gb.json": (_results(tmp_path / "gb.json", global_batch=16), "global batch 16 there, 8 here"),
+        "model.json": (_results(tmp_path / "model.json", model="llama3_8b"), "a run of 'llama3_8b'"),
+        "failed.json": (_results(tmp_path / "failed.json", status="failed"), "no round finished ok"),
+        "junk.json": (None, "neither a reference curve"),
+    }
+    (tmp_path / "junk.json").write_text(json.dumps({"loss": 1}))
+    for name, (_, message) in bad.items():
+        proc = _dry("--reference", str(tmp_path / name))
+        assert proc.returncode == 2 and message in proc.stderr and name in proc.stderr, (name, proc.stderr)

@@ -82,7 +82,9 @@ def phase_metrics(
     step_recs = [r for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP) if in_phase(r)]
     steps = dedup_steps(step_recs)
     metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if in_phase(r)]
-    window = [s for s in steps if int(s["step"]) > warmup_steps]
+    # a profiled step runs under the profiler's cost: never part of the throughput window
+    window = [s for s in steps if int(s["step"]) > warmup_steps and not s.get("profiled")]
+    breakdowns = {str(r.rank): r.value for r in parsed.of(ml.EV_INFO, ml.K_STEP_BREAKDOWN) if in_phase(r)}
     out: dict[str, Any] = {
         "phase": phase,
         "steps_run": len(steps),
@@ -97,6 +99,7 @@ def phase_metrics(
         "loss_compared_steps": 0,
         "loss": {int(s["step"]): float(s["loss"]) for s in steps},
         "meta": metas[0] if metas else None,
+        "step_breakdown": breakdowns,  # rank -> training.profiling.breakdown() of its profiled step
         # wall-clock end and duration of each step (for the harness's overhead figure)
         "step_times": [{"t": r.t, "step_time_s": float(r.value["step_time_s"])} for r in step_recs],
     }
@@ -104,7 +107,8 @@ def phase_metrics(
         tokens = sum(float(s["tokens"]) for s in window)
         seconds = sum(float(s["step_time_s"]) for s in window)
         tps = tokens / seconds / world_size if seconds > 0 else None
-        out["window"].update(first_step=int(window[0]["step"]), last_step=int(window[-1]["step"]), steps=len(window))
+        out["window"].update(first_step=int(window[0]["step"]), last_step=int(window[-1]["step"]), steps=len(window),
+                             excluded=[int(s["step"]) for s in steps if int(s["step"]) > warmup_steps and s.get("profiled")])
         out["tokens_per_gpu_s"] = tps
         out["step_time_s"] = seconds / len(window)
         out["mfu_6n"] = mfu(counts["flops_per_token_6n"], tps, peak_flops)

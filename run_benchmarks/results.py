@@ -92,7 +92,29 @@ def markdown(results: dict[str, Any]) -> str:
     notes = ["", "Vendor overrides: " + (", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in ov) or "none")]
     if results.get("user_overrides"):
         notes.append("User overrides (not a standard run): " + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in results["user_overrides"]))
+    notes += breakdown_lines(results)
     return head + "\n".join(lines + notes) + "\n"
+
+
+def breakdown_lines(results: dict[str, Any]) -> list[str]:
+    """A markdown table per profiled step (``train.profile_step``): where the step's time went."""
+    out: list[str] = []
+    for rnd in results["rounds"]:
+        for p in rnd.get("phases") or []:
+            for rank, b in sorted((p.get("step_breakdown") or {}).items(), key=lambda kv: int(kv[0])):
+                wall = b["step_time_s"]
+                out += ["", f"Step {b['step']} of round {rnd['round']}, phase {p['phase']}, rank {rank} "
+                        f"(pipeline stage {b.get('pp_rank', 0)}), profiled from {b['source']}: {wall:.3f} s wall",
+                        "", "| part | time (s) | of the step |", "|---|---|---|"]  # fmt: skip
+                for name, c in b["categories"].items():
+                    out.append(f"| {name} | {c['kernel_s']:.3f} | {_pct(c['share'])} |")
+                out.append(f"| idle (nothing running) | {b['idle_s']:.3f} | {_pct(b['idle_s'] / wall if wall else None)} |")
+                out.append(f"| communication not overlapped | {b['communication_exposed_s']:.3f} | "
+                           f"{_pct(b['communication_exposed_s'] / wall if wall else None)} |")  # fmt: skip
+                out.append(f"| optimizer region (host included) | {b['optimizer_wall_s']:.3f} | "
+                           f"{_pct(b['optimizer_wall_s'] / wall if wall else None)} |")  # fmt: skip
+                out.append(f"\nTrace: `{b.get('trace')}` in the rank's output folder; the step is left out of the throughput window.")
+    return out
 
 
 def print_table(results: dict[str, Any], console: Console | None = None) -> None:

@@ -44,7 +44,7 @@ def test_tiny_llama3_two_processes(tmp_path, megatron_python):
     # another parallel layout of the same case on the same data, gated against this run's curve
     proc2 = subprocess.run(
         [sys.executable, START, "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--variant", "TP2",
-         "--reference", str(run_dir / "results.json"), "--log-dir", str(tmp_path / "tp2")],
+         "--reference", str(run_dir / "results.json"), "--set", "train.profile_step=8", "--log-dir", str(tmp_path / "tp2")],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc2.returncode == 0, proc2.stdout + proc2.stderr
@@ -57,6 +57,17 @@ def test_tiny_llama3_two_processes(tmp_path, megatron_python):
     assert rnd2["loss_aligned"] is True and 0 <= rnd2["loss_mre"] < 0.02
     # the two layouts really differ in arithmetic, yet not beyond the gate
     assert rnd2["phases"][0]["loss"] != rnd["phases"][0]["loss"]
+    # step 8 was profiled: its time split into parts, its trace kept, and it is not in the window
+    assert rnd2["window"]["excluded"] == [8] and rnd2["window"]["steps"] == rnd["window"]["steps"] - 1
+    (b,) = rnd2["phases"][0]["step_breakdown"].values()
+    assert b["step"] == 8 and b["source"] == "cpu ops" and b["pp_rank"] == 0
+    parts = b["categories"]
+    assert parts["gemm"]["kernel_s"] > 0 and parts["attention"]["kernel_s"] > 0 and parts["optimizer"]["kernel_s"] > 0
+    assert parts["communication"]["kernel_s"] > 0  # TP2 all-reduces in every layer
+    assert 0 < b["busy_s"] <= b["step_time_s"] and b["idle_s"] >= 0 and b["optimizer_wall_s"] > 0
+    assert sum(c["kernel_s"] for n, c in parts.items() if n != "communication") <= b["step_time_s"]
+    assert sorted(p.name for p in run2.rglob("profile_rank*_step8.json.gz")) == ["profile_rank0_step8.json.gz", "profile_rank1_step8.json.gz"]
+    assert "| gemm |" in (run2 / "results.md").read_text()
 
 
 def _dry(*extra):

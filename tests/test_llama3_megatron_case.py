@@ -106,6 +106,10 @@ def test_settings_from_resolved_config(tmp_path):
     bad = resolved_config(tmp_path, 2, "x", parallel={"recompute": "sometimes"})
     with pytest.raises(st.SettingsError, match="parallel.recompute must be one of"):
         st.from_config(bad, world_size=2)
+    bad = resolved_config(tmp_path, 2, "x")
+    bad["train"]["profile_step"] = 31
+    with pytest.raises(st.SettingsError, match="train.profile_step = 31 is beyond the run's 30 steps"):
+        st.from_config(bad, world_size=2)
 
 
 def test_case_yaml_models():

@@ -45,6 +45,7 @@ K_TRAIN_STEP = "train_step"  # value: dict, see REQUIRED_STEP
 K_PEAK_MEMORY = "peak_memory"  # value: {"peak_bytes": int, "total_bytes": int|None, "device": str}
 K_RUN_END = "run_end"  # value: {"status": "ok"|"failed", "steps": int}
 K_RUN_ERROR = "run_error"  # value: {"message": str}
+K_STEP_BREAKDOWN = "step_breakdown"  # info; value: training.profiling.breakdown() of one profiled step
 
 #: keys every ``run_meta`` value must carry
 REQUIRED_META = (

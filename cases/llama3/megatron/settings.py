@@ -14,7 +14,7 @@ Keys read (``cfg`` is the resolved.json object):
 * ``train``: ``steps, global_batch, micro_batch, precision, lr, min_lr,
   lr_warmup_steps, weight_decay, clip_grad, adam_beta1, adam_beta2, init_std,
   seed``; optional ``lr_decay_steps`` (default ``steps``), ``adam_eps``
-  (1e-8); ``betas: [b1, b2]`` is accepted in place of the two beta keys
+  (1e-8), ``profile_step`` (0: none; see training/profiling.py); ``betas: [b1, b2]`` is accepted in place of the two beta keys
 * ``parallel``: ``tp, pp``; optional ``recompute`` (none|selective|full),
   ``recompute_method`` (uniform|block), ``recompute_num_layers``,
   ``sequence_parallel``, ``distributed_optimizer``, ``overlap_grad_reduce``,
@@ -114,6 +114,8 @@ class Settings:
     data_prefix: str
     cache_dir: str | None
     synthetic_tokens: int | None
+    profile_step: int = 0
+    output_dir: str | None = None
 
 
 def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_size: int) -> Layout:
@@ -211,6 +213,9 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     if not name:
         raise SettingsError("resolved config: case.model is missing")
     synthetic_tokens = data.get("synthetic_tokens")
+    profile_step = _int(_get(train, "profile_step", "train", 0), "train.profile_step", 0)
+    if profile_step > steps:
+        raise SettingsError(f"train.profile_step = {profile_step} is beyond the run's {steps} steps")
     return Settings(
         model_name=str(name),
         config_name=str(cfg.get("config_name", "")),
@@ -238,4 +243,6 @@ def from_config(cfg: dict, world_size: int) -> Settings:
         data_prefix=str(data.get("prefix") or "wudao_llama3bpe_content_document"),
         cache_dir=data.get("cache_dir"),
         synthetic_tokens=None if synthetic_tokens is None else _int(synthetic_tokens, "data.synthetic_tokens", 2),
+        profile_step=profile_step,
+        output_dir=cfg.get("output_dir"),
     )

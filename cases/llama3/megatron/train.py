@@ -28,7 +28,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from training import flops, runtime  # noqa: E402
-from training.metriclog import MetricLogger  # noqa: E402
+from training.metriclog import K_STEP_BREAKDOWN, MetricLogger  # noqa: E402
+from training.profiling import StepProfiler  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -250,29 +251,35 @@ class Trainer:
         fwd_bwd = get_forward_backward_func()
         tokens_per_step = s.global_batch * s.shape.seq_length
         dp_group = self.ps.get_data_parallel_group()
+        prof = StepProfiler(s.profile_step, s.output_dir, self.dist.rank, self.device.type)
         for step in range(s.steps):
             lr = float(self.optimizer.param_groups[0]["lr"])
             _sync(self.device)
             dist.barrier()
             t0 = time.perf_counter()
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            losses = fwd_bwd(
-                forward_step_func=forward_step,
-                data_iterator=self.batches.microbatches(step),
-                model=[self.model],
-                num_microbatches=lay.grad_accum,
-                seq_length=s.shape.seq_length,
-                micro_batch_size=lay.micro_batch,
-                decoder_seq_length=s.shape.seq_length,
-                forward_only=False,
-            )
-            ok, grad_norm, _ = self.optimizer.step()
-            self.scheduler.step(increment=1)
-            _sync(self.device)
-            dist.barrier()
+            with prof.step(step + 1):
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                losses = fwd_bwd(
+                    forward_step_func=forward_step,
+                    data_iterator=self.batches.microbatches(step),
+                    model=[self.model],
+                    num_microbatches=lay.grad_accum,
+                    seq_length=s.shape.seq_length,
+                    micro_batch_size=lay.micro_batch,
+                    decoder_seq_length=s.shape.seq_length,
+                    forward_only=False,
+                )
+                with prof.optimizer():
+                    ok, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(increment=1)
+                _sync(self.device)
+                dist.barrier()
             step_time = time.perf_counter() - t0
             self.steps_done = step + 1
+            parts = prof.result(step + 1, step_time)
+            if parts is not None and self.tp_rank == 0 and self.dp_rank == 0:  # one view per pipeline stage
+                self.log.emit("info", K_STEP_BREAKDOWN, {**parts, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
             if self.is_last_stage:
                 local = torch.stack([x["lm loss"] for x in losses]).float().mean().reshape(1)
                 dist.all_reduce(local, group=dp_group)
@@ -286,6 +293,7 @@ class Trainer:
                         lr,
                         grad_norm=None if grad_norm is None else float(grad_norm),
                         skipped=not ok,
+                        **({"profiled": True} if step + 1 == s.profile_step else {}),
                     )
 
     def emit_memory(self) -> None:

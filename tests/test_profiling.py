@@ -1,0 +1,77 @@
+"""training.profiling: the reduction of a profiled step's trace to its parts (exact arithmetic)."""
+
+import pytest
+
+from training.profiling import OPTIMIZER_RANGE, breakdown, classify
+
+
+def k(name, ts, dur, stream=7):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "ph": "X"}
+
+
+@pytest.mark.parametrize("name,cat", [
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "gemm"),
+    ("aten::mm", "gemm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+    ("triton_red_fused_rms_norm_0", "other"),
+])  # fmt: skip
+def test_classify(name, cat):
+    assert classify(name) == cat
+
+
+def test_optimizer_window_claims_compute_but_not_collectives():
+    assert classify("multi_tensor_apply_kernel<AdamFunctor>", in_optimizer=True) == "optimizer"
+    assert classify("sm90_xmma_gemm", in_optimizer=True) == "optimizer"
+    assert classify("ncclDevKernel_AllGather_RING_LL", in_optimizer=True) == "communication"
+
+
+def test_gpu_breakdown_arithmetic():
+    # a 1000 us step: gemm 0-300, attention 300-400, an all-reduce 350-600 on another stream
+    # (50 us under attention, 200 us exposed), elementwise 650-700, Adam 800-900 in the optimizer
+    events = [
+        k("sm90_xmma_gemm_bf16", 0, 300),
+        k("flash_fwd_kernel", 300, 100),
+        k("ncclDevKernel_AllReduce_Sum_bf16", 350, 250, stream=20),
+        k("vectorized_elementwise_kernel", 650, 50),
+        k("multi_tensor_apply_kernel", 800, 100),
+        {"cat": "gpu_user_annotation", "name": OPTIMIZER_RANGE, "ts": 790, "dur": 120},
+        {"cat": "user_annotation", "name": OPTIMIZER_RANGE, "ts": 720, "dur": 200},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},  # host side: not counted on a GPU
+    ]
+    b = breakdown(events, step_time_s=0.001)
+    assert b["source"] == "cuda kernels" and b["kernels"] == 5
+    got = {c: round(v["kernel_s"] * 1e6) for c, v in b["categories"].items()}
+    assert got == {"gemm": 300, "attention": 100, "communication": 250, "other": 50, "optimizer": 100}
+    assert b["categories"]["gemm"]["share"] == pytest.approx(0.3)
+    assert round(b["busy_s"] * 1e6) == 300 + 100 + 200 + 50 + 100  # union: the overlapped 50 us once
+    assert round(b["idle_s"] * 1e6) == 1000 - 750
+    assert round(b["communication_exposed_s"] * 1e6) == 200
+    assert round(b["optimizer_wall_s"] * 1e6) == 200
+
+
+def test_cpu_breakdown_counts_self_time_once():
+    # one training thread: linear (0-100) calls mm (10-90) which calls a helper (20-30);
+    # an elementwise op after it; a collective on a helper thread during 150-250
+    ops = [
+        {"cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 100, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 80, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::resolve_conj", "ts": 20, "dur": 10, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::mul", "ts": 200, "dur": 50, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::add_", "ts": 260, "dur": 40, "tid": 1},
+        {"cat": "user_annotation", "name": OPTIMIZER_RANGE, "ts": 255, "dur": 50, "tid": 1},
+        {"cat": "user_annotation", "name": "gloo:all_reduce", "ts": 150, "dur": 100, "tid": 2},
+    ]
+    b = breakdown(ops, step_time_s=0.0005)
+    got = {c: round(v["kernel_s"] * 1e6) for c, v in b["categories"].items()}
+    # linear's own 20 us is "other"; mm and its helper are 80 us of GEMM
+    assert got == {"gemm": 80, "other": 20 + 50, "optimizer": 40, "communication": 100, "attention": 0}
+    assert round(b["busy_s"] * 1e6) == 100 + 100 + 40  # 0-100, 150-250 (collective, then mul), 260-300
+    assert round(b["communication_exposed_s"] * 1e6) == 50  # 150-200: nothing else ran
+    assert round(b["idle_s"] * 1e6) == 500 - 240

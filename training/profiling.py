@@ -1,0 +1,226 @@
+"""Where a training step's time goes: one step profiled and split into parts.
+
+A case asks for it with ``train.profile_step: K`` (0: off).  Step K runs under
+``torch.profiler``; its trace is written next to the rank's logs
+(``profile_rank<R>_step<K>.json.gz``, readable in Perfetto or chrome://tracing)
+and reduced to one ``step_breakdown`` metric line::
+
+    {"step": K, "step_time_s": ..., "source": "cuda kernels" | "cpu ops",
+     "busy_s": ..., "idle_s": ...,            # idle: wall time with no kernel running
+     "categories": {"attention": {"kernel_s": ..., "share": ...}, "gemm": ...,
+                    "communication": ..., "optimizer": ..., "other": ...},
+     "communication_exposed_s": ...,          # collectives not hidden under compute
+     "optimizer_wall_s": ...}                 # the optimizer region, host work included
+
+``kernel_s`` sums kernel durations (kernels on several streams may overlap, so the
+sum can exceed the busy time); ``share`` is ``kernel_s / step_time_s``.  A kernel
+belongs to the first category that claims it: communication (collective kernels),
+optimizer (launched inside the :data:`OPTIMIZER_RANGE` region), attention, GEMM,
+other.  On a CPU the training thread's operators stand in for kernels: each
+operator's self time counts once, in its own category or else its caller's.
+
+The profiled step is slower than the others (the profiler's own cost), so its
+``train_step`` line carries ``profiled: true`` and the harness leaves it out of the
+throughput window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import re
+import time
+from typing import Any, Iterator
+
+OPTIMIZER_RANGE = "fb_optimizer"
+CATEGORIES = ("attention", "gemm", "communication", "optimizer", "other")
+
+_COMM = re.compile(r"nccl|rccl|hccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv", re.I)
+_ATTENTION = re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|softmax_warp", re.I)
+_GEMM = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|matmul)$|ampere_|hopper_", re.I)
+
+
+def classify(name: str, in_optimizer: bool = False) -> str:
+    """The category of one kernel (or CPU leaf operator) by its name and where it ran."""
+    if _COMM.search(name):
+        return "communication"
+    if in_optimizer:
+        return "optimizer"
+    if _ATTENTION.search(name):
+        return "attention"
+    if _GEMM.search(name):
+        return "gemm"
+    return "other"
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Total overlap of two sorted, disjoint span lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, b - a)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _cpu_pieces(ops: list[dict[str, Any]], in_optimizer: Any) -> tuple[list[tuple[str, float]], list[tuple[float, float]]]:
+    """One thread's operators as (category, self time) pieces, and the spans of its outermost ones.
+
+    An operator takes its own category when its name has one, else its caller's: the
+    helpers an ``aten::mm`` calls count as GEMM time, and each microsecond counts once.
+    """
+    pieces: list[tuple[str, float]] = []
+    top: list[tuple[float, float]] = []
+    stack: list[list[Any]] = []  # [end, category, self time]
+
+    def close(upto: float) -> None:
+        while stack and stack[-1][0] <= upto:
+            _, cat, own = stack.pop()
+            pieces.append((cat, own))
+
+    for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
+        close(e["ts"])
+        cat = classify(str(e.get("name", "")), in_optimizer(e))
+        if cat == "other" and stack and stack[-1][1] != "other":
+            cat = stack[-1][1]
+        if stack:
+            stack[-1][2] -= e["dur"]
+        else:
+            top.append((e["ts"], e["ts"] + e["dur"]))
+        stack.append([e["ts"] + e["dur"], cat, float(e["dur"])])
+    close(float("inf"))
+    return pieces, top
+
+
+def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any]:
+    """Reduce the events of a chrome trace (times in microseconds) to the step's parts."""
+    kernels = [e for e in events if e.get("cat") in ("kernel", "Kernel") and "dur" in e]
+    source = "cuda kernels" if kernels else "cpu ops"
+    gpu_opt = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name") == OPTIMIZER_RANGE]
+    cpu_opt = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "user_annotation" and e.get("name") == OPTIMIZER_RANGE]
+    opt_spans = gpu_opt if kernels else cpu_opt
+
+    def in_optimizer(e: dict[str, Any]) -> bool:
+        mid = e["ts"] + e["dur"] / 2
+        return any(a <= mid <= b for a, b in opt_spans)
+
+    sums = {c: 0.0 for c in CATEGORIES}
+    spans: dict[str, list[tuple[float, float]]] = {c: [] for c in CATEGORIES}
+    if kernels:  # a GPU: kernels are leaves, each counted in one category
+        for e in kernels:
+            cat = classify(str(e.get("name", "")), in_optimizer(e))
+            sums[cat] += e["dur"]
+            spans[cat].append((e["ts"], e["ts"] + e["dur"]))
+        every = _union([s for c in CATEGORIES for s in spans[c]])
+        compute = _union([s for c in CATEGORIES if c != "communication" for s in spans[c]])
+        counted = len(kernels)
+    else:  # a CPU: the training thread's operators by self time, collectives of the other threads
+        ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
+        per_tid: dict[Any, int] = {}
+        for e in ops:
+            per_tid[e.get("tid")] = per_tid.get(e.get("tid"), 0) + 1
+        main_tid = max(per_tid, key=per_tid.__getitem__) if per_tid else None  # the training thread runs the most
+        pieces, top = _cpu_pieces([e for e in ops if e.get("tid") == main_tid], in_optimizer)
+        for cat, own in pieces:
+            sums[cat] += own
+        spans["communication"] = [
+            (e["ts"], e["ts"] + e["dur"]) for e in events
+            if e.get("cat") in ("user_annotation", "cpu_op") and "dur" in e and e.get("tid") != main_tid and _COMM.search(str(e.get("name", "")))
+        ]  # fmt: skip
+        sums["communication"] += sum(b - a for a, b in spans["communication"])
+        compute = _union(top)
+        every = _union(top + spans["communication"])
+        counted = len(pieces)
+    comm = _union(spans["communication"])
+    busy = _length(every) / 1e6
+    wall = float(step_time_s)
+    return {
+        "step_time_s": wall,
+        "source": source,
+        "busy_s": busy,
+        "idle_s": max(0.0, wall - busy),
+        "categories": {c: {"kernel_s": sums[c] / 1e6, "share": (sums[c] / 1e6 / wall) if wall > 0 else None} for c in CATEGORIES},
+        "communication_exposed_s": (_length(comm) - _intersection(comm, compute)) / 1e6,
+        "optimizer_wall_s": _length(_union(cpu_opt)) / 1e6,
+        "kernels": counted,
+    }
+
+
+class StepProfiler:
+    """Profiles one step of a training loop; a no-op for every other step.
+
+    ``with prof.step(k): ... with prof.optimizer(): optimizer.step() ...`` then
+    ``prof.result(k, step_time_s)`` gives the breakdown (None when step k was not profiled).
+    """
+
+    def __init__(self, profile_step: int, output_dir: str | None, rank: int, device_type: str):
+        self.profile_step = int(profile_step or 0)
+        self.output_dir = output_dir
+        self.rank = rank
+        self.device_type = device_type
+        self._events: list[dict[str, Any]] | None = None
+        self.trace_path: str | None = None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        if step != self.profile_step:
+            yield
+            return
+        import torch.profiler as tp
+
+        activities = [tp.ProfilerActivity.CPU]
+        if self.device_type == "cuda":
+            activities.append(tp.ProfilerActivity.CUDA)
+        with tp.profile(activities=activities) as prof:
+            yield
+        self._save(prof, step)
+
+    @contextlib.contextmanager
+    def optimizer(self) -> Iterator[None]:
+        import torch.profiler as tp
+
+        with tp.record_function(OPTIMIZER_RANGE):
+            yield
+
+    def _save(self, prof: Any, step: int) -> None:
+        d = self.output_dir or "."
+        os.makedirs(d, exist_ok=True)
+        raw = os.path.join(d, f".profile_rank{self.rank}_step{step}_{os.getpid()}.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, encoding="utf-8") as fh:
+            trace = json.load(fh)
+        self._events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+        self.trace_path = os.path.join(d, f"profile_rank{self.rank}_step{step}.json.gz")
+        with open(raw, "rb") as src, gzip.open(self.trace_path, "wb", compresslevel=3) as dst:
+            dst.write(src.read())
+        os.remove(raw)
+
+    def result(self, step: int, step_time_s: float) -> dict[str, Any] | None:
+        if step != self.profile_step or self._events is None:
+            return None
+        t0 = time.perf_counter()
+        out = {"step": step, **breakdown(self._events, step_time_s)}
+        out["trace"] = os.path.basename(self.trace_path or "")
+        out["reduce_s"] = round(time.perf_counter() - t0, 3)
+        self._events = None
+        return out

@@ -161,6 +161,7 @@ def base_results(plan: Plan) -> dict[str, Any]:
         "overrides": plan.overrides,
         "hook": plan.hook,
         "user_overrides": plan.user_overrides,
+        "command": plan.command,
         "model_counts": plan.counts,
         "hardware_info": plan.hardware,
         "rounds": [],

@@ -55,6 +55,7 @@ class Plan:
     python: str  # interpreter on the nodes ("" until the runtime resolves it)
     nodes: list[NodePlan] = dataclasses.field(default_factory=list)
     reference: Path | None = None  # --reference: compare the loss with this curve instead of the committed one
+    command: list[str] = dataclasses.field(default_factory=list)  # the start_task.py arguments, to re-run it
 
     @property
     def world_size(self) -> int:
@@ -116,6 +117,7 @@ class Plan:
             "hardware": self.hardware,
             "run_dir": str(self.run_dir),
             "reference": None if self.reference is None else str(self.reference),
+            "command": self.command,
         }
 
 

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
         plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
+        plan.command = ["run_benchmarks/start_task.py", *argv]
         if args.reference:
             plan.reference = check_reference(Path(args.reference).expanduser().resolve(), plan)
         if args.dry_run:

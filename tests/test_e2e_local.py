@@ -53,6 +53,7 @@ def test_tiny_llama3_two_processes(tmp_path, megatron_python):
     (rnd2,) = res2["rounds"]
     assert rnd2["layout"].startswith("PP1DP1TP2")
     assert rnd2["reference"] == {"train": str(run_dir / "results.json")}
+    assert res2["command"][0] == "run_benchmarks/start_task.py" and "--reference" in res2["command"]
     assert rnd2["phases"][0]["loss_compared_steps"] == 10  # steps 21..30
     assert rnd2["loss_aligned"] is True and 0 <= rnd2["loss_mre"] < 0.02
     # the two layouts really differ in arithmetic, yet not beyond the gate

@@ -148,6 +148,10 @@ class ChipConfig(Strict):
     peak_flops: dict[str, float | None]  # precision -> FLOP/s; None: unknown
     memory_gib: float | None = None
     source: str  # where the peak figure comes from
+    # how the framework names the device (torch's get_device_properties().name), as regular
+    # expressions searched case-insensitively; none: the chip name itself. A round whose ranks
+    # report another device fails: its figures would be filed under the wrong chip.
+    device_names: list[str] = []
 
 
 class ContainerOptions(Strict):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,13 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
                 errors.append(f"phase {p['phase']}: {p['steps_run']} of {steps_expected} steps reported")
             if not p["meta"]:
                 errors.append(f"phase {p['phase']}: no run_meta record")
+    devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
+    wrong = [d for d in devices if not any(re.search(pat, d, re.I) for pat in plan.hardware["device_names"])]
+    if wrong:
+        errors.append(f"the case names {plan.case.hardware} but the ranks ran on {', '.join(wrong)} "
+                      f"(vendors/{plan.vendor.name}/vendor.yaml, chip {plan.case.hardware}, device_names "
+                      f"{plan.hardware['device_names']}): these are not {plan.case.hardware} figures; "
+                      "name the chip the cards are")  # fmt: skip
     if parsed.errors:
         errors += [f"bad metric line {e.source}:{e.lineno}: {e.reason}" for e in parsed.errors[:3]]
 
@@ -125,6 +133,7 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
         "peak_mem_gib": mem["peak_mem_gib"],
         "total_mem_gib": mem["total_mem_gib"],
         "per_rank_mem_gib": mem["per_rank_gib"],
+        "devices": devices,  # as the ranks name them
         "loss_mre": first["loss_mre"],
         "loss_aligned": first["loss_aligned"],
         "window": first["window"],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 import socket
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,7 @@ def build(
         "peak_flops": chip.peak_flops.get(precision),
         "memory_gib": chip.memory_gib,
         "peak_source": chip.source,
+        "device_names": list(chip.device_names) or [re.escape(cn.hardware)],
     }
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     run_id = f"{cn.model}_{cn.framework}_{cn.size}_{stamp}"

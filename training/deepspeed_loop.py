@@ -297,6 +297,13 @@ def _memory(device: torch.device) -> tuple[int, int | None]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, int(total)
 
 
+def _device_name(device: torch.device) -> str:
+    """The device as its driver names it (the harness checks it against the case's chip)."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
+    return device.type
+
+
 def _default_loss(engine: Any, inputs: dict) -> torch.Tensor:
     return engine(**inputs).loss
 
@@ -415,7 +422,7 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
                             grad_norm=None if norm is None else float(norm))
         peak, total_mem = _memory(device)
         logger.emit(EV_MEMORY, K_PEAK_MEMORY, {"peak_bytes": peak, "total_bytes": total_mem,
-                                              "device": str(device), "phase": phase})
+                                              "device": _device_name(device), "phase": phase})
         if rank == 0:
             logger.emit(EV_END, K_RUN_END, {"status": "ok", "steps": steps, "phase": phase})
         return result

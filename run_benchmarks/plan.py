@@ -146,7 +146,8 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _phase_value(train: dict[str, Any], phase: str, key: str) -> Any:
+def phase_value(train: dict[str, Any], phase: str, key: str) -> Any:
+    """A train setting of one phase: its ``phases.<phase>`` value, else the common one."""
     return ((train.get("phases") or {}).get(phase) or {}).get(key, train.get(key))
 
 
@@ -157,8 +158,8 @@ def check_layout(settings: dict[str, Any], phases: list[str], world: int, source
         raise InputError(f"{source}: tp={tp} x pp={pp} does not divide the world size {world}")
     dp = world // (tp * pp)
     for phase in phases:
-        gb = int(_phase_value(settings["train"], phase, "global_batch"))
-        mb = int(_phase_value(settings["train"], phase, "micro_batch"))
+        gb = int(phase_value(settings["train"], phase, "global_batch"))
+        mb = int(phase_value(settings["train"], phase, "micro_batch"))
         if mb < 1 or gb % (mb * dp):
             raise InputError(
                 f"{source}: global batch {gb} is not a multiple of micro batch {mb} x data-parallel size {dp}"

@@ -94,11 +94,14 @@ def check_reference(path: Path, plan: planning.Plan) -> Path:
     if "rounds" in data:
         if data.get("model") != plan.case.model:
             raise InputError(f"--reference {path}: a run of {data.get('model')!r}, not of {plan.case.model!r}")
-        theirs = ((data.get("settings") or {}).get("train") or {}).get("global_batch")
-        ours = plan.settings["train"].get("global_batch")
-        if theirs != ours:
-            raise InputError(f"--reference {path}: global batch {theirs} there, {ours} here; "
-                             "loss curves compare step by step only at the same global batch")
+        train = (data.get("settings") or {}).get("train") or {}
+        for phase in plan.phases:
+            theirs = planning.phase_value(train, phase, "global_batch")
+            ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
+            if theirs != ours:
+                raise InputError(f"--reference {path}: global batch {theirs} there, {ours} here"
+                                 + ("" if phase == "train" else f" (phase {phase})")
+                                 + "; loss curves compare step by step only at the same global batch")
     return path
 
 

@@ -374,6 +374,7 @@ def _phase(log, event, key, phase):
 @pytest.mark.framework("deepspeed")
 def test_tiny_both_phases_two_processes(tmp_path):
     cfg = resolved(tmp_path)
+    cfg["train"]["profile_step"] = 12  # one step of each phase profiled (training/profiling.py)
     log = launch(tmp_path, cfg)
     assert not log.errors, log.errors[:3]
     assert not log.of("error")
@@ -413,6 +414,15 @@ def test_tiny_both_phases_two_processes(tmp_path):
         (summary,) = _phase(log, "info", "phase_summary", phase)
         assert summary.value["samples"] == 30 * 16
         assert summary.value["mean_seq_length"] == pytest.approx(sum(lens) / (30 * 16))
+
+        assert [r.value["step"] for r in steps if r.value.get("profiled")] == [12]
+        (parts,) = _phase(log, "info", "step_breakdown", phase)
+        b = parts.value
+        assert parts.rank == 0 and b["step"] == 12 and b["source"] == "cpu ops"
+        assert b["categories"]["gemm"]["kernel_s"] > 0 and b["categories"]["attention"]["kernel_s"] > 0
+        assert b["categories"]["communication"]["kernel_s"] > 0  # ZeRO's gradient reduction over gloo
+        assert b["optimizer_wall_s"] > 0 and 0 < b["busy_s"] <= b["step_time_s"]
+        assert b["trace"] == f"profile_rank0_{phase}_step12.json.gz" and (tmp_path / "out" / b["trace"]).is_file()
 
         ref = json.loads((REFERENCE / f"config_cpux1x2.{phase}.json").read_text())
         assert (ref["model"], ref["config"], ref["phase"]) == ("llava_tiny", "config_cpux1x2", phase)

@@ -27,7 +27,8 @@ its ``cfg[section]["phases"][phase]``, as case.yaml's ``standard`` writes them):
 ``train``: steps, global_batch, micro_batch, precision (bf16|fp16|fp32), lr,
 min_lr, lr_warmup_steps, lr_decay_steps (default: steps), weight_decay,
 clip_grad, adam_beta1, adam_beta2 (or betas), adam_eps (default 1e-8),
-gradient_accumulation_steps (optional; must equal global_batch / (micro_batch x dp)).
+gradient_accumulation_steps (optional; must equal global_batch / (micro_batch x dp)),
+profile_step (optional; K > 0 profiles step K, see training/profiling.py).
 ``parallel``: tp = pp = 1, recompute (none|full: ``model.gradient_checkpointing_enable()``),
 zero (``stage`` and the ZeRO options of :data:`ZERO_KEYS`, see :func:`zero_section`).
 
@@ -56,7 +57,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from training.metriclog import EV_END, EV_ERROR, EV_MEMORY, K_PEAK_MEMORY, K_RUN_END, K_RUN_ERROR, MetricLogger
+from training.metriclog import EV_END, EV_ERROR, EV_INFO, EV_MEMORY, K_PEAK_MEMORY, K_RUN_END, K_RUN_ERROR, K_STEP_BREAKDOWN, MetricLogger
+from training.profiling import StepProfiler
 from training.runtime import dist_info
 
 SECTIONS = ("train", "parallel", "data")
@@ -396,6 +398,11 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
         result = PhaseResult(phase, 0, [], [], [], path if rank == 0 else None, engine)
         ga = engine.gradient_accumulation_steps()
         it: Iterator[dict] = iter(micro_batches)
+        profile_step = int(settings["train"].get("profile_step") or 0)
+        if not 0 <= profile_step <= steps:
+            raise ValueError(f"train.profile_step = {profile_step} is not a step of the phase's {steps} steps")
+        multi = len((cfg.get("train") or {}).get("phases") or {}) > 1
+        prof = StepProfiler(profile_step, cfg.get("output_dir"), rank, device.type, tag=phase if multi else "")
         engine.train()
         for step in range(1, steps + 1):
             batches = [next(it) for _ in range(ga)]
@@ -405,13 +412,19 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
             _sync(device)
             t0 = time.perf_counter()
             total = torch.zeros((), dtype=torch.float32, device=device)
-            for b in batches:
-                loss = loss_fn(engine, _to_device(b, device, dtype))
-                engine.backward(loss)
-                engine.step()
-                total += loss.detach().float()
-            _sync(device)
+            with prof.step(step):
+                for k, b in enumerate(batches):
+                    loss = loss_fn(engine, _to_device(b, device, dtype))
+                    engine.backward(loss)
+                    # the last microbatch's engine.step() is the optimizer step (ZeRO's included)
+                    with prof.optimizer() if k == ga - 1 else contextlib.nullcontext():
+                        engine.step()
+                    total += loss.detach().float()
+                _sync(device)
             dt = time.perf_counter() - t0
+            parts = prof.result(step, dt)
+            if parts is not None and rank == 0:
+                logger.emit(EV_INFO, K_STEP_BREAKDOWN, {**parts, "phase": phase, "pp_rank": 0})
             total /= ga * dist.get_world_size()
             dist.all_reduce(total)
             result.steps, value = step, float(total)
@@ -419,7 +432,8 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
             if rank == 0:
                 norm = engine.get_global_grad_norm()
                 logger.step(step, value, int(tokens), dt, lr, phase=phase,
-                            grad_norm=None if norm is None else float(norm))
+                            grad_norm=None if norm is None else float(norm),
+                            **({"profiled": True} if step == profile_step else {}))
         peak, total_mem = _memory(device)
         logger.emit(EV_MEMORY, K_PEAK_MEMORY, {"peak_bytes": peak, "total_bytes": total_mem,
                                               "device": _device_name(device), "phase": phase})

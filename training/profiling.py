@@ -2,7 +2,7 @@
 
 A case asks for it with ``train.profile_step: K`` (0: off).  Step K runs under
 ``torch.profiler``; its trace is written next to the rank's logs
-(``profile_rank<R>_step<K>.json.gz``, readable in Perfetto or chrome://tracing)
+(``profile_rank<R>[_<phase>]_step<K>.json.gz``, readable in Perfetto or chrome://tracing)
 and reduced to one ``step_breakdown`` metric line::
 
     {"step": K, "step_time_s": ..., "source": "cuda kernels" | "cpu ops",
@@ -173,11 +173,12 @@ class StepProfiler:
     ``prof.result(k, step_time_s)`` gives the breakdown (None when step k was not profiled).
     """
 
-    def __init__(self, profile_step: int, output_dir: str | None, rank: int, device_type: str):
+    def __init__(self, profile_step: int, output_dir: str | None, rank: int, device_type: str, tag: str = ""):
         self.profile_step = int(profile_step or 0)
         self.output_dir = output_dir
         self.rank = rank
         self.device_type = device_type
+        self.name = f"profile_rank{rank}" + (f"_{tag}" if tag else "")  # tag: a phase of a multi-phase case
         self._events: list[dict[str, Any]] | None = None
         self.trace_path: str | None = None
 
@@ -205,12 +206,12 @@ class StepProfiler:
     def _save(self, prof: Any, step: int) -> None:
         d = self.output_dir or "."
         os.makedirs(d, exist_ok=True)
-        raw = os.path.join(d, f".profile_rank{self.rank}_step{step}_{os.getpid()}.json")
+        raw = os.path.join(d, f".{self.name}_step{step}_{os.getpid()}.json")
         prof.export_chrome_trace(raw)
         with open(raw, encoding="utf-8") as fh:
             trace = json.load(fh)
         self._events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
-        self.trace_path = os.path.join(d, f"profile_rank{self.rank}_step{step}.json.gz")
+        self.trace_path = os.path.join(d, f"{self.name}_step{step}.json.gz")
         with open(raw, "rb") as src, gzip.open(self.trace_path, "wb", compresslevel=3) as dst:
             dst.write(src.read())
         os.remove(raw)

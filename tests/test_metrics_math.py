@@ -95,7 +95,7 @@ def test_window_excludes_warmup_and_divides_by_world():
     parsed = ml.ParsedLog(recs, [])
     counts = {"flops_per_token_6n": 48e9, "flops_per_token_palm": 57.9e9}
     m = metrics.phase_metrics(parsed, "train", warmup_steps=2, world_size=2, counts=counts, peak_flops=312e12, reference=None)
-    assert m["window"] == {"first_step": 3, "last_step": 6, "steps": 4, "warmup_steps": 2}
+    assert m["window"] == {"first_step": 3, "last_step": 6, "steps": 4, "warmup_steps": 2, "excluded": []}
     assert m["tokens_per_gpu_s"] == pytest.approx(8192 / 2)
     assert m["mfu_6n"] == pytest.approx(48e9 * 4096 / 312e12)
     assert m["steps_run"] == 6

@@ -328,6 +328,12 @@ def main() -> int:
     cfg = runtime.setup()
     log = MetricLogger(rank=runtime.dist_info().rank)
     runtime.run_trainer(lambda: Trainer(cfg, log), log)
+    import paddle.distributed as pdist
+
+    # every rank leaves together: a rank that exits while a peer still uses the process
+    # group's store can make paddle abort at teardown after a run that ended ok
+    if pdist.get_world_size() > 1:
+        pdist.barrier()
     return 0
 
 

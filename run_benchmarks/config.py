@@ -14,6 +14,7 @@ import ipaddress
 import os
 import re
 from pathlib import Path
+import typing
 from typing import Any, Literal, TypeVar
 
 import yaml
@@ -296,7 +297,32 @@ def field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(str(x) for x in loc) or "(top level)"
 
 
+def _inner_model(tp: Any) -> type[BaseModel] | None:
+    """The model inside an annotation: ``M``, ``M | None``, ``list[M]``, ``dict[str, M]``."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        found = _inner_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model that holds the field at ``loc`` (list indexes and mapping keys skipped)."""
+    cur: type[BaseModel] | None = model
+    for part in loc:
+        if cur is None:
+            return None
+        fields = {f.alias or n: f for n, f in cur.model_fields.items()}
+        if part not in fields:  # an index or a key of the container field before it
+            continue
+        cur = _inner_model(fields[part].annotation)
+    return cur
+
+
 def validate(model: type[M], data: Any, source: str) -> M:
+    """``model`` from parsed YAML; one clear InputError naming ``source`` and the field otherwise."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -306,10 +332,15 @@ def validate(model: type[M], data: Any, source: str) -> M:
     except ValidationError as exc:
         err = exc.errors()[0]
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        got = err.get("input")
-        got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
-        msg = err["msg"].removeprefix("Value error, ")
-        raise InputError(f"{source}: field '{field_path(err['loc'])}': {msg}{got_txt}{more}") from None
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(model, tuple(err["loc"][:-1]))
+            names = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
+            msg = "unknown field" + (f"; expected one of: {', '.join(names)}" if names else "")
+        else:
+            got = err.get("input")
+            got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
+            msg = err["msg"].removeprefix("Value error, ") + got_txt
+        raise InputError(f"{source}: field '{field_path(err['loc'])}': {msg}{more}") from None
 
 
 def load(model: type[M], path: str | os.PathLike[str]) -> M:

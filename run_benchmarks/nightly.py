@@ -25,14 +25,14 @@ from typing import Any, Iterator
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field, field_validator  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from run_benchmarks import history, plan as planning  # noqa: E402
 from run_benchmarks.casename import CaseName, check_name  # noqa: E402
-from run_benchmarks.config import ClusterConfig, field_path, load, read_yaml  # noqa: E402
+from run_benchmarks.config import ClusterConfig, load, read_yaml, validate  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -128,21 +128,7 @@ def parse_runlist(path: Path) -> RunList:
     data = read_yaml(path)
     if not isinstance(data, dict):
         raise InputError(f"{path}: expected a mapping with a 'cases' list at the top level, got {type(data).__name__}")
-    try:
-        return RunList.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        loc = err["loc"]
-        if err["type"] == "extra_forbidden":
-            parent = RunList if len(loc) == 1 else CaseEntry if loc[0] == "cases" and len(loc) == 3 else None
-            fields = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
-            msg = "unknown field" + (f"; expected one of: {', '.join(fields)}" if fields else "")
-        else:
-            got = err.get("input")
-            got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
-            msg = err["msg"].removeprefix("Value error, ") + got_txt
-        raise InputError(f"{path}: field '{field_path(loc)}': {msg}{more}") from None
+    return validate(RunList, data, str(path))
 
 
 @dataclasses.dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from run_benchmarks.errors import InputError
 from run_benchmarks.registry import ROOT
 from run_benchmarks.start_task import main
 
@@ -55,7 +56,7 @@ def test_bad_argv(what, argv, fragment, tmp_path, capsys, monkeypatch):
 CLUSTER_CASES = [
     ("cluster YAML syntax error", "hosts: [a, b\n", "YAML syntax error"),
     ("cluster wrong type", "master_port: abc\n", "field 'master_port': Input should be a valid integer, unable to parse string as an integer, got 'abc'"),
-    ("cluster unknown field", "hostz: []\n", "field 'hostz': Extra inputs are not permitted"),
+    ("cluster unknown field", "hostz: []\n", "field 'hostz': unknown field; expected one of: backend, runtime, hosts,"),
     ("cluster host with metacharacters", "backend: ssh\nhosts:\n  - {name: 'n1;ls', address: 10.0.0.1}\n", "field 'hosts.0.name'"),
     ("cluster bad address", "backend: ssh\nhosts:\n  - {name: n1, address: 'a b'}\n", "field 'hosts.0.address'"),
     ("cluster port out of range", "ssh: {port: 70000}\n", "field 'ssh.port'"),
@@ -93,3 +94,17 @@ def test_exit_status_2_from_the_command_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: case name 'x:y' must have the form model:framework:hardware:nnodes:nprocs[:repeat] (got 2 fields)"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_nested_field_lists_the_fields_of_its_own_section(tmp_path):
+    from run_benchmarks.config import ClusterConfig, load
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text("hosts:\n  - {name: a, address: 10.0.0.1, wrk_dir: /x}\nssh: {usr: me}\n")
+    with pytest.raises(InputError) as err:
+        load(ClusterConfig, path)
+    text = str(err.value)
+    assert text.startswith(f"{path}: field 'hosts.0.wrk_dir': unknown field; expected one of: name, address,") and "work_dir" in text
+    path.write_text("ssh: {usr: me}\n")
+    with pytest.raises(InputError, match=r"field 'ssh.usr': unknown field; expected one of: user,"):
+        load(ClusterConfig, path)

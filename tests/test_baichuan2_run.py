@@ -39,7 +39,7 @@ def resolved(tmp: Path, **over) -> dict:
         "steps": 30, "warmup_steps": 5, "global_batch": 16, "micro_batch": 4,
         "gradient_accumulation_steps": None, "precision": "bf16", "lr": 1.0e-3, "min_lr": 1.0e-4,
         "lr_warmup_steps": 3, "weight_decay": 0.1, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
-        "adam_eps": 1.0e-8, "init_std": 0.02, "seed": 1234,
+        "adam_eps": 1.0e-8, "init_std": 0.02, "seed": 1234, "profile_step": 0,
     }  # fmt: skip
     parallel = {
         "tp": 1, "pp": 1, "recompute": "full",

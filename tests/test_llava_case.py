@@ -311,7 +311,7 @@ def resolved(tmp: Path) -> dict:
     train = {
         "steps": 30, "warmup_steps": 5, "global_batch": 16, "micro_batch": 8, "precision": "bf16", "lr": 1.0e-3,
         "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1.0e-8,
-        "seed": 1234,
+        "seed": 1234, "profile_step": 0,
         "phases": {
             "pretrain": {"global_batch": 16, "micro_batch": 8, "lr": 1.0e-2, "min_lr": 1.0e-3, "lr_warmup_steps": 3, "lr_decay_steps": 30},
             "finetune": {"global_batch": 16, "micro_batch": 8, "lr": 2.0e-3, "min_lr": 2.0e-4, "lr_warmup_steps": 3, "lr_decay_steps": 30},

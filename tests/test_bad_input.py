@@ -108,3 +108,12 @@ def test_unknown_nested_field_lists_the_fields_of_its_own_section(tmp_path):
     path.write_text("ssh: {usr: me}\n")
     with pytest.raises(InputError, match=r"field 'ssh.usr': unknown field; expected one of: user,"):
         load(ClusterConfig, path)
+
+
+def test_unknown_field_under_a_mapping_names_the_entry_model(tmp_path):
+    from run_benchmarks.config import VendorConfig, load
+
+    path = tmp_path / "vendor.yaml"
+    path.write_text("name: v\ndevice: cuda\ndist_backend: nccl\nchips:\n  X1:\n    peak_flops: {bf16: 1.0e+15}\n    source: s\n    device_namez: [X1]\n")
+    with pytest.raises(InputError, match=r"field 'chips.X1.device_namez': unknown field; expected one of: peak_flops, memory_gib, source, device_names$"):
+        load(VendorConfig, path)

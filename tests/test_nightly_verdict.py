@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from run_benchmarks import history
-from run_benchmarks.nightly import Tolerances, judge
+from run_benchmarks.nightly import judge
+from run_benchmarks.runlist import Tolerances
 from tests.test_history import HW, fake_results, store
 
 TOL = Tolerances(throughput_drop_pct=10, mfu_drop_pct=10, memory_rise_pct=10)

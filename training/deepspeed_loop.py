@@ -422,8 +422,8 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
                     total += loss.detach().float()
                 _sync(device)
             dt = time.perf_counter() - t0
-            parts = prof.result(step, dt)
-            if parts is not None and rank == 0:
+            parts = prof.result(step, dt, reduce=rank == 0)
+            if parts is not None:
                 logger.emit(EV_INFO, K_STEP_BREAKDOWN, {**parts, "phase": phase, "pp_rank": 0})
             total /= ga * dist.get_world_size()
             dist.all_reduce(total)

@@ -31,7 +31,9 @@ import gzip
 import json
 import os
 import re
+import shutil
 import time
+from collections import Counter
 from typing import Any, Iterator
 
 OPTIMIZER_RANGE = "fb_optimizer"
@@ -136,10 +138,8 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
         counted = len(kernels)
     else:  # a CPU: the training thread's operators by self time, collectives of the other threads
         ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
-        per_tid: dict[Any, int] = {}
-        for e in ops:
-            per_tid[e.get("tid")] = per_tid.get(e.get("tid"), 0) + 1
-        main_tid = max(per_tid, key=per_tid.__getitem__) if per_tid else None  # the training thread runs the most
+        busiest = Counter(e.get("tid") for e in ops).most_common(1)
+        main_tid = busiest[0][0] if busiest else None  # the training thread runs the most
         pieces, top = _cpu_pieces([e for e in ops if e.get("tid") == main_tid], in_optimizer)
         for cat, own in pieces:
             sums[cat] += own
@@ -169,8 +169,9 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
 class StepProfiler:
     """Profiles one step of a training loop; a no-op for every other step.
 
-    ``with prof.step(k): ... with prof.optimizer(): optimizer.step() ...`` then
-    ``prof.result(k, step_time_s)`` gives the breakdown (None when step k was not profiled).
+    ``with prof.step(k): ... with prof.optimizer(): optimizer.step() ...``, the step's time
+    taken, then ``prof.result(k, step_time_s, reduce=...)`` writes the trace and gives the
+    breakdown (None when step k was not profiled).
     """
 
     def __init__(self, profile_step: int, output_dir: str | None, rank: int, device_type: str, tag: str = ""):
@@ -179,8 +180,7 @@ class StepProfiler:
         self.rank = rank
         self.device_type = device_type
         self.name = f"profile_rank{rank}" + (f"_{tag}" if tag else "")  # tag: a phase of a multi-phase case
-        self._events: list[dict[str, Any]] | None = None
-        self.trace_path: str | None = None
+        self._prof: Any = None  # the finished profiler of the profiled step, until result() writes its trace
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -194,7 +194,7 @@ class StepProfiler:
             activities.append(tp.ProfilerActivity.CUDA)
         with tp.profile(activities=activities) as prof:
             yield
-        self._save(prof, step)
+        self._prof = prof  # the trace is written by result(), after the step's time is taken
 
     @contextlib.contextmanager
     def optimizer(self) -> Iterator[None]:
@@ -203,25 +203,31 @@ class StepProfiler:
         with tp.record_function(OPTIMIZER_RANGE):
             yield
 
-    def _save(self, prof: Any, step: int) -> None:
+    def result(self, step: int, step_time_s: float, reduce: bool = True) -> dict[str, Any] | None:
+        """After the profiled step: write its trace; with ``reduce``, return its breakdown.
+
+        Every rank keeps its trace; only the ranks that report need the reduction. None for
+        any other step, or without ``reduce``.
+        """
+        if step != self.profile_step or self._prof is None:
+            return None
+        prof, self._prof = self._prof, None
         d = self.output_dir or "."
         os.makedirs(d, exist_ok=True)
         raw = os.path.join(d, f".{self.name}_step{step}_{os.getpid()}.json")
-        prof.export_chrome_trace(raw)
-        with open(raw, encoding="utf-8") as fh:
-            trace = json.load(fh)
-        self._events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
-        self.trace_path = os.path.join(d, f"{self.name}_step{step}.json.gz")
-        with open(raw, "rb") as src, gzip.open(self.trace_path, "wb", compresslevel=3) as dst:
-            dst.write(src.read())
-        os.remove(raw)
-
-    def result(self, step: int, step_time_s: float) -> dict[str, Any] | None:
-        if step != self.profile_step or self._events is None:
-            return None
+        trace_path = os.path.join(d, f"{self.name}_step{step}.json.gz")
         t0 = time.perf_counter()
-        out = {"step": step, **breakdown(self._events, step_time_s)}
-        out["trace"] = os.path.basename(self.trace_path or "")
+        prof.export_chrome_trace(raw)
+        try:
+            with open(raw, "rb") as src, gzip.open(trace_path, "wb", compresslevel=3) as dst:
+                shutil.copyfileobj(src, dst)
+            if not reduce:
+                return None
+            with open(raw, encoding="utf-8") as fh:
+                trace = json.load(fh)
+        finally:
+            os.remove(raw)
+        events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+        out = {"step": step, **breakdown(events, step_time_s), "trace": os.path.basename(trace_path)}
         out["reduce_s"] = round(time.perf_counter() - t0, 3)
-        self._events = None
         return out

@@ -277,8 +277,8 @@ class Trainer:
                 dist.barrier()
             step_time = time.perf_counter() - t0
             self.steps_done = step + 1
-            parts = prof.result(step + 1, step_time)
-            if parts is not None and self.tp_rank == 0 and self.dp_rank == 0:  # one view per pipeline stage
+            parts = prof.result(step + 1, step_time, reduce=self.tp_rank == 0 and self.dp_rank == 0)  # one per stage
+            if parts is not None:
                 self.log.emit("info", K_STEP_BREAKDOWN, {**parts, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
             if self.is_last_stage:
                 local = torch.stack([x["lm loss"] for x in losses]).float().mean().reshape(1)

@@ -83,8 +83,9 @@ def phase_metrics(
     steps = dedup_steps(step_recs)
     metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if in_phase(r)]
     # a profiled step runs under the profiler's cost: never part of the throughput window
-    window = [s for s in steps if int(s["step"]) > warmup_steps and not s.get("profiled")]
-    breakdowns = {str(r.rank): r.value for r in parsed.of(ml.EV_INFO, ml.K_STEP_BREAKDOWN) if in_phase(r)}
+    after_warmup = [s for s in steps if int(s["step"]) > warmup_steps]
+    window = [s for s in after_warmup if not s.get("profiled")]
+    breakdowns = {str(r.rank): dict(r.value) for r in parsed.of(ml.EV_INFO, ml.K_STEP_BREAKDOWN) if in_phase(r)}
     out: dict[str, Any] = {
         "phase": phase,
         "steps_run": len(steps),
@@ -108,7 +109,7 @@ def phase_metrics(
         seconds = sum(float(s["step_time_s"]) for s in window)
         tps = tokens / seconds / world_size if seconds > 0 else None
         out["window"].update(first_step=int(window[0]["step"]), last_step=int(window[-1]["step"]), steps=len(window),
-                             excluded=[int(s["step"]) for s in steps if int(s["step"]) > warmup_steps and s.get("profiled")])
+                             excluded=[int(s["step"]) for s in after_warmup if s.get("profiled")])
         out["tokens_per_gpu_s"] = tps
         out["step_time_s"] = seconds / len(window)
         out["mfu_6n"] = mfu(counts["flops_per_token_6n"], tps, peak_flops)

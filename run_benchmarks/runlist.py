@@ -9,16 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from run_benchmarks import plan as planning
 from run_benchmarks.casename import CaseName, check_name
-from run_benchmarks.config import read_yaml, validate
+from run_benchmarks.config import Strict, read_yaml, validate
 from run_benchmarks.errors import InputError
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+class _Strict(Strict):
+    model_config = ConfigDict(populate_by_name=True)  # merged with Strict's: the entries' "set" alias
 
 
 class Tolerances(_Strict):

@@ -23,7 +23,9 @@ from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 KILL_GRACE_S = 10.0
 
 
-def _kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
+def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
+    """Stop a process started in its own session and everything in its group: SIGTERM, then
+    SIGKILL after ``grace`` seconds."""
     if proc.poll() is not None:
         return
     try:
@@ -93,13 +95,13 @@ class LocalRuntime(Runtime):
                         del pending[i]
                         if rcs[i] != 0:  # a failed node fails the round: stop its peers
                             for other in pending.values():
-                                _kill_group(other)
+                                kill_group(other)
                     except subprocess.TimeoutExpired:
                         pass
                 if time.monotonic() > deadline:
                     timed_out = True
                     for i, proc in pending.items():
-                        _kill_group(proc)
+                        kill_group(proc)
                         rcs[i] = None
                     break
             for i, node in enumerate(nodes):
@@ -109,7 +111,7 @@ class LocalRuntime(Runtime):
                 )  # fmt: skip
         finally:
             for proc in self.procs:
-                _kill_group(proc)
+                kill_group(proc)
             self.procs.clear()
             for mon in monitors:
                 mon.stop()
@@ -119,5 +121,5 @@ class LocalRuntime(Runtime):
 
     def cleanup(self) -> None:
         for proc in self.procs:
-            _kill_group(proc, grace=2.0)
+            kill_group(proc, grace=2.0)
         self.procs.clear()

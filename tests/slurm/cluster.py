@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from run_benchmarks.runtimes.local import kill_group
+
 NODES = (("n1", "127.0.0.2"), ("n2", "127.0.0.3"))
 CPUS_PER_NODE = 2
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "unshare")
@@ -238,20 +240,8 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         order = [n for n in self.procs if n.startswith("slurmd-")] + ["slurmctld", "munged"]
         for name in order:
             proc = self.procs.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                continue
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+            if proc is not None:
+                kill_group(proc, grace=10.0)
         self.procs.clear()
         for pid in self.node_processes():
             try:

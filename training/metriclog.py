@@ -65,7 +65,9 @@ REQUIRED_META = (
     "parallel",  # dict, e.g. {"tp": 2, "pp": 1, "dp": 4}
     "world_size",
 )
-#: keys every ``train_step`` value must carry
+#: keys every ``train_step`` value must carry; ``step_time_s`` follows training/steptimer.py
+#: (batch fetch to the end of the optimizer step, synchronized across ranks), and every case
+#: also sends ``data_s``, the part of it spent fetching the batch
 REQUIRED_STEP = ("step", "loss", "tokens", "step_time_s", "lr")
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from training import flops, runtime  # noqa: E402
 from training.metriclog import MetricLogger  # noqa: E402
+from training.steptimer import StepClock  # noqa: E402
 
 
 class Trainer:
@@ -48,6 +49,7 @@ class Trainer:
         paddle.set_device(f"gpu:{self.dist.local_rank}" if self.s.device == "gpu" else "cpu")
         self.steps_done = 0
         self.reporting = self.dist.rank == 0  # until the topology is known
+        self.clock = StepClock(self._barrier)  # training/steptimer.py: the one timing rule
 
     # -- setup -------------------------------------------------------------
     def init_distributed(self) -> None:
@@ -76,8 +78,8 @@ class Trainer:
         self.is_last_stage = self.stage == lay.pp - 1
         self.reporting = self.is_last_stage and self.tp_rank == 0 and self.data_rank == 0
 
-        # parameters: identical on every replica; TP shards from a per-(tp, pp) stream;
-        # dropout: shared inside a TP group ("global_seed"), per rank ("local_seed")
+        # dropout: shared inside a TP group ("global_seed"), per rank ("local_seed"); the
+        # parameters drawn while the model is built are overwritten by gpt3_weights in build()
         paddle.seed(s.seed)
         tracker = get_rng_state_tracker()
         tracker.reset()
@@ -85,12 +87,16 @@ class Trainer:
         tracker.add("global_seed", s.seed + 100_003 + self.data_rank * lay.pp + self.stage)
         tracker.add("local_seed", s.seed + 200_003 + self.dist.rank)
 
-    def _barrier(self) -> None:
+    def _sync_device(self) -> None:
         import paddle
-        import paddle.distributed as dist
 
         if self.s.device == "gpu":
             paddle.device.synchronize()
+
+    def _barrier(self) -> None:
+        import paddle.distributed as dist
+
+        self._sync_device()
         if self.dist.world_size > 1:
             dist.barrier()
 
@@ -105,6 +111,7 @@ class Trainer:
         self.flash = lay.use_flash_attention and gpt3_model.flash_attention_available(s.device)
         config = gpt3_model.gpt_config(s, lay.tp, self.tp_rank, self.flash)
         model = gpt3_model.build_model(s, config)
+        self._init_weights(model)
         self.params_exact = self._exact_params(model)
 
         # warm-up from lr/warmup at step 1, as FlagPerf (last_epoch=0)
@@ -160,6 +167,17 @@ class Trainer:
                 self.scaler = fleet.distributed_scaler(self.scaler)
             self.no_sync = isinstance(model, paddle.DataParallel)
         self.model, self.optimizer = model, optimizer
+
+    def _init_weights(self, model) -> None:
+        """The same full starting weights whatever the layout (gpt3_weights), before AMP
+        decoration and the parallel wrappers; this rank's time for it goes out as an info line
+        (no barrier inside: ranks finish building their models at different times)."""
+        import gpt3_weights
+
+        t0 = time.perf_counter()
+        tensors = gpt3_weights.init_weights(model, self.s, self.tp_rank)
+        self._sync_device()
+        self.log.emit("info", "init_weights", {"seconds": round(time.perf_counter() - t0, 4), "tensors": tensors})
 
     def _exact_params(self, model) -> int:
         import paddle
@@ -247,16 +265,19 @@ class Trainer:
             dtype=self.amp_dtype,
         )
 
-    def _step_nonpipeline(self, step: int):
+    def _device_micro_batches(self, step: int) -> list:
         import paddle
 
-        micro = self.batches.micro_batches(step)
+        return [(paddle.to_tensor(x), paddle.to_tensor(y)) for x, y in self.batches.micro_batches(step)]
+
+    def _step_nonpipeline(self, step: int):
+        micro = self.clock.fetch(lambda: self._device_micro_batches(step))
         total = None
         for a, (x, y) in enumerate(micro):
             sync_ctx = self.model.no_sync() if self.no_sync and a < len(micro) - 1 else contextlib.nullcontext()
             with sync_ctx:
                 with self._autocast():
-                    loss, _ = self.model(paddle.to_tensor(x), labels=paddle.to_tensor(y))
+                    loss, _ = self.model(x, labels=y)
                 scaled = loss / len(micro)
                 if self.scaler is not None:
                     self.scaler.scale(scaled).backward()
@@ -274,8 +295,11 @@ class Trainer:
     def _step_pipeline(self, step: int):
         import paddle
 
-        rows = self.batches.step(step)
-        data = [paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])]
+        def fetch() -> list:
+            rows = self.batches.step(step)
+            return [paddle.to_tensor(rows[:, :-1]), paddle.to_tensor(rows[:, 1:])]
+
+        data = self.clock.fetch(fetch)
         with self._autocast():
             return self.model.train_batch(data, optimizer=self.optimizer, lr_scheduler=None, scaler=self.scaler)
 
@@ -297,19 +321,16 @@ class Trainer:
         run_step = self._step_pipeline if s.layout.pp > 1 else self._step_nonpipeline
         for step in range(s.steps):
             lr = float(self.scheduler.get_lr())
-            self._barrier()
-            t0 = time.perf_counter()
-            loss = run_step(step)
-            self.scheduler.step()
-            self._barrier()
-            step_time = time.perf_counter() - t0
+            with self.clock.step():  # from the batch fetch to the end of the optimizer step
+                loss = run_step(step)
+                self.scheduler.step()
             self.steps_done = step + 1
             mean = self._data_mean(loss)  # outside the timed window
             if self.reporting:
                 extra = {}
                 if self.scaler is not None:
                     extra["loss_scale"] = float(self.scaler._scale.numpy().reshape(-1)[0])
-                self.log.step(step + 1, mean, tokens_per_step, step_time, lr, **extra)
+                self.log.step(step + 1, mean, tokens_per_step, self.clock.step_time_s, lr, data_s=self.clock.data_s, **extra)
 
     def emit_memory(self) -> None:
         import paddle

@@ -26,6 +26,24 @@ from run_benchmarks.errors import InputError
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-.]{0,252})$")
 _MODSPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
 _ENVNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# what reaches a remote host as a login name or a path: no shell metacharacters, no spaces
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_REMOTE_PATH = re.compile(r"^/[A-Za-z0-9_.+@%,:=/-]*$")
+
+
+def check_user(v: str | None) -> str | None:
+    if v is not None and not _USER.match(v):
+        raise ValueError("not a user name (letters, digits, '_', '.', '-'; at most 32; starting with a letter or '_')")
+    return v
+
+
+def check_remote_path(v: str | None) -> str | None:
+    """An absolute path on a host, of characters that need no quoting, without '..'."""
+    if v is None:
+        return v
+    if not _REMOTE_PATH.match(v) or ".." in v.split("/"):
+        raise ValueError("not an absolute path of letters, digits and _.+@%,:=/- without '..'")
+    return v.rstrip("/") or "/"
 
 
 class Strict(BaseModel):
@@ -44,6 +62,11 @@ class SSHConfig(Strict):
     connect_timeout_s: float = Field(10.0, gt=0)
     command_timeout_s: float = Field(60.0, gt=0)
 
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str) -> str | None:
+        return check_user(v)
+
 
 class HostConfig(Strict):
     name: str
@@ -53,6 +76,16 @@ class HostConfig(Strict):
     key_file: str | None = None
     docker_url: str | None = None  # default: ssh://user@address:port
     work_dir: str | None = None  # default: the cluster's work_dir
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        return check_user(v)
+
+    @field_validator("work_dir")
+    @classmethod
+    def _work_dir(cls, v: str | None) -> str | None:
+        return check_remote_path(v)
 
     @field_validator("name")
     @classmethod
@@ -129,6 +162,11 @@ class ClusterConfig(Strict):
     python: str | None = None  # use this Python as is (no environment built)
     image_build_args: dict[str, str] = {}  # e.g. {BASE_IMAGE: ...} for the vendor Dockerfiles
     round_timeout_s: float = Field(3600.0, gt=0)
+
+    @field_validator("work_dir")
+    @classmethod
+    def _work_dir(cls, v: str) -> str | None:
+        return check_remote_path(v)
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":

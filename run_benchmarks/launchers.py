@@ -27,6 +27,7 @@ class LaunchSpec:
     config: str  # path of resolved.json
     log_dir: str  # per-node directory for per-rank logs
     device: str  # "cuda" or "cpu"
+    rdzv_id: str = "none"  # one per run and round: a launcher never joins another run's rendezvous
 
 
 class Launcher:
@@ -55,6 +56,7 @@ class Torchrun(Launcher):
             "--node-rank", str(s.node_rank),
             "--master-addr", s.master_addr,
             "--master-port", str(s.master_port),
+            "--rdzv-id", s.rdzv_id,
             "--log-dir", s.log_dir,
             "--redirects", "3",
             "--tee", "3",

@@ -195,6 +195,10 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
         iface = iface_towards(master)
         if iface:
             env["GLOO_SOCKET_IFNAME"] = iface
+    # the framework environment's tools (ninja for DeepSpeed's JIT-built ops, console scripts)
+    # on PATH, as in an activated environment; not for docker run here, whose PATH is the image's
+    if not spec.get("container") and os.path.isabs(cmd[0]):
+        env["PATH"] = os.pathsep.join([os.path.dirname(cmd[0]), env.get("PATH") or os.environ.get("PATH", os.defpath)])
     runner = Node(spec, rank, master, container_name)
     (runner.node_dir / "ranks").mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

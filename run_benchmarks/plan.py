@@ -275,6 +275,7 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
             config=str(round_dir / "resolved.json"),
             log_dir=str(node_dir / "ranks"),
             device=plan.vendor.device,
+            rdzv_id=f"{plan.run_id}-{round_dir.name}",
         )
         nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), {**env, **launcher.env(spec)}, str(root),
                               launcher.files(spec)))  # fmt: skip

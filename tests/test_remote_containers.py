@@ -51,13 +51,13 @@ def _python_mounts(venv: Path, code: Path) -> list[Mount]:
 
 
 def test_image_tag_follows_the_build_context(tmp_path):
-    (tmp_path / "Dockerfile").write_text("FROM flagbench/base:bookworm\n")
+    (tmp_path / "Dockerfile").write_text("FROM flagbench/cpu-base:bookworm\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.txt").write_text("a")
     first = image_tag(tmp_path, "fb/x")
     assert first.startswith("fb/x:") and len(first.split(":")[1]) == 16
     assert image_tag(tmp_path, "fb/x") == first
-    (tmp_path / "Dockerfile").write_text("FROM flagbench/base:bookworm\nRUN true\n")
+    (tmp_path / "Dockerfile").write_text("FROM flagbench/cpu-base:bookworm\nRUN true\n")
     changed = image_tag(tmp_path, "fb/x")
     assert changed != first
     (tmp_path / "sub" / "a.txt").rename(tmp_path / "sub" / "b.txt")
@@ -75,7 +75,7 @@ def test_base_images_of_a_dockerfile():
         FROM --platform=linux/amd64 debian:bookworm
         """)
     assert base_images(text) == ["nvcr.io/nvidia/pytorch:24.05-py3", "debian:bookworm"]
-    assert base_images(text, {"BASE": "flagbench/base:bookworm"})[0] == "flagbench/base:bookworm"
+    assert base_images(text, {"BASE": "flagbench/cpu-base:bookworm"})[0] == "flagbench/cpu-base:bookworm"
 
 
 @pytest.mark.cluster

@@ -11,6 +11,7 @@ remove all of them on success, failure, timeout or Ctrl-C.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -19,17 +20,18 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import docker
 import docker.errors
+import paramiko
 import requests
 from docker.transport import SSHHTTPAdapter, UnixHTTPAdapter
 from docker.transport.basehttpadapter import BaseHTTPAdapter
 from docker.transport.sshconn import SSHConnectionPool
 from docker.types import DeviceRequest, Mount as DockerMount, Ulimit
 
-from .errors import ContainerTimeout, EngineUnreachable, ImageBuildFailed, RemoteError
+from .errors import ContainerError, ContainerTimeout, EngineUnreachable, ImageBuildFailed, RemoteError
 from .ssh import HostSpec, SSHPool
 
 LABEL_RUN_ID = "flagbench.run_id"
@@ -40,6 +42,28 @@ _PLACEHOLDER_URL = "unix:///nonexistent/flagbench-placeholder.sock"
 
 
 # -- engines ------------------------------------------------------------------------------
+def brief(exc: BaseException) -> str:
+    """An exception as one short line (docker and requests errors nest whole responses)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+@contextlib.contextmanager
+def engine_errors(engine: str, doing: str) -> Iterator[None]:
+    """Turn what the docker SDK, HTTP and SSH raise during an engine call into one
+    ``ContainerError`` line naming the engine; ``NotFound`` passes (callers expect it)."""
+    try:
+        yield
+    except (RemoteError, docker.errors.NotFound):
+        raise
+    except docker.errors.APIError as e:
+        raise ContainerError(engine, f"{doing}: {brief(e.explanation or e)}") from e
+    except (docker.errors.DockerException, requests.exceptions.RequestException,
+            paramiko.SSHException, OSError, EOFError) as e:
+        raise EngineUnreachable(engine, f"docker engine not answering ({doing}): {brief(e)}") from e
+
+
 class _TransportHolder:
     """What docker's SSHConnectionPool expects of a paramiko client: ``get_transport()``."""
 
@@ -222,18 +246,17 @@ def ensure_image(client: docker.DockerClient, context_dir: str | os.PathLike[str
     """
     engine = engine_name(client)
     tag = image_tag(context_dir, name, buildargs)
-    try:
-        return client.images.get(tag).id
-    except docker.errors.ImageNotFound:
-        pass
-    text = (Path(context_dir) / dockerfile).read_text()
-    for ref in base_images(text, buildargs):
+    with engine_errors(engine, f"looking up {tag}"):
         try:
-            client.images.get(ref)
+            return client.images.get(tag).id
         except docker.errors.ImageNotFound:
-            raise ImageBuildFailed(
-                engine, f"base image {ref} of {tag} is not on the engine; images are never "
-                "pulled: import or build it there first") from None
+            pass
+    text = (Path(context_dir) / dockerfile).read_text()
+    missing = [ref for ref in base_images(text, buildargs) if not has_image(client, ref)]
+    if missing:
+        raise ImageBuildFailed(
+            engine, f"base image {', '.join(missing)} of {tag} is not on the engine; images are "
+            "never pulled: load it there (start_task.py --cluster FILE --load-images, docs/clusters.md)")
     try:
         image, _ = client.images.build(
             path=str(context_dir), dockerfile=dockerfile, tag=tag, buildargs=dict(buildargs or {}),
@@ -245,8 +268,21 @@ def ensure_image(client: docker.DockerClient, context_dir: str | os.PathLike[str
                       for chunk in e.build_log)
         raise ImageBuildFailed(engine, f"building {tag} failed: {e.msg}", log=log) from e
     except docker.errors.APIError as e:
-        raise ImageBuildFailed(engine, f"building {tag} failed: {e}") from e
+        raise ImageBuildFailed(engine, f"building {tag} failed: {brief(e)}") from e
+    except (docker.errors.DockerException, requests.exceptions.RequestException,
+            paramiko.SSHException, OSError, EOFError) as e:
+        raise EngineUnreachable(engine, f"docker engine not answering (building {tag}): {brief(e)}") from e
     return image.id
+
+
+def has_image(client: docker.DockerClient, ref: str) -> bool:
+    """Whether the engine holds the image ``ref``."""
+    with engine_errors(engine_name(client), f"looking up {ref}"):
+        try:
+            client.images.get(ref)
+            return True
+        except docker.errors.ImageNotFound:
+            return False
 
 
 # -- containers ---------------------------------------------------------------------------
@@ -323,21 +359,23 @@ class ContainerHandle:
 
     def logs(self, tail: int | None = None) -> str:
         """stdout and stderr so far, interleaved as the engine recorded them."""
-        data = self.container.logs(stdout=True, stderr=True, tail=tail if tail else "all")
+        with engine_errors(self.engine, f"reading the logs of {self.name}"):
+            data = self.container.logs(stdout=True, stderr=True, tail=tail if tail else "all")
         return data.decode("utf-8", "replace")
 
     def stop_and_remove(self, timeout: int = 10) -> None:
         """Stop (TERM, KILL after ``timeout`` s) and remove; a missing container is fine."""
-        try:
-            self.container.stop(timeout=timeout)
-        except docker.errors.NotFound:
-            return
-        except docker.errors.APIError:
-            pass
-        try:
-            self.container.remove(force=True)
-        except docker.errors.NotFound:
-            pass
+        with engine_errors(self.engine, f"removing {self.name}"):
+            try:
+                self.container.stop(timeout=timeout)
+            except docker.errors.NotFound:
+                return
+            except docker.errors.APIError:
+                pass
+            try:
+                self.container.remove(force=True)
+            except docker.errors.NotFound:
+                pass
 
     def __enter__(self) -> "ContainerHandle":
         return self
@@ -366,34 +404,54 @@ def run_container(client: docker.DockerClient, spec: ContainerSpec) -> Container
                     device_requests=spec.device_requests or None,
                     ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits] or None)
     kwargs.update({k: v for k, v in optional.items() if v is not None})
-    try:
-        container = client.containers.create(**kwargs)  # create() never pulls; run() would
-    except docker.errors.ImageNotFound as e:
-        raise ImageBuildFailed(engine, f"image {spec.image} is not on the engine "
-                               "(images are never pulled)") from e
+    with engine_errors(engine, f"creating a container of {spec.image}"):
+        try:
+            container = client.containers.create(**kwargs)  # create() never pulls; run() would
+        except docker.errors.ImageNotFound as e:
+            raise ImageBuildFailed(engine, f"image {spec.image} is not on the engine "
+                                   "(images are never pulled)") from e
     handle = ContainerHandle(container, engine, spec)
     try:
-        container.start()
+        with engine_errors(engine, f"starting {handle.name}"):
+            container.start()
     except BaseException:
-        handle.stop_and_remove(timeout=0)
+        with contextlib.suppress(RemoteError):  # the engine may be what failed
+            handle.stop_and_remove(timeout=0)
         raise
     return handle
 
 
-def containers_of_run(client: docker.DockerClient, run_id: str) -> list[Any]:
-    """Every container (running or not) labelled with ``run_id``."""
-    return client.containers.list(all=True, filters={"label": f"{LABEL_RUN_ID}={run_id}"})
+def containers_of_run(client: docker.DockerClient, run_id: str | None) -> list[Any]:
+    """Every container (running or not) labelled with ``run_id``; with None, of any run."""
+    label = LABEL_RUN_ID if run_id is None else f"{LABEL_RUN_ID}={run_id}"
+    with engine_errors(engine_name(client), "listing containers"):
+        return client.containers.list(all=True, filters={"label": label})
 
 
 def cleanup_by_label(client: docker.DockerClient, run_id: str) -> list[str]:
     """Force-remove every container of ``run_id``; the names removed."""
+    return _remove(client, containers_of_run(client, run_id))
+
+
+def remove_other_runs(client: docker.DockerClient, run_id: str | None) -> dict[str, list[str]]:
+    """Force-remove the containers of every run but ``run_id``: {run id: names removed}."""
+    found = [c for c in containers_of_run(client, None) if c.labels.get(LABEL_RUN_ID) != run_id]
+    removed: dict[str, list[str]] = {}
+    for c in found:
+        if _remove(client, [c]):
+            removed.setdefault(c.labels.get(LABEL_RUN_ID, "?"), []).append(c.name)
+    return removed
+
+
+def _remove(client: docker.DockerClient, containers: list[Any]) -> list[str]:
     removed = []
-    for container in containers_of_run(client, run_id):
-        try:
-            container.remove(force=True)
-            removed.append(container.name)
-        except docker.errors.NotFound:
-            pass
+    with engine_errors(engine_name(client), "removing containers"):
+        for container in containers:
+            try:
+                container.remove(force=True)
+                removed.append(container.name)
+            except docker.errors.NotFound:
+                pass
     return removed
 
 
@@ -403,13 +461,17 @@ __all__ = [
     "ContainerSpec",
     "Mount",
     "base_images",
+    "brief",
     "cleanup_by_label",
     "connect_engine",
     "containers_of_run",
     "context_digest",
+    "engine_errors",
     "engine_name",
     "ensure_image",
+    "has_image",
     "image_tag",
     "nvidia_gpus",
+    "remove_other_runs",
     "run_container",
 ]

@@ -60,17 +60,27 @@ class RemoteCommandFailed(RemoteError):
         self.stderr = stderr
 
 
-class ContainerError(Exception):
-    """Base class of the container-engine errors; ``engine`` names the engine (host or socket)."""
+class ContainerError(RemoteError):
+    """Base class of the container-engine errors; ``engine`` names the engine (host or socket).
+
+    A remote error like the others, so that a runtime that handles a lost host also handles
+    a lost engine (``host`` is the engine's name: the host's over SSH, else the socket)."""
 
     def __init__(self, engine: str, message: str) -> None:
-        super().__init__(f"{engine}: {message}")
+        super().__init__(engine, message)
         self.engine = engine
-        self.detail = message
 
 
 class EngineUnreachable(ContainerError):
     """The container engine did not answer."""
+
+
+class HostBusy(RemoteError):
+    """Another run holds the host's lock; ``holder`` is what that run recorded in it."""
+
+    def __init__(self, host: str, message: str, *, holder: str = "") -> None:
+        super().__init__(host, message)
+        self.holder = holder
 
 
 class ImageBuildFailed(ContainerError):
@@ -95,6 +105,7 @@ __all__ = [
     "ContainerError",
     "ContainerTimeout",
     "EngineUnreachable",
+    "HostBusy",
     "HostKeyMismatch",
     "HostKeyUnknown",
     "HostUnreachable",

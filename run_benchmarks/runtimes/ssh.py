@@ -8,18 +8,27 @@ cluster's ``python`` as is.  With ``runtime: container`` it builds (once per
 build-context hash) and starts the vendor's image through each host's docker
 engine; the image id is recorded.
 
+Before it touches a host, a run takes the host's lock (``remote.hostlock``: a second run
+on the same hosts is refused with the host and the run that holds it) and removes what
+earlier runs left there (``remote.leftovers``: containers and processes of runs whose
+host was lost, said in one line). The rendezvous port is the cluster file's
+``master_port`` checked free on the first host, or a free port there.
+
 Per round every node runs the node agent (``python -m run_benchmarks.node_agent``)
 which starts the monitor, runs the framework launcher and exits with its status;
 the orchestrator waits on the real exits (SSH exit status or container exit
 code) under the round's deadline, stops every node when one fails, and brings
-each node's folder back into ``<round_dir>/node<k>``.
+each node's folder back into ``<round_dir>/node<k>``. A host or engine lost at any
+point fails that round with a line naming the host; the next round runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -29,7 +38,7 @@ from run_benchmarks.config import ClusterConfig, HostConfig
 from run_benchmarks.errors import InputError
 from run_benchmarks.plan import NodePlan, Plan, plan_nodes
 from run_benchmarks.registry import ROOT, VENDORS_DIR
-from run_benchmarks.remote.errors import RemoteError
+from run_benchmarks.remote.errors import RemoteCommandFailed, RemoteError
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 
 # what the nodes need of the repository: the code of both sides, the cases and the vendors
@@ -37,6 +46,17 @@ CODE_PARTS = ("run_benchmarks", "training", "cases", "vendors", "setup.cfg")
 CODE_EXCLUDE = ("__pycache__", "*.pyc", "*.egg-info")
 KILL_GRACE_S = 10.0
 POLL_S = 0.2
+# Run on the master host: bind the port (0: any free one) and print it, or exit with the reason.
+PORT_PROBE = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds
+try:
+    s.bind(("", int(sys.argv[1])))
+except OSError as e:
+    sys.exit(e.strerror)
+print(s.getsockname()[1])
+"""
 
 
 def _expand(path: str | None) -> str | None:
@@ -59,8 +79,11 @@ class _Node:
             return self.rc
         import docker
 
+        from run_benchmarks.remote.containers import engine_errors
+
         try:
-            self.container.container.reload()
+            with engine_errors(self.host.name, "following the container"):
+                self.container.container.reload()
         except docker.errors.NotFound:
             self.rc, self.error = -1, self.error or "the container disappeared during the round"
             return self.rc
@@ -96,6 +119,11 @@ class SSHRuntime(Runtime):
         self.live: list[_Node] = []
         self.timings: dict[str, float] = {}
         self._archive: tuple[Path, str] | None = None
+        self.locks: list[Any] = []  # the hosts' locks (remote.hostlock), held for the whole run
+        self.master_port: int | None = None  # chosen on the master in prepare
+        self.notes: list[str] = []  # what was said about the hosts (leftovers removed)
+        self._stopping = False  # set by cleanup: no node starts after it
+        self._starter: ThreadPoolExecutor | None = None  # the round's node starts in flight
 
     # -- paths ---------------------------------------------------------------------------
     def work(self, host: HostConfig) -> PurePosixPath:
@@ -134,18 +162,29 @@ class SSHRuntime(Runtime):
             py = "python3"
         return py, Path(str(self.code_root(self.hosts[0])))
 
-    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+    def _connect(self, hosts: list[HostConfig], run_id: str) -> None:
+        """Connect to the hosts and take their locks (refused when another run holds one)."""
+        from run_benchmarks.remote.hostlock import lock_hosts
         from run_benchmarks.remote.ssh import SSHPool
 
-        t0 = time.monotonic()
-        self.run_id = plan.run_id
-        self.hosts = self.cluster.hosts[: plan.case.nnodes]
+        self.hosts = hosts
         self.pool = SSHPool(self._host_specs(), accept_new_host_keys=self.cluster.ssh.accept_new_host_keys,
                             connect_timeout=self.cluster.ssh.connect_timeout_s)  # fmt: skip
+        self.pool.connect()
+        self.locks = lock_hosts(self.pool, [h.name for h in hosts], run_id, self.cluster.ssh.command_timeout_s)
+
+    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+        t0 = time.monotonic()
+        self.run_id = plan.run_id
+        staging = log.parent / ".code"
         try:
-            self.pool.connect()
+            self._connect(self.cluster.hosts[: plan.case.nnodes], plan.run_id)
             self.timings["connect_s"] = time.monotonic() - t0
-            self._each(lambda h: self._push_code(h, log.parent / ".code"))
+            for line in filter(None, self._each(lambda h: self._sweep(h, plan.run_id))):
+                self.notes.append(line)
+                print(line, file=sys.stderr, flush=True)
+            self._code_archive(staging)
+            self._each(lambda h: self._push_code(h, staging))
             self.timings["code_s"] = time.monotonic() - t0
             data_dir = plan.settings["data"].get("data_dir")
             if data_dir:
@@ -153,41 +192,77 @@ class SSHRuntime(Runtime):
             self.env_python = self._framework_python(plan, log)
             if self.containerized:
                 self._each(lambda h: self._ensure_image(plan, h))
+            self.master_port = self._master_port()
             self.timings["prepare_s"] = time.monotonic() - t0
         except RemoteError as exc:
             raise InputError(f"host {exc}") from None
         finally:
-            shutil.rmtree(log.parent / ".code", ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
         return self.env_python, Path(str(self.code_root(self.hosts[0])))
+
+    def _sweep(self, host: HostConfig, keep_run: str | None) -> str | None:
+        """Remove the containers and processes earlier runs left on the host (its lock is ours)."""
+        from run_benchmarks.remote.leftovers import engine_or_none, sweep_host
+
+        # the engine must answer for a container run; without one, a host has no containers
+        engine = self._engine(host) if self.containerized else engine_or_none(lambda: self._engine(host))
+        return sweep_host(self.pool, host.name, engine, keep_run, self.cluster.ssh.command_timeout_s)
+
+    def _sweep_any(self, host: HostConfig) -> str | None:
+        """Like ``_sweep`` for every run, and a host whose engine is down only loses its processes."""
+        from run_benchmarks.remote.leftovers import engine_or_none, sweep_host
+
+        engine = engine_or_none(lambda: self._engine(host))
+        return sweep_host(self.pool, host.name, engine, None, self.cluster.ssh.command_timeout_s)
+
+    def _master_port(self) -> int:
+        """The rendezvous port: the cluster file's, checked free on the master, else a free one there."""
+        master = self.hosts[0]
+        given = "master_port" in self.cluster.model_fields_set
+        port = self.cluster.master_port if given else 0
+        res = self.pool.run(master.name, ["python3", "-c", PORT_PROBE, str(port)], timeout=self.cluster.ssh.command_timeout_s)
+        if res.rc != 0:
+            why = (res.stderr.strip().splitlines() or ["bind failed"])[-1]
+            raise InputError(f"host {master.name}: master_port {port} of the cluster file is in use there ({why}); "
+                             "free it, or leave master_port out to use a free port")  # fmt: skip
+        return int(res.stdout.split()[-1])
 
     def _each(self, fn: Any) -> list[Any]:
         with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
             return list(ex.map(fn, self.hosts))
 
     def _code_archive(self, staging: Path) -> tuple[Path, str]:
-        """The harness's code as one tar.gz (built once per run) and its content hash."""
+        """The harness's code as one tar.gz (built once per run, in the run's log folder) and its content hash."""
         if self._archive is None:
-            import hashlib
-            import tarfile
-
-            from run_benchmarks.remote.transfer import excluded
-
-            files = [Path(p) for p in CODE_PARTS if (ROOT / p).is_file()]
-            for part in (p for p in CODE_PARTS if (ROOT / p).is_dir()):
-                for dirpath, dirnames, filenames in os.walk(ROOT / part):
-                    rel_dir = Path(dirpath).relative_to(ROOT)
-                    dirnames[:] = sorted(d for d in dirnames if not excluded(rel_dir / d, CODE_EXCLUDE))
-                    files += [rel_dir / f for f in sorted(filenames) if not excluded(rel_dir / f, CODE_EXCLUDE)]
-            digest = hashlib.sha256()
-            for rel in files:
-                digest.update(str(rel).encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
-            staging.mkdir(parents=True, exist_ok=True)
-            path = staging / "code.tar.gz"
-            with tarfile.open(path, "w:gz", compresslevel=1) as tar:
-                for rel in files:
-                    tar.add(ROOT / rel, arcname=str(rel), recursive=False)
-            self._archive = (path, digest.hexdigest()[:16])
+            try:
+                self._archive = self._write_archive(staging / "archive")
+            except OSError as exc:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise InputError(f"{staging.parent}: cannot write the code archive in the run's log folder: "
+                                 f"{exc.strerror or exc}") from None  # fmt: skip
         return self._archive
+
+    def _write_archive(self, staging: Path) -> tuple[Path, str]:
+        import hashlib
+        import tarfile
+
+        from run_benchmarks.remote.transfer import excluded
+
+        files = [Path(p) for p in CODE_PARTS if (ROOT / p).is_file()]
+        for part in (p for p in CODE_PARTS if (ROOT / p).is_dir()):
+            for dirpath, dirnames, filenames in os.walk(ROOT / part):
+                rel_dir = Path(dirpath).relative_to(ROOT)
+                dirnames[:] = sorted(d for d in dirnames if not excluded(rel_dir / d, CODE_EXCLUDE))
+                files += [rel_dir / f for f in sorted(filenames) if not excluded(rel_dir / f, CODE_EXCLUDE)]
+        digest = hashlib.sha256()
+        for rel in files:
+            digest.update(str(rel).encode() + b"\0" + (ROOT / rel).read_bytes() + b"\0")
+        staging.mkdir(parents=True, exist_ok=True)
+        path = staging / "code.tar.gz"
+        with tarfile.open(path, "w:gz", compresslevel=1) as tar:
+            for rel in files:
+                tar.add(ROOT / rel, arcname=str(rel), recursive=False)
+        return path, digest.hexdigest()[:16]
 
     def _push_code(self, host: HostConfig, staging: Path) -> None:
         """One archive per host, unpacked only when its hash changed (a marker file records it)."""
@@ -198,10 +273,7 @@ class SSHRuntime(Runtime):
         if self.pool.run(host.name, ["test", "-f", marker], timeout=t).rc == 0:
             return
         self.pool.run(host.name, ["mkdir", "-p", work], timeout=t, check=True)
-        upload = staging / host.name
-        upload.mkdir(parents=True, exist_ok=True)
-        shutil.copy(archive, upload / "code.tar.gz")
-        self.pool.put_tree(host.name, upload, work)
+        self.pool.put_tree(host.name, archive.parent, work)  # the folder holds the archive alone
         script = ('set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; '
                   'mv "$1.new" "$1"; touch "$3"; rm -f "$2"')  # fmt: skip
         self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
@@ -224,8 +296,9 @@ class SSHRuntime(Runtime):
             for h, res in zip(self.hosts, results):
                 with open(log, "a") as fh:
                     fh.write(f"[{h.name}] {res.stdout}{res.stderr}")
-                if res.rc != 0:
-                    raise InputError(f"host {h.name}: building the {plan.case.framework} environment failed: {res.stderr.strip()[-300:]}")
+                if res.rc != 0:  # envs says what failed and where pip's output is, on one line
+                    why = (res.stderr.strip().splitlines() or [f"exit status {res.rc}"])[-1].removeprefix("error: ")
+                    raise InputError(f"host {h.name}: {why}")
                 paths.add(res.stdout.strip().splitlines()[-1])
             if len(paths) != 1:
                 raise InputError(f"hosts disagree on the environment's path: {sorted(paths)}")
@@ -264,6 +337,8 @@ class SSHRuntime(Runtime):
 
     # -- one round -----------------------------------------------------------------------
     def node_plans(self, plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
+        if self.master_port:  # the port chosen on the master (a dry run shows the configured one)
+            plan = dataclasses.replace(plan, cluster=plan.cluster.model_copy(update={"master_port": self.master_port}))
         out = []
         for k, host in enumerate(self.hosts or self.cluster.hosts[: plan.case.nnodes]):
             rd = Path(str(self.node_round_dir(plan, host, round_dir)))
@@ -300,13 +375,21 @@ class SSHRuntime(Runtime):
         return [python, "-m", "run_benchmarks.node_agent", "--spec", str(rd / "agent.json"), "--node-rank", str(k),
                 "--master", self.hosts[0].address]  # fmt: skip
 
-    def _start(self, plan: Plan, k: int, host: HostConfig, round_dir: Path, node: NodePlan) -> _Node:
+    def _start(self, plan: Plan, k: int, host: HostConfig, round_dir: Path, node: NodePlan) -> None:
+        """Start node k and track it in ``self.live`` at once (a stop signal may come meanwhile)."""
+        from run_benchmarks.remote.leftovers import RUN_MARK
+
+        if self._stopping:
+            raise RemoteCommandFailed(host.name, "not started: the run is stopping")
         local_node = round_dir / f"node{k}"
         argv = self._agent_argv(plan, host, round_dir, k, self.env_python)
+        # the run's mark, inherited by everything the agent starts: a later run finds leftovers by it
+        mark = {RUN_MARK: plan.run_id}
         if not self.containerized:
-            proc = self.pool.start(host.name, argv, local_node / "agent.log", env={"PYTHONPATH": str(self.code_root(host))},
+            proc = self.pool.start(host.name, argv, local_node / "agent.log", env={"PYTHONPATH": str(self.code_root(host)), **mark},
                                    cwd=str(self.code_root(host)), start_timeout=self.cluster.ssh.command_timeout_s)  # fmt: skip
-            return _Node(k, host, proc=proc)
+            self.live.append(_Node(k, host, proc=proc))
+            return
         from run_benchmarks.remote.containers import ContainerSpec, Mount, nvidia_gpus, run_container
 
         opts = plan.vendor.container
@@ -326,7 +409,7 @@ class SSHRuntime(Runtime):
             command=argv,
             run_id=plan.run_id,
             name=f"fb-{plan.run_id[-26:]}-{round_dir.name}-n{k}".replace(":", "-"),
-            env={**opts.extra_env, "PYTHONPATH": code, "PYTHONUNBUFFERED": "1"},
+            env={**opts.extra_env, "PYTHONPATH": code, "PYTHONUNBUFFERED": "1", **mark},
             mounts=mounts,
             devices=[f"{d}:{d}:rwm" for d in opts.devices],
             device_requests=[nvidia_gpus()] if opts.gpus else [],
@@ -337,18 +420,15 @@ class SSHRuntime(Runtime):
             privileged=opts.privileged,
             workdir=code,
         )
-        return _Node(k, host, container=run_container(self._engine(host), spec))
+        self.live.append(_Node(k, host, container=run_container(self._engine(host), spec)))
 
     def _start_all(self, plan: Plan, round_dir: Path, nodes: list[NodePlan]) -> None:
         """Start every node in parallel; what started is tracked even when another host fails."""
-        with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
-            futures = [ex.submit(self._start, plan, k, h, round_dir, nodes[k]) for k, h in enumerate(self.hosts)]
-        errors = []
-        for f in futures:
-            try:
-                self.live.append(f.result())
-            except Exception as exc:  # noqa: BLE001 - reported below, after the others are tracked
-                errors.append(exc)
+        self._starter = ThreadPoolExecutor(max_workers=len(self.hosts))
+        futures = [self._starter.submit(self._start, plan, k, h, round_dir, nodes[k]) for k, h in enumerate(self.hosts)]
+        self._starter.shutdown(wait=True)  # cleanup() waits on it too when a signal ends this wait
+        self._starter = None
+        errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]
 
@@ -373,8 +453,8 @@ class SSHRuntime(Runtime):
                     n.poll()
         by_rank = {n.k: n for n in self.live}
         for n in self.live:
-            if failure is not None and failure.host == n.host.name:
-                n.error = n.error or str(failure)
+            if failure is not None:
+                n.error = n.error or (failure.detail if failure.host == n.host.name else f"stopped: host {failure.host} failed")
         if self.live:  # every node's logs come back in parallel
             with ThreadPoolExecutor(max_workers=len(self.live)) as ex:
                 list(ex.map(lambda n: self._collect(plan, n, round_dir, round_dir / f"node{n.k}"), self.live))
@@ -383,7 +463,7 @@ class SSHRuntime(Runtime):
             local = round_dir / f"node{k}"
             n = by_rank.get(k)
             if n is None:  # never started on this host
-                why = str(failure) if failure is not None else "not started"
+                why = "not started" if failure is None else failure.detail if failure.host == host.name else f"not started: host {failure.host} failed"
                 outcomes.append(NodeOutcome(host.name, k, None, False, local, error=why))
             else:
                 outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error))
@@ -418,7 +498,9 @@ class SSHRuntime(Runtime):
                 try:
                     rc = n.poll()
                 except Exception as exc:  # engine or connection gone
-                    n.error, rc = f"lost the node: {exc}", -1
+                    from run_benchmarks.remote.containers import brief
+
+                    n.error, rc = f"lost the node: {brief(exc)}", -1
                     n.rc = rc
                 if rc is not None:
                     pending.remove(n)
@@ -433,11 +515,22 @@ class SSHRuntime(Runtime):
         return False
 
     def describe(self) -> dict[str, Any]:
-        return {"hosts": [h.name for h in self.hosts], "images": dict(self.images), "timings_s": dict(self.timings)}
+        return {"hosts": [h.name for h in self.hosts], "images": dict(self.images), "timings_s": dict(self.timings),
+                "master_port": self.master_port, "leftovers_removed": list(self.notes)}  # fmt: skip
 
     def cleanup(self) -> None:
+        """Stop this run's nodes, remove its containers, free the hosts' locks, close the connections.
+
+        Safe to call more than once, and from the stop-signal path (Ctrl-C, SIGTERM, SIGHUP
+        turned into KeyboardInterrupt) at any point of a round: nodes still being started
+        are waited for, then stopped with the others; none starts afterwards. What cannot be
+        reached now (a lost host) is removed by the next run there."""
         from run_benchmarks.remote.containers import cleanup_by_label
 
+        self._stopping = True
+        if self._starter is not None:
+            self._starter.shutdown(wait=True)
+            self._starter = None
         for n in self.live:
             n.stop()
         self.live = []
@@ -446,9 +539,29 @@ class SSHRuntime(Runtime):
                 if self.run_id:
                     cleanup_by_label(client, self.run_id)
                 client.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - an engine gone with its host
                 pass
         self.engines.clear()
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+def clean_hosts(cluster: ClusterConfig) -> list[str]:
+    """Remove what earlier runs left on the hosts of a cluster file (their containers and
+    processes); one line per host that had any. A host that a run holds is refused, so a
+    live run is never touched. For ``start_task.py --cluster FILE cleanup``."""
+    import datetime as dt
+
+    rt = SSHRuntime(cluster)
+    try:
+        rt._connect(list(cluster.hosts), f"cleanup-{dt.datetime.now():%Y%m%d-%H%M%S}")
+        lines = rt._each(lambda h: rt._sweep_any(h))
+    except RemoteError as exc:
+        raise InputError(f"host {exc}") from None
+    finally:
+        rt.cleanup()
+    return [ln for ln in lines if ln]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 SUITE = "bookworm"
-IMAGE_REF = "flagbench/base:bookworm"
+IMAGE_REF = "flagbench/cpu-base:bookworm"  # the cpu vendor Dockerfiles' default BASE_IMAGE
 PACKAGES = (
     "ca-certificates",
     "libbz2-1.0",

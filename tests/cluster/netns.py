@@ -203,10 +203,12 @@ Subsystem sftp internal-sftp
 """
 
 
-def _start_sshd(c: Cluster, h: HostInfo, hdir: Path) -> None:
+def _start_sshd(c: Cluster, h: HostInfo, hdir: Path, env: dict[str, str] | None = None) -> None:
     cfg = hdir / "sshd_config"
-    cfg.write_text(SSHD_CONFIG.format(port=h.port, address=h.address, host_key=h.host_key,
-                                      authorized_keys=Path(c.dir) / "authorized_keys"))
+    if env is not None or not cfg.exists():  # a restart keeps the config (and its SetEnv)
+        cfg.write_text(SSHD_CONFIG.format(port=h.port, address=h.address, host_key=h.host_key,
+                                          authorized_keys=Path(c.dir) / "authorized_keys")
+                       + "".join(f"SetEnv {k}={v}\n" for k, v in (env or {}).items()))
     empty = hdir / "empty_bashrc"
     empty.write_text("")
     q = lambda s: "'" + str(s).replace("'", "'\\''") + "'"  # noqa: E731 (paths are ours)
@@ -214,7 +216,7 @@ def _start_sshd(c: Cluster, h: HostInfo, hdir: Path) -> None:
     script = "; ".join([
         f"hostname {h.hostname}",
         "mount -t tmpfs -o mode=755 tmpfs /run",
-        "mkdir -p /run/sshd",
+        "mkdir -p /run/sshd /run/lock",  # /run/lock: where runs take the host's lock
         f"ln -s {q(h.docker_socket)} /run/docker.sock",
         *([f"mount --bind {q(empty)} {q(bashrc)}"] if os.path.exists(bashrc) else []),
         f"exec {SSHD} -D -e -f {q(cfg)}",
@@ -265,11 +267,13 @@ def _import_image(h: HostInfo, tarball: Path, ref: str) -> None:
 
 def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
        storage_driver: str = "overlay2", user: str = "root", owner_pid: int | None = None,
-       log=print) -> Cluster:
+       ssh_env: dict[str, dict[str, str]] | None = None, log=print) -> Cluster:
     """Build an n-host cluster recorded in ``<directory>/cluster.json``; undone on failure.
 
     ``owner_pid``: the process whose lifetime bounds the cluster's (``sweep_stale`` tears
     the cluster down once that process is gone); None for a cluster kept until ``down``.
+    ``ssh_env``: per host name, variables every SSH session there gets (sshd ``SetEnv``),
+    e.g. a pip without its configuration, as on a host without a package mirror.
     """
     if n < 1 or n > 250:
         raise ValueError("n must be in 1..250")
@@ -322,7 +326,7 @@ def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
         def start(h: HostInfo) -> None:
             hdir = root / "hosts" / h.name
             _start_dockerd(c, h, hdir)
-            _start_sshd(c, h, hdir)
+            _start_sshd(c, h, hdir, (ssh_env or {}).get(h.name, {}))
             if tarball is not None:
                 _import_image(h, tarball, IMAGE_REF)
 
@@ -398,6 +402,27 @@ def _end(pid: int | None, expect: str, timeout: float = 10.0) -> None:
             time.sleep(0.05)
         if not _alive(pid):
             return
+
+
+def stop_daemon(c: Cluster, name: str, daemon: str) -> None:
+    """Stop one host's ``sshd`` (with its sessions: the host is unreachable) or ``dockerd``
+    (its containers stop; the engine keeps them), as a failing host would."""
+    h, hdir = c.host(name), Path(c.dir) / "hosts" / name
+    if daemon == "sshd":
+        for pid in _children(h.sshd_pid or 0):  # the sessions: one sshd per connection
+            _end(pid, "", timeout=5)
+        _end(h.sshd_pid, f"-f {hdir / 'sshd_config'}")
+    elif daemon == "dockerd":
+        _end(h.dockerd_pid, f"--data-root {hdir / 'docker'} ", timeout=15)
+        _end(h.containerd_pid, str(hdir / "docker-exec"))
+    else:
+        raise ValueError(daemon)
+
+
+def start_daemon(c: Cluster, name: str, daemon: str) -> None:
+    """Start a stopped ``sshd`` or ``dockerd`` of one host again (the host comes back)."""
+    h, hdir = c.host(name), Path(c.dir) / "hosts" / name
+    {"sshd": _start_sshd, "dockerd": _start_dockerd}[daemon](c, h, hdir)
 
 
 def _remove_containers(h: HostInfo) -> None:

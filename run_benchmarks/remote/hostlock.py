@@ -1,0 +1,130 @@
+"""One run at a time on a host: a lock held on the host for as long as the run's SSH connection lives.
+
+Two runs on the same hosts would share devices and ports and falsify each other's figures,
+so a run takes every host's lock before it touches anything there, and a second run is
+refused with a line naming the host and the run that holds it.
+
+The lock is ``flock`` on ``flagbench.lock`` in the first writable directory of
+``LOCK_DIRS`` (``/run/lock`` on Debian and Ubuntu: per boot, shared by all users). A small
+Python process on the host takes it and holds it: it writes the holder's description into
+the file, then waits until its stdout reports a hang-up, which happens when the SSH
+channel it runs in closes (the run released it, ended, or died and its connection with
+it). So a run killed without any teardown does not block the host for long.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import json
+import os
+import socket
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .errors import HostBusy, RemoteCommandFailed
+from .ssh import SSHPool
+
+LOCK_DIRS = ("/run/lock", "/var/lock", "/tmp")
+BUSY_EXIT = 75  # EX_TEMPFAIL
+# Runs on the host under its python3 (the harness's code may not be there yet).
+HOLDER = r"""
+import fcntl, os, select, sys
+info, dirs = sys.argv[1], sys.argv[2:]
+where = next(d for d in dirs if os.path.isdir(d) and os.access(d, os.W_OK))
+path = os.path.join(where, "flagbench.lock")
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+except OSError:
+    print("BUSY", os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}", flush=True)
+    sys.exit(75)
+os.ftruncate(fd, 0)
+os.pwrite(fd, info.encode(), 0)
+print("LOCKED", path, flush=True)
+poller = select.poll()
+poller.register(sys.stdout.fileno(), 0)  # only errors and hang-ups: the channel is gone
+poller.poll()
+"""
+
+
+def holder_info(run_id: str) -> str:
+    """What a run records in the lock: who to ask about it."""
+    return json.dumps({
+        "run_id": run_id, "by": f"{getpass.getuser()}@{socket.gethostname()}", "pid": os.getpid(),
+        "since": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+    })  # fmt: skip
+
+
+def describe_holder(text: str) -> str:
+    try:
+        h: dict[str, Any] = json.loads(text)
+    except ValueError:
+        return "another run"
+    return f"run {h.get('run_id', '?')} ({h.get('by', '?')}, pid {h.get('pid', '?')}, since {h.get('since', '?')})"
+
+
+class HostLock:
+    """The lock of one host; ``release`` (or the connection's end) frees it."""
+
+    def __init__(self, pool: SSHPool, host: str, run_id: str, timeout: float) -> None:
+        self.host = host
+        fd, out = tempfile.mkstemp(prefix=f"flagbench-lock-{host}-")
+        os.close(fd)
+        self._out = Path(out)
+        self._proc = pool.start(host, ["python3", "-c", HOLDER, holder_info(run_id), *LOCK_DIRS], self._out,
+                                start_timeout=timeout)  # fmt: skip
+        try:
+            self._wait_answer(timeout)
+        except BaseException:
+            self.release()
+            raise
+
+    def _wait_answer(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            line = self._out.read_text(errors="replace").partition("\n")
+            if line[1]:  # a whole first line
+                word, _, rest = line[0].partition(" ")
+                if word == "LOCKED":
+                    self.path = rest
+                    return
+                if word == "BUSY":
+                    raise HostBusy(self.host, f"in use by {describe_holder(rest)}: one run at a time per host; "
+                                              "wait for it to end, or stop it first", holder=rest)  # fmt: skip
+                break
+            if self._proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        text = self._out.read_text(errors="replace").strip()
+        raise RemoteCommandFailed(self.host, f"could not take the host's lock: {text[-300:] or 'no answer from python3'}")
+
+    def release(self) -> None:
+        """Free the lock (ends the holder); safe to call more than once."""
+        try:
+            if self._proc.poll() is None:
+                self._proc.kill(grace=2.0)
+        except Exception:  # noqa: BLE001 - a lost connection frees the lock by itself
+            pass
+        self._out.unlink(missing_ok=True)
+
+
+def lock_hosts(pool: SSHPool, hosts: list[str], run_id: str, timeout: float) -> list[HostLock]:
+    """Take every host's lock, in parallel; if one is refused, free the others and raise
+    (the first host's error in the given order). A run never waits for a lock, so two runs
+    racing for the same hosts cannot block each other."""
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as ex:
+        futures = [ex.submit(HostLock, pool, h, run_id, timeout) for h in hosts]
+    locks = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for lock in locks:
+            lock.release()
+        raise errors[0]
+    return locks
+
+
+__all__ = ["BUSY_EXIT", "HOLDER", "LOCK_DIRS", "HostLock", "describe_holder", "holder_info", "lock_hosts"]

@@ -1,132 +1,246 @@
-"""Round metrics from parsed metric-log records: throughput, MFU, memory, loss alignment."""
+"""Round metrics from parsed metric-log records: throughput, MFU, memory, the loss gate.
+
+Everything here works after a round, on what its ranks wrote: nothing runs per step.
+The figures of a phase come from its step records alone (:func:`figures`), so --verify
+recomputes them from the records kept in results.json with the same code.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
 
 ALIGN_FROM_STEP = 21  # seed 000: loss compared from step 21 on
 ALIGN_TOLERANCE = 0.02  # aligned when the mean relative error is below 2 %
+MIN_COMPARED_STEPS = 5  # fewer compared steps judge nothing
 GIB = 1024**3
 
 
-def loss_mre(loss: dict[int, float], reference: dict[int, float], from_step: int = ALIGN_FROM_STEP) -> tuple[float | None, int]:
-    """Mean relative error of ``loss`` against ``reference`` over common steps >= from_step."""
-    steps = sorted(s for s in loss if s >= from_step and s in reference)
-    if not steps:
-        return None, 0
+class BadReference(ValueError):
+    """A reference curve that cannot judge a run; the message names the file and the step."""
+
+
+# --------------------------------------------------------------------------- the loss gate
+
+
+def step_ranges(steps: Iterable[int]) -> str:
+    """``[22, 26, 27, 28]`` -> ``"22, 26-28"``."""
+    out: list[str] = []
+    run: list[int] = []
+    for s in sorted(steps):
+        if run and s != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(s)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
+def compared_steps(reference: Reference) -> list[int]:
+    """The reference's steps the gate compares: from step 21 to its last step."""
+    return sorted(s for s in reference.loss if s >= ALIGN_FROM_STEP)
+
+
+def check_curve(reference: Reference) -> None:
+    """A curve that can judge a run: enough steps from 21 on, each a finite, non-zero loss."""
+    steps = compared_steps(reference)
+    if len(steps) < MIN_COMPARED_STEPS:
+        have = f"steps {step_ranges(steps)}" if steps else "none"
+        raise BadReference(f"{reference.path}: {len(steps)} step(s) from step {ALIGN_FROM_STEP} on ({have}); "
+                           f"the loss gate compares at least {MIN_COMPARED_STEPS}")  # fmt: skip
+    for s in steps:
+        v = reference.loss[s]
+        if not math.isfinite(v) or v == 0:
+            raise BadReference(f"{reference.path}: step {s}: reference loss {v} (a relative error needs a finite, non-zero loss)")
+
+
+def loss_mre(loss: Mapping[int, float], reference: Mapping[int, float], from_step: int = ALIGN_FROM_STEP) -> tuple[float, int]:
+    """Mean relative error of ``loss`` against ``reference`` over the reference's steps >= from_step.
+
+    Every one of those steps must be in ``loss`` (ValueError naming the missing ones); a
+    reference loss of 0 or a non-finite one is a BadReference.
+    """
+    steps = sorted(s for s in reference if s >= from_step)
+    missing = [s for s in steps if s not in loss]
+    if missing:
+        raise ValueError(f"steps {step_ranges(missing)} missing")
     errs = []
     for s in steps:
-        ref, got = reference[s], loss[s]
-        if not math.isfinite(got):
-            return math.inf, len(steps)
-        errs.append(abs(got - ref) / abs(ref))
-    return sum(errs) / len(errs), len(steps)
+        ref = reference[s]
+        if not math.isfinite(ref) or ref == 0:
+            raise BadReference(f"step {s}: reference loss {ref}")
+        errs.append(abs(loss[s] - ref) / abs(ref))
+    return (sum(errs) / len(errs) if errs else math.nan), len(steps)
 
 
 def is_aligned(mre: float | None, tolerance: float = ALIGN_TOLERANCE) -> bool | None:
     return None if mre is None else mre < tolerance
 
 
-def load_reference(path: Path, phase: str = "train") -> dict[int, float] | None:
-    """A loss curve: a committed reference file, or a phase of an earlier run's results.json.
+def first_nonfinite(loss: Mapping[int, float], warmup_steps: int) -> int | None:
+    """The first step after the warm-up (or from step 21, whichever comes first) whose loss is NaN or inf."""
+    after = min(warmup_steps, ALIGN_FROM_STEP - 1)
+    return next((s for s in sorted(loss) if s > after and not math.isfinite(loss[s])), None)
 
-    A reference file is ``{"steps": [...], "loss": [...]}``; a results.json gives the curve of
-    its first round that finished ``ok``. None when the file is absent; ValueError (naming the
-    file) when it is neither, or lacks the phase.
+
+def _nonfinite(x: float) -> str:
+    return "NaN" if math.isnan(x) else "inf" if x > 0 else "-inf"
+
+
+def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_steps: int) -> LossGate:
+    """One phase's loss curve against its reference: aligned, not aligned or not judged, with why.
+
+    A NaN or inf loss after the warm-up fails (``nonfinite_step``), whether or not the
+    reference has that step. Compared are the reference's steps from 21 to its last; each
+    must be in the run, at least MIN_COMPARED_STEPS of them; aligned when the MRE < 2 %.
     """
-    if not path.is_file():
-        return None
+    bad = first_nonfinite(loss, warmup_steps)
+    if bad is not None:
+        return LossGate(verdict="not aligned", reason=f"loss {_nonfinite(loss[bad])} at step {bad}", nonfinite_step=bad)
+    if reference is None:
+        return LossGate(verdict="not judged", reason="no reference curve")
+    steps = compared_steps(reference)
+    missing = [s for s in steps if s not in loss]
+    if missing:
+        return LossGate(verdict="not judged", reason=f"step{'s' if len(missing) > 1 else ''} {step_ranges(missing)} missing "
+                        f"(reference to step {steps[-1]})")  # fmt: skip
+    if len(steps) < MIN_COMPARED_STEPS:
+        return LossGate(verdict="not judged", compared_steps=len(steps),
+                        reason=f"{len(steps)} step(s) compared, at least {MIN_COMPARED_STEPS} needed")  # fmt: skip
+    try:
+        mre, n = loss_mre(loss, reference.loss)
+    except BadReference as exc:
+        raise BadReference(f"{reference.path}: {exc}") from None
+    verdict = "aligned" if mre < ALIGN_TOLERANCE else "not aligned"
+    return LossGate(verdict=verdict, mre=mre, compared_steps=n, first_step=steps[0], last_step=steps[-1],
+                    reason=f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
+                    + ("" if verdict == "aligned" else f" (at least {100 * ALIGN_TOLERANCE:g}%)"))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- reference curves
+
+
+def read_reference(path: Path, phase: str = "train") -> Reference:
+    """A loss curve: a committed ``{"steps": [...], "loss": [...]}`` file, or a phase of an earlier
+    run's results.json (its first round that ran clean: ``ok``, or ``unjudged`` as a first
+    reference run is). ValueError naming the file when it is neither, lacks the phase, or
+    has no clean round; curve files naming another phase or model are checked by the caller.
+    """
+    from run_benchmarks import typed_results
+    from run_benchmarks.errors import InputError
+
     try:
         data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except ValueError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     if isinstance(data, dict) and "rounds" in data:
-        ok = [r for r in data["rounds"] if r.get("status") == "ok"]
-        if not ok:
-            raise ValueError(f"{path}: no round finished ok, so there is no loss curve to compare with")
-        curves = {p.get("phase"): p.get("loss") or {} for p in ok[0].get("phases", [])}
+        try:
+            run = typed_results.parse(data, str(path))
+        except InputError as exc:
+            raise ValueError(str(exc)) from None
+        clean = [r for r in run.rounds if r.clean]
+        if not clean:
+            statuses = ", ".join(f"round {r.round} {r.status}" for r in run.rounds) or "no round"
+            raise ValueError(f"{path}: no round ran clean (ok or unjudged): {statuses}; an invalid or failed round is no reference")
+        curves = {p.phase: p.loss for p in clean[0].phases}
         if not curves.get(phase):
-            raise ValueError(f"{path}: round {ok[0].get('round')} has no loss curve for phase {phase!r} (has {', '.join(map(str, curves)) or 'none'})")
-        return {int(s): float(v) for s, v in curves[phase].items()}
+            raise ValueError(f"{path}: round {clean[0].round} has no loss curve for phase {phase!r} (has {', '.join(curves) or 'none'})")
+        return Reference(path=str(path), loss=curves[phase])
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not isinstance(data.get("loss"), list):
         raise ValueError(f"{path}: neither a reference curve ({{\"steps\": [...], \"loss\": [...]}}) nor a results.json")
-    return {int(s): float(v) for s, v in zip(data["steps"], data["loss"])}
+    if len(data["steps"]) != len(data["loss"]):
+        raise ValueError(f"{path}: {len(data['steps'])} steps but {len(data['loss'])} losses")
+    return Reference(path=str(path), loss={int(s): float(v) for s, v in zip(data["steps"], data["loss"])})
 
 
-def dedup_steps(records: Sequence[ml.Record]) -> list[dict[str, Any]]:
-    """One step value per step number (the reporting rank's), in step order."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for r in records:
-        by_step.setdefault(int(r.value["step"]), r.value)
+def load_reference(path: Path, phase: str = "train") -> dict[int, float] | None:
+    """The curve of :func:`read_reference` as step -> loss; None when the file is absent."""
+    return read_reference(path, phase).loss if path.is_file() else None
+
+
+# --------------------------------------------------------------------------- figures of a phase
+
+
+def step_records(parsed: ml.ParsedLog, phase: str) -> list[Step]:
+    """The phase's step records, one per step number (the reporting rank's), in step order."""
+    by_step: dict[int, Step] = {}
+    for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP):
+        v = r.value
+        if v.get("phase", "train") != phase or int(v["step"]) in by_step:
+            continue
+        by_step[int(v["step"])] = Step(
+            step=int(v["step"]), t=r.t, loss=float(v["loss"]), tokens=float(v["tokens"]), step_time_s=float(v["step_time_s"]),
+            lr=float(v["lr"]), data_s=None if v.get("data_s") is None else float(v["data_s"]),
+            profiled=bool(v.get("profiled", False)), skipped=bool(v.get("skipped", False)),
+        )  # fmt: skip
     return [by_step[k] for k in sorted(by_step)]
 
 
-def phase_metrics(
-    parsed: ml.ParsedLog,
-    phase: str,
-    warmup_steps: int,
-    world_size: int,
-    counts: dict[str, Any],
-    peak_flops: float | None,
-    reference: dict[int, float] | None,
-) -> dict[str, Any]:
-    def in_phase(r: ml.Record) -> bool:
-        return r.value.get("phase", "train") == phase
-
-    step_recs = [r for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP) if in_phase(r)]
-    steps = dedup_steps(step_recs)
-    metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if in_phase(r)]
+def figures(steps: Sequence[Step], warmup_steps: int, world_size: int, counts: Mapping[str, Any], peak_flops: float | None) -> dict[str, Any]:
+    """Everything a phase's step records determine: the window, tokens/p/s, step time, MFU both
+    ways, the loss curve. --verify compares a results.json against this."""
     # a profiled step runs under the profiler's cost: never part of the throughput window
-    after_warmup = [s for s in steps if int(s["step"]) > warmup_steps]
-    window = [s for s in after_warmup if not s.get("profiled")]
-    breakdowns = {str(r.rank): dict(r.value) for r in parsed.of(ml.EV_INFO, ml.K_STEP_BREAKDOWN) if in_phase(r)}
+    after_warmup = [s for s in steps if s.step > warmup_steps]
+    window = [s for s in after_warmup if not s.profiled]
     out: dict[str, Any] = {
-        "phase": phase,
         "steps_run": len(steps),
-        "window": {"first_step": None, "last_step": None, "steps": 0, "warmup_steps": warmup_steps},
+        "window": Window(warmup_steps=warmup_steps),
         "tokens_per_gpu_s": None,
+        "step_time_s": None,
         "mfu_6n": None,
         "mfu_palm": None,
-        "step_time_s": None,
-        "loss_final": float(steps[-1]["loss"]) if steps else None,
-        "loss_mre": None,
-        "loss_aligned": None,
-        "loss_compared_steps": 0,
-        "loss": {int(s["step"]): float(s["loss"]) for s in steps},
-        "meta": metas[0] if metas else None,
-        "step_breakdown": breakdowns,  # rank -> training.profiling.breakdown() of its profiled step
-        # wall-clock end and duration of each step (for the harness's overhead figure)
-        "step_times": [{"t": r.t, "step_time_s": float(r.value["step_time_s"])} for r in step_recs],
+        "loss_final": steps[-1].loss if steps else None,
+        "loss": {s.step: s.loss for s in steps},
     }
     if window:
-        tokens = sum(float(s["tokens"]) for s in window)
-        seconds = sum(float(s["step_time_s"]) for s in window)
+        tokens = sum(s.tokens for s in window)
+        seconds = sum(s.step_time_s for s in window)
         tps = tokens / seconds / world_size if seconds > 0 else None
-        out["window"].update(first_step=int(window[0]["step"]), last_step=int(window[-1]["step"]), steps=len(window),
-                             excluded=[int(s["step"]) for s in after_warmup if s.get("profiled")])
+        out["window"] = Window(first_step=window[0].step, last_step=window[-1].step, steps=len(window), warmup_steps=warmup_steps,
+                               excluded=[s.step for s in after_warmup if s.profiled])  # fmt: skip
         out["tokens_per_gpu_s"] = tps
         out["step_time_s"] = seconds / len(window)
         out["mfu_6n"] = mfu(counts["flops_per_token_6n"], tps, peak_flops)
         out["mfu_palm"] = mfu(counts["flops_per_token_palm"], tps, peak_flops)
-        # the profiler slows the host, so its step idles more than the others: the busy time
-        # measured under it, set against an ordinary step of the window, estimates the true idle
-        for b in breakdowns.values():
-            b["window_step_time_s"] = out["step_time_s"]
-            b["idle_estimate_s"] = max(0.0, out["step_time_s"] - float(b["busy_s"]))
-    if reference is not None:
-        mre, n = loss_mre(out["loss"], reference)
-        out.update(loss_mre=mre, loss_aligned=is_aligned(mre), loss_compared_steps=n)
     return out
 
 
+def step_breakdowns(parsed: ml.ParsedLog, phase: str, window_step_time_s: float | None) -> dict[str, dict[str, Any]]:
+    """rank -> training.profiling.breakdown() of its profiled step, set against an ordinary step.
+
+    The profiler slows the host, so its step idles more than the others: the busy time
+    measured under it, set against an ordinary step of the window, estimates the true idle.
+    """
+    out = {str(r.rank): dict(r.value) for r in parsed.of(ml.EV_INFO, ml.K_STEP_BREAKDOWN) if r.value.get("phase", "train") == phase}
+    if window_step_time_s is not None:
+        for b in out.values():
+            b["window_step_time_s"] = window_step_time_s
+            b["idle_estimate_s"] = max(0.0, window_step_time_s - float(b["busy_s"]))
+    return out
+
+
+def phase_span(steps: Sequence[Step]) -> tuple[float, float] | None:
+    """Wall-clock start of the phase's first step to the end of its last."""
+    if not steps:
+        return None
+    return min(s.t - s.step_time_s for s in steps), max(s.t for s in steps)
+
+
+# --------------------------------------------------------------------------- memory
+
+
 def memory_summary(parsed: ml.ParsedLog, phase: str | None = None) -> dict[str, Any]:
-    """Peak device memory over ranks (the seeds' mem column: used / total GiB), of one phase if given."""
+    """The allocator's peak over ranks (``peak_memory`` records), of one phase if given, and the
+    device total the framework reported."""
     per_rank: dict[int, dict[str, Any]] = {}
     for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY):
         if phase is not None and r.value.get("phase", "train") != phase:
@@ -143,3 +257,44 @@ def memory_summary(parsed: ml.ParsedLog, phase: str | None = None) -> dict[str, 
         "total_mem_gib": (max(totals) / GIB) if totals else None,
         "per_rank_gib": {str(k): v["peak_bytes"] / GIB for k, v in sorted(per_rank.items())},
     }
+
+
+def read_monitor(path: Path) -> list[dict[str, Any]]:
+    """A node's monitor samples (monitors.MonitorThread's JSON lines); none when it wrote none."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut by the monitor's stop
+            continue
+    return out
+
+
+def device_memory(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]], span: tuple[float, float] | None) -> DeviceMemory | None:
+    """Device memory in use on the busiest GPU the run used, as the monitor saw it.
+
+    ``nodes``: per node, its monitor samples and the GPU indices its ranks used (None: all).
+    Over the samples inside ``span`` (a phase) when there are any, else over the round.
+    None when no monitor read a device (a CPU run).
+    """
+
+    def peak(in_span: bool) -> tuple[float, float | None] | None:
+        best: tuple[float, float | None] | None = None
+        for samples, gpus in nodes:
+            for s in samples:
+                if in_span and (span is None or not span[0] <= float(s.get("t", 0)) <= span[1]):
+                    continue
+                for g in s.get("gpus") or []:
+                    used = g.get("mem_used_gib")
+                    if used is None or (gpus is not None and int(g.get("index", -1)) not in gpus):
+                        continue
+                    if best is None or used > best[0]:
+                        best = (float(used), g.get("mem_total_gib"))
+        return best
+
+    if span is not None and (got := peak(True)) is not None:
+        return DeviceMemory(used_gib=got[0], total_gib=got[1], scope="phase")
+    got = peak(False)
+    return None if got is None else DeviceMemory(used_gib=got[0], total_gib=got[1], scope="round")

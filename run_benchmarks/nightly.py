@@ -212,13 +212,13 @@ def run_case(job: Job, console: Any) -> tuple[dict[str, Any], str | None]:
     plan = job.plan
     try:
         runtime = select(plan.cluster, plan.cluster.python)
-        return orchestrator.run(plan, runtime, console), None
+        return orchestrator.run(plan, runtime, console).dump(), None
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # a broken case must not hide the others' verdicts
         why = str(exc) if isinstance(exc, InputError) else "".join(traceback.format_exception_only(exc)).strip()
         f = plan.run_dir / "results.json"
-        res = json.loads(f.read_text()) if f.is_file() else orchestrator.base_results(plan)
+        res = json.loads(f.read_text()) if f.is_file() else orchestrator.base_results(plan).dump()
         return res, why
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -11,10 +12,12 @@ from typing import Any
 
 from rich.console import Console
 
-from run_benchmarks import metrics, results
+from run_benchmarks import metrics, plan as planning, results
+from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import summarize
 from run_benchmarks.plan import Plan
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
+from run_benchmarks.typed_results import LossGate, PhaseResult, Reference, RoundResult, RunResults, Status
 from training import metriclog as ml
 
 TAIL_LINES = 20
@@ -66,30 +69,99 @@ def _failed_rank_tail(outcome: NodeOutcome) -> str:
     return f"{outcome.node_dir.name}/stdout.log:\n{tail(outcome.node_dir / 'stdout.log')}"
 
 
-def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], started: float) -> dict[str, Any]:
-    parsed = ml.ParsedLog([], [])
-    for o in outcomes:
-        for f in metric_files(o.node_dir):
-            parsed.extend(ml.parse_file(f))
-    warmup = int(plan.settings["train"]["warmup_steps"])
-    refs = {ph: reference_path(plan, ph) for ph in plan.phases}
-    phases = [
-        metrics.phase_metrics(parsed, ph, warmup, plan.world_size, plan.counts[ph], plan.hardware["peak_flops"],
-                              metrics.load_reference(refs[ph], ph) if refs[ph] else None)
-        for ph in plan.phases
-    ]  # fmt: skip
-    mem = metrics.memory_summary(parsed)
-    for p in phases:  # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
-        p["layout"] = results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((p.get("meta") or {}).get("parallel") or {})})
-        pm = metrics.memory_summary(parsed, p["phase"])
-        p["peak_mem_gib"] = pm["peak_mem_gib"] if pm["peak_mem_gib"] is not None else mem["peak_mem_gib"]
-    mon = {f"node{o.node_rank}": summarize(o.node_dir / "monitor.jsonl") for o in outcomes}
-    # a monitor's view of device memory (used/total as nvidia-smi shows it) fills the seeds' mem column
-    for m in mon.values():
-        for g in (m or {}).get("gpus", {}).values():
-            if g.get("mem_total_gib") and mem["total_mem_gib"] is None:
-                mem["total_mem_gib"] = g["mem_total_gib"]
+def load_references(plan: Plan) -> dict[str, Reference | None]:
+    """Every phase's reference curve, checked before anything runs: it must judge a run (at
+    least 5 finite, non-zero losses from step 21 on) of the same model, phase and global
+    batch, from a clean round when it is a results.json. InputError names the file otherwise."""
+    out: dict[str, Reference | None] = {}
+    for phase in plan.phases:
+        path = reference_path(plan, phase)
+        out[phase] = None if path is None else _checked_reference(plan, path, phase)
+    return out
 
+
+def _checked_reference(plan: Plan, path: Path, phase: str) -> Reference:
+    label = "--reference " if plan.reference is not None else "reference curve "
+    try:
+        ref = metrics.read_reference(path, phase)
+        metrics.check_curve(ref)
+        _same_training(plan, path, phase)
+    except ValueError as exc:
+        raise InputError(f"{label}{exc}") from None
+    return ref
+
+
+def _same_training(plan: Plan, path: Path, phase: str) -> None:
+    """Loss curves compare step by step only for the same model and phase at the same global batch."""
+    data = json.loads(path.read_text())
+    model = data.get("model")
+    if model is not None and model != plan.case.model:
+        raise ValueError(f"{path}: a {'run' if 'rounds' in data else 'curve'} of {model!r}, not of {plan.case.model!r}")
+    if data.get("phase") is not None and data["phase"] != phase:
+        raise ValueError(f"{path}: a curve of phase {data['phase']!r}, compared with phase {phase!r}")
+    if "rounds" in data:
+        theirs = planning.phase_value((data.get("settings") or {}).get("train") or {}, phase, "global_batch")
+        ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
+        if theirs != ours:
+            raise ValueError(f"{path}: global batch {theirs} there, {ours} here" + ("" if phase == "train" else f" (phase {phase})")
+                             + "; loss curves compare step by step only at the same global batch")  # fmt: skip
+
+
+def _used_gpus(plan: Plan, node_rank: int) -> set[int] | None:
+    """The device indices a node's ranks used: those its visible-devices variable names, else the
+    first ``nprocs`` (one per local rank); None (all) when the variable names them otherwise."""
+    var = plan.vendor.visible_devices_env
+    env = next((n.env for n in plan.nodes if n.node_rank == node_rank), {})
+    value = env.get(var) if var else None
+    if value is None and var and plan.cluster.backend == "local":
+        value = os.environ.get(var)
+    if value is None:
+        return set(range(plan.case.nprocs))
+    try:
+        return {int(x) for x in value.split(",") if x.strip()}
+    except ValueError:  # device UUIDs: the monitor's indices cannot be matched
+        return None
+
+
+def round_status(errors: list[str], gates: dict[str, LossGate]) -> tuple[Status, list[str]]:
+    """The round's status and why: failed (a process or protocol error, a NaN/inf loss), invalid
+    (a phase not aligned), unjudged (a phase not judged), else ok; each phase's reason named."""
+    lines = list(errors)
+    lines += [f"phase {ph}: {g.reason}" for ph, g in gates.items() if g.nonfinite_step is not None]
+    lines += [f"phase {ph}: loss not aligned: {g.reason}" for ph, g in gates.items() if g.verdict == "not aligned" and g.nonfinite_step is None]
+    lines += [f"phase {ph}: loss not judged: {g.reason}" for ph, g in gates.items() if g.verdict == "not judged"]
+    verdicts = {g.verdict for g in gates.values()}
+    if errors or any(g.nonfinite_step is not None for g in gates.values()):
+        return "failed", lines
+    if "not aligned" in verdicts:
+        return "invalid", lines
+    return ("unjudged" if "not judged" in verdicts else "ok"), lines
+
+
+def _phase_result(plan: Plan, parsed: ml.ParsedLog, phase: str, reference: Reference | None,
+                  monitor_nodes: list[tuple[list[dict[str, Any]], set[int] | None]]) -> PhaseResult:  # fmt: skip
+    warmup = int(plan.settings["train"]["warmup_steps"])
+    steps = metrics.step_records(parsed, phase)
+    fig = metrics.figures(steps, warmup, plan.world_size, plan.counts[phase], plan.hardware["peak_flops"])
+    metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if r.value.get("phase", "train") == phase]
+    meta = metas[0] if metas else None
+    return PhaseResult(
+        phase=phase,
+        **fig,
+        gate=metrics.judge_loss(fig["loss"], reference, warmup),
+        reference=reference,
+        meta=meta,
+        step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
+        # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
+        layout=results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((meta or {}).get("parallel") or {})}),
+        peak_mem_gib=metrics.memory_summary(parsed, phase)["peak_mem_gib"],
+        device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
+        steps=steps,
+    )
+
+
+def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, phases: list[PhaseResult], devices: list[str]) -> list[str]:
+    """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device."""
     errors: list[str] = []
     for o in outcomes:
         if o.error:
@@ -98,19 +170,17 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
             errors.append(f"node{o.node_rank} ({o.host}): round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
         elif o.returncode != 0:
             errors.append(f"node{o.node_rank} ({o.host}): exit status {o.returncode}; {_failed_rank_tail(o)}")
-    ends = parsed.of(ml.EV_END, ml.K_RUN_END)
     for e in parsed.of(ml.EV_ERROR):
         errors.append(f"rank {e.rank}: {e.value.get('message', '')}")
     steps_expected = int(plan.settings["train"]["steps"])
     if not errors:
-        if not ends:
+        if not parsed.of(ml.EV_END, ml.K_RUN_END):
             errors.append("the case exited without its run_end record")
         for p in phases:
-            if p["steps_run"] < steps_expected:
-                errors.append(f"phase {p['phase']}: {p['steps_run']} of {steps_expected} steps reported")
-            if not p["meta"]:
-                errors.append(f"phase {p['phase']}: no run_meta record")
-    devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
+            if p.steps_run < steps_expected:
+                errors.append(f"phase {p.phase}: {p.steps_run} of {steps_expected} steps reported")
+            if not p.meta:
+                errors.append(f"phase {p.phase}: no run_meta record")
     wrong = [d for d in devices if not any(re.search(pat, d, re.I) for pat in plan.hardware["device_names"])]
     if wrong:
         errors.append(f"the case names {plan.case.hardware} but the ranks ran on {', '.join(wrong)} "
@@ -119,62 +189,77 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
                       "name the chip the cards are")  # fmt: skip
     if parsed.errors:
         errors += [f"bad metric line {e.source}:{e.lineno}: {e.reason}" for e in parsed.errors[:3]]
-
-    first = phases[0]
-    return {
-        "round": round_no,
-        "status": "ok" if not errors else "failed",
-        "error": "\n".join(errors) or None,
-        "duration_s": round(time.monotonic() - started, 3),
-        "layout": first["layout"],
-        "tokens_per_gpu_s": first["tokens_per_gpu_s"],
-        "mfu_6n": first["mfu_6n"],
-        "mfu_palm": first["mfu_palm"],
-        "peak_mem_gib": mem["peak_mem_gib"],
-        "total_mem_gib": mem["total_mem_gib"],
-        "per_rank_mem_gib": mem["per_rank_gib"],
-        "devices": devices,  # as the ranks name them
-        "loss_mre": first["loss_mre"],
-        "loss_aligned": first["loss_aligned"],
-        "window": first["window"],
-        "phases": phases,
-        "monitor": mon,
-        "reference": {ph: (str(p) if p else None) for ph, p in refs.items()},
-        "nodes": [{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
-        "metric_parse_errors": len(parsed.errors),
-    }
+    return errors
 
 
-def base_results(plan: Plan) -> dict[str, Any]:
-    return {
-        "schema": 1,
-        "run_id": plan.run_id,
-        "case": str(plan.case),
-        "model": plan.case.model,
-        "framework": plan.case.framework,
-        "vendor": plan.vendor.name,
-        "hardware": plan.case.hardware,
-        "nnodes": plan.case.nnodes,
-        "nprocs": plan.case.nprocs,
-        "world_size": plan.world_size,
-        "config_name": plan.config_name,
-        "config_file": str(plan.config_file),
-        "validated": plan.validated,
-        "launcher": plan.launcher,
-        "backend": plan.cluster.backend,
-        "runtime": "local" if plan.cluster.backend == "local" else plan.cluster.runtime,
-        "started": _now(),
-        "finished": None,
-        "system": results.system_info(),
-        "settings": plan.settings,
-        "overrides": plan.overrides,
-        "hook": plan.hook,
-        "user_overrides": plan.user_overrides,
-        "command": plan.command,
-        "model_counts": plan.counts,
-        "hardware_info": plan.hardware,
-        "rounds": [],
-    }
+def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], started: float,
+                   references: dict[str, Reference | None] | None = None) -> RoundResult:  # fmt: skip
+    """A round's result from its logs: every phase's figures and loss gate, and the round's status."""
+    parsed = ml.ParsedLog([], [])
+    for o in outcomes:
+        for f in metric_files(o.node_dir):
+            parsed.extend(ml.parse_file(f))
+    references = load_references(plan) if references is None else references
+    monitor_nodes = [(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, o.node_rank)) for o in outcomes]
+    phases = [_phase_result(plan, parsed, ph, references[ph], monitor_nodes) for ph in plan.phases]
+    devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
+    status, reasons = round_status(_process_errors(plan, outcomes, parsed, phases, devices), {p.phase: p.gate for p in phases})
+    mem = metrics.memory_summary(parsed)
+    one = phases[0] if len(phases) == 1 else None  # round-level figures only where they cannot be mistaken
+    mres = [p.gate.mre for p in phases if p.gate.mre is not None]
+    flags = [p.gate.aligned for p in phases]
+    return RoundResult(
+        round=round_no,
+        status=status,
+        error="\n".join(reasons) or None,
+        duration_s=round(time.monotonic() - started, 3),
+        layout=", ".join(dict.fromkeys(p.layout for p in phases if p.layout)) or None,
+        tokens_per_gpu_s=one.tokens_per_gpu_s if one else None,
+        mfu_6n=one.mfu_6n if one else None,
+        mfu_palm=one.mfu_palm if one else None,
+        window=one.window if one else None,
+        peak_mem_gib=mem["peak_mem_gib"],
+        total_mem_gib=mem["total_mem_gib"],
+        per_rank_mem_gib=mem["per_rank_gib"],
+        device_mem=metrics.device_memory(monitor_nodes, None),
+        devices=devices,
+        loss_mre=max(mres) if mres else None,
+        loss_aligned=False if False in flags else (True if flags and all(flags) else None),
+        phases=phases,
+        monitor={f"node{o.node_rank}": summarize(o.node_dir / "monitor.jsonl") for o in outcomes},
+        reference={ph: (r.path if r else None) for ph, r in references.items()},
+        nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
+        metric_parse_errors=len(parsed.errors),
+    )
+
+
+def base_results(plan: Plan) -> RunResults:
+    return RunResults(
+        run_id=plan.run_id,
+        case=str(plan.case),
+        model=plan.case.model,
+        framework=plan.case.framework,
+        vendor=plan.vendor.name,
+        hardware=plan.case.hardware,
+        nnodes=plan.case.nnodes,
+        nprocs=plan.case.nprocs,
+        world_size=plan.world_size,
+        config_name=plan.config_name,
+        config_file=str(plan.config_file),
+        validated=plan.validated,
+        launcher=plan.launcher,
+        backend=plan.cluster.backend,
+        runtime="local" if plan.cluster.backend == "local" else plan.cluster.runtime,
+        started=_now(),
+        system=results.system_info(),
+        settings=plan.settings,
+        overrides=plan.overrides,
+        hook=plan.hook,
+        user_overrides=plan.user_overrides,
+        command=plan.command,
+        model_counts=plan.counts,
+        hardware_info=plan.hardware,
+    )
 
 
 def _node_times(o: NodeOutcome) -> tuple[float | None, float | None]:
@@ -189,18 +274,19 @@ def _node_times(o: NodeOutcome) -> tuple[float | None, float | None]:
     return o.extra.get("launched_at"), o.extra.get("exited_at")
 
 
-def orchestration_overhead(rnd: dict[str, Any], outcomes: list[NodeOutcome], begin: float, written: float) -> dict[str, Any] | None:
+def orchestration_overhead(rnd: RoundResult, outcomes: list[NodeOutcome], begin: float, written: float) -> dict[str, Any] | None:
     """The harness's own time in a round, apart from the framework's start-up and shut-down.
 
     round begin (the command's start for round 1) -> last launcher started, plus last
     launcher exited -> results written.
     """
     times = [_node_times(o) for o in outcomes]
-    steps = [(s["t"], s["step_time_s"]) for p in rnd["phases"] for s in p.get("step_times", [])]
-    if not steps or any(a is None or b is None for a, b in times):
+    spans = [metrics.phase_span(p.steps) for p in rnd.phases]
+    spans = [s for s in spans if s is not None]
+    if not spans or any(a is None or b is None for a, b in times):
         return None
     launched, exited = max(a for a, _ in times), max(b for _, b in times)
-    first_start, last_end = min(t - dt for t, dt in steps), max(t for t, _ in steps)
+    first_start, last_end = min(a for a, _ in spans), max(b for _, b in spans)
     to_launch, after = launched - begin, written - exited
     return {
         "to_launch_s": round(to_launch, 3),
@@ -211,10 +297,15 @@ def orchestration_overhead(rnd: dict[str, Any], outcomes: list[NodeOutcome], beg
     }
 
 
-def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> dict[str, Any]:
-    """Run every round; ``t0`` (wall clock) is when the command started, for the overhead figure."""
+def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> RunResults:
+    """Run every round; ``t0`` (wall clock) is when the command started, for the overhead figure.
+
+    The reference curves are checked first: a curve that cannot judge the run is bad input
+    (InputError) before anything is written or started.
+    """
     console = console or Console(stderr=True)
     t0 = t0 if t0 is not None else time.time()
+    references = load_references(plan)
     run_dir = plan.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     res = base_results(plan)
@@ -223,8 +314,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         with console.status(f"preparing {plan.case.framework} environment"):
             python, root = runtime.prepare(plan, run_dir / "env_build.log")
         plan.python = python
-        res["python"] = python
-        res["runtime_info"] = runtime.describe()
+        res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
         for r in range(1, plan.case.repeat + 1):
             round_dir = run_dir / f"round{r}"
             round_dir.mkdir(parents=True, exist_ok=True)
@@ -240,18 +330,14 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             begin = t0 if r == 1 else time.time()
             with console.status(f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"):
                 outcomes = runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
-            rnd = evaluate_round(plan, r, outcomes, started)
-            rnd["orchestration"] = orchestration_overhead(rnd, outcomes, begin, time.time())
-            for p in rnd["phases"]:
-                p.pop("step_times", None)
-            res["rounds"].append(rnd)
-            res["runtime_info"] = runtime.describe()
+            rnd = evaluate_round(plan, r, outcomes, started, references)
+            rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
+            res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
-            console.print(f"round {r}: {rnd['status']}" + (f" - {rnd['error'].splitlines()[0]}" if rnd["error"] else ""))
+            console.print(f"round {r}: {rnd.status}" + (f" - {rnd.error.splitlines()[0]}" if rnd.error else ""))
     finally:
         runtime.cleanup()
-        res["runtime_info"] = runtime.describe()
-        res["finished"] = _now()
+        res = res.model_copy(update={"runtime_info": runtime.describe(), "finished": _now()})
         results.write(res, run_dir)
     return res
 

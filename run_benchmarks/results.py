@@ -12,7 +12,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-COLUMNS = ["config", "phase", "precision", "parallel", "fix_hp", "tokens/p/s", "loss aligned", "mem (GiB)", "MFU-6N", "MFU-PaLM", "status"]
+from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults
+
+COLUMNS = ["config", "phase", "precision", "parallel", "fix_hp", "tokens/p/s", "loss", "mem allocated (GiB)", "mem in use (GiB)",
+           "MFU-6N", "MFU-PaLM", "status"]  # fmt: skip
 
 
 def system_info() -> dict[str, Any]:
@@ -38,70 +41,79 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _mem(phase_mem: dict[str, Any]) -> str:
-    used, total = phase_mem.get("peak_mem_gib"), phase_mem.get("total_mem_gib")
+def _gib(used: float | None, total: float | None) -> str:
     if used is None:
         return "-"
     return f"{used:.2f}/{total:.0f}" if total else f"{used:.2f}"
 
 
-def _aligned(p: dict[str, Any]) -> str:
-    if p.get("loss_aligned") is None:
-        return "no reference" if p.get("loss_mre") is None else "-"
-    return f"{p['loss_aligned']} ({100 * p['loss_mre']:.2f}%)"
+def device_mem(m: DeviceMemory | None) -> str:
+    """The monitor's device memory in use, ``used/total`` GiB as in the seeds' column; "-" without a device."""
+    return "-" if m is None else _gib(m.used_gib, m.total_gib) + ("" if m.scope == "phase" else " (round)")
 
 
-def rows(results: dict[str, Any]) -> list[list[str]]:
+def loss_cell(g: LossGate) -> str:
+    if g.verdict == "aligned":
+        return f"aligned ({_mre(g.mre)})"
+    if g.verdict == "not aligned":
+        return g.reason if g.nonfinite_step is not None else f"NOT aligned ({_mre(g.mre)})"
+    return f"not judged: {g.reason}"
+
+
+def _mre(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def figure(text: str, status: str) -> str:
+    """A round's figure as a table shows it: a round that is not ok carries its status in the cell."""
+    return text if status == "ok" or text == "-" else f"{status}: {text}"
+
+
+def rows(res: RunResults) -> list[list[str]]:
     out = []
-    fix = ", ".join(f"{o['param']}={o['value']}" for o in results.get("user_overrides", [])) or "/"
-    for rnd in results["rounds"]:
-        phases = rnd.get("phases") or [{}]
-        for p in phases:
-            tps = p.get("tokens_per_gpu_s")
-            out.append(
-                [
-                    f"{results['config_name']} r{rnd['round']}",
-                    p.get("phase", "-"),
-                    results["settings"]["train"]["precision"],
-                    p.get("layout") or rnd.get("layout", "-"),
-                    fix,
-                    "-" if tps is None else f"{tps:.1f}",
-                    _aligned(p),
-                    _mem({"peak_mem_gib": p.get("peak_mem_gib", rnd.get("peak_mem_gib")), "total_mem_gib": rnd.get("total_mem_gib")}),
-                    _pct(p.get("mfu_6n")),
-                    _pct(p.get("mfu_palm")),
-                    rnd["status"] + (f": {rnd['error'][:60]}" if rnd.get("error") else ""),
-                ]
-            )
+    fix = ", ".join(f"{o['param']}={o['value']}" for o in res.user_overrides) or "/"
+    for rnd in res.rounds:
+        status = rnd.status + (f": {rnd.error.splitlines()[0][:60]}" if rnd.error and rnd.status != "ok" else "")
+        for p in rnd.phases:
+            fig = lambda text: figure(text, rnd.status)  # noqa: E731
+            out.append([
+                f"{res.config_name} r{rnd.round}", p.phase, str(res.settings["train"]["precision"]), p.layout or rnd.layout or "-", fix,
+                fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"), loss_cell(p.gate),
+                fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)), fig(device_mem(p.device_mem)),
+                fig(_pct(p.mfu_6n)), fig(_pct(p.mfu_palm)), status,
+            ])  # fmt: skip
     return out
 
 
-def markdown(results: dict[str, Any]) -> str:
-    hw = results["hardware_info"]
+def markdown(res: RunResults) -> str:
+    hw = res.hardware_info
     peak = "unknown" if hw["peak_flops"] is None else f"{hw['peak_flops'] / 1e12:.0f} TFLOP/s"
     head = (
-        f"# {results['case']} on {results['vendor']}\n\n"
-        f"run `{results['run_id']}`, {results['started']}, config `{results['config_name']}`"
-        f"{'' if results['validated'] else ' (not yet validated on hardware)'}, "
-        f"{results['nnodes']} node(s) x {results['nprocs']} process(es), peak {peak} "
+        f"# {res.case} on {res.vendor}\n\n"
+        f"run `{res.run_id}`, {res.started}, config `{res.config_name}`"
+        f"{'' if res.validated else ' (not yet validated on hardware)'}, "
+        f"{res.nnodes} node(s) x {res.nprocs} process(es), peak {peak} "
         f"({hw['chip']} {hw['precision']})\n\n"
     )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(results)]
-    ov = results.get("overrides") or []
-    notes = ["", "Vendor overrides: " + (", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in ov) or "none")]
-    if results.get("user_overrides"):
-        notes.append("User overrides (not a standard run): " + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in results["user_overrides"]))
-    notes += breakdown_lines(results)
+    lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(res)]
+    notes = ["", "Memory: allocated is the framework allocator's peak over ranks (peak RSS on a CPU), over the device total the "
+             "framework reports; in use is the busiest GPU the run used as the monitor saw it (NVML), over its total; "
+             "\"(round)\" where the monitor had no sample inside the phase. A round that is not ok shows its figures with its status."]  # fmt: skip
+    ov = res.overrides
+    notes += ["", "Vendor overrides: " + (", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in ov) or "none")]
+    if res.user_overrides:
+        notes.append("User overrides (not a standard run): " + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides))
+    notes += breakdown_lines(res)
     return head + "\n".join(lines + notes) + "\n"
 
 
-def breakdown_lines(results: dict[str, Any]) -> list[str]:
+def breakdown_lines(res: RunResults) -> list[str]:
     """A markdown table per profiled step (``train.profile_step``): where the step's time went."""
     out: list[str] = []
-    for rnd in results["rounds"]:
-        for p in rnd.get("phases") or []:
-            for rank, b in sorted((p.get("step_breakdown") or {}).items(), key=lambda kv: int(kv[0])):
+    for rnd in res.rounds:
+        for p in rnd.phases:
+            for rank, b in sorted(p.step_breakdown.items(), key=lambda kv: int(kv[0])):
                 wall, ref = b["step_time_s"], b.get("window_step_time_s")
 
                 def row(name: str, t: float | None, of_ref: bool = True) -> str:
@@ -109,7 +121,7 @@ def breakdown_lines(results: dict[str, Any]) -> list[str]:
                         return f"| {name} | - | - | - |"
                     return f"| {name} | {t:.3f} | {_pct(t / wall if wall else None)} | {_pct(t / ref if ref and of_ref else None)} |"
 
-                out += ["", f"Step {b['step']} of round {rnd['round']}, phase {p['phase']}, rank {rank} "
+                out += ["", f"Step {b['step']} of round {rnd.round}, phase {p.phase}, rank {rank} "
                         f"(pipeline stage {b.get('pp_rank', 0)}), profiled from {b['source']}: {wall:.3f} s under the profiler, "
                         + (f"{ref:.3f} s for an ordinary step of the window" if ref else "no window step to compare"),
                         "", "| part | time (s) | of the profiled step | of an ordinary step |", "|---|---|---|---|"]  # fmt: skip
@@ -124,22 +136,22 @@ def breakdown_lines(results: dict[str, Any]) -> list[str]:
     return out
 
 
-def print_table(results: dict[str, Any], console: Console | None = None) -> None:
+def print_table(res: RunResults, console: Console | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
-        console.width = max(console.width, 180)
-    table = Table(title=f"{results['case']} / {results['vendor']} / {results['config_name']}")
+        console.width = max(console.width, 200)
+    table = Table(title=f"{res.case} / {res.vendor} / {res.config_name}")
     for c in COLUMNS:
         table.add_column(c)
-    for r in rows(results):
-        table.add_row(*r)
+    for r in rows(res):
+        table.add_row(*r, style=None if r[-1] == "ok" else "red")
     console.print(table)
 
 
-def write(results: dict[str, Any], run_dir: Path) -> None:
+def write(res: RunResults, run_dir: Path) -> None:
     """Write results.json and results.md atomically (finished rounds are never lost)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(results, indent=2, default=str)), ("results.md", markdown(results))):
+    for name, text in (("results.json", json.dumps(res.dump(), indent=2, default=str)), ("results.md", markdown(res))):
         tmp = run_dir / f".{name}.tmp"
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, run_dir / name)

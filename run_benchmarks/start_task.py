@@ -18,7 +18,14 @@ To run on a cluster, write a cluster YAML and pass it with --cluster:
 
 The first host is the rendezvous master.  Results land in <log-dir>/<run_id>/:
 results.json, results.md, and per round the resolved config and every rank's log.
-Exit status: 0 all rounds passed, 1 a round failed, 2 bad input, 130 interrupted.
+Every phase's loss is judged against its reference curve (docs/metrics.md). A round is
+ok (ran fine, every phase aligned), unjudged (ran fine, a phase not judged: no reference,
+steps missing), invalid (ran fine, a phase not aligned) or failed (a process error, a
+missing record, a NaN or inf loss, the wrong device).
+Exit status: 0 every round ok, 1 a round not ok, 2 bad input (nothing ran), 130 interrupted.
+
+start_task.py --verify RESULTS.json [...] recomputes every figure of a results.json from
+its per-step records and names any mismatch: exit 0 all match, 1 a mismatch, 2 unreadable.
 """
 
 from __future__ import annotations
@@ -78,33 +85,6 @@ def load_cluster(args: argparse.Namespace) -> ClusterConfig:
     return cluster.model_copy(update=updates) if updates else cluster
 
 
-def check_reference(path: Path, plan: planning.Plan) -> Path:
-    """A ``--reference`` file that has a curve for every phase of the case, with the same
-    model and global batch when it is a results.json (the loss is compared step by step)."""
-    from run_benchmarks import metrics
-
-    if not path.is_file():
-        raise InputError(f"--reference {path}: no such file")
-    try:
-        for phase in plan.phases:
-            metrics.load_reference(path, phase)
-    except ValueError as exc:
-        raise InputError(f"--reference {exc}") from None
-    data = json.loads(path.read_text())
-    if "rounds" in data:
-        if data.get("model") != plan.case.model:
-            raise InputError(f"--reference {path}: a run of {data.get('model')!r}, not of {plan.case.model!r}")
-        train = (data.get("settings") or {}).get("train") or {}
-        for phase in plan.phases:
-            theirs = planning.phase_value(train, phase, "global_batch")
-            ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
-            if theirs != ours:
-                raise InputError(f"--reference {path}: global batch {theirs} there, {ours} here"
-                                 + ("" if phase == "train" else f" (phase {phase})")
-                                 + "; loss curves compare step by step only at the same global batch")
-    return path
-
-
 def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]
     from run_benchmarks.runtimes import select
 
@@ -144,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         from run_benchmarks import nightly
 
         return nightly.main(argv)
+    if any(a == "--verify" or a.startswith("--verify=") for a in argv):  # check results files, run nothing
+        from run_benchmarks import verify
+
+        return verify.main(argv)
     args = parser().parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -156,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
         plan.command = ["run_benchmarks/start_task.py", *argv]
         if args.reference:
-            plan.reference = check_reference(Path(args.reference).expanduser().resolve(), plan)
+            plan.reference = Path(args.reference).expanduser().resolve()
+            if not plan.reference.is_file():
+                raise InputError(f"--reference {plan.reference}: no such file")
+        from run_benchmarks import orchestrator
+
+        orchestrator.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)
@@ -169,8 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    from run_benchmarks import orchestrator
-
     try:
         res = orchestrator.run(plan, runtime, console, t0)
     except InputError as exc:
@@ -181,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     results.print_table(res, Console())
     print(f"results: {plan.run_dir / 'results.json'}")
-    return 0 if res["rounds"] and all(r["status"] == "ok" for r in res["rounds"]) else 1
+    return 0 if res.rounds and all(r.status == "ok" for r in res.rounds) else 1
 
 
 if __name__ == "__main__":

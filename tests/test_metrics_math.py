@@ -58,32 +58,6 @@ def test_unknown_peak_gives_no_mfu():
     assert flops.mfu(48e9, None, 312e12) is None
 
 
-def _curve(scale: float, n: int = 40) -> dict[int, float]:
-    return {s: (4.0 - s * 0.05) * scale for s in range(1, n + 1)}
-
-
-def test_loss_alignment_both_ways():
-    ref = _curve(1.0)
-    near = _curve(1.019)
-    far = _curve(1.021)
-    mre, n = metrics.loss_mre(near, ref)
-    assert n == 20 and metrics.is_aligned(mre) is True and mre == pytest.approx(0.019)
-    mre, _ = metrics.loss_mre(far, ref)
-    assert metrics.is_aligned(mre) is False and mre == pytest.approx(0.021)
-
-
-def test_alignment_ignores_steps_before_21():
-    ref = _curve(1.0)
-    got = dict(ref)
-    for s in range(1, 21):
-        got[s] = ref[s] * 3  # wild early steps do not count
-    mre, n = metrics.loss_mre(got, ref)
-    assert mre == 0 and n == 20
-    got[21] = float("nan")
-    assert metrics.is_aligned(metrics.loss_mre(got, ref)[0]) is False
-    assert metrics.loss_mre({1: 1.0}, ref) == (None, 0)
-
-
 def _rec(event, key, value, rank=0):
     return ml.Record(run="r", t=0.0, host="h", rank=rank, event=event, key=key, value=value)
 
@@ -92,13 +66,15 @@ def test_window_excludes_warmup_and_divides_by_world():
     recs = [_rec(ml.EV_STEP, ml.K_TRAIN_STEP, {"step": i, "loss": 1.0, "tokens": 8192, "step_time_s": 10.0 if i <= 2 else 1.0, "lr": 0})
             for i in range(1, 7)]  # fmt: skip
     recs += [r for r in recs]  # duplicates from another log are ignored
-    parsed = ml.ParsedLog(recs, [])
+    recs.append(_rec(ml.EV_STEP, ml.K_TRAIN_STEP, {"step": 7, "loss": 1.0, "tokens": 8192, "step_time_s": 9.0, "lr": 0, "profiled": True}))
+    steps = metrics.step_records(ml.ParsedLog(recs, []), "train")
+    assert [s.step for s in steps] == list(range(1, 8)) and steps[-1].profiled
     counts = {"flops_per_token_6n": 48e9, "flops_per_token_palm": 57.9e9}
-    m = metrics.phase_metrics(parsed, "train", warmup_steps=2, world_size=2, counts=counts, peak_flops=312e12, reference=None)
-    assert m["window"] == {"first_step": 3, "last_step": 6, "steps": 4, "warmup_steps": 2, "excluded": []}
-    assert m["tokens_per_gpu_s"] == pytest.approx(8192 / 2)
+    m = metrics.figures(steps, warmup_steps=2, world_size=2, counts=counts, peak_flops=312e12)
+    assert m["window"].model_dump() == {"first_step": 3, "last_step": 6, "steps": 4, "warmup_steps": 2, "excluded": [7]}
+    assert m["tokens_per_gpu_s"] == pytest.approx(8192 / 2)  # the profiled step 7 is not in the window
     assert m["mfu_6n"] == pytest.approx(48e9 * 4096 / 312e12)
-    assert m["steps_run"] == 6
+    assert m["steps_run"] == 7
 
 
 def test_memory_takes_peak_over_ranks():

@@ -1,0 +1,222 @@
+"""The results.json models: a run, its rounds, each round's phases (docs/metrics.md).
+
+The orchestrator builds these and results.write serializes them; every reader (the result
+tables, --verify, the history, the nightly verdict and its report) loads a file through
+:func:`load` and reads fields, never string keys.  Schema 2 adds the per-step records, the
+loss gate's verdict and the reference curve of every phase, and device memory as the
+monitor saw it; schema-1 files (no per-step records) still load, their loss figures turned
+into a gate verdict as they were recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from run_benchmarks.config import Strict, validate
+from run_benchmarks.errors import InputError
+
+SCHEMA_VERSION = 2
+
+Status = Literal["ok", "unjudged", "invalid", "failed"]
+#: rounds that ran fine and had nothing not aligned: their figures are results
+CLEAN: tuple[str, ...] = ("ok", "unjudged")
+Verdict = Literal["aligned", "not aligned", "not judged"]
+
+
+class Step(Strict):
+    """One optimizer step as the reporting rank's ``train_step`` line gave it."""
+
+    step: int
+    t: float  # wall clock when the line was written (the step's end)
+    loss: float
+    tokens: float
+    step_time_s: float
+    lr: float
+    data_s: float | None = None  # the batch fetch's share of the step time
+    profiled: bool = False  # ran under the profiler: never in the throughput window
+    skipped: bool = False  # the optimizer skipped it (a loss-scale overflow)
+
+
+class Window(Strict):
+    """The steady window the throughput is taken over."""
+
+    first_step: int | None = None
+    last_step: int | None = None
+    steps: int = 0
+    warmup_steps: int
+    excluded: list[int] = []  # profiled steps after the warm-up
+
+
+class Reference(Strict):
+    """The loss curve a phase is judged against, kept in results.json so --verify needs nothing else."""
+
+    path: str
+    loss: dict[int, float]
+
+
+class LossGate(Strict):
+    """The loss gate's verdict on one phase (metrics.judge_loss)."""
+
+    verdict: Verdict
+    mre: float | None = None  # mean relative error over the compared steps
+    compared_steps: int = 0
+    first_step: int | None = None  # the compared range
+    last_step: int | None = None
+    reason: str  # one line, e.g. "MRE 0.42% over steps 21-30", "steps 26-30 missing", "loss NaN at step 7"
+    nonfinite_step: int | None = None  # a NaN or inf loss after the warm-up: the round fails
+
+    @property
+    def aligned(self) -> bool | None:
+        """True aligned, False not aligned, None not judged."""
+        return None if self.verdict == "not judged" else self.verdict == "aligned"
+
+
+class DeviceMemory(Strict):
+    """Device memory in use as the monitor (NVML, ixsmi) saw it: the busiest GPU the run used."""
+
+    used_gib: float
+    total_gib: float | None = None
+    scope: Literal["phase", "round"]  # sampled over the phase's steps, or over the whole round
+
+
+class PhaseResult(Strict):
+    phase: str
+    steps_run: int
+    window: Window
+    tokens_per_gpu_s: float | None = None
+    mfu_6n: float | None = None
+    mfu_palm: float | None = None
+    step_time_s: float | None = None
+    loss_final: float | None = None
+    loss: dict[int, float] = {}  # step -> loss
+    gate: LossGate
+    reference: Reference | None = None  # the curve the gate compared with (schema 2)
+    meta: dict[str, Any] | None = None  # the run_meta record
+    step_breakdown: dict[str, dict[str, Any]] = {}  # rank -> breakdown of its profiled step
+    layout: str | None = None
+    peak_mem_gib: float | None = None  # the allocator's peak over ranks (peak RSS on a CPU)
+    device_mem: DeviceMemory | None = None  # the monitor's view; None where it saw no device
+    steps: list[Step] = []  # every step record (schema 2; empty in schema 1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema1(cls, data: Any) -> Any:
+        """Schema 1 kept loss_mre / loss_aligned / loss_compared_steps flat: as a gate verdict."""
+        if not isinstance(data, dict) or "gate" in data:
+            return data
+        data = dict(data)
+        mre, flag, n = data.pop("loss_mre", None), data.pop("loss_aligned", None), data.pop("loss_compared_steps", 0)
+        verdict = {True: "aligned", False: "not aligned", None: "not judged"}[flag]
+        reason = "no reference" if flag is None else f"MRE {_pct(mre)} over {n} steps"
+        data["gate"] = {"verdict": verdict, "mre": mre, "compared_steps": n or 0, "reason": reason}
+        return data
+
+
+class RoundResult(Strict):
+    round: int
+    status: Status
+    error: str | None = None  # why the round is not ok: one line per problem
+    duration_s: float | None = None
+    layout: str | None = None  # the phases' layouts
+    # the phase's figures when the case has one phase; None otherwise (read the phases)
+    tokens_per_gpu_s: float | None = None
+    mfu_6n: float | None = None
+    mfu_palm: float | None = None
+    window: Window | None = None
+    peak_mem_gib: float | None = None  # the allocator's peak over phases and ranks
+    total_mem_gib: float | None = None  # the device's total as the framework reported it
+    per_rank_mem_gib: dict[str, float] = {}
+    device_mem: DeviceMemory | None = None  # the monitor's view over the round
+    devices: list[str] = []  # as the ranks name them (absent in the earliest schema-1 files)
+    loss_mre: float | None = None  # the largest MRE of the phases
+    loss_aligned: bool | None = None  # True every phase aligned, False one was not, None otherwise
+    phases: list[PhaseResult]
+    monitor: dict[str, Any] = {}  # node -> monitors.summarize()
+    reference: dict[str, str | None] = {}  # phase -> the reference file
+    nodes: list[dict[str, Any]] = []
+    metric_parse_errors: int = 0
+    orchestration: dict[str, Any] | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.status in CLEAN
+
+
+class RunResults(Strict):
+    schema_: int = Field(SCHEMA_VERSION, alias="schema")
+    run_id: str
+    case: str
+    model: str
+    framework: str
+    vendor: str
+    hardware: str
+    nnodes: int
+    nprocs: int
+    world_size: int
+    config_name: str
+    config_file: str
+    validated: bool
+    launcher: str
+    backend: str
+    runtime: str
+    started: str
+    finished: str | None = None
+    system: dict[str, Any]
+    settings: dict[str, Any]
+    overrides: list[dict[str, Any]]
+    hook: str | None = None
+    user_overrides: list[dict[str, Any]]
+    command: list[str] = []
+    model_counts: dict[str, dict[str, Any]]  # phase -> params and FLOPs per token
+    hardware_info: dict[str, Any]
+    rounds: list[RoundResult] = []
+    python: str | None = None
+    runtime_info: dict[str, Any] = {}
+
+    model_config = {"populate_by_name": True}
+
+    @model_validator(mode="after")
+    def _known_schema(self) -> "RunResults":
+        if self.schema_ > SCHEMA_VERSION:
+            raise ValueError(f"schema {self.schema_} is newer than this harness's ({SCHEMA_VERSION}); use a newer flagbench")
+        return self
+
+    @property
+    def phases(self) -> list[str]:
+        """The case's phases in order (those of the first round that has any, else the counts')."""
+        for r in self.rounds:
+            if r.phases:
+                return [p.phase for p in r.phases]
+        return list(self.model_counts)
+
+    def dump(self) -> dict[str, Any]:
+        """As written: JSON-ready, NaN and inf losses kept as such (JSON's NaN / Infinity)."""
+        return self.model_dump(by_alias=True)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.2f}%"
+
+
+def parse(data: Any, source: str) -> RunResults:
+    """A results.json's content; InputError naming ``source`` and the field otherwise."""
+    if isinstance(data, dict) and "schema" not in data:
+        raise InputError(f"{source}: not a results.json (no 'schema' field)")
+    return validate(RunResults, data, source)
+
+
+def load(path: str | Path) -> RunResults:
+    """Read a results.json of schema 1 or 2; InputError naming the file when it is not one."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise InputError(f"{p}: not JSON ({exc})") from None
+    return parse(data, str(p))

@@ -1,0 +1,136 @@
+"""The typed results.json: schema 2 written and read back as it was, schema-1 files still load,
+a file that is not a results.json is named with its field."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from run_benchmarks import results, typed_results as tr
+from run_benchmarks.errors import InputError
+from run_benchmarks.registry import ROOT
+
+RUNS = sorted((ROOT / "docs" / "results" / "runs").glob("*.json"))
+
+
+def fake_phase(phase: str = "train", tps: float | None = 1000.0, verdict: str = "aligned", mre: float | None = 0.01, steps: int = 30,
+               mem: float | None = 0.4, loss_scale: float = 1.0) -> tr.PhaseResult:  # fmt: skip
+    """A phase as the orchestrator writes it, with ``steps`` step records."""
+    recs = [tr.Step(step=s, t=1000.0 + s, loss=(7.0 - 0.1 * s) * loss_scale, tokens=1024, step_time_s=1024 / 2 / tps if tps else 1.0, lr=1e-3)
+            for s in range(1, steps + 1)]  # fmt: skip
+    return tr.PhaseResult(
+        phase=phase, steps_run=steps,
+        window=tr.Window(first_step=6, last_step=steps, steps=steps - 5, warmup_steps=5),
+        tokens_per_gpu_s=tps, mfu_6n=None if tps is None else tps / 1e5, mfu_palm=None if tps is None else tps / 1.2e5,
+        step_time_s=None if tps is None else 1024 / 2 / tps, loss_final=recs[-1].loss, loss={r.step: r.loss for r in recs},
+        gate=tr.LossGate(verdict=verdict, mre=mre if verdict != "not judged" else None, reason="MRE" if verdict != "not judged" else "no reference curve"),
+        layout="PP1DP2TP1", peak_mem_gib=mem, steps=recs,
+    )  # fmt: skip
+
+
+def fake_round(n: int = 1, status: str = "ok", phases: list[tr.PhaseResult] | None = None, error: str | None = None) -> tr.RoundResult:
+    phases = phases or [fake_phase()]
+    one = phases[0] if len(phases) == 1 else None
+    return tr.RoundResult(
+        round=n, status=status, error=error if error is not None else (None if status == "ok" else f"round {n} was {status}"),
+        duration_s=12.0, layout="PP1DP2TP1", tokens_per_gpu_s=one.tokens_per_gpu_s if one else None,
+        peak_mem_gib=max((p.peak_mem_gib for p in phases if p.peak_mem_gib is not None), default=None), phases=phases,
+        reference={p.phase: None for p in phases},
+    )  # fmt: skip
+
+
+def fake_run(rounds: list[dict[str, Any]] | None = None, run_id: str = "llama3_tiny_megatron_cpux1x2_20260101-000000-000001", *,
+             started: str = "2026-01-01T00:00:00+00:00", vendor: str = "cpu", config_name: str = "config_cpux1x2",
+             steps: int = 30, case: str = "llama3_tiny:megatron:cpu:1:2") -> tr.RunResults:  # fmt: skip
+    """A results.json as the orchestrator writes it; each dict gives fake_round's arguments."""
+    rnds = [fake_round(i, **r) for i, r in enumerate(rounds or [{}], 1)]
+    phases = [p.phase for p in rnds[0].phases]
+    return tr.RunResults(
+        run_id=run_id, case=f"{case}:{len(rnds)}", model=case.split(":")[0], framework=case.split(":")[1], vendor=vendor,
+        hardware="cpu", nnodes=1, nprocs=2, world_size=2, config_name=config_name, config_file=f"vendors/{vendor}/{config_name}.yaml",
+        validated=True, launcher="torchrun", backend="local", runtime="local", started=started, finished=started,
+        system={"host": "testhost", "cpu_count": 2},
+        settings={"train": {"steps": steps, "warmup_steps": 5, "precision": "fp32", "global_batch": 8}, "parallel": {"tp": 1}, "data": {}},
+        overrides=[], user_overrides=[{"param": "train.steps", "value": steps, "standard": 30}],
+        model_counts={ph: {"flops_per_token_6n": 1e9, "flops_per_token_palm": 1.2e9} for ph in phases},
+        hardware_info={"chip": "cpu", "precision": "fp32", "peak_flops": None}, rounds=rnds,
+    )  # fmt: skip
+
+
+def test_schema2_round_trip_keeps_every_record_and_nan(tmp_path):
+    run = fake_run([{"status": "failed", "phases": [fake_phase(verdict="not aligned")]}])
+    bad = run.rounds[0].phases[0].steps[6].model_copy(update={"loss": math.nan})
+    phase = run.rounds[0].phases[0].model_copy(update={"steps": [*run.rounds[0].phases[0].steps[:6], bad]})
+    run = run.model_copy(update={"rounds": [run.rounds[0].model_copy(update={"phases": [phase]})]})
+    results.write(run, tmp_path)
+    text = (tmp_path / "results.json").read_text()
+    assert json.loads(text)["schema"] == 2 and "NaN" in text
+    back = tr.load(tmp_path / "results.json")
+    assert math.isnan(back.rounds[0].phases[0].steps[6].loss)
+    assert back.model_dump(exclude={"rounds"}) == run.model_dump(exclude={"rounds"})
+    assert [s.step for s in back.rounds[0].phases[0].steps] == list(range(1, 8))
+    assert "failed: 1000.0" in (tmp_path / "results.md").read_text()  # a failed round's figure carries its status
+
+
+@pytest.mark.parametrize("path", RUNS, ids=[p.name for p in RUNS])
+def test_schema1_files_load(path):
+    run = tr.load(path)
+    raw = json.loads(path.read_text())
+    assert run.schema_ == raw["schema"] == 1
+    for rnd, raw_rnd in zip(run.rounds, raw["rounds"]):
+        for p, raw_p in zip(rnd.phases, raw_rnd["phases"]):
+            assert p.steps == []  # schema 1 kept no per-step records
+            assert p.gate.mre == raw_p["loss_mre"] and p.gate.aligned == raw_p["loss_aligned"]
+            assert p.gate.compared_steps == raw_p["loss_compared_steps"]
+            assert p.tokens_per_gpu_s == raw_p["tokens_per_gpu_s"] and p.loss == {int(k): v for k, v in raw_p["loss"].items()}
+    assert results.rows(run)  # the tables read them
+
+
+def test_what_is_not_a_results_file_is_named(tmp_path):
+    good = fake_run().dump()
+    cases = {
+        "notjson.json": ("{", "not JSON"),
+        "curve.json": (json.dumps({"steps": [1], "loss": [1.0]}), "not a results.json (no 'schema' field)"),
+        "newer.json": (json.dumps({**good, "schema": 3}), "schema 3 is newer than this harness's (2)"),
+        "status.json": (json.dumps({**good, "rounds": [{**good["rounds"][0], "status": "fine"}]}), "field 'rounds.0.status'"),
+        "extra.json": (json.dumps({**good, "tokens": 1}), "field 'tokens': unknown field"),
+    }
+    for name, (text, fragment) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(InputError) as err:
+            tr.load(tmp_path / name)
+        assert str(err.value).startswith(f"{tmp_path / name}: ") and fragment in str(err.value), str(err.value)
+    with pytest.raises(InputError, match="cannot be read"):
+        tr.load(tmp_path / "missing.json")
+
+
+def test_tables_mark_rounds_that_are_not_ok():
+    run = fake_run([{}, {"status": "unjudged", "phases": [fake_phase(verdict="not judged")]},
+                    {"status": "invalid", "phases": [fake_phase(verdict="not aligned", mre=0.021)]}])  # fmt: skip
+    rows = results.rows(run)
+    tps, loss, status = results.COLUMNS.index("tokens/p/s"), results.COLUMNS.index("loss"), results.COLUMNS.index("status")
+    assert [r[tps] for r in rows] == ["1000.0", "unjudged: 1000.0", "invalid: 1000.0"]
+    assert [r[loss] for r in rows] == ["aligned (1.00%)", "not judged: no reference curve", "NOT aligned (2.10%)"]
+    assert [r[status] for r in rows] == ["ok", "unjudged: round 2 was unjudged", "invalid: round 3 was invalid"]
+    mem = results.COLUMNS.index("mem in use (GiB)")
+    assert rows[0][mem] == "-"  # no monitor device on a CPU
+    with_gpu = fake_phase().model_copy(update={"device_mem": tr.DeviceMemory(used_gib=106.06, total_gib=140.4, scope="phase")})
+    assert results.rows(fake_run([{"phases": [with_gpu]}]))[0][mem] == "106.06/140"
+
+
+def test_device_memory_per_phase_from_the_monitor():
+    from run_benchmarks import metrics
+
+    def sample(t: float, used: list[float]) -> dict:
+        return {"t": t, "gpus": [{"index": i, "mem_used_gib": u, "mem_total_gib": 140.0} for i, u in enumerate(used)]}
+
+    samples = [sample(1.0, [10, 5, 120]), sample(2.0, [30, 20, 120]), sample(3.0, [60, 50, 120])]
+    nodes = [(samples, {0, 1})]  # GPU 2 is another job's
+    assert metrics.device_memory(nodes, (1.5, 2.5)) == tr.DeviceMemory(used_gib=30, total_gib=140, scope="phase")
+    # a phase shorter than the sampling interval: the round's peak, said so
+    assert metrics.device_memory(nodes, (2.2, 2.4)) == tr.DeviceMemory(used_gib=60, total_gib=140, scope="round")
+    assert metrics.device_memory([([{"t": 1.0, "gpus": []}], {0})], None) is None  # a CPU run
+

@@ -1,8 +1,10 @@
-"""Benchmark history in one SQLite file: nights, case runs, rounds, loss curves, verdicts.
+"""Benchmark history in one SQLite file: nights, case runs, rounds and their phases, loss curves, verdicts.
 
 ``python -m run_benchmarks.history list --case llama3_tiny:megatron:cpu:1:2 [--vendor cpu] [--db PATH]``
-prints a case's runs as a table.  The schema (``SCHEMA``) is versioned with
-``PRAGMA user_version``; a file written by a newer harness is refused, never rewritten.
+prints a case's runs as a table, a line per phase.  The schema (``SCHEMA``) is versioned with
+``PRAGMA user_version``; a file written by a newer harness is refused, never rewritten, and
+one of schema 1 (one set of figures per round) is migrated in place on opening.  Every
+figure is kept per phase; a run's statistics are over its clean rounds (ok or unjudged).
 
 A run's identity for comparisons is (case_key, vendor, hardware_key, config_key):
 ``case_key`` is ``model:framework:hardware:nnodes:nprocs`` (the size without the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import sqlite3
@@ -26,12 +29,14 @@ from typing import Any, Iterable
 from rich.console import Console
 from rich.table import Table
 
+from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.errors import InputError
+from run_benchmarks.typed_results import PhaseResult, RunResults
 
-SCHEMA_VERSION = 1
-#: the per-round figures aggregated per run (first phase, as results.json's round level)
-METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib")
+SCHEMA_VERSION = 2
+#: the figures aggregated per run and phase, over its clean rounds (ok or unjudged)
+METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib", "device_mem_used_gib")
 OLYMPIC_MIN_ROUNDS = 5  # MLPerf-style: drop the fastest and the slowest from 5 rounds on
 
 SCHEMA = """
@@ -51,32 +56,39 @@ CREATE TABLE runs (                 -- one case run: one results.json
   hardware_key TEXT NOT NULL, config_key TEXT NOT NULL,
   config_name TEXT NOT NULL, variant TEXT,
   started TEXT NOT NULL, finished TEXT, run_dir TEXT,
-  rounds_requested INTEGER NOT NULL, rounds_ok INTEGER NOT NULL, rounds_failed INTEGER NOT NULL,
-  loss_aligned INTEGER,              -- 1 every ok round aligned, 0 one was not, NULL no reference
-  good INTEGER NOT NULL,             -- 1: no failed round and no unaligned loss; feeds baselines
+  rounds_requested INTEGER NOT NULL, rounds_ok INTEGER NOT NULL, rounds_failed INTEGER NOT NULL,  -- failed: or never ran
+  loss_aligned INTEGER,              -- 1 every phase of every clean round aligned, 0 a round invalid, NULL not judged
+  good INTEGER NOT NULL,             -- 1: no failed or invalid round; feeds baselines
   verdict TEXT NOT NULL,             -- pass | regressed | baseline: none
   baseline_runs INTEGER NOT NULL DEFAULT 0,  -- how many good runs the baseline is the median of
-  baseline_json TEXT NOT NULL,       -- metric -> baseline median at judging time
+  baseline_json TEXT NOT NULL,       -- phase -> metric -> baseline median at judging time
   tolerances_json TEXT NOT NULL,     -- the tolerances (percent) the run was judged with
   error TEXT,
   system_json TEXT NOT NULL, settings_json TEXT NOT NULL, overrides_json TEXT NOT NULL,
-  user_overrides_json TEXT NOT NULL, hardware_json TEXT NOT NULL
+  user_overrides_json TEXT NOT NULL, hardware_json TEXT NOT NULL,
+  rounds_unjudged INTEGER NOT NULL DEFAULT 0, rounds_invalid INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX runs_identity ON runs (case_key, vendor, hardware_key, config_key, started);
-CREATE TABLE run_stats (            -- per run and metric, over its ok rounds
-  run INTEGER NOT NULL REFERENCES runs(id), metric TEXT NOT NULL,
+CREATE TABLE run_stats (            -- per run, phase and metric, over its clean rounds
+  run INTEGER NOT NULL REFERENCES runs(id), phase TEXT NOT NULL, metric TEXT NOT NULL,
   n INTEGER NOT NULL, median REAL, min REAL, max REAL, q1 REAL, q3 REAL,
   olympic REAL,                      -- mean without fastest and slowest; NULL under 5 rounds
-  PRIMARY KEY (run, metric)
+  PRIMARY KEY (run, phase, metric)
 );
 CREATE TABLE rounds (
   run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL,
-  status TEXT NOT NULL, error TEXT, duration_s REAL,
-  tokens_per_gpu_s REAL, mfu_6n REAL, mfu_palm REAL, peak_mem_gib REAL,
-  loss_mre REAL, loss_aligned INTEGER,
+  status TEXT NOT NULL, error TEXT, duration_s REAL,   -- ok | unjudged | invalid | failed
   PRIMARY KEY (run, round)
 );
-CREATE TABLE losses (               -- round 0: the committed reference curve compared against
+CREATE TABLE phases (               -- every phase of every round, whatever its status
+  run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL, phase TEXT NOT NULL,
+  tokens_per_gpu_s REAL, mfu_6n REAL, mfu_palm REAL, step_time_s REAL,
+  peak_mem_gib REAL,                 -- the allocator's peak
+  device_mem_used_gib REAL, device_mem_total_gib REAL,  -- in use, as the monitor saw it
+  loss_verdict TEXT NOT NULL, loss_mre REAL, loss_reason TEXT,
+  PRIMARY KEY (run, round, phase)
+);
+CREATE TABLE losses (               -- round 0: the reference curve compared against
   run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL, phase TEXT NOT NULL,
   step INTEGER NOT NULL, loss REAL,
   PRIMARY KEY (run, round, phase, step)
@@ -84,8 +96,43 @@ CREATE TABLE losses (               -- round 0: the committed reference curve co
 CREATE TABLE findings (             -- what made a run's verdict 'regressed'
   run INTEGER NOT NULL REFERENCES runs(id),
   metric TEXT NOT NULL, baseline REAL, now REAL, change REAL, tolerance REAL,
-  message TEXT NOT NULL
+  message TEXT NOT NULL, phase TEXT  -- NULL: the whole run (failed rounds)
 );
+"""
+
+# Schema 1 kept one set of figures per round (the first phase's); schema 2 keeps every phase.
+MIGRATE_1_TO_2 = """
+ALTER TABLE runs ADD COLUMN rounds_unjudged INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE runs ADD COLUMN rounds_invalid INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE findings ADD COLUMN phase TEXT;
+CREATE TABLE phases (
+  run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL, phase TEXT NOT NULL,
+  tokens_per_gpu_s REAL, mfu_6n REAL, mfu_palm REAL, step_time_s REAL,
+  peak_mem_gib REAL, device_mem_used_gib REAL, device_mem_total_gib REAL,
+  loss_verdict TEXT NOT NULL, loss_mre REAL, loss_reason TEXT,
+  PRIMARY KEY (run, round, phase)
+);
+INSERT INTO phases SELECT r.run, r.round, f.phase, r.tokens_per_gpu_s, r.mfu_6n, r.mfu_palm, NULL, r.peak_mem_gib, NULL, NULL,
+  CASE r.loss_aligned WHEN 1 THEN 'aligned' WHEN 0 THEN 'not aligned' ELSE 'not judged' END, r.loss_mre,
+  'recorded by history schema 1' FROM rounds r JOIN first_phase f ON f.run = r.run;
+CREATE TABLE rounds_2 (
+  run INTEGER NOT NULL REFERENCES runs(id), round INTEGER NOT NULL,
+  status TEXT NOT NULL, error TEXT, duration_s REAL,
+  PRIMARY KEY (run, round)
+);
+INSERT INTO rounds_2 SELECT run, round, status, error, duration_s FROM rounds;
+DROP TABLE rounds;
+ALTER TABLE rounds_2 RENAME TO rounds;
+CREATE TABLE run_stats_2 (
+  run INTEGER NOT NULL REFERENCES runs(id), phase TEXT NOT NULL, metric TEXT NOT NULL,
+  n INTEGER NOT NULL, median REAL, min REAL, max REAL, q1 REAL, q3 REAL, olympic REAL,
+  PRIMARY KEY (run, phase, metric)
+);
+INSERT INTO run_stats_2 SELECT s.run, f.phase, s.metric, s.n, s.median, s.min, s.max, s.q1, s.q3, s.olympic
+  FROM run_stats s JOIN first_phase f ON f.run = s.run;
+DROP TABLE run_stats;
+ALTER TABLE run_stats_2 RENAME TO run_stats;
+DROP TABLE first_phase;
 """
 
 
@@ -117,7 +164,35 @@ def connect(path: str | os.PathLike[str], create: bool = True) -> sqlite3.Connec
         with db:
             db.executescript(SCHEMA)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    elif version == 1:
+        _migrate_1_to_2(db)
     return db
+
+
+def _migrate_1_to_2(db: sqlite3.Connection) -> None:
+    """Schema 1 -> 2 in one transaction: its round figures become the first phase's rows."""
+    db.execute("CREATE TEMP TABLE first_phase (run INTEGER PRIMARY KEY, phase TEXT NOT NULL)")
+    db.executemany("INSERT INTO first_phase VALUES (?, ?)", _first_phases(db))
+    try:
+        db.executescript("BEGIN;\n" + MIGRATE_1_TO_2 + "PRAGMA user_version = 2;\nCOMMIT;")
+    except sqlite3.DatabaseError:
+        db.rollback()
+        raise
+
+
+def _first_phases(db: sqlite3.Connection) -> list[tuple[int, str]]:
+    """Per run, the phase its schema-1 round figures belonged to: the first of its case."""
+    out = []
+    for row in db.execute("SELECT id, case_key FROM runs").fetchall():
+        seen = [r[0] for r in db.execute("SELECT DISTINCT phase FROM losses WHERE run = ? AND round > 0", (row["id"],))]
+        if len(seen) == 1:
+            out.append((row["id"], seen[0]))
+            continue
+        try:
+            out.append((row["id"], registry.find_case(CaseName.parse(row["case_key"])).config.phases[0]))
+        except InputError:  # a case this checkout does not have
+            out.append((row["id"], sorted(seen)[0] if seen else "train"))
+    return out
 
 
 # --------------------------------------------------------------------------- keys and stats
@@ -164,17 +239,36 @@ def summarize(values: list[float]) -> dict[str, Any]:
     return out
 
 
-def round_stats(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per metric, the summary over the rounds that finished ok (failed rounds are counted apart)."""
-    ok = [r for r in results.get("rounds", []) if r.get("status") == "ok"]
-    return {m: summarize([float(r[m]) for r in ok if r.get(m) is not None]) for m in METRICS}
+def round_stats(res: RunResults) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per phase and metric, the summary over the clean rounds (failed and invalid ones are counted apart)."""
+    clean = [r for r in res.rounds if r.clean]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for phase in res.phases:
+        figs = [_figures(p) for r in clean for p in r.phases if p.phase == phase]
+        out[phase] = {m: summarize([f[m] for f in figs if f[m] is not None]) for m in METRICS}
+    return out
 
 
-def loss_verdict(results: dict[str, Any]) -> bool | None:
-    """False: an ok round's loss did not align; True: all with a reference did; None: no reference."""
-    flags = [r.get("loss_aligned") for r in results.get("rounds", []) if r.get("status") == "ok"]
-    flags = [f for f in flags if f is not None]
-    return None if not flags else all(flags)
+def _figures(p: PhaseResult) -> dict[str, float | None]:
+    """The METRICS of one phase of one round."""
+    return {"tokens_per_gpu_s": p.tokens_per_gpu_s, "mfu_6n": p.mfu_6n, "mfu_palm": p.mfu_palm, "peak_mem_gib": p.peak_mem_gib,
+            "device_mem_used_gib": p.device_mem.used_gib if p.device_mem else None}  # fmt: skip
+
+
+def loss_verdict(res: RunResults) -> bool | None:
+    """False: a round was invalid (a phase not aligned); True: every phase of every clean round
+    aligned; None: something not judged, or no clean round."""
+    if any(r.status == "invalid" for r in res.rounds):
+        return False
+    flags = [p.gate.aligned for r in res.rounds if r.clean for p in r.phases]
+    return None if not flags or None in flags else all(flags)
+
+
+def status_counts(res: RunResults, rounds_requested: int) -> dict[str, int]:
+    """Rounds per status; rounds that never ran count as failed."""
+    counts = {st: sum(1 for r in res.rounds if r.status == st) for st in ("ok", "unjudged", "invalid")}
+    counts["failed"] = rounds_requested - sum(counts.values())
+    return counts
 
 
 # --------------------------------------------------------------------------- writing
@@ -195,13 +289,14 @@ def finish_night(db: sqlite3.Connection, night: int, finished: str, exit_status:
 
 
 def _loss_points(curve: dict[Any, Any] | None) -> list[tuple[int, float | None]]:
-    return sorted((int(s), None if v is None else float(v)) for s, v in (curve or {}).items())
+    """(step, loss) rows; a NaN or inf loss is stored as NULL (SQLite has no NaN)."""
+    return sorted((int(s), float(v) if v is not None and math.isfinite(v) else None) for s, v in (curve or {}).items())
 
 
 def record_run(
     db: sqlite3.Connection,
     night: int | None,
-    results: dict[str, Any],
+    res: RunResults,
     *,
     hardware: str,
     variant: str | None,
@@ -209,67 +304,76 @@ def record_run(
     verdict: str,
     baseline_runs: int,
     findings: list[dict[str, Any]],
-    baseline: dict[str, float | None] | None = None,
+    baseline: dict[str, dict[str, float | None]] | None = None,
     tolerances: dict[str, float] | None = None,
     error: str | None = None,
     run_dir: str | None = None,
     reference: dict[str, dict[int, float]] | None = None,
 ) -> int:
-    """Store one case run with its rounds, stats, loss curves and findings; returns its row id."""
-    rounds = results.get("rounds", [])
-    ok = sum(1 for r in rounds if r.get("status") == "ok")
-    failed = rounds_requested - ok  # rounds that never ran count as failed
-    aligned = loss_verdict(results)
-    good = int(failed == 0 and aligned is not False and ok > 0)
+    """Store one case run with its rounds, phases, stats, loss curves and findings; returns its row id."""
+    n = status_counts(res, rounds_requested)
+    aligned = loss_verdict(res)
+    good = int(n["failed"] == 0 and n["invalid"] == 0 and n["ok"] + n["unjudged"] > 0)
     j = lambda x: json.dumps(x, sort_keys=True, default=str)  # noqa: E731
     with db:
         cur = db.execute(
             "INSERT INTO runs (night_id, run_id, case_key, vendor, hardware_key, config_key, config_name, variant,"
-            " started, finished, run_dir, rounds_requested, rounds_ok, rounds_failed, loss_aligned, good, verdict,"
-            " baseline_runs, baseline_json, tolerances_json, error, system_json, settings_json, overrides_json,"
-            " user_overrides_json, hardware_json)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " started, finished, run_dir, rounds_requested, rounds_ok, rounds_unjudged, rounds_invalid, rounds_failed,"
+            " loss_aligned, good, verdict, baseline_runs, baseline_json, tolerances_json, error, system_json, settings_json,"
+            " overrides_json, user_overrides_json, hardware_json)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                night, results["run_id"], case_key(results["case"]), results["vendor"], hardware,
-                config_key(results["config_name"], results["settings"]), results["config_name"], variant,
-                results["started"], results.get("finished"), run_dir,
-                rounds_requested, ok, failed, None if aligned is None else int(aligned), good, verdict,
-                baseline_runs, j(baseline or {}), j(tolerances or {}), error, j(results.get("system", {})), j(results["settings"]),
-                j(results.get("overrides", [])), j(results.get("user_overrides", [])), j(results.get("hardware_info", {})),
+                night, res.run_id, case_key(res.case), res.vendor, hardware,
+                config_key(res.config_name, res.settings), res.config_name, variant,
+                res.started, res.finished, run_dir, rounds_requested, n["ok"], n["unjudged"], n["invalid"], n["failed"],
+                None if aligned is None else int(aligned), good, verdict,
+                baseline_runs, j(baseline or {}), j(tolerances or {}), error, j(res.system), j(res.settings),
+                j(res.overrides), j(res.user_overrides), j(res.hardware_info),
             ),
         )  # fmt: skip
         run = int(cur.lastrowid or 0)
-        for metric, s in round_stats(results).items():
-            db.execute(
-                "INSERT INTO run_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run, metric, s["n"], s["median"], s["min"], s["max"], s["q1"], s["q3"], s["olympic"]),
+        for phase, stats in round_stats(res).items():
+            db.executemany(
+                "INSERT INTO run_stats VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(run, phase, m, s["n"], s["median"], s["min"], s["max"], s["q1"], s["q3"], s["olympic"]) for m, s in stats.items()],
             )
-        for r in rounds:
-            flag = r.get("loss_aligned")
-            db.execute(
-                "INSERT INTO rounds VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (run, r["round"], r["status"], r.get("error"), r.get("duration_s"), r.get("tokens_per_gpu_s"),
-                 r.get("mfu_6n"), r.get("mfu_palm"), r.get("peak_mem_gib"), r.get("loss_mre"), None if flag is None else int(flag)),
-            )  # fmt: skip
-            for p in r.get("phases") or []:
-                db.executemany(
-                    "INSERT INTO losses VALUES (?, ?, ?, ?, ?)",
-                    [(run, r["round"], p["phase"], s, v) for s, v in _loss_points(p.get("loss"))],
-                )
+        for r in res.rounds:
+            db.execute("INSERT INTO rounds VALUES (?, ?, ?, ?, ?)", (run, r.round, r.status, r.error, r.duration_s))
+            for p in r.phases:
+                dm = p.device_mem
+                db.execute(
+                    "INSERT INTO phases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (run, r.round, p.phase, p.tokens_per_gpu_s, p.mfu_6n, p.mfu_palm, p.step_time_s, p.peak_mem_gib,
+                     dm.used_gib if dm else None, dm.total_gib if dm else None, p.gate.verdict, p.gate.mre, p.gate.reason),
+                )  # fmt: skip
+                db.executemany("INSERT INTO losses VALUES (?, ?, ?, ?, ?)", [(run, r.round, p.phase, s, v) for s, v in _loss_points(p.loss)])
         for phase, curve in (reference or {}).items():
             db.executemany("INSERT INTO losses VALUES (?, 0, ?, ?, ?)", [(run, phase, s, v) for s, v in _loss_points(curve)])
         db.executemany(
-            "INSERT INTO findings VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(run, f["metric"], f.get("baseline"), f.get("now"), f.get("change"), f.get("tolerance"), f["message"]) for f in findings],
-        )
+            "INSERT INTO findings (run, metric, baseline, now, change, tolerance, message, phase) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(run, f["metric"], f.get("baseline"), f.get("now"), f.get("change"), f.get("tolerance"), f["message"], f.get("phase"))
+             for f in findings],
+        )  # fmt: skip
     return run
 
 
 # --------------------------------------------------------------------------- reading
 
 
-def stats_of(db: sqlite3.Connection, run: int) -> dict[str, dict[str, Any]]:
-    return {row["metric"]: dict(row) for row in db.execute("SELECT * FROM run_stats WHERE run = ?", (run,))}
+def stats_of(db: sqlite3.Connection, run: int) -> dict[str, dict[str, dict[str, Any]]]:
+    """phase -> metric -> the run's summary over its clean rounds."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for row in db.execute("SELECT * FROM run_stats WHERE run = ? ORDER BY rowid", (run,)):
+        out.setdefault(row["phase"], {})[row["metric"]] = dict(row)
+    return out
+
+
+def phases_of(db: sqlite3.Connection, run: int) -> list[sqlite3.Row]:
+    """Every phase of every round of a run, with its round's status, in round and phase order."""
+    return db.execute(
+        "SELECT p.*, r.status, r.error FROM phases p JOIN rounds r ON r.run = p.run AND r.round = p.round"
+        " WHERE p.run = ? ORDER BY p.round, p.rowid", (run,),
+    ).fetchall()  # fmt: skip
 
 
 def baseline_runs(db: sqlite3.Connection, identity: dict[str, str], limit: int, before_run: int | None = None) -> list[sqlite3.Row]:
@@ -320,23 +424,32 @@ def fmt_num(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def rounds_text(row: sqlite3.Row) -> str:
+    """A run's rounds by status: ``ok/unjudged/invalid/failed``."""
+    return f"{row['rounds_ok']}/{row['rounds_unjudged']}/{row['rounds_invalid']}/{row['rounds_failed']}"
+
+
+LOSS_TEXT = {None: "not judged", 1: "aligned", 0: "NOT aligned"}
+
+
 def history_table(db: sqlite3.Connection, rows: list[sqlite3.Row], title: str) -> Table:
+    """One line per run and phase; the figures are over the run's clean rounds only."""
     table = Table(title=title, title_justify="left")
-    for col in ("started", "run", "vendor", "hardware", "config", "ok/failed", "tokens/p/s", "min-max", "IQR", "olympic", "MFU-6N", "mem GiB", "loss", "verdict"):
+    for col in ("started", "run", "vendor", "hardware", "config", "phase", "rounds ok/unjudged/invalid/failed", "tokens/p/s", "min-max",
+                "IQR", "olympic", "MFU-6N", "mem alloc GiB", "mem in use GiB", "loss", "verdict"):  # fmt: skip
         table.add_column(col, no_wrap=col not in ("hardware", "config"), overflow="fold")
     for row in rows:
-        st = stats_of(db, row["id"])
-        tps, mfu, mem = st.get("tokens_per_gpu_s", {}), st.get("mfu_6n", {}), st.get("peak_mem_gib", {})
         sets = json.loads(row["user_overrides_json"])
         config = row["config_name"].removeprefix("config_") + (" " + ",".join(f"{o['param']}={o['value']}" for o in sets) if sets else "")
-        loss = {None: "no ref", 1: "aligned", 0: "NOT aligned"}[row["loss_aligned"]]
-        table.add_row(
-            row["started"][:16].replace("T", " "), row["run_id"].rsplit("_", 1)[-1], row["vendor"], row["hardware_key"].split("|", 2)[-1],
-            config, f"{row['rounds_ok']}/{row['rounds_failed']}", fmt_num(tps.get("median")),
-            f"{fmt_num(tps.get('min'))}-{fmt_num(tps.get('max'))}", f"{fmt_num(tps.get('q1'))}-{fmt_num(tps.get('q3'))}",
-            fmt_num(tps.get("olympic")), "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
-            fmt_num(mem.get("median"), ".3f"), loss, row["verdict"],
-        )  # fmt: skip
+        for phase, st in (stats_of(db, row["id"]) or {"-": {}}).items():
+            tps, mfu, mem, used = (st.get(m, {}) for m in ("tokens_per_gpu_s", "mfu_6n", "peak_mem_gib", "device_mem_used_gib"))
+            table.add_row(
+                row["started"][:16].replace("T", " "), row["run_id"].rsplit("_", 1)[-1], row["vendor"], row["hardware_key"].split("|", 2)[-1],
+                config, phase, rounds_text(row), fmt_num(tps.get("median")),
+                f"{fmt_num(tps.get('min'))}-{fmt_num(tps.get('max'))}", f"{fmt_num(tps.get('q1'))}-{fmt_num(tps.get('q3'))}",
+                fmt_num(tps.get("olympic")), "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
+                fmt_num(mem.get("median"), ".3f"), fmt_num(used.get("median"), ".2f"), LOSS_TEXT[row["loss_aligned"]], row["verdict"],
+            )  # fmt: skip
     return table
 
 
@@ -369,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not rows:
         print(f"no runs of {key}{' on ' + args.vendor if args.vendor else ''} in {args.db or default_db()}")
     else:
-        console = Console(width=max(shutil.get_terminal_size((200, 24)).columns, 180))  # a table, never squeezed
+        console = Console(width=max(shutil.get_terminal_size((240, 24)).columns, 220))  # a table, never squeezed
         console.print(history_table(db, rows, f"{key}{' / ' + args.vendor if args.vendor else ''}: {len(rows)} run(s)"))
     return 0
 

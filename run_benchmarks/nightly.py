@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as dt
-import json
 import socket
 import statistics
 import sys
@@ -29,11 +28,12 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from run_benchmarks import history, plan as planning  # noqa: E402
+from run_benchmarks import history, orchestrator, plan as planning, typed_results  # noqa: E402
 from run_benchmarks.config import ClusterConfig, load  # noqa: E402
 from run_benchmarks.casename import CaseName  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 from run_benchmarks.runlist import CaseEntry, RunList, Tolerances, parse_runlist  # noqa: E402
+from run_benchmarks.typed_results import RunResults  # noqa: E402
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -80,6 +80,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
         cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
         try:
             plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets))
+            orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
             raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
@@ -102,37 +103,39 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
 
 METRIC_LABELS = {"tokens_per_gpu_s": "tokens/p/s", "mfu_6n": "MFU-6N", "peak_mem_gib": "peak memory (GiB)"}
 
+Stats = dict[str, dict[str, dict[str, Any]]]  # phase -> metric -> history.summarize() over the clean rounds
+
 
 @dataclasses.dataclass
 class Verdict:
     status: str  # pass | regressed | baseline: none
     baseline_runs: int
-    baseline: dict[str, float | None]  # metric -> baseline median
+    baseline: dict[str, dict[str, float | None]]  # phase -> metric -> baseline median
     findings: list[dict[str, Any]]
 
 
 def judge(
     label: str,
-    stats: dict[str, dict[str, Any]],
+    stats: Stats,
     rounds_requested: int,
     rounds_failed: int,
-    loss_aligned: bool | None,
+    not_aligned: dict[str, str],
     first_error: str | None,
-    baseline: list[dict[str, dict[str, Any]]],
+    baseline: list[Stats],
     tol: Tolerances,
 ) -> Verdict:
-    """Compare one case run with the medians of its baseline runs (their per-run medians).
+    """Compare one case run, phase by phase, with the medians of its baseline runs (their per-run medians).
 
-    Failed rounds and unaligned losses are failures with or without a baseline (the baseline
-    runs never have them: only good runs count).  Throughput and MFU falling, or memory
-    rising, by more than the tolerance is a regression; without a baseline nothing is compared.
+    Failed rounds and phases whose loss no longer aligns (``not_aligned``: phase -> the reason
+    of an invalid round) are failures with or without a baseline (the baseline runs never have
+    them: only good runs count). Throughput and MFU falling, or memory rising, by more than the
+    tolerance is a regression; without a baseline nothing is compared. A phase is named in the
+    findings when the case has more than one.
     """
     findings: list[dict[str, Any]] = []
-    base: dict[str, float | None] = {}
     n = len(baseline)
-    for metric in METRIC_LABELS:
-        meds = [b[metric]["median"] for b in baseline if b.get(metric, {}).get("median") is not None]
-        base[metric] = statistics.median(meds) if meds else None
+    tag = (lambda ph: f" phase {ph}") if len(stats) > 1 else (lambda ph: "")
+    base = {ph: {m: _median([b.get(ph, {}).get(m, {}).get("median") for b in baseline]) for m in METRIC_LABELS} for ph in stats}
     if rounds_failed:
         why = f": {first_error.strip().splitlines()[0]}" if first_error else ""
         findings.append({
@@ -140,30 +143,36 @@ def judge(
             "message": f"{label}: {rounds_failed} of {rounds_requested} round(s) failed"
                        f" (baseline: {'none' if not n else f'no failed round in the last {n} good runs'}){why}",
         })  # fmt: skip
-    if loss_aligned is False:
+    for ph, reason in not_aligned.items():
         findings.append({
-            "metric": "loss alignment", "baseline": 1.0 if n else None, "now": 0.0, "change": None, "tolerance": None,
-            "message": f"{label}: loss no longer aligns with the reference"
-                       f" (baseline: {'none' if not n else f'aligned or no reference in the last {n} good runs'})",
+            "metric": "loss alignment", "phase": ph, "baseline": 1.0 if n else None, "now": 0.0, "change": None, "tolerance": None,
+            "message": f"{label}{tag(ph)}: loss no longer aligns with the reference: {reason}"
+                       f" (baseline: {'none' if not n else f'aligned or not judged in the last {n} good runs'})",
         })  # fmt: skip
-    for metric, pct, direction in (
-        ("tokens_per_gpu_s", tol.throughput_drop_pct, -1),
-        ("mfu_6n", tol.mfu_drop_pct, -1),
-        ("peak_mem_gib", tol.memory_rise_pct, +1),
-    ):
-        now, b = stats.get(metric, {}).get("median"), base[metric]
-        if now is None or not b:
-            continue
-        change = now / b - 1
-        if direction * change > pct / 100:
-            fmt = (lambda x: f"{100 * x:.2f}%") if metric == "mfu_6n" else (lambda x: f"{x:.4g}")
-            findings.append({
-                "metric": METRIC_LABELS[metric], "baseline": b, "now": now, "change": change, "tolerance": direction * pct / 100,
-                "message": f"{label}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
-                           f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%",
-            })  # fmt: skip
+    for ph, st in stats.items():
+        for metric, pct, direction in (
+            ("tokens_per_gpu_s", tol.throughput_drop_pct, -1),
+            ("mfu_6n", tol.mfu_drop_pct, -1),
+            ("peak_mem_gib", tol.memory_rise_pct, +1),
+        ):
+            now, b = st.get(metric, {}).get("median"), base[ph][metric]
+            if now is None or not b:
+                continue
+            change = now / b - 1
+            if direction * change > pct / 100:
+                fmt = (lambda x: f"{100 * x:.2f}%") if metric == "mfu_6n" else (lambda x: f"{x:.4g}")
+                findings.append({
+                    "metric": METRIC_LABELS[metric], "phase": ph, "baseline": b, "now": now, "change": change, "tolerance": direction * pct / 100,
+                    "message": f"{label}{tag(ph)}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
+                               f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%",
+                })  # fmt: skip
     status = "regressed" if findings else "pass" if n else "baseline: none"
     return Verdict(status, n, base, findings)
+
+
+def _median(values: list[float | None]) -> float | None:
+    have = [v for v in values if v is not None]
+    return statistics.median(have) if have else None
 
 
 # --------------------------------------------------------------------------- running
@@ -195,8 +204,8 @@ class _ProgressConsole:
 
     def sync(self) -> None:
         try:
-            done = len(json.loads(self.results_file.read_text(encoding="utf-8"))["rounds"])
-        except (OSError, ValueError, KeyError, TypeError):
+            done = len(typed_results.load(self.results_file).rounds)
+        except InputError:  # not written yet
             return
         self.progress.update(self.task, completed=self.done_before + done)
 
@@ -204,21 +213,23 @@ class _ProgressConsole:
         return getattr(self.progress.console, name)
 
 
-def run_case(job: Job, console: Any) -> tuple[dict[str, Any], str | None]:
+def run_case(job: Job, console: Any) -> tuple[RunResults, str | None]:
     """Run one case through the orchestrator; returns its results and, if it broke off, why."""
-    from run_benchmarks import orchestrator
     from run_benchmarks.runtimes import select
 
     plan = job.plan
     try:
         runtime = select(plan.cluster, plan.cluster.python)
-        return orchestrator.run(plan, runtime, console).dump(), None
+        return orchestrator.run(plan, runtime, console), None
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # a broken case must not hide the others' verdicts
         why = str(exc) if isinstance(exc, InputError) else "".join(traceback.format_exception_only(exc)).strip()
         f = plan.run_dir / "results.json"
-        res = json.loads(f.read_text()) if f.is_file() else orchestrator.base_results(plan).dump()
+        try:
+            res = typed_results.load(f) if f.is_file() else orchestrator.base_results(plan)
+        except InputError:  # cut off mid-write: the rounds it finished are in the run folder
+            res = orchestrator.base_results(plan)
         return res, why
 
 
@@ -244,64 +255,73 @@ def run_night(night: Night, db: Any, night_id: int, console: Console, outcomes: 
             outcomes.append(_judge_and_store(night, db, night_id, job, res, broke, console=progress.console))
 
 
-def _judge_and_store(night: Night, db: Any, night_id: int, job: Job, res: dict[str, Any], broke: str | None, console: Console) -> dict[str, Any]:
-    rounds = res.get("rounds", [])
-    ok = sum(1 for r in rounds if r.get("status") == "ok")
-    failed = job.entry.rounds - ok
-    first_error = broke or next((r.get("error") for r in rounds if r.get("status") != "ok" and r.get("error")), None)
+def _judge_and_store(night: Night, db: Any, night_id: int, job: Job, res: RunResults, broke: str | None, console: Console) -> dict[str, Any]:
+    counts = history.status_counts(res, job.entry.rounds)
+    failed = counts["failed"]
+    first_error = broke or next((r.error for r in res.rounds if r.status == "failed" and r.error), None)
     if failed and not first_error:
-        first_error = f"{job.entry.rounds - len(rounds)} round(s) never ran"
+        first_error = f"{job.entry.rounds - len(res.rounds)} round(s) never ran"
+    # the reason of the first invalid round per phase whose loss did not align
+    not_aligned: dict[str, str] = {}
+    for r in res.rounds:
+        for p in r.phases:
+            if r.status == "invalid" and p.gate.verdict == "not aligned":
+                not_aligned.setdefault(p.phase, p.gate.reason)
     identity = {
-        "case_key": history.case_key(res["case"]), "vendor": res["vendor"], "hardware_key": job.hardware_key,
-        "config_key": history.config_key(res["config_name"], res["settings"]),
+        "case_key": history.case_key(res.case), "vendor": res.vendor, "hardware_key": job.hardware_key,
+        "config_key": history.config_key(res.config_name, res.settings),
     }  # fmt: skip
     base_rows = history.baseline_runs(db, identity, night.runlist.baseline_runs)
     stats = history.round_stats(res)
     verdict = judge(
-        f"{identity['case_key']} on {res['vendor']} ({res['config_name']})",
-        stats, job.entry.rounds, failed, history.loss_verdict(res), first_error,
+        f"{identity['case_key']} on {res.vendor} ({res.config_name})",
+        stats, job.entry.rounds, failed, not_aligned, first_error,
         [history.stats_of(db, r["id"]) for r in base_rows], job.tolerances,
     )  # fmt: skip
-    reference = _reference_curves(res)
     run_pk = history.record_run(
         db, night_id, res, hardware=job.hardware_key, variant=job.entry.variant, rounds_requested=job.entry.rounds,
         verdict=verdict.status, baseline_runs=verdict.baseline_runs, findings=verdict.findings, error=broke,
         baseline=verdict.baseline, tolerances=job.tolerances.model_dump(),
-        run_dir=str(job.plan.run_dir), reference=reference,
+        run_dir=str(job.plan.run_dir), reference=_reference_curves(res),
     )  # fmt: skip
-    tps = stats["tokens_per_gpu_s"]
-    b = verdict.baseline.get("tokens_per_gpu_s")
-    line = (
-        f"  {ok}/{job.entry.rounds} round(s) ok; tokens/p/s median {history.fmt_num(tps['median'])}"
-        f" (IQR {history.fmt_num(tps['q1'])}-{history.fmt_num(tps['q3'])}); "
-        + (f"baseline {b:.1f} from {verdict.baseline_runs} run(s)" if b else "baseline: none")
-        + f"; verdict: {verdict.status}"
-    )
-    console.print(line if not broke else f"  case broke off: {broke}\n{line}", markup=False, highlight=False)
-    return {"job": job, "run_pk": run_pk, "verdict": verdict, "stats": stats, "rounds_ok": ok, "rounds_failed": failed}
+    lines = [f"  rounds ok {counts['ok']}, unjudged {counts['unjudged']}, invalid {counts['invalid']}, failed {failed} of {job.entry.rounds}"]
+    for ph, st in stats.items():
+        tps, b = st["tokens_per_gpu_s"], verdict.baseline[ph].get("tokens_per_gpu_s")
+        lines.append(
+            f"  {ph}: tokens/p/s median {history.fmt_num(tps['median'])} (IQR {history.fmt_num(tps['q1'])}-{history.fmt_num(tps['q3'])},"
+            f" over {tps['n']} clean round(s)); " + (f"baseline {b:.1f} from {verdict.baseline_runs} run(s)" if b else "baseline: none")
+        )  # fmt: skip
+    lines.append(f"  verdict: {verdict.status}")
+    if broke:
+        lines.insert(0, f"  case broke off: {broke}")
+    console.print("\n".join(lines), markup=False, highlight=False)
+    return {"job": job, "run_pk": run_pk, "verdict": verdict, "stats": stats, "counts": counts}
 
 
-def _reference_curves(res: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """The committed curves the rounds were compared against (kept with the run)."""
-    from run_benchmarks.metrics import load_reference
-
-    for r in res.get("rounds", []):
-        refs = {ph: load_reference(Path(p)) for ph, p in (r.get("reference") or {}).items() if p}
-        return {ph: c for ph, c in refs.items() if c}
+def _reference_curves(res: RunResults) -> dict[str, dict[int, float]]:
+    """The reference curves the phases were judged against (kept with the run), from its first round."""
+    for r in res.rounds:
+        return {p.phase: p.reference.loss for p in r.phases if p.reference is not None}
     return {}
 
 
 def summary_table(outcomes: list[dict[str, Any]]) -> Table:
+    """A line per case and phase; the figures are over clean rounds only."""
     table = Table(title="nightly results")
-    for col in ("case", "rounds ok/failed", "tokens/p/s median", "IQR", "olympic", "mem (GiB)", "baseline tokens/p/s", "verdict"):
+    for col in ("case", "phase", "rounds ok/unjudged/invalid/failed", "tokens/p/s median", "IQR", "olympic", "mem alloc (GiB)",
+                "baseline tokens/p/s", "verdict"):  # fmt: skip
         table.add_column(col, overflow="fold")
     for o in outcomes:
-        tps, mem, v = o["stats"]["tokens_per_gpu_s"], o["stats"]["peak_mem_gib"], o["verdict"]
-        table.add_row(
-            _label(o["job"]), f"{o['rounds_ok']}/{o['rounds_failed']}", history.fmt_num(tps["median"]),
-            f"{history.fmt_num(tps['q1'])}-{history.fmt_num(tps['q3'])}", history.fmt_num(tps["olympic"]), history.fmt_num(mem["median"], ".3f"),
-            "none" if not v.baseline_runs else f"{history.fmt_num(v.baseline['tokens_per_gpu_s'])} ({v.baseline_runs} runs)", v.status,
-        )  # fmt: skip
+        v, c = o["verdict"], o["counts"]
+        for ph, st in (o["stats"] or {"-": {}}).items():
+            tps, mem = st.get("tokens_per_gpu_s", {}), st.get("peak_mem_gib", {})
+            b = v.baseline.get(ph, {}).get("tokens_per_gpu_s")
+            table.add_row(
+                _label(o["job"]), ph, f"{c['ok']}/{c['unjudged']}/{c['invalid']}/{c['failed']}", history.fmt_num(tps.get("median")),
+                f"{history.fmt_num(tps.get('q1'))}-{history.fmt_num(tps.get('q3'))}", history.fmt_num(tps.get("olympic")),
+                history.fmt_num(mem.get("median"), ".3f"), "none" if not v.baseline_runs else f"{history.fmt_num(b)} ({v.baseline_runs} runs)",
+                v.status,
+            )  # fmt: skip
     return table
 
 

@@ -12,6 +12,7 @@ import datetime as dt
 import html
 import io
 import json
+import math
 import os
 import sqlite3
 from pathlib import Path
@@ -22,6 +23,8 @@ from matplotlib.figure import Figure
 
 from run_benchmarks import history
 from run_benchmarks.metrics import ALIGN_FROM_STEP
+from run_benchmarks.results import figure
+from run_benchmarks.typed_results import CLEAN
 
 PAGE = Template("""<!DOCTYPE html>
 <html lang="en">
@@ -102,6 +105,7 @@ def loss_plot(curves: dict[tuple[int, str], dict[int, float]], title: str) -> st
     ax = fig.add_subplot()
     for (rnd, phase), curve in sorted(curves.items()):
         steps = sorted(curve)
+        curve = {k: math.nan if v is None else v for k, v in curve.items()}  # a NaN loss is stored as NULL
         tag = f" ({phase})" if phase != "train" else ""
         if rnd == 0:
             ax.plot(steps, [curve[s] for s in steps], "k--", lw=1.6, label=f"reference{tag}")
@@ -110,68 +114,77 @@ def loss_plot(curves: dict[tuple[int, str], dict[int, float]], title: str) -> st
     if not curves:
         ax.text(0.5, 0.5, "no loss recorded", ha="center", va="center", transform=ax.transAxes)
     elif not any(rnd == 0 for rnd, _ in curves):
-        ax.text(0.98, 0.95, "no reference curve committed", ha="right", va="top", transform=ax.transAxes, fontsize=8, color="#666")
+        ax.text(0.98, 0.95, "no reference curve", ha="right", va="top", transform=ax.transAxes, fontsize=8, color="#666")
     ax.axvline(ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {ALIGN_FROM_STEP}")
     ax.set(xlabel="step", ylabel="loss", title=title)
     _legend(ax)
     ax.grid(alpha=0.3)
-    return _img(fig, f"loss vs reference: {title}", "loss per step, every round, against the committed reference")
+    return _img(fig, f"loss vs reference: {title}", "loss per step, every round and phase, against the reference it was judged with")
 
 
-def rounds_plot(rounds: list[sqlite3.Row], baseline: float | None, tol_pct: float | None, title: str) -> str:
+def rounds_plot(phases: list[sqlite3.Row], baseline: dict[str, dict[str, float | None]], tol_pct: float | None, title: str) -> str:
+    """tokens/p/s of every round and phase; a round that is not ok is marked with its status, and only
+    ok rounds are drawn as plain bars."""
     fig = Figure(figsize=(6.4, 3.6))
     ax = fig.add_subplot()
-    xs = [r["round"] for r in rounds]
-    ok = [(r["round"], r["tokens_per_gpu_s"]) for r in rounds if r["status"] == "ok" and r["tokens_per_gpu_s"] is not None]
-    bad = [r["round"] for r in rounds if r["status"] != "ok"]
-    if ok:
-        ax.bar([x for x, _ in ok], [y for _, y in ok], color="#4a78b5", label="ok round")
-    for i, x in enumerate(bad):
-        ax.bar([x], [0], color="#b00020")
-        ax.annotate("failed", (x, 0), ha="center", va="bottom", color="#b00020", fontsize=9, xytext=(0, 3), textcoords="offset points")
-    if baseline:
-        ax.axhline(baseline, color="k", lw=1, label="baseline median")
-        if tol_pct:
-            ax.axhline(baseline * (1 - tol_pct / 100), color="#b00020", lw=1, ls="--", label=f"tolerance -{tol_pct:g}%")
-    top = max([y for _, y in ok] + [baseline or 0])
+    names = list(dict.fromkeys(p["phase"] for p in phases))
+    width = 0.8 / max(1, len(names))
+    top = 0.0
+    for i, name in enumerate(names):
+        rows = [p for p in phases if p["phase"] == name]
+        xs = [p["round"] - 0.4 + width * (i + 0.5) for p in rows]
+        tag = f" {name}" if len(names) > 1 else ""
+        for x, p in zip(xs, rows):
+            y = p["tokens_per_gpu_s"] if p["status"] in CLEAN else 0
+            ax.bar([x], [y or 0], width=width * 0.9, color=f"C{i}", hatch=None if p["status"] == "ok" else "//", alpha=1 if p["status"] == "ok" else 0.5)
+            top = max(top, y or 0)
+            if p["status"] != "ok":
+                ax.annotate(p["status"], (x, y or 0), ha="center", va="bottom", color="#b00020", fontsize=8, xytext=(0, 3), textcoords="offset points")
+        ax.bar([], [], color=f"C{i}", label=f"round{tag}")
+        b = (baseline.get(name) or {}).get("tokens_per_gpu_s")
+        if b:
+            ax.axhline(b, color=f"C{i}", lw=1, label=f"baseline median{tag}")
+            if tol_pct:
+                ax.axhline(b * (1 - tol_pct / 100), color=f"C{i}", lw=1, ls="--", label=f"tolerance -{tol_pct:g}%{tag}")
+            top = max(top, b)
     ax.set_ylim(0, 1.15 * top if top > 0 else 1)
-    ax.set_xticks(xs or [1])
+    ax.set_xticks(sorted({p["round"] for p in phases}) or [1])
     ax.set(xlabel="round", ylabel="tokens per GPU per second", title=title)
     _legend(ax)
     ax.grid(axis="y", alpha=0.3)
-    return _img(fig, f"throughput per round: {title}", "tokens/p/s of each round (failed rounds marked)")
+    return _img(fig, f"throughput per round: {title}", "tokens/p/s of each round and phase (a round not ok: hatched, its status written; "
+                "failed and invalid rounds are not drawn)")
 
 
 def trend_plot(db: sqlite3.Connection, runs: list[sqlite3.Row], title: str) -> str:
+    """Per phase, the median tokens/p/s (min-max) and allocator memory of each run, over its clean rounds."""
     fig = Figure(figsize=(6.4, 4.4))
     ax, ax2 = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
     xs = list(range(1, len(runs) + 1))
-    med, lo, hi, mem = [], [], [], []
-    for r in runs:
-        s = history.stats_of(db, r["id"])
-        t, m = s.get("tokens_per_gpu_s", {}), s.get("peak_mem_gib", {})
-        med.append(t.get("median"))
-        lo.append(t.get("min"))
-        hi.append(t.get("max"))
-        mem.append(m.get("median"))
-    have = [i for i, v in enumerate(med) if v is not None]
-    if have:
-        ax.errorbar([xs[i] for i in have], [med[i] for i in have],
-                    yerr=[[med[i] - lo[i] for i in have], [hi[i] - med[i] for i in have]],
-                    fmt="o-", capsize=3, color="#4a78b5", label="median (min-max)")  # fmt: skip
-    bad = [i for i, r in enumerate(runs) if r["verdict"] == "regressed"]
-    if bad:
-        ax.plot([xs[i] for i in bad], [med[i] or 0 for i in bad], "x", color="#b00020", ms=10, mew=2, ls="none", label="regressed")
+    stats = [history.stats_of(db, r["id"]) for r in runs]
+    names = list(dict.fromkeys(ph for st in stats for ph in st))
+    for i, name in enumerate(names):
+        tag = f" {name}" if len(names) > 1 else ""
+        t = [st.get(name, {}).get("tokens_per_gpu_s", {}) for st in stats]
+        have = [k for k, v in enumerate(t) if v.get("median") is not None]
+        if have:
+            ax.errorbar([xs[k] for k in have], [t[k]["median"] for k in have],
+                        yerr=[[t[k]["median"] - t[k]["min"] for k in have], [t[k]["max"] - t[k]["median"] for k in have]],
+                        fmt="o-", capsize=3, color=f"C{i}", label=f"median (min-max){tag}")  # fmt: skip
+        mem = [st.get(name, {}).get("peak_mem_gib", {}).get("median") for st in stats]
+        ax2.plot([xs[k] for k, v in enumerate(mem) if v is not None], [v for v in mem if v is not None], "s-", color=f"C{i}")
+        bad = [k for k, r in enumerate(runs) if r["verdict"] == "regressed"]
+        if bad and i == 0:
+            ax.plot([xs[k] for k in bad], [t[k].get("median") or 0 for k in bad], "x", color="#b00020", ms=10, mew=2, ls="none", label="regressed")
     ax.set(ylabel="tokens/p/s", title=title)
     ax.grid(alpha=0.3)
     _legend(ax)
-    ax2.plot([xs[i] for i, v in enumerate(mem) if v is not None], [v for v in mem if v is not None], "s-", color="#7a5195")
-    ax2.set(ylabel="peak mem (GiB)", xlabel="run")
+    ax2.set(ylabel="mem alloc (GiB)", xlabel="run")
     ax2.grid(alpha=0.3)
     step = max(1, len(xs) // 10)
     ax2.set_xticks(xs[::step] or [1])
     ax2.set_xticklabels([r["started"][5:16].replace("T", " ") for r in runs][::step] or [""], rotation=30, fontsize=7)
-    return _img(fig, f"trend: {title}", f"history of this case, vendor, hardware and config ({len(runs)} run(s))")
+    return _img(fig, f"trend: {title}", f"history of this case, vendor, hardware and config ({len(runs)} run(s)), clean rounds only")
 
 
 # --------------------------------------------------------------------------- pages
@@ -183,7 +196,21 @@ def _verdict_cell(v: str) -> str:
 
 
 def _loss_cell(flag: int | None) -> str:
-    return {None: '<span class="none">no reference</span>', 1: '<span class="ok">aligned</span>', 0: '<span class="failed">NOT aligned</span>'}[flag]
+    return {None: '<span class="none">not judged</span>', 1: '<span class="ok">aligned</span>', 0: '<span class="failed">NOT aligned</span>'}[flag]
+
+
+def _verdict_text(verdict: str, reason: str | None) -> str:
+    cls = {"aligned": "ok", "not aligned": "failed"}.get(verdict, "none")
+    return f'<span class="{cls}">{e(verdict)}</span>' + (f" ({e(reason)})" if reason and verdict != "aligned" else "")
+
+
+def _status(status: str) -> str:
+    return f'<span class="{"ok" if status == "ok" else "none" if status == "unjudged" else "failed"}">{e(status)}</span>'
+
+
+def _rounds_text(row: sqlite3.Row) -> str:
+    return (f"{row['rounds_ok']} of {row['rounds_requested']} round(s) ok, {row['rounds_unjudged']} unjudged, "
+            f"<b>{row['rounds_invalid']} invalid, {row['rounds_failed']} failed</b>")  # fmt: skip
 
 
 def _config_text(row: sqlite3.Row) -> str:
@@ -191,11 +218,25 @@ def _config_text(row: sqlite3.Row) -> str:
     return row["config_name"] + (" " + ", ".join(f"{o['param']}={o['value']}" for o in sets) if sets else "")
 
 
+AGGREGATES = (("tokens_per_gpu_s", "tokens/p/s", _f), ("mfu_6n", "MFU-6N", _pct), ("mfu_palm", "MFU-PaLM", _pct),
+              ("peak_mem_gib", "mem allocated (GiB)", lambda x: _f(x, ".3f")), ("device_mem_used_gib", "mem in use (GiB)", lambda x: _f(x, ".2f")))  # fmt: skip
+
+
+def _phase_row(p: sqlite3.Row) -> list[str]:
+    """One round's phase; the figures of a round that is not ok carry its status."""
+    fig = lambda text: e(figure(text, p["status"]))  # noqa: E731
+    used = "-" if p["device_mem_used_gib"] is None else (
+        f"{p['device_mem_used_gib']:.2f}" + (f"/{p['device_mem_total_gib']:.0f}" if p["device_mem_total_gib"] else ""))
+    return [str(p["round"]), e(p["phase"]), _status(p["status"]), fig(_f(p["tokens_per_gpu_s"])), fig(_pct(p["mfu_6n"])), fig(_pct(p["mfu_palm"])),
+            fig(_f(p["peak_mem_gib"], ".3f")), fig(used), "-" if p["loss_mre"] is None else f"{100 * p['loss_mre']:.2f}%",
+            _verdict_text(p["loss_verdict"], p["loss_reason"]), e((p["error"] or "").splitlines()[0] if p["error"] else "")]  # fmt: skip
+
+
 def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
     st = history.stats_of(db, row["id"])
-    rounds = db.execute("SELECT * FROM rounds WHERE run = ? ORDER BY round", (row["id"],)).fetchall()
+    phases = history.phases_of(db, row["id"])
     findings = db.execute("SELECT * FROM findings WHERE run = ?", (row["id"],)).fetchall()
-    baseline = json.loads(row["baseline_json"]).get("tokens_per_gpu_s")
+    baseline = json.loads(row["baseline_json"])
     tol_pct = json.loads(row["tolerances_json"]).get("throughput_drop_pct")
     title = f"{row['case_key']} on {row['vendor']}"
     out = [f'<h2 id="run-{row["id"]}">{e(title)} &mdash; {_verdict_cell(row["verdict"])}</h2>']
@@ -207,24 +248,18 @@ def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
         out.append(f'<p class="failed">the case broke off: {e(row["error"])}</p>')
     if findings:
         out.append('<ul class="findings">' + "".join(f"<li>{e(f['message'])}</li>" for f in findings) + "</ul>")
-    agg = []
-    for metric, label, fmt in (("tokens_per_gpu_s", "tokens/p/s", _f), ("mfu_6n", "MFU-6N", _pct), ("mfu_palm", "MFU-PaLM", _pct), ("peak_mem_gib", "peak mem (GiB)", lambda x: _f(x, ".3f"))):
-        s = st.get(metric, {})
-        agg.append([e(label), str(s.get("n", 0)), fmt(s.get("median")), fmt(s.get("min")), fmt(s.get("max")), _range(fmt(s.get("q1")), fmt(s.get("q3"))), fmt(s.get("olympic"))])
-    out.append(f"<p>{row['rounds_ok']} of {row['rounds_requested']} round(s) ok, <b>{row['rounds_failed']} failed</b>; loss {_loss_cell(row['loss_aligned'])}</p>")
-    out.append(_table(["metric", "ok rounds", "median", "min", "max", "IQR", "olympic mean (5+ rounds)"], agg, {1, 2, 3, 4, 5, 6}))
-    rrows = [
-        [str(r["round"]), f'<span class="{"ok" if r["status"] == "ok" else "failed"}">{e(r["status"])}</span>', _f(r["duration_s"]),
-         _f(r["tokens_per_gpu_s"]), _pct(r["mfu_6n"]), _pct(r["mfu_palm"]), _f(r["peak_mem_gib"], ".3f"),
-         "-" if r["loss_mre"] is None else f"{100 * r['loss_mre']:.2f}%", _loss_cell(r["loss_aligned"]), e((r["error"] or "").splitlines()[0] if r["error"] else "")]
-        for r in rounds
-    ]  # fmt: skip
-    out.append(_table(["round", "status", "duration (s)", "tokens/p/s", "MFU-6N", "MFU-PaLM", "peak mem (GiB)", "loss MRE", "loss", "error"], rrows, {0, 2, 3, 4, 5, 6, 7}))
+    agg = [[e(ph), e(label), str(s.get(m, {}).get("n", 0)), *(fmt(s.get(m, {}).get(k)) for k in ("median", "min", "max")),
+            _range(fmt(s.get(m, {}).get("q1")), fmt(s.get(m, {}).get("q3"))), fmt(s.get(m, {}).get("olympic"))]
+           for ph, s in st.items() for m, label, fmt in AGGREGATES]  # fmt: skip
+    out.append(f"<p>{_rounds_text(row)}; loss {_loss_cell(row['loss_aligned'])}</p>")
+    out.append(_table(["phase", "metric", "clean rounds", "median", "min", "max", "IQR", "olympic mean (5+ rounds)"], agg, {2, 3, 4, 5, 6, 7}))
+    out.append(_table(["round", "phase", "status", "tokens/p/s", "MFU-6N", "MFU-PaLM", "mem allocated (GiB)", "mem in use (GiB)", "loss MRE", "loss",
+                       "error"], [_phase_row(p) for p in phases], {0, 3, 4, 5, 6, 7, 8}))  # fmt: skip
     trend = history.runs_of_identity(db, history.identity_of(row), up_to_run=row["id"])
     out.append(
         '<div class="plots">'
         + loss_plot(history.losses_of(db, row["id"]), title)
-        + rounds_plot(rounds, baseline, tol_pct, title)
+        + rounds_plot(phases, baseline, tol_pct, title)
         + trend_plot(db, trend, title)
         + "</div>"
     )
@@ -260,15 +295,18 @@ def write_night(db: sqlite3.Connection, night_id: int, out_dir: Path, exit_statu
     )
     rows = []
     for r in runs:
-        st = history.stats_of(db, r["id"])
-        tps, mem, mfu = st.get("tokens_per_gpu_s", {}), st.get("peak_mem_gib", {}), st.get("mfu_6n", {})
-        rows.append([
-            f'<a href="#run-{r["id"]}">{e(r["case_key"])}</a>', e(r["vendor"]), e(_config_text(r)), f"{r['rounds_ok']}/{r['rounds_failed']}",
-            _f(tps.get("median")), _range(_f(tps.get("min")), _f(tps.get("max"))), _range(_f(tps.get("q1")), _f(tps.get("q3"))),
-            _f(tps.get("olympic")), _pct(mfu.get("median")), _f(mem.get("median"), ".3f"), _loss_cell(r["loss_aligned"]),
-            str(r["baseline_runs"]), _verdict_cell(r["verdict"]),
-        ])  # fmt: skip
-    body.append(_table(["case", "vendor", "config", "rounds ok/failed", "tokens/p/s median", "min-max", "IQR", "olympic", "MFU-6N", "mem (GiB)", "loss", "baseline runs", "verdict"], rows, {3, 4, 5, 6, 7, 8, 9, 11}))
+        for ph, st in (history.stats_of(db, r["id"]) or {"-": {}}).items():
+            tps, mem, used, mfu = (st.get(m, {}) for m in ("tokens_per_gpu_s", "peak_mem_gib", "device_mem_used_gib", "mfu_6n"))
+            rows.append([
+                f'<a href="#run-{r["id"]}">{e(r["case_key"])}</a>', e(r["vendor"]), e(_config_text(r)), e(ph), e(history.rounds_text(r)),
+                _f(tps.get("median")), _range(_f(tps.get("min")), _f(tps.get("max"))), _range(_f(tps.get("q1")), _f(tps.get("q3"))),
+                _f(tps.get("olympic")), _pct(mfu.get("median")), _f(mem.get("median"), ".3f"), _f(used.get("median"), ".2f"),
+                _loss_cell(r["loss_aligned"]), str(r["baseline_runs"]), _verdict_cell(r["verdict"]),
+            ])  # fmt: skip
+    body.append('<p class="meta">Figures are medians over each run\'s clean rounds (ok or unjudged); rounds ok/unjudged/invalid/failed.</p>')
+    body.append(_table(["case", "vendor", "config", "phase", "rounds ok/unjudged/invalid/failed", "tokens/p/s median", "min-max", "IQR", "olympic",
+                        "MFU-6N", "mem alloc (GiB)", "mem in use (GiB)", "loss", "baseline runs", "verdict"], rows,
+                       {5, 6, 7, 8, 9, 10, 11, 13}))  # fmt: skip
     body += [_case_section(db, r) for r in runs]
     page = night_path(db, night_id, out_dir)
     _write(page, PAGE.substitute(title=f"flagbench nightly {night['started']}", body="\n".join(body)))

@@ -33,12 +33,12 @@ def scripted(monkeypatch):
             if isinstance(todo, BaseException):
                 raise todo
         aligned = script.get("aligned", True)
-        for i, r in enumerate(fake_results(plan.run_id, todo, aligned=aligned)["rounds"], 1):
+        for i, r in enumerate(fake_results(plan.run_id, todo, aligned=aligned).rounds, 1):
             with console.status(f"round {i}/{plan.case.repeat}: {plan.case}"):
                 seen_status.append(f"round {i}")
-            res["rounds"].append(r)
+            res = res.model_copy(update={"rounds": [*res.rounds, r]})
             results.write(res, plan.run_dir)
-            console.print(f"round {i}: {r['status']}")
+            console.print(f"round {i}: {r.status}")
         return res
 
     monkeypatch.setattr(orchestrator, "run", run)
@@ -92,7 +92,7 @@ def test_baseline_none_then_pass_then_regressed(tmp_path, scripted, capsys):
     runs = db.execute("SELECT * FROM runs ORDER BY id").fetchall()
     assert [r["verdict"] for r in runs] == ["baseline: none", "pass", "regressed"]
     assert [r["baseline_runs"] for r in runs] == [0, 1, 2]
-    assert json.loads(runs[2]["baseline_json"])["tokens_per_gpu_s"] == 995.0
+    assert json.loads(runs[2]["baseline_json"])["train"]["tokens_per_gpu_s"] == 995.0
     f = db.execute("SELECT * FROM findings").fetchall()
     assert [(x["metric"], x["baseline"], x["now"]) for x in f] == [("tokens/p/s", 995.0, 700.0), ("MFU-6N", pytest.approx(995.0 / 1e5), pytest.approx(700.0 / 1e5))]
     # a regressed run completed: it is good and rolls into later baselines (median, so one night does not move it)
@@ -109,13 +109,17 @@ def test_failed_round_and_unaligned_loss_fail_the_night(tmp_path, scripted, caps
     rc, out, _ = night(path, capsys)
     assert rc == 1
     assert f"REGRESSION {CASE} on cpu (config_cpux1x2): 1 of 3 round(s) failed (baseline: no failed round in the last 1 good runs): node0 (localhost): exit status 1; boom" in out
-    assert "2/1" in out  # ok/failed shown in the summary
+    assert "2/0/0/1" in out  # ok/unjudged/invalid/failed shown in the summary
     scripted["config_cpux1x2"] = [1000.0, 1000.0, 1000.0]
     scripted["aligned"] = False
     rc, out, _ = night(path, capsys)
-    assert rc == 1 and "loss no longer aligns with the reference" in out
+    assert rc == 1 and f"REGRESSION {CASE} on cpu (config_cpux1x2): loss no longer aligns with the reference: MRE" in out
+    # rounds whose loss is not judged (no reference, too short) are clean: not a failure, said so
+    scripted["aligned"] = None
+    rc, out, err = night(path, capsys)
+    assert rc == 0 and "0/3/0/0" in out and "rounds ok 0, unjudged 3, invalid 0, failed 0 of 3" in err
     db = history.connect(tmp_path / "h.sqlite")
-    assert [r["good"] for r in db.execute("SELECT good FROM runs ORDER BY id")] == [1, 0, 0]
+    assert [r["good"] for r in db.execute("SELECT good FROM runs ORDER BY id")] == [1, 0, 0, 1]
 
 
 def test_a_broken_case_is_named_and_the_others_still_run(tmp_path, scripted, capsys):
@@ -150,5 +154,5 @@ def test_olympic_mean_from_five_rounds(tmp_path, scripted, capsys):
     rc, _, _ = night(path, capsys)
     assert rc == 0
     db = history.connect(tmp_path / "h.sqlite")
-    st = history.stats_of(db, 1)["tokens_per_gpu_s"]
+    st = history.stats_of(db, 1)["train"]["tokens_per_gpu_s"]
     assert (st["n"], st["median"], st["olympic"], st["q1"], st["q3"]) == (5, 210.0, 210.0, 200.0, 220.0)

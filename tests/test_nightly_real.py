@@ -115,8 +115,8 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     assert [(r["rounds_requested"], r["rounds_ok"], r["rounds_failed"]) for r in runs] == [(3, 3, 0), (3, 3, 0), (1, 1, 0)]
     assert len({history.identity_of(r)["config_key"] for r in runs}) == 1  # the same config all three nights
     assert [r["loss_aligned"] for r in runs] == [1, 1, 1]  # slower, but the same training
-    meds = [history.stats_of(db, r["id"])["tokens_per_gpu_s"]["median"] for r in runs]
-    baseline = json.loads(runs[2]["baseline_json"])["tokens_per_gpu_s"]
+    meds = [history.stats_of(db, r["id"])["train"]["tokens_per_gpu_s"]["median"] for r in runs]
+    baseline = json.loads(runs[2]["baseline_json"])["train"]["tokens_per_gpu_s"]
     assert baseline == pytest.approx((meds[0] + meds[1]) / 2)
     assert meds[2] < 0.5 * baseline
     (finding,) = db.execute("SELECT * FROM findings").fetchall()
@@ -125,8 +125,9 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     # what each run stored: system, settings, every round, and the loss curve of every round
     first = runs[0]
     assert json.loads(first["system_json"])["host"] and json.loads(first["settings_json"])["train"]["steps"] == 30
-    rounds = db.execute("SELECT * FROM rounds WHERE run = ? ORDER BY round", (first["id"],)).fetchall()
-    assert [r["status"] for r in rounds] == ["ok"] * 3 and all(r["tokens_per_gpu_s"] > 0 and r["peak_mem_gib"] > 0 for r in rounds)
+    rounds = history.phases_of(db, first["id"])
+    assert [(r["round"], r["phase"], r["status"], r["loss_verdict"]) for r in rounds] == [(n, "train", "ok", "aligned") for n in (1, 2, 3)]
+    assert all(r["tokens_per_gpu_s"] > 0 and r["peak_mem_gib"] > 0 and r["device_mem_used_gib"] is None for r in rounds)
     curves = history.losses_of(db, first["id"])
     assert sorted(curves[(0, "train")]) == list(range(1, 31))  # the committed reference it was compared with
     for rnd in (1, 2, 3):
@@ -154,9 +155,10 @@ def test_a_loss_that_stops_aligning_fails_the_night(tmp_path, megatron_python):
     proc = nightly(write_runlist(tmp_path, megatron_python, rounds=1, sets="[train.lr=0.0003]"))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REGRESSION")]
-    assert line == f"REGRESSION {CASE} on cpu (config_cpux1x2): loss no longer aligns with the reference (baseline: none)"
+    assert line.startswith(f"REGRESSION {CASE} on cpu (config_cpux1x2): loss no longer aligns with the reference: MRE ")
+    assert line.endswith("% over steps 21-30 (at least 2%) (baseline: none)")
     db = history.connect(tmp_path / "history.sqlite")
     run = db.execute("SELECT * FROM runs").fetchone()
     assert (run["loss_aligned"], run["good"], run["verdict"]) == (0, 0, "regressed")
-    (rnd,) = db.execute("SELECT * FROM rounds").fetchall()
-    assert rnd["status"] == "ok" and rnd["loss_mre"] > 0.02
+    (rnd,) = history.phases_of(db, run["id"])
+    assert (rnd["status"], rnd["loss_verdict"]) == ("invalid", "not aligned") and rnd["loss_mre"] > 0.02

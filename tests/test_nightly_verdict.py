@@ -15,15 +15,15 @@ from tests.test_history import HW, fake_results, store
 TOL = Tolerances(throughput_drop_pct=10, mfu_drop_pct=10, memory_rise_pct=10)
 
 
-def stats(tps: float | None, mem: float | None = 1.0, mfu: float | None = None) -> dict:
+def stats(tps: float | None, mem: float | None = 1.0, mfu: float | None = None, phase: str = "train") -> dict:
     def s(x: float | None) -> dict:
         return {"n": 0 if x is None else 1, "median": x}
 
-    return {"tokens_per_gpu_s": s(tps), "mfu_6n": s(mfu), "mfu_palm": s(None), "peak_mem_gib": s(mem)}
+    return {phase: {"tokens_per_gpu_s": s(tps), "mfu_6n": s(mfu), "mfu_palm": s(None), "peak_mem_gib": s(mem)}}
 
 
-def verdict(now: dict, baseline: list[dict], failed: int = 0, aligned: bool | None = True, error: str | None = None):
-    return judge("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2)", now, 3, failed, aligned, error, baseline, TOL)
+def verdict(now: dict, baseline: list[dict], failed: int = 0, not_aligned: dict | None = None, error: str | None = None):
+    return judge("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2)", now, 3, failed, not_aligned or {}, error, baseline, TOL)
 
 
 def test_no_baseline_is_not_a_failure():
@@ -33,7 +33,7 @@ def test_no_baseline_is_not_a_failure():
 
 def test_baseline_is_the_median_of_the_runs_medians():
     v = verdict(stats(100.0), [stats(100.0), stats(300.0), stats(104.0)])
-    assert v.baseline["tokens_per_gpu_s"] == 104.0 and v.status == "pass"
+    assert v.baseline["train"]["tokens_per_gpu_s"] == 104.0 and v.status == "pass"
 
 
 def test_within_tolerance_passes_and_beyond_regresses():
@@ -63,8 +63,10 @@ def test_unknown_figures_are_not_compared():
 
 def test_loss_newly_failing_and_failed_rounds():
     base = [stats(1000.0)]
-    v = verdict(stats(1000.0), base, aligned=False)
-    assert [f["metric"] for f in v.findings] == ["loss alignment"] and "no longer aligns" in v.findings[0]["message"]
+    v = verdict(stats(1000.0), base, not_aligned={"train": "MRE 3.00% over steps 21-30 (at least 2%)"})
+    assert [f["metric"] for f in v.findings] == ["loss alignment"]
+    assert v.findings[0]["message"] == ("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2): loss no longer aligns with the reference: "
+                                        "MRE 3.00% over steps 21-30 (at least 2%) (baseline: aligned or not judged in the last 1 good runs)")
     v = verdict(stats(1000.0), base, failed=1, error="node0 (localhost): exit status 1; Traceback\nmore")
     assert [f["metric"] for f in v.findings] == ["rounds failed"]
     assert "1 of 3 round(s) failed" in v.findings[0]["message"] and "exit status 1; Traceback" in v.findings[0]["message"]
@@ -85,7 +87,18 @@ def test_baseline_takes_the_last_good_runs_of_the_same_identity(tmp_path):
     store(db, fake_results("other_config", [3.0], steps=31, started="2026-01-22T00:00:00+00:00"))
     store(db, fake_results("other_vendor", [4.0], vendor="nvidia", started="2026-01-23T00:00:00+00:00"))
     rows = history.baseline_runs(db, ident, 5)
-    assert [history.stats_of(db, r["id"])["tokens_per_gpu_s"]["median"] for r in rows] == [150.0, 140.0, 130.0, 120.0, 110.0]
+    assert [history.stats_of(db, r["id"])["train"]["tokens_per_gpu_s"]["median"] for r in rows] == [150.0, 140.0, 130.0, 120.0, 110.0]
     assert ident["hardware_key"] == HW
     v = verdict(stats(100.0), [history.stats_of(db, r["id"]) for r in rows])
-    assert v.baseline["tokens_per_gpu_s"] == 130.0 and v.status == "regressed"  # -23 % against the last five
+    assert v.baseline["train"]["tokens_per_gpu_s"] == 130.0 and v.status == "regressed"  # -23 % against the last five
+
+
+def test_each_phase_has_its_own_baseline_and_findings():
+    """llava: the finetune phase alone slows down; the finding names it, the pretrain phase passes."""
+    def two(pre: float, fine: float) -> dict:
+        return {**stats(pre, phase="pretrain"), **stats(fine, phase="finetune")}
+
+    v = verdict(two(1000.0, 500.0), [two(1000.0, 1000.0), two(1010.0, 990.0)], not_aligned={"finetune": "MRE 5.00%"})
+    assert v.baseline["finetune"]["tokens_per_gpu_s"] == 995.0 and v.baseline["pretrain"]["tokens_per_gpu_s"] == 1005.0
+    assert [(f["metric"], f.get("phase")) for f in v.findings] == [("loss alignment", "finetune"), ("tokens/p/s", "finetune")]
+    assert v.findings[1]["message"].startswith("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2) phase finetune: tokens/p/s median 500 vs baseline 995")

@@ -163,8 +163,8 @@ def pages(tmp_path_factory) -> dict[str, Path]:
                                        "message": "llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2): tokens/p/s median 605 vs baseline 1000 <&>"}]  # fmt: skip
         history.record_run(
             db, night, res, hardware=HW, variant=None, rounds_requested=len(tps), verdict=verdict, baseline_runs=n - 1,
-            findings=findings, baseline={"tokens_per_gpu_s": 1000.0} if n > 1 else {}, tolerances={"throughput_drop_pct": 10.0},
-            reference={"train": {s: 7.0 - 0.1 * s for s in range(1, 31)}}, run_dir=f"/logs/{res['run_id']}",
+            findings=findings, baseline={"train": {"tokens_per_gpu_s": 1000.0}} if n > 1 else {}, tolerances={"throughput_drop_pct": 10.0},
+            reference={"train": {s: 7.0 - 0.1 * s for s in range(1, 31)}}, run_dir=f"/logs/{res.run_id}",
         )  # fmt: skip
         page = report.write_night(db, night, out, 1 if findings else 0)
         history.finish_night(db, night, started, 1 if findings else 0, str(page))
@@ -180,7 +180,8 @@ def test_night_page_in_chromium(pages, tmp_path):
     text = r["text"]
     assert "llama3_tiny:megatron:cpu:1:2" in text and "regressed" in text
     assert "tokens/p/s median 605 vs baseline 1000 <&>" in text  # escaped in the HTML, shown as written
-    assert "2 of 3 round(s) ok, 1 failed" in text and "failed" in text
+    assert "2 of 3 round(s) ok, 0 unjudged, 0 invalid, 1 failed" in text
+    assert "failed: -" not in text and "\tfailed\t" in text  # the failed round: its status, and no figure shown as a result
     assert "index.html" in r["links"]
 
 
@@ -203,3 +204,16 @@ def test_the_checker_sees_errors_and_broken_images(tmp_path):
     assert any("boom" in e for e in r["errors"]), r["errors"]
     with pytest.raises(AssertionError):
         assert_loads_offline_with_plots(r, plots=1)
+
+
+def test_a_two_phase_run_with_invalid_rounds(tmp_path):
+    """Every phase gets its rows; the figures of rounds that are not ok carry their status (HTML, no browser)."""
+    db = history.connect(tmp_path / "h.sqlite")
+    night = history.start_night(db, "2026-01-03T02:00:00+00:00", "/ci/nightly.yaml", "cases: []\n", "ci-host")
+    res = fake_results("llava_tiny_deepspeed_cpux1x2_20260103-020000-000000", [600.0, 610.0], aligned=False, phases=("pretrain", "finetune"))
+    history.record_run(db, night, res, hardware=HW, variant=None, rounds_requested=2, verdict="regressed", baseline_runs=0,
+                       findings=[{"metric": "loss alignment", "phase": "finetune", "message": "finetune no longer aligns"}])  # fmt: skip
+    page = report.write_night(db, night, tmp_path / "reports", 1).read_text()
+    assert page.count("invalid: 600.0") == 2 and page.count("invalid: 610.0") == 2  # both phases of both rounds
+    assert "<td>pretrain</td>" in page and "<td>finetune</td>" in page and "finetune no longer aligns" in page
+    assert "0 of 2 round(s) ok, 0 unjudged, <b>2 invalid, 0 failed</b>" in page

@@ -8,6 +8,7 @@ A case's ``train.py`` does, per phase (a case without phases has one, ``train``)
     ds_config = deepspeed_loop.build_ds_config(settings, device)
     with deepspeed_loop.model_init_context(ds_config):  # deepspeed.zero.Init under ZeRO-3
         model = build_my_model()
+    deepspeed_weights.starting_weights(model, seed, rule, device)  # the same under every layout
     result = deepspeed_loop.run_phase(
         cfg, phase, model, micro_batches, ds_config=ds_config, logger=logger,
         trainable=lambda name: ...,                    # None: keep requires_grad as set
@@ -34,9 +35,12 @@ zero (``stage`` and the ZeRO options of :data:`ZERO_KEYS`, see :func:`zero_secti
 
 Records (``training.metriclog``), each value with ``"phase"``: ``run_meta`` and
 ``train_step`` from rank 0, ``peak_memory`` from every rank, ``run_end`` (and
-``run_error`` on failure) from rank 0. Step times are taken from a barrier
-(after a device synchronize) before the step to one after it; the tokens are
-the sum over all data-parallel ranks. The DeepSpeed config the engine
+``run_error`` on failure) from rank 0. A step's time follows the one rule of
+``training/steptimer.py``: from fetching its first micro-batch to the end of
+its optimizer step, with a device synchronize and a barrier at both ends;
+``data_s`` in each ``train_step`` is the fetch time within it. The token count
+and the loss, summed over all data-parallel ranks, are reduced after the
+step, outside its time. The DeepSpeed config the engine
 resolved is written to ``cfg["output_dir"]/ds_config_<phase>.json`` and its
 path is in ``run_meta["ds_config_path"]``.
 """
@@ -51,7 +55,6 @@ import json
 import math
 import os
 import resource
-import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -59,6 +62,7 @@ import torch.distributed as dist
 
 from training.metriclog import EV_END, EV_ERROR, EV_INFO, EV_MEMORY, K_PEAK_MEMORY, K_RUN_END, K_RUN_ERROR, K_STEP_BREAKDOWN, MetricLogger
 from training.profiling import StepProfiler
+from training.steptimer import StepClock
 from training.runtime import dist_info
 
 SECTIONS = ("train", "parallel", "data")
@@ -215,32 +219,6 @@ def model_init_context(ds_config: dict) -> contextlib.AbstractContextManager:
     return deepspeed.zero.Init(config_dict_or_path=ds_config)
 
 
-def update_parameters(module: torch.nn.Module, fill: Callable[[str, torch.Tensor], None],
-                      names: Iterable[str] | None = None) -> int:
-    """Write parameters in place, ZeRO-3 partitioned or not: ``fill(name, full_tensor)``.
-
-    A partitioned parameter is gathered, filled on rank 0 and scattered back;
-    others are filled on every rank. Returns how many were written.
-    """
-    import deepspeed
-
-    wanted = None if names is None else set(names)
-    count = 0
-    for name, p in module.named_parameters():
-        if wanted is not None and name not in wanted:
-            continue
-        if hasattr(p, "ds_id"):
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                if dist.get_rank() == 0:
-                    with torch.no_grad():
-                        fill(name, p.data)
-        else:
-            with torch.no_grad():
-                fill(name, p.data)
-        count += 1
-    return count
-
-
 def _param_groups(model: torch.nn.Module) -> list[dict]:
     decay, no_decay = [], []
     for p in model.parameters():
@@ -327,6 +305,152 @@ def _to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     return out
 
 
+def _next_batch(it: Iterator[dict], step: int) -> dict:
+    try:
+        return next(it)
+    except StopIteration:
+        raise RuntimeError(f"the micro-batches ran out in step {step}: the case's iterator must yield "
+                           "steps x gradient_accumulation_steps of them") from None
+
+
+@dataclasses.dataclass
+class _Stepper:
+    """One optimizer step: its micro-batches fetched inside the timed step (training/steptimer.py)."""
+
+    engine: Any
+    batches: Iterator[dict]
+    loss_fn: Callable[[Any, dict], torch.Tensor]
+    count_tokens: Callable[[dict], int]
+    device: torch.device
+    dtype: torch.dtype
+    clock: StepClock
+    prof: StepProfiler
+
+    def run(self, step: int) -> tuple[torch.Tensor, int]:
+        """This rank's summed micro-batch loss and token count of step ``step``."""
+        ga = self.engine.gradient_accumulation_steps()
+        total, tokens = torch.zeros((), dtype=torch.float32, device=self.device), 0
+        with self.clock.step(), self.prof.step(step):
+            for k in range(ga):
+                batch = self.clock.fetch(lambda: _next_batch(self.batches, step))
+                tokens += self.count_tokens(batch)
+                loss = self.loss_fn(self.engine, _to_device(batch, self.device, self.dtype))
+                self.engine.backward(loss)
+                # the last micro-batch's engine.step() is the optimizer step (ZeRO's included)
+                with self.prof.optimizer() if k == ga - 1 else contextlib.nullcontext():
+                    self.engine.step()
+                total += loss.detach().float()
+        return total, tokens
+
+
+def _prepare_model(model: torch.nn.Module, recompute: str, trainable: Callable[[str], bool] | None) -> None:
+    """Freeze what ``trainable`` leaves out and turn on activation recompute."""
+    if trainable is not None:
+        for name, p in model.named_parameters():
+            p.requires_grad_(bool(trainable(name)))
+    if recompute == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif recompute != "none":
+        raise ValueError(f"parallel.recompute {recompute!r} is not one of none, full")
+
+
+def _initialize(model: torch.nn.Module, train: dict, ds_config: dict,
+                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None) -> tuple[Any, list[dict], bool]:
+    """The DeepSpeed engine; the trainable parameter counts of its groups; whether the
+    client schedule (:func:`lr_at`) drives the learning rate."""
+    import deepspeed
+
+    groups = _param_groups(model)
+    group_sizes = [{"weight_decay": g.get("weight_decay"), "num_params": sum(_numel(p) for p in g["params"])}
+                   for g in groups]  # before DeepSpeed takes the groups over
+    if ("optimizer" in ds_config) == (optimizer is not None):
+        raise ValueError("give the optimizer either in ds_config or as the optimizer factory, exactly once")
+    schedule = None if "scheduler" in ds_config else (
+        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(train, s) / float(train["lr"])))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None if optimizer else groups,
+                                           optimizer=optimizer(groups) if optimizer else None,
+                                           lr_scheduler=schedule, config=ds_config)
+    return engine, group_sizes, schedule is not None
+
+
+def _write_effective_config(cfg: dict, phase: str, engine: Any, ds_config: dict, train: dict, recompute: str,
+                            group_sizes: list[dict], client_schedule: bool) -> tuple[dict, str]:
+    """The config as the engine resolved it, written (by rank 0) to ``ds_config_<phase>.json``."""
+    eff = effective_ds_config(engine, ds_config) | {"activation_checkpointing": recompute}
+    default_wd = (eff["optimizer"]["params"] or {}).get("weight_decay")
+    eff["optimizer"]["trainable_params_per_group"] = [
+        {**g, "weight_decay": default_wd if g["weight_decay"] is None else g["weight_decay"]} for g in group_sizes]
+    if client_schedule:
+        eff["scheduler"] |= {"type": "client: training.deepspeed_loop.lr_at (linear warmup, cosine decay)",
+                             "params": {k: train.get(k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
+                                                                 "steps")}}
+    path = os.path.join(cfg["output_dir"], f"ds_config_{phase}.json")
+    if dist.get_rank() == 0:
+        os.makedirs(cfg["output_dir"], exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(eff, fh, indent=2, sort_keys=True, default=str)
+    return eff, path
+
+
+def _run_meta(phase: str, settings: dict, eff: dict, meta: dict, path: str, model: torch.nn.Module,
+              engine: Any) -> dict:
+    import deepspeed
+
+    tr = settings["train"]
+    return {
+        "framework": "deepspeed", "framework_version": deepspeed.__version__,
+        "world_size": dist.get_world_size(), "precision": tr.get("precision", "bf16"),
+        "global_batch": eff["train_batch_size"],
+        **meta,
+        "phase": phase, "micro_batch": eff["train_micro_batch_size_per_gpu"],
+        "grad_accum": eff["gradient_accumulation_steps"], "zero_stage": eff["zero_optimization_stage"],
+        "recompute": eff["activation_checkpointing"], "ds_config_path": path, "steps": int(tr["steps"]),
+        "params_trainable": sum(_numel(p) for p in model.parameters() if p.requires_grad),
+        "parallel": {"dp": engine.dp_world_size, "tp": 1, "pp": 1, "zero_stage": eff["zero_optimization_stage"]},
+    }
+
+
+def _profiler(cfg: dict, phase: str, steps: int, profile_step: int, device: torch.device) -> StepProfiler:
+    if not 0 <= profile_step <= steps:
+        raise ValueError(f"train.profile_step = {profile_step} is not a step of the phase's {steps} steps")
+    multi = len((cfg.get("train") or {}).get("phases") or {}) > 1
+    return StepProfiler(profile_step, cfg.get("output_dir"), dist.get_rank(), device.type, tag=phase if multi else "")
+
+
+def _train(stepper: _Stepper, result: PhaseResult, steps: int, profile_step: int, logger: MetricLogger) -> None:
+    """The step loop: each step timed by the clock, its sums over the ranks taken after it."""
+    engine, phase, rank = stepper.engine, result.phase, dist.get_rank()
+    ga, world = engine.gradient_accumulation_steps(), dist.get_world_size()
+    engine.train()
+    for step in range(1, steps + 1):
+        lr = float(engine.get_lr()[0])
+        total, local_tokens = stepper.run(step)
+        dt = stepper.clock.step_time_s
+        parts = stepper.prof.result(step, dt, reduce=rank == 0)
+        if parts is not None:
+            logger.emit(EV_INFO, K_STEP_BREAKDOWN, {**parts, "phase": phase, "pp_rank": 0})
+        # outside the timed step: the tokens and the mean loss over all ranks, for the record
+        tokens = torch.tensor([local_tokens], dtype=torch.int64, device=stepper.device)
+        dist.all_reduce(tokens)
+        total /= ga * world
+        dist.all_reduce(total)
+        result.steps, value = step, float(total)
+        result.losses.append(value), result.tokens.append(int(tokens)), result.step_times.append(dt)
+        if rank == 0:
+            norm = engine.get_global_grad_norm()
+            logger.step(step, value, int(tokens), dt, lr, phase=phase, data_s=stepper.clock.data_s,
+                        grad_norm=None if norm is None else float(norm),
+                        **({"profiled": True} if step == profile_step else {}))
+
+
+def _end_records(logger: MetricLogger, device: torch.device, phase: str, steps: int) -> None:
+    peak, total_mem = _memory(device)
+    logger.emit(EV_MEMORY, K_PEAK_MEMORY, {"peak_bytes": peak, "total_bytes": total_mem,
+                                          "device": _device_name(device), "phase": phase})
+    if dist.get_rank() == 0:
+        logger.emit(EV_END, K_RUN_END, {"status": "ok", "steps": steps, "phase": phase})
+
+
 def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iterable[dict], *, ds_config: dict,
               logger: MetricLogger, meta: dict, trainable: Callable[[str], bool] | None = None,
               loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,
@@ -339,106 +463,27 @@ def run_phase(cfg: dict, phase: str, model: torch.nn.Module, micro_batches: Iter
     follows :func:`lr_at` of the phase's ``train`` settings unless
     ``ds_config`` has a ``scheduler`` section.
     """
-    import deepspeed
-
     settings = phase_settings(cfg, phase)
-    steps = int(settings["train"]["steps"])
+    tr = settings["train"]
+    steps, profile_step = int(tr["steps"]), int(tr.get("profile_step") or 0)
     recompute = settings["parallel"].get("recompute", "none")
-    rank = dist.get_rank()
-    loss_fn, count_tokens = loss_fn or _default_loss, count_tokens or _count
     try:
-        if trainable is not None:
-            for name, p in model.named_parameters():
-                p.requires_grad_(bool(trainable(name)))
-        if recompute == "full":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif recompute != "none":
-            raise ValueError(f"parallel.recompute {recompute!r} is not one of none, full")
-        groups = _param_groups(model)
-        group_sizes = [{"weight_decay": g.get("weight_decay"), "num_params": sum(_numel(p) for p in g["params"])}
-                       for g in groups]  # before DeepSpeed takes the groups over
-        if ("optimizer" in ds_config) == (optimizer is not None):
-            raise ValueError("give the optimizer either in ds_config or as the optimizer factory, exactly once")
-        tr = settings["train"]
-        schedule = None if "scheduler" in ds_config else (
-            lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(tr, s) / float(tr["lr"])))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None if optimizer else groups,
-                                               optimizer=optimizer(groups) if optimizer else None,
-                                               lr_scheduler=schedule, config=ds_config)
+        _prepare_model(model, recompute, trainable)
+        engine, group_sizes, client_schedule = _initialize(model, tr, ds_config, optimizer)
         device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
-        dtype = DTYPES[settings["train"].get("precision", "bf16")]
-        eff = effective_ds_config(engine, ds_config) | {"activation_checkpointing": recompute}
-        default_wd = (eff["optimizer"]["params"] or {}).get("weight_decay")
-        eff["optimizer"]["trainable_params_per_group"] = [
-            {**g, "weight_decay": default_wd if g["weight_decay"] is None else g["weight_decay"]} for g in group_sizes]
-        if schedule is not None:
-            eff["scheduler"] |= {"type": "client: training.deepspeed_loop.lr_at (linear warmup, cosine decay)",
-                                 "params": {k: tr.get(k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
-                                                                  "steps")}}
-        path = os.path.join(cfg["output_dir"], f"ds_config_{phase}.json")
-        if rank == 0:
-            os.makedirs(cfg["output_dir"], exist_ok=True)
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(eff, fh, indent=2, sort_keys=True, default=str)
-            logger.meta(**{
-                "framework": "deepspeed", "framework_version": deepspeed.__version__,
-                "world_size": dist.get_world_size(), "precision": settings["train"].get("precision", "bf16"),
-                "global_batch": eff["train_batch_size"],
-                **meta,
-                "phase": phase, "micro_batch": eff["train_micro_batch_size_per_gpu"],
-                "grad_accum": eff["gradient_accumulation_steps"], "zero_stage": eff["zero_optimization_stage"],
-                "recompute": recompute, "ds_config_path": path, "steps": steps,
-                "params_trainable": sum(_numel(p) for p in model.parameters() if p.requires_grad),
-                "parallel": {"dp": engine.dp_world_size, "tp": 1, "pp": 1, "zero_stage": eff["zero_optimization_stage"]},
-            })
+        eff, path = _write_effective_config(cfg, phase, engine, ds_config, tr, recompute, group_sizes, client_schedule)
+        if dist.get_rank() == 0:
+            logger.meta(**_run_meta(phase, settings, eff, meta, path, model, engine))
         if device.type != "cpu":
             from deepspeed.accelerator import get_accelerator
 
             get_accelerator().reset_peak_memory_stats(device.index)
-        result = PhaseResult(phase, 0, [], [], [], path if rank == 0 else None, engine)
-        ga = engine.gradient_accumulation_steps()
-        it: Iterator[dict] = iter(micro_batches)
-        profile_step = int(settings["train"].get("profile_step") or 0)
-        if not 0 <= profile_step <= steps:
-            raise ValueError(f"train.profile_step = {profile_step} is not a step of the phase's {steps} steps")
-        multi = len((cfg.get("train") or {}).get("phases") or {}) > 1
-        prof = StepProfiler(profile_step, cfg.get("output_dir"), rank, device.type, tag=phase if multi else "")
-        engine.train()
-        for step in range(1, steps + 1):
-            batches = [next(it) for _ in range(ga)]
-            tokens = torch.tensor([sum(count_tokens(b) for b in batches)], dtype=torch.int64, device=device)
-            dist.all_reduce(tokens)
-            lr = float(engine.get_lr()[0])
-            _sync(device)
-            t0 = time.perf_counter()
-            total = torch.zeros((), dtype=torch.float32, device=device)
-            with prof.step(step):
-                for k, b in enumerate(batches):
-                    loss = loss_fn(engine, _to_device(b, device, dtype))
-                    engine.backward(loss)
-                    # the last microbatch's engine.step() is the optimizer step (ZeRO's included)
-                    with prof.optimizer() if k == ga - 1 else contextlib.nullcontext():
-                        engine.step()
-                    total += loss.detach().float()
-                _sync(device)
-            dt = time.perf_counter() - t0
-            parts = prof.result(step, dt, reduce=rank == 0)
-            if parts is not None:
-                logger.emit(EV_INFO, K_STEP_BREAKDOWN, {**parts, "phase": phase, "pp_rank": 0})
-            total /= ga * dist.get_world_size()
-            dist.all_reduce(total)
-            result.steps, value = step, float(total)
-            result.losses.append(value), result.tokens.append(int(tokens)), result.step_times.append(dt)
-            if rank == 0:
-                norm = engine.get_global_grad_norm()
-                logger.step(step, value, int(tokens), dt, lr, phase=phase,
-                            grad_norm=None if norm is None else float(norm),
-                            **({"profiled": True} if step == profile_step else {}))
-        peak, total_mem = _memory(device)
-        logger.emit(EV_MEMORY, K_PEAK_MEMORY, {"peak_bytes": peak, "total_bytes": total_mem,
-                                              "device": _device_name(device), "phase": phase})
-        if rank == 0:
-            logger.emit(EV_END, K_RUN_END, {"status": "ok", "steps": steps, "phase": phase})
+        result = PhaseResult(phase, 0, [], [], [], path if dist.get_rank() == 0 else None, engine)
+        stepper = _Stepper(engine, iter(micro_batches), loss_fn or _default_loss, count_tokens or _count, device,
+                           DTYPES[tr.get("precision", "bf16")], StepClock(lambda: _sync(device)),
+                           _profiler(cfg, phase, steps, profile_step, device))
+        _train(stepper, result, steps, profile_step, logger)
+        _end_records(logger, device, phase, steps)
         return result
     except Exception as exc:
         logger.emit(EV_ERROR, K_RUN_ERROR, {"message": f"{phase}: {type(exc).__name__}: {exc}", "phase": phase})

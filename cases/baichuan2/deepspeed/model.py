@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -272,6 +272,26 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: fl
     if z_loss_weight:
         loss = loss + z_loss_weight * flat.max(-1).values.pow(2).mean()
     return loss
+
+
+def init_rule(model: nn.Module) -> Callable[[str], Any]:
+    """The model's own initialization, parameter by parameter, for
+    ``training.deepspeed_weights.starting_weights``: N(0, init_std) for every matrix
+    (embedding, linear layers, NormHead), ones for the RMSNorm weights."""
+    from training.deepspeed_weights import ONES, Normal
+
+    std = Normal(model.config.init_std)
+    rules: dict[str, Any] = {}
+    for prefix, module in model.named_modules():
+        for pname, _ in module.named_parameters(recurse=False):
+            name = f"{prefix}.{pname}" if prefix else pname
+            if isinstance(module, RMSNorm):
+                rules[name] = ONES
+            elif isinstance(module, (Linear, Embedding, NormHead)):
+                rules[name] = std
+            else:
+                raise TypeError(f"{name}: no initialization rule for a {type(module).__name__}")
+    return rules.__getitem__
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -9,8 +9,10 @@ it reads is listed there), joins the process group, builds the DeepSpeed
 config from the resolved values (``training.deepspeed_loop.build_ds_config``,
 its ZeRO section from ``parallel.zero``), builds
 the model inside ``deepspeed.zero.Init`` when the stage is 3 (the 13B model
-never exists whole on one device), and trains with the shared DeepSpeed loop
-(``training.deepspeed_loop.run_phase``), which writes ``run_meta``,
+never exists whole on one device), overwrites its weights with the
+layout-free starting weights (``training.deepspeed_weights``), and trains
+with the shared DeepSpeed loop (``training.deepspeed_loop.run_phase``),
+which writes ``run_meta``,
 ``train_step``, ``peak_memory`` and ``run_end``.  Afterwards rank 0 copies the
 effective DeepSpeed config (read back from the engine) to
 ``<output_dir>/ds_config.json`` and reports it in an ``info`` record
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from training import deepspeed_loop as dsl  # noqa: E402
+from training import deepspeed_weights as dsw  # noqa: E402
 from training.flops import decoder_flops  # noqa: E402
 
 
@@ -93,6 +96,8 @@ def main() -> None:
     mcfg = case_model.Baichuan2Config.from_shape(shape, init_std=float(tr.get("init_std", 0.02)))
     with dsl.model_init_context(ds_config):  # deepspeed.zero.Init under ZeRO-3
         model = case_model.Baichuan2ForCausalLM(mcfg)
+    # the same full weights whatever the ZeRO stage and data-parallel size
+    weights = dsw.starting_weights(model, seed, case_model.init_rule(model), device)
 
     name = case_settings.model_name(cfg)
     counts = decoder_flops({"shape": shape, "params_nominal": cfg["model"]["params_nominal"]})
@@ -118,7 +123,8 @@ def main() -> None:
         "attention": "sdpa, ALiBi + causal additive mask",
         "zero_stage_requested": zero["stage"],
         "data": data.describe(),
-        "init": "random normal(0, init_std)",
+        "init": "normal(0, init_std) per (seed, parameter name), norms ones (training.deepspeed_weights)",
+        "init_weights": weights,
         "device": str(device),
     }
     result = None

@@ -4,8 +4,9 @@ The model is ``transformers.LlavaForConditionalGeneration`` from a
 ``LlavaConfig`` of a ``CLIPVisionConfig`` and a ``LlamaConfig`` (nothing is
 downloaded), SDPA attention everywhere, a 2-layer GELU MLP projector.
 
-Weights (``data`` settings, all optional; without them the model is randomly
-initialised):
+Starting weights: :func:`init_rule` (transformers' initialization) drawn by
+``training.deepspeed_weights``, then, where ``data`` names checkpoints (all
+optional):
 
 ``model_path``           a LLaVA checkpoint folder: llava-hf layout (either
                          generation of its key names) or LLaVA's original
@@ -104,15 +105,57 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device, zero3: bool = False) -> torch.nn.Module:
-    """The model in ``dtype``; on ``device`` (under ``deepspeed.zero.Init``, which places it, when ``zero3``)."""
+def build_model(shape: dict, dtype: torch.dtype, device: torch.device,
+                init_context: contextlib.AbstractContextManager | None = None) -> torch.nn.Module:
+    """The model in ``dtype``, built inside ``init_context`` (``deepspeed.zero.Init``, which
+    places the parameters) when one is given, else on ``device``."""
+    # imported before zero.Init: importing transformers' model code under it fails
     from transformers import LlavaForConditionalGeneration
 
     cfg = llava_config(shape)
-    place = contextlib.nullcontext() if zero3 else torch.device(device)
+    place = init_context if init_context is not None else torch.device(device)
     with _default_dtype(dtype), place:
         model = LlavaForConditionalGeneration(cfg)
     return model
+
+
+def init_rule(shape: dict) -> Callable[[str], Any]:
+    """transformers' own initialization of this model, parameter by parameter, for
+    ``training.deepspeed_weights.starting_weights``, which draws it the same under every
+    layout (under ``deepspeed.zero.Init`` transformers' init writes into empty tensors).
+
+    Biases zeros, norm weights ones. CLIP's vision tower (``CLIPPreTrainedModel._init_weights``,
+    width w, L layers, all times initializer_factor): class embedding w**-0.5; q/k/v
+    w**-0.5 (2L)**-0.5; out_proj w**-0.5; fc1 (2w)**-0.5; fc2 w**-0.5 (2L)**-0.5; patch and
+    position embeddings initializer_range. Projector, language model and lm_head: the text
+    config's initializer_range (``PreTrainedModel._init_weights``).
+    """
+    from training.deepspeed_weights import ONES, ZEROS, Normal
+
+    cfg = llava_config(shape)
+    vc, factor = cfg.vision_config, cfg.vision_config.initializer_factor
+    w, layers = vc.hidden_size, vc.num_hidden_layers
+    deep = w**-0.5 * (2 * layers) ** -0.5 * factor
+    vision = {"class_embedding": w**-0.5 * factor, "q_proj.weight": deep, "k_proj.weight": deep,
+              "v_proj.weight": deep, "out_proj.weight": w**-0.5 * factor, "fc1.weight": (2 * w) ** -0.5 * factor,
+              "fc2.weight": deep, "patch_embedding.weight": vc.initializer_range * factor,
+              "position_embedding.weight": vc.initializer_range * factor}
+    text_std = cfg.text_config.initializer_range
+
+    def rule(name: str) -> Any:
+        module = name.rsplit(".", 2)[-2] if name.count(".") else ""
+        if name.endswith(".bias"):
+            return ZEROS
+        if "norm" in module:  # layer_norm1/2, pre_layrnorm, post_layernorm, input_layernorm, norm
+            return ONES
+        if (canonical(name) or "").startswith("vision/"):
+            for suffix, std in vision.items():
+                if name.endswith(suffix):
+                    return Normal(std)
+            raise KeyError(f"{name}: no initialization rule for this vision tower parameter")
+        return Normal(text_std)
+
+    return rule
 
 
 def trainable(phase: str) -> Callable[[str], bool]:
@@ -144,11 +187,15 @@ def _checkpoint_tensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
     return out
 
 
-def load_pretrained(model: torch.nn.Module, data: dict, update: Callable) -> dict[str, Any]:
-    """Fill ``model`` from the paths in ``data``; ``update`` is ``deepspeed_loop.update_parameters``.
+def load_pretrained(model: torch.nn.Module, data: dict, initial: Callable[[str, Any], torch.Tensor]) -> dict[str, Any]:
+    """Fill ``model`` (partitioned or not) from the paths in ``data``.
 
-    Returns ``{"sources": [...], "loaded": n, "not_loaded": [canonical names]}``.
+    ``initial(name, param)`` is the parameter's full starting value: rows a smaller
+    checkpoint vocabulary leaves out keep it. Returns
+    ``{"sources": [...], "loaded": n, "not_loaded": [canonical names]}``.
     """
+    from training.deepspeed_weights import full_shape, write_full
+
     sources = [data[k] for k in ("model_path", "vision_tower_path", "language_model_path") if data.get(k)]
     if not sources:
         return {"sources": [], "loaded": 0, "not_loaded": []}
@@ -159,23 +206,29 @@ def load_pretrained(model: torch.nn.Module, data: dict, update: Callable) -> dic
             if c is not None:
                 found[c] = get
     names = {n: canonical(n) for n, _ in model.named_parameters()}
-    todo = {n for n, c in names.items() if c in found}
-
-    def fill(name: str, dst: torch.Tensor) -> None:
-        src = found[names[name]]()
-        if src.shape == dst.shape:
-            dst.copy_(src.to(dst.dtype))
-        elif src.dim() == 2 and src.shape[1] == dst.shape[1] and src.shape[0] < dst.shape[0]:
-            dst[: src.shape[0]].copy_(src.to(dst.dtype))  # vocabulary rows
+    loaded = 0
+    for name, p in model.named_parameters():  # the same order on every rank
+        if names[name] not in found:
+            continue
+        src, shape = found[names[name]](), full_shape(p)
+        if tuple(src.shape) == shape:
+            full = src
+        elif src.dim() == 2 and src.shape[1] == shape[1] and src.shape[0] < shape[0]:
+            full = initial(name, p)
+            full[: src.shape[0]].copy_(src)  # vocabulary rows
         else:
             raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} does not fit the model's "
-                             f"{tuple(dst.shape)}: the case.yaml shape must match the weights")
+                             f"{shape}: the case.yaml shape must match the weights")
+        write_full(p, full, name)
+        loaded += 1
+    return {"sources": sources, "loaded": loaded, "not_loaded": sorted(c for n, c in names.items() if c not in found)}
 
-    loaded = update(model, fill, todo)
-    return {"sources": sources, "loaded": loaded, "not_loaded": sorted(c for n, c in names.items() if n not in todo)}
 
+def copy_model(dst: torch.nn.Module, src: torch.nn.Module) -> int:
+    """Copy every parameter of ``src`` into ``dst`` (either partitioned or not); the same on every rank."""
+    from training.deepspeed_weights import read_full, write_full
 
-def copy_model(dst: torch.nn.Module, src: torch.nn.Module, update: Callable) -> int:
-    """Copy every parameter of a plain (not partitioned) ``src`` into ``dst`` (partitioned or not)."""
     params = dict(src.named_parameters())
-    return update(dst, lambda name, t: t.copy_(params[name].detach().to(t.dtype)), list(params))
+    for name, p in dst.named_parameters():
+        write_full(p, read_full(params[name]), name)
+    return len(params)

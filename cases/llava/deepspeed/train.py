@@ -10,6 +10,10 @@ finetune  trains projector + language model (vision tower frozen), ZeRO-3,
           the ``vicuna_v1`` template on multi-turn conversations; it starts from
           the weights the pretrain phase ended with.
 
+The pretrain phase's model starts from ``training.deepspeed_weights`` (the same
+full weights from the run's seed under ZeRO-2 or ZeRO-3 and any data-parallel
+size), overwritten by checkpoints where ``data`` names them.
+
 Phase settings: ``cfg[section]`` overlaid with ``cfg["phases"][phase][section]``
 (see case.yaml).  Data: LLaVA's JSON + image folder under ``data.data_dir``
 (``phases.<p>.data.json`` / ``image_folder``), else a synthetic set in the same
@@ -31,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from training import deepspeed_loop as dsl  # noqa: E402
+from training import deepspeed_weights as dsw  # noqa: E402
 from training.data import llava as data_llava  # noqa: E402
 from training.data import llava_synth  # noqa: E402
 
@@ -68,6 +73,16 @@ def dataset_paths(data: dict, phase: str, local_rank: int) -> tuple[str, str]:
     return os.path.join(root, name), os.path.join(root, llava_synth.IMAGE_FOLDER)
 
 
+def starting_weights(model, shape: dict, seed: int, data: dict, device: torch.device) -> dict:
+    """The first phase's model: the same full weights from ``seed`` whatever the ZeRO stage and
+    data-parallel size, then the checkpoints ``data`` names, if any."""
+    rule = llava_model.init_rule(shape)
+    init = dsw.starting_weights(model, seed, rule, device)
+    loaded = llava_model.load_pretrained(
+        model, data, lambda name, p: dsw.initial_value(seed, name, dsw.full_shape(p), rule(name), device))
+    return {"init": init, **loaded}
+
+
 class Counting:
     """Passes micro-batches through, counting samples, tokens and images."""
 
@@ -101,14 +116,13 @@ def main() -> None:
         ds_config = dsl.build_ds_config(s, int(shape["hidden_size"]), world)
         dtype = dsl.DTYPES[tr.get("precision", "bf16")]
         zero3 = ds_config["zero_optimization"]["stage"] == 3
-        with dsl.model_init_context(ds_config):
-            model = llava_model.build_model(shape, dtype, device, zero3=zero3)
+        model = llava_model.build_model(shape, dtype, device, dsl.model_init_context(ds_config) if zero3 else None)
         if previous is None:
-            loaded = llava_model.load_pretrained(model, data, dsl.update_parameters)
+            weights = starting_weights(model, shape, int(tr.get("seed", 1234)), data, device)
             if rank == 0:
-                logger.emit(EV_INFO, "weights", {"phase": phase, **loaded})
+                logger.emit(EV_INFO, "weights", {"phase": phase, **weights})
         else:
-            llava_model.copy_model(model, previous, dsl.update_parameters)
+            llava_model.copy_model(model, previous)
             previous = None
             dsl.release(None)
         json_path, image_folder = dataset_paths(data, phase, info.local_rank)

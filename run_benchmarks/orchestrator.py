@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from run_benchmarks import metrics, plan as planning, results
+from run_benchmarks import metrics, plan as planning, results, typed_results
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import summarize
 from run_benchmarks.plan import Plan
@@ -94,17 +94,21 @@ def _checked_reference(plan: Plan, path: Path, phase: str) -> Reference:
 def _same_training(plan: Plan, path: Path, phase: str) -> None:
     """Loss curves compare step by step only for the same model and phase at the same global batch."""
     data = json.loads(path.read_text())
-    model = data.get("model")
-    if model is not None and model != plan.case.model:
-        raise ValueError(f"{path}: a {'run' if 'rounds' in data else 'curve'} of {model!r}, not of {plan.case.model!r}")
-    if data.get("phase") is not None and data["phase"] != phase:
-        raise ValueError(f"{path}: a curve of phase {data['phase']!r}, compared with phase {phase!r}")
-    if "rounds" in data:
-        theirs = planning.phase_value((data.get("settings") or {}).get("train") or {}, phase, "global_batch")
+    if "rounds" in data:  # an earlier run: read_reference has parsed it already, so it parses
+        run = typed_results.parse(data, str(path))
+        if run.model != plan.case.model:
+            raise ValueError(f"{path}: a run of {run.model!r}, not of {plan.case.model!r}")
+        theirs = planning.phase_value(run.settings.get("train") or {}, phase, "global_batch")
         ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
         if theirs != ours:
             raise ValueError(f"{path}: global batch {theirs} there, {ours} here" + ("" if phase == "train" else f" (phase {phase})")
                              + "; loss curves compare step by step only at the same global batch")  # fmt: skip
+        return
+    # a curve file: it may name its model and phase
+    if data.get("model") is not None and data["model"] != plan.case.model:
+        raise ValueError(f"{path}: a curve of {data['model']!r}, not of {plan.case.model!r}")
+    if data.get("phase") is not None and data["phase"] != phase:
+        raise ValueError(f"{path}: a curve of phase {data['phase']!r}, compared with phase {phase!r}")
 
 
 def _used_gpus(plan: Plan, node_rank: int) -> set[int] | None:

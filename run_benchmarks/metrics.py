@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from run_benchmarks import typed_results
+from run_benchmarks.errors import InputError
 from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
@@ -133,9 +135,6 @@ def read_reference(path: Path, phase: str = "train") -> Reference:
     reference run is). ValueError naming the file when it is neither, lacks the phase, or
     has no clean round; curve files naming another phase or model are checked by the caller.
     """
-    from run_benchmarks import typed_results
-    from run_benchmarks.errors import InputError
-
     try:
         data = json.loads(path.read_text())
     except OSError as exc:

@@ -7,14 +7,20 @@ this module once per allocated node; it
 
 1. picks its node's command by ``SLURM_NODEID`` (node rank k = the k-th node of the
    allocation, the order of ``scontrol show hostnames $SLURM_JOB_NODELIST``),
-2. replaces the master placeholder with the allocation's first host name (for a
-   container, the address this node resolves that name to),
-3. starts ``python -m run_benchmarks.monitors`` in the background, writing
+2. replaces the master placeholder with the address of the allocation's first node:
+   Slurm's ``NodeAddr`` for it, else what its name resolves to on this node; when
+   neither gives an address it stops with a line saying so (a name that does not
+   resolve would have the launcher retry until the deadline),
+3. replaces the port placeholder with the rendezvous port: node 0 takes the cluster
+   file's ``master_port`` if it is free there, else any free port, and publishes it in
+   ``<round_dir>/slurm/rendezvous.json``, which the other nodes wait for (jobs that
+   share a node never collide on one fixed port),
+4. starts ``python -m run_benchmarks.monitors`` in the background, writing
    ``node<k>/monitor.jsonl``,
-4. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
+5. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
    output in ``node<k>/stdout.log``, forwarding SIGTERM/SIGINT (scancel, time limit,
    a failed peer under ``srun --kill-on-bad-exit``) to it,
-5. stops the monitor, writes ``node<k>/node.json`` (host, master, exit status) and
+6. stops the monitor, writes ``node<k>/node.json`` (host, master, exit status) and
    exits with the launcher's status, so ``srun`` and the job state carry a failure.
 
 Everything it reads and writes lives in the run directory, which must be on a
@@ -25,18 +31,22 @@ under whatever interpreter the site gives the nodes.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.node_agent import SPEC_VERSION, address_of, run_node
+from run_benchmarks.node_agent import SPEC_VERSION, address_of, run_node, write_report
 
 EXIT_NO_SPEC = 97  # the spec is not visible on this node (run dir not shared)
 EXIT_BAD_ALLOCATION = 98  # the allocation does not match the plan
+EXIT_NO_RENDEZVOUS = 96  # no master address or port (the message says why)
+PORT_WAIT_S = 120.0  # how long the other nodes wait for node 0's port
 
 
 def fail(code: int, message: str) -> int:
@@ -52,6 +62,66 @@ def first_host(nodelist: str) -> str:
     if not out:
         raise ValueError(f"scontrol show hostnames {nodelist!r} printed nothing")
     return out[0]
+
+
+def master_address(node: str) -> str:
+    """The address of Slurm node ``node``: its NodeAddr when that is an address, else what
+    the NodeAddr (or name) resolves to here; ValueError with the reason otherwise."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True, timeout=30).stdout
+    addr = next((f.split("=", 1)[1] for f in out.split() if f.startswith("NodeAddr=")), node)
+    try:
+        return str(ipaddress.ip_address(addr))
+    except ValueError:
+        pass
+    resolved = address_of(addr)
+    if resolved == addr:
+        raise ValueError(f"the master node {node} (NodeAddr {addr}) has no address on {socket.gethostname()}: "
+                         "give it a NodeAddr in slurm.conf or make its name resolve on every node")  # fmt: skip
+    return resolved
+
+
+def free_port(port: int) -> int:
+    """``port`` if nothing listens on it here (0: any free port); OSError when taken."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's TCPStore binds
+        s.bind(("", port))
+        return int(s.getsockname()[1])
+
+
+def rendezvous_port(spec: dict[str, Any], rank: int, job_id: str) -> int:
+    """Node 0 picks the port and publishes it in the shared run dir; the others read it.
+    ValueError with the reason when there is none."""
+    path = Path(spec["round_dir"]) / "slurm" / "rendezvous.json"
+    if rank == 0:
+        try:
+            info: dict[str, Any] = {"job_id": job_id, "port": free_port(spec.get("master_port") or 0)}
+        except OSError as exc:
+            info = {"job_id": job_id, "error": f"master_port {spec.get('master_port')} of the cluster file is in use on "
+                                               f"{socket.gethostname()} ({exc.strerror}); leave it out to use a free port"}  # fmt: skip
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, path)
+    else:
+        end = time.monotonic() + PORT_WAIT_S
+        while True:
+            try:
+                info = json.loads(path.read_text())
+                if info.get("job_id") == job_id:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > end:
+                raise ValueError(f"node 0 published no rendezvous port in {path} within {PORT_WAIT_S:.0f} s")
+            time.sleep(0.2)
+    if "error" in info:
+        raise ValueError(info["error"])
+    return int(info["port"])
+
+
+def fill_port(node: dict[str, Any], placeholder: str, port: int) -> dict[str, Any]:
+    p = str(port)
+    return {**node, "command": [a.replace(placeholder, p) for a in node["command"]],
+            "env": {k: v.replace(placeholder, p) for k, v in node["env"].items()}}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,9 +147,20 @@ def main(argv: list[str] | None = None) -> int:
     if nnodes != len(nodes) or rank != procid or not 0 <= rank < len(nodes):
         return fail(EXIT_BAD_ALLOCATION, f"allocation of {nnodes} node(s), node id {rank}, task {procid}: "
                                          f"the plan needs {len(nodes)} nodes with one task each")  # fmt: skip
-    master_host = env.get("FB_MASTER_ADDR") or first_host(nodelist)
-    # a container resolves names its own way (its /etc/hosts): give it the node's answer
-    master = address_of(master_host) if spec.get("container") else master_host
+    master_host = first_host(nodelist)
+    job_id = env.get("SLURM_JOB_ID", "")
+    try:
+        # an address, not a name: other nodes and containers need not resolve node names
+        master = env.get("FB_MASTER_ADDR") or master_address(master_host)
+        if spec.get("port_placeholder"):
+            port = rendezvous_port(spec, rank, job_id)
+            spec["nodes"] = [fill_port(n, spec["port_placeholder"], port) for n in nodes]
+    except (ValueError, OSError, subprocess.SubprocessError) as exc:
+        node_dir = Path(spec["round_dir"]) / f"node{rank}"
+        node_dir.mkdir(parents=True, exist_ok=True)  # the report carries the reason to the harness
+        write_report(node_dir, {"node_rank": rank, "slurm_node": env.get("SLURMD_NODENAME") or socket.gethostname(),
+                                "job_id": job_id, "returncode": EXIT_NO_RENDEZVOUS, "error": str(exc)})  # fmt: skip
+        return fail(EXIT_NO_RENDEZVOUS, str(exc))
     report: dict[str, Any] = {
         "slurm_node": env.get("SLURMD_NODENAME") or socket.gethostname(),
         "job_id": env.get("SLURM_JOB_ID"),

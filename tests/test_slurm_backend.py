@@ -28,7 +28,7 @@ from run_benchmarks.errors import InputError
 from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.slurm import MASTER_PLACEHOLDER, SlurmRuntime, parse_show_job
 from run_benchmarks.slurm_node import EXIT_NO_SPEC
-from tests.slurm.cluster import SlurmTestCluster
+from tests.slurm.cluster import KNOWN_NAMES, SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
 from training import metriclog as ml
 
@@ -43,12 +43,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def cluster_file(tmp: Path, conf: Path | None, **slurm: Any) -> Path:
+def cluster_file(tmp: Path, conf: Path | None, port: bool = True, **slurm: Any) -> Path:
     data = {
         "backend": "slurm",
         # the planner counts hosts against nnodes; named hosts also pin the job (--nodelist)
         "hosts": [{"name": "n1", "address": "127.0.0.2"}, {"name": "n2", "address": "127.0.0.3"}],
-        "master_port": _port(),
+        **({"master_port": _port()} if port else {}),  # without: node 0 picks a free one
         "round_timeout_s": 600,
         "slurm": {"time_limit": "00:10:00", **({"slurm_conf": str(conf)} if conf else {}), **slurm},
     }
@@ -200,9 +200,15 @@ def test_node_wrapper_says_the_run_dir_is_not_shared(tmp_path: Path) -> None:
 
 @pytest.mark.framework("megatron")
 def test_two_nodes_through_slurm(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
-    cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = start(tmp_path, cfile, megatron_python)
-    out, _ = proc.communicate(timeout=900)
+    """Shared nodes, no master_port, 29500 taken on n1, and n1's name unknown on n2 (the test
+    cluster's /etc/hosts): the master is n1's NodeAddr and the port one node 0 found free."""
+    assert KNOWN_NAMES["n2"] == ("n2",)
+    cfile = cluster_file(tmp_path, slurm_cluster.conf, port=False, exclusive=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.2", 29500))
+        taken.listen()
+        proc = start(tmp_path, cfile, megatron_python)
+        out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     res = results(tmp_path)
     assert (res["backend"], res["nnodes"], res["nprocs"], res["config_name"]) == ("slurm", 2, 1, "config_cpux2x1")
@@ -218,12 +224,16 @@ def test_two_nodes_through_slurm(tmp_path: Path, slurm_cluster: SlurmTestCluster
     assert job["job_id"] == jid and job["state"] == "COMPLETED" and job["submit_to_first_step_s"] > 0
     rd = run_dir(tmp_path)
     assert rd is not None
+    port = json.loads((rd / "round1" / "slurm" / "rendezvous.json").read_text())["port"]
+    assert port != 29500
     for k, host in ((0, "n1"), (1, "n2")):
         node_dir = rd / "round1" / f"node{k}"
         assert (node_dir / "stdout.log").stat().st_size > 0
         assert (node_dir / "monitor.jsonl").read_text().strip(), "no monitor samples"
         report = json.loads((node_dir / "node.json").read_text())
-        assert (report["slurm_node"], report["master_addr"], report["returncode"]) == (host, "n1", 0)
+        assert (report["slurm_node"], report["master_host"], report["master_addr"], report["returncode"]) == (host, "n1", "127.0.0.2", 0)
+        cmd = report["command"]
+        assert cmd[cmd.index("--master-port") + 1] == str(port) and cmd[cmd.index("--rdzv-id") + 1] == f"{res['run_id']}-round1"
         logs = [f for f in (node_dir / "ranks").rglob("*.log") if f.is_file()]
         assert logs, f"node{k}: no rank logs"
         # the memory record of each rank names the host it ran on

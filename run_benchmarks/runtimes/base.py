@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import signal
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 if TYPE_CHECKING:
     from run_benchmarks.plan import NodePlan, Plan
@@ -52,4 +55,44 @@ class Runtime:
         return {}
 
     def cleanup(self) -> None:
-        """Tear everything down; safe to call more than once."""
+        """Tear everything down; safe to call more than once, and after a stop signal
+        interrupted any other call (``stop_on_signals``)."""
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclasses.dataclass
+class Stop:
+    """Which stop signal came first (None: none); ``exit_status`` is the shell's 128 + signal."""
+
+    signum: int | None = None
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[Stop]:
+    """Within: SIGTERM and SIGHUP (a kill, a closed terminal, a scheduler's stop) end the run
+    as Ctrl-C does: ``KeyboardInterrupt`` in the main thread, so every ``finally`` and each
+    runtime's teardown (containers removed, remote processes stopped, Slurm jobs cancelled)
+    runs. Only the first signal interrupts; later ones, while that teardown runs, are
+    reported and ignored, so that a second Ctrl-C or a repeated kill cannot cut it short.
+    The previous handlers come back on exit."""
+    stop = Stop()
+
+    def handler(signum: int, _frame: object) -> None:
+        if stop.signum is not None:
+            print(f"{signal.Signals(signum).name}: already stopping; removing what the run started", file=sys.stderr, flush=True)
+            return
+        stop.signum = signum
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

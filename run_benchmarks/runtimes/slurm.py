@@ -37,8 +37,14 @@ from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 from run_benchmarks.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC, SPEC_VERSION
 from training import metriclog as ml
 
-#: the master address in planned commands; slurm_node puts the allocation's first host in
+#: the master address in planned commands; slurm_node puts the allocation's first node's address in
 MASTER_PLACEHOLDER = "fb-slurm-master"
+#: the rendezvous port in planned commands; slurm_node puts the port node 0 chose in
+PORT_PLACEHOLDER = "@@FB_MASTER_PORT@@"
+#: what srun prints when it cannot start the step on a node (its slurmd down or unreachable)
+TASK_LAUNCH_FAILED = re.compile(r"srun: error: Task launch for StepId=\S+ failed on node (\S+): (.+)")
+APP_LAUNCH_FAILED = re.compile(r"srun: error: Application launch failed: (.+)")
+LAUNCH_FAILED_GONE_WAIT_S = 15.0  # a node that cannot be reached keeps the job COMPLETING until Slurm marks it down
 CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel")
 #: job states (scontrol's JobState) while the job waits or runs
 WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
@@ -82,8 +88,9 @@ class Job:
     nodes_started_at: float | None = None  # the first node wrapper started (node.json)
     nodes_finished_at: float | None = None  # the last launcher exited (node.json)
     first_step_at: float | None = None  # the first train_step line
-    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup"
+    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup" | "launch failed"
     state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
+    launch_failure: str | None = None  # srun could not start the step on a node: why
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -94,6 +101,7 @@ class Job:
             "reason": self.reason, "exit_code": self.exit_code, "nodelist": self.nodelist,
             "batch_host": self.batch_host, "time_limit": self.time_limit,
             "cancelled_by_harness": self.cancelled_by_harness, "state_at_cancel": self.state_at_cancel or None,
+            "launch_failure": self.launch_failure,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
             "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
@@ -161,9 +169,10 @@ class SlurmRuntime(Runtime):
     # ------------------------------------------------------------------ what a round submits
 
     def node_plans(self, plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
-        """The planner's node commands with the master address left as a placeholder."""
+        """The planner's node commands with the master address and port left as placeholders
+        (model_copy does not validate: the port field holds the placeholder text)."""
         hosts = [HostConfig(name=f"slurm-node{k}", address=MASTER_PLACEHOLDER) for k in range(plan.case.nnodes)]
-        cluster = plan.cluster.model_copy(update={"hosts": hosts})
+        cluster = plan.cluster.model_copy(update={"hosts": hosts, "master_port": PORT_PLACEHOLDER})
         return plan_nodes(dataclasses.replace(plan, cluster=cluster), python, root, round_dir)
 
     def _docker_options(self, plan: Plan, python: str, data: dict[str, Any]) -> list[str]:
@@ -206,6 +215,9 @@ class SlurmRuntime(Runtime):
             "run_id": plan.run_id,
             "round_dir": str(round_dir),
             "master_placeholder": MASTER_PLACEHOLDER,
+            "port_placeholder": PORT_PLACEHOLDER,
+            # the cluster file's port, checked free on node 0; None: node 0 picks a free one
+            "master_port": self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
             "monitor": {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)},
             "container": container,
             "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
@@ -269,7 +281,8 @@ class SlurmRuntime(Runtime):
             "sbatch": self.sbatch_argv(plan, round_dir),
             "script": self.batch_script(plan, round_dir),
             "srun": self.srun_argv(plan, round_dir),
-            "master": f"first host of the allocation, in place of {MASTER_PLACEHOLDER!r}; node rank = SLURM_NODEID",
+            "master": (f"address of the allocation's first node (Slurm's NodeAddr), in place of {MASTER_PLACEHOLDER!r}; "
+                       f"port chosen on it, in place of {PORT_PLACEHOLDER!r}; node rank = SLURM_NODEID"),
             "spec": self.spec(plan, round_dir, nodes, python),
         }
 
@@ -292,12 +305,12 @@ class SlurmRuntime(Runtime):
         (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
         job = self._submit(plan, round_dir)
         try:
-            self._follow(job, time.monotonic() + timeout_s)
+            self._follow(job, time.monotonic() + timeout_s, slurm_dir / f"job-{job.job_id}.out")
         except KeyboardInterrupt:
             self._cancel(job, "interrupted")
             self._wait_gone(job)
             raise
-        self._wait_gone(job)
+        self._wait_gone(job, LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
         return self._outcomes(plan, job, round_dir)
 
     def _submit(self, plan: Plan, round_dir: Path) -> Job:
@@ -324,17 +337,23 @@ class SlurmRuntime(Runtime):
         job.reason = info.get("Reason", job.reason)
         job.exit_code = info.get("ExitCode", job.exit_code)
         job.time_limit = info.get("TimeLimit", job.time_limit)
-        if info.get("NodeList") and info["NodeList"] != "(null)":
-            job.nodelist = info["NodeList"]
+        if info.get("NodeList") and info["NodeList"] != "(null)" and not job.nodelist:
+            job.nodelist = info["NodeList"]  # the allocation (it shrinks while nodes complete)
         job.batch_host = info.get("BatchHost", job.batch_host)
 
-    def _follow(self, job: Job, deadline: float) -> None:
+    def _follow(self, job: Job, deadline: float, batch_out: Path) -> None:
         while True:
             self._show(job)
             if job.state in ACTIVE and job.running_at is None:
                 job.running_at = time.time()
+            if job.state in ACTIVE and job.launch_failure is None:
+                job.launch_failure = launch_failure(batch_out)
+                if job.launch_failure:  # the step cannot run on every node: no use waiting for it
+                    self._cancel(job, "launch failed")
+                    return
             if job.state not in WAITING | ACTIVE:
                 job.ended_at = time.time()
+                job.launch_failure = job.launch_failure or launch_failure(batch_out)
                 return
             if time.monotonic() > deadline:
                 self._cancel(job, "round deadline")
@@ -380,7 +399,11 @@ class SlurmRuntime(Runtime):
             extra = {"slurm_job_id": job.job_id, "slurm_state": job.state, "slurm_reason": job.reason,
                      "slurm_exit_code": job.exit_code, "slurm_node": host}  # fmt: skip
             error, timed_out = None, False
-            if job.cancelled_by_harness == "round deadline":
+            if job.launch_failure:
+                error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"
+            elif rep is not None and rep.get("error"):  # the node wrapper said why it stopped
+                error = f"{rep['error']} (Slurm job {job.job_id})"
+            elif job.cancelled_by_harness == "round deadline":
                 timed_out = True
                 if job.running_at is None:
                     error = f"Slurm job {job.job_id} still {job.state_at_cancel} when the round deadline passed; cancelled"
@@ -461,6 +484,19 @@ def _no_report(job: Job, k: int, host: str, run_dir: Path, batch_out: Path) -> s
         hint = ""
     tail = f"\n{batch_out.name}:\n{text}" if text else ""
     return f"no report from node {k} (Slurm job {job.job_id} {job.state}, exit code {job.exit_code}){hint}{tail}"
+
+
+def launch_failure(batch_out: Path) -> str | None:
+    """srun's word that it could not start the step on a node, as one line, or None."""
+    try:
+        text = batch_out.read_text(errors="replace")
+    except OSError:
+        return None
+    task = TASK_LAUNCH_FAILED.search(text)
+    if task:
+        return f"srun could not launch on node {task.group(1)} ({task.group(2).strip()}): is slurmd running there?"
+    app = APP_LAUNCH_FAILED.search(text)
+    return f"srun: Application launch failed ({app.group(1).strip()})" if app else None
 
 
 def _first_step_time(round_dir: Path) -> float | None:

@@ -162,8 +162,8 @@ class SSHRuntime(Runtime):
             py = "python3"
         return py, Path(str(self.code_root(self.hosts[0])))
 
-    def _connect(self, hosts: list[HostConfig], run_id: str) -> None:
-        """Connect to the hosts and take their locks (refused when another run holds one)."""
+    def _connect(self, hosts: list[HostConfig], run_id: str | None) -> None:
+        """Connect to the hosts and, for a run, take their locks (refused when another run holds one)."""
         from run_benchmarks.remote.hostlock import lock_hosts
         from run_benchmarks.remote.ssh import SSHPool
 
@@ -171,7 +171,8 @@ class SSHRuntime(Runtime):
         self.pool = SSHPool(self._host_specs(), accept_new_host_keys=self.cluster.ssh.accept_new_host_keys,
                             connect_timeout=self.cluster.ssh.connect_timeout_s)  # fmt: skip
         self.pool.connect()
-        self.locks = lock_hosts(self.pool, [h.name for h in hosts], run_id, self.cluster.ssh.command_timeout_s)
+        if run_id:
+            self.locks = lock_hosts(self.pool, [h.name for h in hosts], run_id, self.cluster.ssh.command_timeout_s)
 
     def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
         t0 = time.monotonic()
@@ -394,7 +395,9 @@ class SSHRuntime(Runtime):
 
         opts = plan.vendor.container
         code, rd = str(self.code_root(host)), str(self.node_round_dir(plan, host, round_dir))
-        mounts = [Mount(code, code, True), Mount(rd, rd, False), Mount(str(self.cache_dir(host)), str(self.cache_dir(host)), False)]
+        user_cache = self._caches(host)
+        mounts = [Mount(code, code, True), Mount(rd, rd, False), Mount(str(self.cache_dir(host)), str(self.cache_dir(host)), False),
+                  Mount(user_cache, user_cache, False)]  # fmt: skip
         data_dir = plan.settings["data"].get("data_dir")
         if data_dir:
             mounts.append(Mount(data_dir, data_dir, True))
@@ -403,13 +406,14 @@ class SSHRuntime(Runtime):
         for m in opts.mounts:
             src, dst, *mode = m.split(":")
             mounts.append(Mount(src, dst, mode == ["ro"]))
-        self.pool.run(host.name, ["mkdir", "-p", str(self.cache_dir(host))], timeout=self.cluster.ssh.command_timeout_s, check=True)
         spec = ContainerSpec(
             image=self.images[host.name].split()[0],
             command=argv,
             run_id=plan.run_id,
             name=f"fb-{plan.run_id[-26:]}-{round_dir.name}-n{k}".replace(":", "-"),
-            env={**opts.extra_env, "PYTHONPATH": code, "PYTHONUNBUFFERED": "1", **mark},
+            # XDG_CACHE_HOME: what frameworks build or fetch once (DeepSpeed's JIT ops, hub files)
+            # is the host user's, shared with process runs there and kept across containers
+            env={**opts.extra_env, "PYTHONPATH": code, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": user_cache, **mark},
             mounts=mounts,
             devices=[f"{d}:{d}:rwm" for d in opts.devices],
             device_requests=[nvidia_gpus()] if opts.gpus else [],
@@ -421,6 +425,12 @@ class SSHRuntime(Runtime):
             workdir=code,
         )
         self.live.append(_Node(k, host, container=run_container(self._engine(host), spec)))
+
+    def _caches(self, host: HostConfig) -> str:
+        """Make the run's data cache on the host; the host user's cache folder (~/.cache)."""
+        script = "import os, sys; os.makedirs(sys.argv[1], exist_ok=True); c = os.path.expanduser('~/.cache'); os.makedirs(c, exist_ok=True); print(c)"
+        res = self.pool.run(host.name, ["python3", "-c", script, str(self.cache_dir(host))], timeout=self.cluster.ssh.command_timeout_s, check=True)
+        return res.stdout.strip().splitlines()[-1]
 
     def _start_all(self, plan: Plan, round_dir: Path, nodes: list[NodePlan]) -> None:
         """Start every node in parallel; what started is tracked even when another host fails."""
@@ -565,3 +575,39 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
     finally:
         rt.cleanup()
     return [ln for ln in lines if ln]
+
+
+def load_base_images(cluster: ClusterConfig, vendor: str, frameworks: list[str] | None = None,
+                     archive: Path | None = None, source: Any = None) -> list[str]:
+    """Put the base images of the vendor's Dockerfiles (with the cluster's ``image_build_args``)
+    on every host that lacks them: from ``archive`` (a ``docker save`` file), else from the
+    engine ``source``, else from this machine's docker engine. One line per host.
+    For ``start_task.py --cluster FILE --vendor V --load-images [ARCHIVE]``."""
+    from run_benchmarks.remote.images import dockerfile_bases, load_images
+
+    vendor_dir = VENDORS_DIR / vendor
+    contexts = [vendor_dir / fw for fw in frameworks] if frameworks else sorted(p for p in vendor_dir.iterdir() if p.is_dir())
+    refs = dockerfile_bases(contexts, cluster.image_build_args)
+    if not refs:
+        raise InputError(f"vendors/{vendor}: no Dockerfile names a base image")
+    rt = SSHRuntime(cluster)
+    try:
+        rt._connect(list(cluster.hosts), None)
+        engines = {h.name: rt._engine(h) for h in rt.hosts}
+        if archive is None and source is None:
+            source = _local_engine(refs)
+        return load_images(engines, refs, source, archive)
+    except RemoteError as exc:
+        raise InputError(f"host {exc}" if exc.host in {h.name for h in cluster.hosts} else str(exc)) from None
+    finally:
+        rt.cleanup()
+
+
+def _local_engine(refs: list[str]) -> Any:
+    import docker
+
+    try:
+        return docker.from_env()
+    except docker.errors.DockerException as exc:
+        raise InputError(f"no docker engine on this machine to save {', '.join(refs)} from ({exc}); "
+                         "give a docker save archive of it instead") from None

@@ -4,7 +4,8 @@ The tarball is built once with debootstrap (it uses Debian's package mirror) and
 under ``~/.cache/flagbench/images``; its name carries a hash of the recipe, so changing
 the package list builds a new one. CPU containers run the host's Python and the framework
 virtualenv bind-mounted read-only, so the image only carries the shared libraries that
-CPython's extension modules and torch link against.
+CPython's extension modules and torch link against, and a C++ compiler for the ops
+frameworks build at run time.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SUITE = "bookworm"
 IMAGE_REF = "flagbench/cpu-base:bookworm"  # the cpu vendor Dockerfiles' default BASE_IMAGE
 PACKAGES = (
     "ca-certificates",
+    "g++",  # DeepSpeed JIT-builds its CPU ops (shm_comm) in the container, with ninja from the environment
     "libbz2-1.0",
     "libexpat1",
     "libffi8",

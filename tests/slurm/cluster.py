@@ -2,8 +2,9 @@
 
 Every piece of state (config, munge key and socket, spool, logs, pid files) lives in
 one temporary directory. Each ``slurmd`` runs in its own UTS and mount namespace with
-its own hostname (``n1``, ``n2``) and a private ``/etc/hosts`` that maps the node names
-to 127.0.0.2 and 127.0.0.3, so the tasks it starts see a node of that name and address.
+its own hostname (``n1``, ``n2``) and a private ``/etc/hosts``: n1's maps both node names
+(to 127.0.0.2 and 127.0.0.3); n2's knows only itself, as on sites where node names
+resolve on the controller alone, so a run must take n1's address from Slurm (NodeAddr).
 The nodes share this machine's filesystem (the shared-filesystem assumption of the slurm
 backend holds trivially) and its network namespace.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from run_benchmarks.runtimes.local import kill_group
 
 NODES = (("n1", "127.0.0.2"), ("n2", "127.0.0.3"))
+KNOWN_NAMES = {"n1": ("n1", "n2"), "n2": ("n2",)}  # the node names each node's /etc/hosts maps
 CPUS_PER_NODE = 2
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol", "scancel", "unshare")
 
@@ -66,6 +68,7 @@ class SlurmTestCluster:
         self.timings: dict[str, float] = {}
         self.nodes = [name for name, _ in NODES]
         self.node_namespaces: dict[str, str] = {}  # node name -> its UTS namespace
+        self.retired_namespaces: set[str] = set()  # of slurmd processes killed and started again
 
     # ------------------------------------------------------------------ config
 
@@ -116,8 +119,9 @@ SlurmdTimeout=60
 PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """
         )
-        hosts = "127.0.0.1 localhost\n" + "".join(f"{addr} {name}\n" for name, addr in NODES)
-        (b / "etc" / "hosts").write_text(hosts)
+        for node in self.nodes:
+            known = "".join(f"{addr} {name}\n" for name, addr in NODES if name in KNOWN_NAMES[node])
+            (b / "etc" / f"hosts-{node}").write_text("127.0.0.1 localhost\n" + known)
 
     # ------------------------------------------------------------------ daemons
 
@@ -178,25 +182,49 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
             self._wait("slurmctld", lambda: self._scontrol("ping").returncode == 0)
             self.timings["slurmctld_s"] = time.monotonic() - t1
             t2 = time.monotonic()
-            hosts = self.base / "etc" / "hosts"
             for name, _ in NODES:
-                script = 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -D -N "$2" -f "$3"'
-                self._spawn(f"slurmd-{name}", [
-                    "unshare", "--uts", "--mount", "--propagation", "private",
-                    "sh", "-c", script, "slurmd-node", str(hosts), name, str(self.conf),
-                ])  # fmt: skip
+                self._spawn_node(name)
             self._wait("nodes idle", self._nodes_idle)
-            self.node_namespaces = {
-                n.removeprefix("slurmd-"): os.readlink(f"/proc/{proc.pid}/ns/uts")
-                for n, proc in self.procs.items()
-                if n.startswith("slurmd-")
-            }
+            self._note_namespaces()
             self.timings["nodes_idle_s"] = time.monotonic() - t2
         except BaseException:
             self.stop()
             raise
         self.timings["start_s"] = time.monotonic() - t0
         return self
+
+    def _spawn_node(self, name: str) -> None:
+        hosts = self.base / "etc" / f"hosts-{name}"
+        script = 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -D -N "$2" -f "$3"'
+        self._spawn(f"slurmd-{name}", [
+            "unshare", "--uts", "--mount", "--propagation", "private",
+            "sh", "-c", script, "slurmd-node", str(hosts), name, str(self.conf),
+        ])  # fmt: skip
+
+    def _note_namespaces(self) -> None:
+        """Each node's UTS namespace, read once its slurmd runs (before, unshare may not have made it)."""
+        for n, proc in self.procs.items():
+            if n.startswith("slurmd-"):
+                ns = os.readlink(f"/proc/{proc.pid}/ns/uts")
+                if ns == os.readlink("/proc/self/ns/uts"):
+                    raise ClusterError(f"{n} runs in this machine's UTS namespace")
+                self.node_namespaces[n.removeprefix("slurmd-")] = ns
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL a node's slurmd, as a crash would. Its namespace is kept in
+        ``retired_namespaces`` so that ``node_processes`` still finds what ran there."""
+        proc = self.procs.pop(f"slurmd-{name}")
+        proc.kill()
+        proc.wait()
+        self.retired_namespaces.add(self.node_namespaces.pop(name))
+
+    def restart_node(self, name: str) -> None:
+        """Start a killed node's slurmd again and wait until every node is idle."""
+        self._spawn_node(name)
+        pid, own = self.procs[f"slurmd-{name}"].pid, os.readlink("/proc/self/ns/uts")
+        self._wait(f"slurmd of {name}", lambda: os.readlink(f"/proc/{pid}/ns/uts") != own and "slurmd" in Path(f"/proc/{pid}/comm").read_text())
+        self._wait("nodes idle", self._nodes_idle, timeout=90)
+        self._note_namespaces()
 
     def jobs(self) -> list[str]:
         """Job ids the controller still lists as pending or running."""
@@ -207,7 +235,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
 
     def node_processes(self, node: str | None = None) -> list[int]:
         """PIDs of processes running inside a node, or inside any node (slurmd, job steps, tasks)."""
-        wanted = {self.node_namespaces[node]} if node else set(self.node_namespaces.values())
+        wanted = {self.node_namespaces[node]} if node else set(self.node_namespaces.values()) | self.retired_namespaces
         pids = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():

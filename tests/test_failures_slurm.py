@@ -1,0 +1,75 @@
+"""Slurm failures on the real test Slurm cluster (tests/slurm/): a node whose slurmd is down,
+and start_task.py stopped by SIGHUP. Each checks the line the user gets, the exit status,
+and that no job or process is left.
+
+(A master whose name does not resolve on the other node, and jobs sharing a node without a
+fixed port, are in every multi-node run of test_slurm_backend.py: n2 cannot resolve n1.)
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import SlurmTestCluster
+from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
+from tests.test_failures_hosts import DRIVER
+from tests.test_slurm_backend import CASE, LONG, START, assert_nothing_left, cluster_file, job_id, results, run_dir, show_job, wait_for
+
+
+def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+            "--log-dir", str(tmp_path / "logs"), "--python", sys.executable]  # fmt: skip
+    slurm_cluster.kill_node("n2")  # the controller still counts it as idle (SlurmdTimeout is 60 s)
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - t0
+    finally:
+        slurm_cluster.restart_node("n2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    res = results(tmp_path)
+    (rnd,) = res["rounds"]
+    first = rnd["error"].splitlines()[0]
+    assert first.startswith("node0 (n1): Slurm job ") and first.endswith(
+        "could not start its step: srun could not launch on node n2 (Communication connection failure): is slurmd running there?"), first
+    assert [n["host"] for n in rnd["nodes"]] == ["n1", "n2"]
+    (job,) = res["runtime_info"]["slurm"]["jobs"]
+    assert job["cancelled_by_harness"] == "launch failed"
+    assert took < 90, f"{took:.0f} s to notice"  # the round deadline is 600 s
+    assert_nothing_left(slurm_cluster, res["run_id"])
+
+
+@pytest.mark.framework("megatron")
+def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+                             "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--set", LONG],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=START.rsplit("/run_benchmarks", 1)[0])  # fmt: skip
+
+    def launched() -> str | None:  # the job runs and both node wrappers started their launcher
+        jid, rd = job_id(tmp_path), run_dir(tmp_path)
+        ok = jid and rd and all((rd / "round1" / f"node{k}" / "node.json").is_file() for k in (0, 1))
+        return jid if ok and show_job(slurm_cluster, jid)["JobState"] == "RUNNING" else None
+
+    jid = wait_for("the job's launchers", launched, proc)
+    proc.send_signal(signal.SIGHUP)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGHUP, out
+    assert "interrupted" in out
+    assert show_job(slurm_cluster, jid)["JobState"] == "CANCELLED"
+    res = results(tmp_path)
+    assert res["finished"] and res["rounds"] == []
+    (job,) = res["runtime_info"]["slurm"]["jobs"]
+    assert job["cancelled_by_harness"] == "interrupted"
+    assert_nothing_left(slurm_cluster, res["run_id"])
+    for k in (0, 1):  # each node wrapper stopped its launcher and said so
+        report = json.loads((run_dir(tmp_path) / "round1" / f"node{k}" / "node.json").read_text())
+        assert report["stopped_by_signal"] in ("SIGTERM", "SIGINT"), report

@@ -146,10 +146,10 @@ def transformer_config(s: Settings) -> TransformerConfig:
         pipeline_dtype=dtype,
         bf16=s.precision == "bf16",
         fp16=s.precision == "fp16",
-        # every rank builds the full weights from one seed on the CPU and keeps its
-        # shard, so every tp/pp layout starts from the same model; on GPUs the
-        # weights are drawn on the device (per-rank RNG streams), as megatron does
-        use_cpu_initialization=s.device == "cpu",
+        # megatron allocates the weights on the device and leaves them undrawn:
+        # startweights.overwrite gives every layout the same starting model
+        use_cpu_initialization=False,
+        perform_initialization=False,
         masked_softmax_fusion=False,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

@@ -11,11 +11,13 @@ first: it applies the vendor's adapter (e.g. the CPU redirection of
 
 Training: megatron-core GPTModel (Llama 3 architecture: RMSNorm, SwiGLU, RoPE,
 grouped-query attention, untied output layer) with tensor and pipeline
-parallelism from ``parallel_state``, megatron's DDP with the distributed
+parallelism from ``parallel_state``, starting weights that are the same for
+every layout (``startweights.py``), megatron's DDP with the distributed
 optimizer (Adam with decoupled weight decay), a cosine learning-rate schedule
 from ``OptimizerParamScheduler``, and the pipeline schedule of
-``get_forward_backward_func()``.  Metrics go out through
-``training.metriclog.MetricLogger`` (see docs/architecture.md).
+``get_forward_backward_func()``, timed by ``training.steptimer.StepClock``.
+Metrics go out through ``training.metriclog.MetricLogger`` (see
+docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from training import flops, runtime  # noqa: E402
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger  # noqa: E402
 from training.profiling import StepProfiler  # noqa: E402
+from training.steptimer import StepClock  # noqa: E402
 
 
 def _sync(device) -> None:
@@ -100,19 +102,22 @@ class Trainer:
         self.reporting = self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
 
     def build(self) -> None:
-        import torch
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
         import modeling
+        import startweights
 
         s, lay = self.s, self.s.layout
-        torch.manual_seed(s.seed)  # the same full weights on every rank (CPU initialisation)
         self.tconfig = modeling.transformer_config(s)
-        model = modeling.build_model(s, self.tconfig)
-        model = model.to(self.device)
+        model = modeling.build_model(s, self.tconfig)  # on the device (use_cpu_initialization=False)
+        # every layout starts from the TP1/PP1 model's weights; written before Float16Module,
+        # DDP and the optimizer take their copies
+        init = startweights.overwrite(model, s)
+        if self.tp_rank == 0 and self.dp_rank == 0:  # one record per pipeline stage
+            self.log.emit("info", "start_weights", {**init, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
         self.params_exact = self._exact_params(model)
         if s.precision in ("bf16", "fp16"):
             model = Float16Module(self.tconfig, model)
@@ -252,17 +257,20 @@ class Trainer:
         tokens_per_step = s.global_batch * s.shape.seq_length
         dp_group = self.ps.get_data_parallel_group()
         prof = StepProfiler(s.profile_step, s.output_dir, self.dist.rank, self.device.type)
-        for step in range(s.steps):
-            lr = float(self.optimizer.param_groups[0]["lr"])
+
+        def sync() -> None:
             _sync(self.device)
             dist.barrier()
-            t0 = time.perf_counter()
-            with prof.step(step + 1):
+
+        clock = StepClock(sync)  # training/steptimer.py: batch fetch to optimizer step, synchronized
+        for step in range(s.steps):
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            with clock.step(), prof.step(step + 1):
                 self.model.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 losses = fwd_bwd(
                     forward_step_func=forward_step,
-                    data_iterator=self.batches.microbatches(step),
+                    data_iterator=clock.timed(self.batches.microbatches(step)),
                     model=[self.model],
                     num_microbatches=lay.grad_accum,
                     seq_length=s.shape.seq_length,
@@ -273,9 +281,8 @@ class Trainer:
                 with prof.optimizer():
                     ok, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
-                _sync(self.device)
-                dist.barrier()
-            step_time = time.perf_counter() - t0
+                _sync(self.device)  # the profiled step's kernels end inside its trace
+            step_time = clock.step_time_s
             self.steps_done = step + 1
             parts = prof.result(step + 1, step_time, reduce=self.tp_rank == 0 and self.dp_rank == 0)  # one per stage
             if parts is not None:
@@ -291,6 +298,7 @@ class Trainer:
                         tokens_per_step,
                         step_time,
                         lr,
+                        data_s=clock.data_s,
                         grad_norm=None if grad_norm is None else float(grad_norm),
                         skipped=not ok,
                         **({"profiled": True} if step + 1 == s.profile_step else {}),

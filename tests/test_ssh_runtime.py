@@ -178,21 +178,22 @@ def test_host_down(cluster, megatron_python, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "framework, case, reference",
+    "framework, case, reference, runtime",
     [
-        # the deepspeed launcher: hostfile + --no_ssh, node ranks from the harness, ZeRO-3
+        # the deepspeed launcher: hostfile + --no_ssh, node ranks from the harness, ZeRO-3; in the
+        # vendor image, where its CPU comm op is JIT-built with ninja from the environment's bin/
         pytest.param("deepspeed", "baichuan2_tiny:deepspeed:cpu:2:1", "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json",
-                     marks=pytest.mark.framework("deepspeed"), id="deepspeed"),
+                     "container", marks=pytest.mark.framework("deepspeed"), id="deepspeed-container"),
         # paddle.distributed.launch: --master on the first host, --rank from the harness
         pytest.param("paddle", "gpt3_tiny:paddle:cpu:2:1", "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json",
-                     marks=pytest.mark.framework("paddle"), id="paddle"),
+                     "process", marks=pytest.mark.framework("paddle"), id="paddle"),
     ],
 )  # fmt: skip
-def test_launcher_across_two_hosts(cluster, request, framework, case, reference, tmp_path):
+def test_launcher_across_two_hosts(cluster, request, framework, case, reference, runtime, tmp_path):
     from run_benchmarks import metrics
 
     python = request.getfixturevalue(f"{framework}_python")
-    cfile = cluster_file(cluster, tmp_path, python, runtime="process")
+    cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)
     proc = run(["--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
@@ -204,42 +205,3 @@ def test_launcher_across_two_hosts(cluster, request, framework, case, reference,
     mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
     assert n >= 10 and metrics.is_aligned(mre), mre
     assert leftovers(cluster, res["run_id"]) == []
-
-
-def test_host_lost_mid_run_fails_that_round_and_the_next_still_runs(megatron_python, tmp_path):
-    """sshd of h2 (the daemon and its sessions) is killed during round 1, on a cluster of its own."""
-    import shutil
-    import tempfile
-
-    from tests.cluster import netns
-
-    directory = tempfile.mkdtemp(prefix="fbc-", dir="/tmp")
-    try:
-        lost = netns.up(2, directory, image=False, owner_pid=os.getpid(), log=lambda m: None)
-        cfile = cluster_file(lost, tmp_path, megatron_python, runtime="process", round_timeout_s=300)
-        log_dir = tmp_path / "logs"
-        p = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE + ":2", "--cluster", str(cfile),
-                              "--log-dir", str(log_dir), "--set", "train.steps=100000"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        deadline = time.monotonic() + 300
-        h2 = lost.host("h2")
-        # wait until h2's rank is training (its step lines reach the shared work dir)
-        while time.monotonic() < deadline and p.poll() is None and not list(Path(h2.workdir).rglob("node1/ranks/**/stdout.log")):
-            time.sleep(0.5)
-        assert p.poll() is None, p.communicate()
-        time.sleep(5)
-        subprocess.run(["pkill", "-KILL", "-P", str(h2.sshd_pid)])  # the sessions
-        os.kill(h2.sshd_pid, signal.SIGKILL)  # and the daemon: h2 is gone for good
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 1, out + err
-        run_dir, res = only_run(log_dir)
-        r1, r2 = res["rounds"]
-        assert r1["status"] == r2["status"] == "failed"
-        assert "node1 (h2)" in r1["error"] and ("connection to the host was lost" in r1["error"] or "lost the node" in r1["error"]), r1["error"]
-        assert "h2" in r2["error"] and ("cannot connect" in r2["error"] or "SSH" in r2["error"]), r2["error"]
-        # h1's side was stopped by the harness: nothing of the run is left there
-        assert subprocess.run(["pgrep", "-f", f"{lost.host('h1').workdir}/fb/runs/{res['run_id']}"], capture_output=True).stdout == b""
-    finally:
-        subprocess.run(["pkill", "-KILL", "-f", f"{directory}/"], capture_output=True)  # what was stranded on h2
-        netns.down(directory, log=lambda m: None)
-        shutil.rmtree(directory, ignore_errors=True)

@@ -58,7 +58,7 @@ def load_images(engines: dict[str, Any], refs: list[str], source: Any = None, ar
         return lines
     with tempfile.TemporaryDirectory(prefix="flagbench-images-") as tmp:
         files = {r: archive for r in needed} if archive else {r: save_image(source, r, Path(tmp)) for r in needed}
-        for host, wanted in missing.items():
+        for host, wanted in ((h, m) for h, m in missing.items() if m):
             for archive_file in dict.fromkeys(files[r] for r in wanted):  # an archive once per host
                 load_archive(engines[host], archive_file)
             still = [r for r in wanted if not has_image(engines[host], r)]

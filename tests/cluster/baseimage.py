@@ -41,6 +41,11 @@ PACKAGES = (
 # Trimmed from the rootfs after debootstrap (documentation, translations, apt caches).
 _TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
          "var/cache/apt", "var/lib/apt/lists", "var/log")
+# Parts of the compiler a JIT build of C++ ops never runs (LTO, sanitizers, profilers).
+_TRIM_FILES = ("usr/lib/gcc/x86_64-linux-gnu/12/lto1", "usr/bin/x86_64-linux-gnu-lto-dump-12",
+               "usr/lib/gcc/x86_64-linux-gnu/12/lib*san*.a", "usr/lib/x86_64-linux-gnu/lib*san.so*",
+               "usr/lib/x86_64-linux-gnu/libgprofng.so*", "usr/bin/x86_64-linux-gnu-gp-*",
+               "usr/bin/x86_64-linux-gnu-dwp", "usr/bin/x86_64-linux-gnu-ld.gold")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 
 
@@ -52,7 +57,7 @@ def cache_dir() -> Path:
 
 def recipe_hash() -> str:
     """A short hash of everything that decides the tarball's contents."""
-    recipe = "\n".join([SUITE, "minbase", *PACKAGES, *_TRIM])
+    recipe = "\n".join([SUITE, "minbase", *PACKAGES, *_TRIM, *_TRIM_FILES])
     return hashlib.sha256(recipe.encode()).hexdigest()[:12]
 
 
@@ -94,6 +99,9 @@ def build_tarball(*, mirror: str | None = None, log=print) -> Path:
                 if target.is_dir():
                     shutil.rmtree(target)
                     target.mkdir()
+            for pattern in _TRIM_FILES:
+                for path in root.glob(pattern):
+                    path.unlink()
             tmp = work / "rootfs.tar.gz"
             with open(tmp, "wb") as out:
                 tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(root), "-cf", "-", "."],

@@ -208,7 +208,8 @@ def _start_sshd(c: Cluster, h: HostInfo, hdir: Path, env: dict[str, str] | None 
     if env is not None or not cfg.exists():  # a restart keeps the config (and its SetEnv)
         cfg.write_text(SSHD_CONFIG.format(port=h.port, address=h.address, host_key=h.host_key,
                                           authorized_keys=Path(c.dir) / "authorized_keys")
-                       + "".join(f"SetEnv {k}={v}\n" for k, v in (env or {}).items()))
+                       # one SetEnv line: sshd takes the first line of a keyword
+                       + (f"SetEnv {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else ""))
     empty = hdir / "empty_bashrc"
     empty.write_text("")
     q = lambda s: "'" + str(s).replace("'", "'\\''") + "'"  # noqa: E731 (paths are ours)

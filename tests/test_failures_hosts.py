@@ -1,0 +1,259 @@
+"""Hosts that fail under a run, on a 2-host test cluster of this module's own (tests/cluster/).
+
+Each test breaks something real (dockerd stopped, sshd killed, a port taken, a full log
+disk, a base image missing, a host without network) and checks the one line the user gets,
+the exit status or round status, and that no container or process of any run is left.
+The cluster is this module's own because the tests stop and start its daemons; h2's SSH
+sessions see pip without its configuration and an empty environment cache, as a host
+without a package mirror would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from run_benchmarks.config import ClusterConfig, load
+from tests.cluster import netns
+from tests.cluster.fixtures import cluster_skip_reason
+from tests.test_ssh_runtime import CASE, START, cluster_file, leftovers, only_run, run
+
+pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
+LONG = "train.steps=100000"
+# start_task.py with SIGTERM and SIGHUP turned into Ctrl-C (the lines proposed for its main)
+DRIVER = (
+    "import sys\n"
+    "from run_benchmarks.runtimes.base import stop_on_signals\n"
+    "from run_benchmarks import start_task\n"
+    "with stop_on_signals() as stop:\n"
+    "    rc = start_task.main(sys.argv[1:])\n"
+    "sys.exit(stop.exit_status if rc == 130 else rc)\n"
+)
+
+
+@pytest.fixture(scope="module")
+def fc() -> Iterator[netns.Cluster]:
+    reason = cluster_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    directory = tempfile.mkdtemp(prefix="fbc-", dir="/tmp")
+    no_mirror = {"PIP_CONFIG_FILE": "/dev/null", "FLAGBENCH_ENV_DIR": f"{directory}/hosts/h2/envs"}
+    try:
+        yield netns.up(2, directory, owner_pid=os.getpid(), ssh_env={"h2": no_mirror}, log=lambda m: None)
+    finally:
+        netns.down(directory, log=lambda m: None)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def start(cfile: Path, log_dir: Path, *extra: str, case: str = CASE, driver: bool = False) -> subprocess.Popen[str]:
+    head = [sys.executable, "-c", DRIVER] if driver else [sys.executable, START]
+    return subprocess.Popen([*head, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=START.rsplit("/run_benchmarks", 1)[0])  # fmt: skip
+
+
+def wait_training_on(host: netns.HostInfo, log_dir: Path, p: subprocess.Popen[str], timeout: float = 300) -> str:
+    """Until the host's rank of the run logging into ``log_dir`` writes its log (the hosts
+    share this machine's filesystem); the run's id."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and p.poll() is None:
+        run_id = next((d.name for d in log_dir.iterdir()), None) if log_dir.is_dir() else None
+        if run_id and list(Path(host.workdir, "fb", "runs", run_id).rglob("node*/ranks/**/stdout.log")):
+            time.sleep(3)  # a few steps in
+            return run_id
+        time.sleep(0.5)
+    p.kill()
+    pytest.fail(f"no rank log on {host.name}: {p.communicate()}")
+
+
+def one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_engine_stopped_mid_round_fails_both_rounds_and_cleanup_removes_its_container(fc, megatron_python, tmp_path):
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    p = start(cfile, tmp_path / "logs", "--set", LONG, case=CASE + ":2")
+    wait_training_on(fc.host("h2"), tmp_path / "logs", p)
+    netns.stop_daemon(fc, "h2", "dockerd")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and "Traceback" not in err, out + err
+    _, res = only_run(tmp_path / "logs")
+    r1, r2 = res["rounds"]
+    assert r1["status"] == r2["status"] == "failed"
+    assert "node1 (h2)" in r1["error"], r1["error"]
+    assert "node1 (h2): docker engine not answering" in r2["error"], r2["error"]  # round 2 could not start there
+    netns.start_daemon(fc, "h2", "dockerd")  # the host comes back with the dead container
+    assert leftovers(fc, res["run_id"]), "the stopped engine kept no container"
+    from run_benchmarks.runtimes.ssh import clean_hosts
+
+    (line,) = clean_hosts(load(ClusterConfig, cfile))
+    assert line.startswith(f"host h2: removed what earlier runs left there: 1 container(s) fb-") and line.endswith(f"of run {res['run_id']}"), line
+    assert leftovers(fc, res["run_id"]) == []
+    assert clean_hosts(load(ClusterConfig, cfile)) == []
+
+
+def test_host_lost_then_next_run_cleans_up_refuses_a_second_run_and_stops_on_sigterm(fc, megatron_python, tmp_path):
+    import docker
+
+    # run B: h2's sshd (daemon and sessions) killed in round 1 of 2
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
+    p = start(cfile, tmp_path / "b", "--set", LONG, case=CASE + ":2")
+    wait_training_on(fc.host("h2"), tmp_path / "b", p)
+    netns.stop_daemon(fc, "h2", "sshd")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and "Traceback" not in err, out + err
+    _, b = only_run(tmp_path / "b")
+    r1, r2 = b["rounds"]
+    assert r1["status"] == r2["status"] == "failed"
+    assert "node1 (h2)" in r1["error"] and ("connection to the host was lost" in r1["error"] or "lost the node" in r1["error"]), r1["error"]
+    assert "h2" in r2["error"] and "cannot connect" in r2["error"], r2["error"]
+    # h1's side was stopped by the harness: nothing of the run is left there
+    assert subprocess.run(["pgrep", "-f", f"{fc.host('h1').workdir}/fb/runs/{b['run_id']}"], capture_output=True).stdout == b""
+
+    # h2 comes back with what a lost run leaves: a container and a process of run "old-run"
+    netns.start_daemon(fc, "h2", "sshd")
+    h2 = fc.host("h2")
+    stranded = subprocess.Popen(["ip", "netns", "exec", h2.netns, "env", "FLAGBENCH_RUN_ID=old-run", "sleep", "600"])
+    engine = docker.DockerClient(base_url=f"unix://{h2.docker_socket}")
+    engine.containers.create(fc.image, ["true"], name="fb-old-run-n1", labels={"flagbench.run_id": "old-run"})
+
+    # run C, the next run there: removes them, holds the hosts, uses a free port
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    doc = yaml.safe_load(cfile.read_text())
+    del doc["master_port"]
+    cfile.write_text(yaml.safe_dump(doc))
+    c = start(cfile, tmp_path / "c", "--set", LONG, driver=True)
+    c_id = wait_training_on(fc.host("h1"), tmp_path / "c", c)
+    assert stranded.wait(timeout=10) == -signal.SIGKILL
+    assert engine.containers.list(all=True, filters={"label": "flagbench.run_id=old-run"}) == []
+
+    # run D at the same time on the same hosts: refused, naming the host and run C
+    d = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "d")], timeout=120)
+    assert d.returncode == 2, d.stdout + d.stderr
+    assert one_line(d.stderr).startswith(f"error: host h1: in use by run {c_id} (")
+
+    # SIGTERM stops C as Ctrl-C does
+    c.send_signal(signal.SIGTERM)
+    out, err = c.communicate(timeout=120)
+    assert c.returncode == 128 + signal.SIGTERM, out + err
+    assert "interrupted" in err
+    swept = [ln for ln in err.splitlines() if ln.startswith("host h2: removed what earlier runs left there:")]
+    assert len(swept) == 1 and "1 container(s) fb-old-run-n1 and 1 process(es) of run old-run" in swept[0], err
+    run_dir, res = only_run(tmp_path / "c")
+    assert res["finished"] and res["runtime_info"]["leftovers_removed"] == swept
+    port = res["runtime_info"]["master_port"]
+    command = json.loads((run_dir / "round1" / "plan.json").read_text())["nodes"][0]["command"]
+    assert command[command.index("--master-port") + 1] == str(port) and port != 29500
+    assert command[command.index("--rdzv-id") + 1] == f"{c_id}-round1"
+    for run_id in (b["run_id"], c_id, "old-run"):
+        assert leftovers(fc, run_id) == [], run_id
+    engine.close()
+
+
+def test_master_port_in_use_on_the_master(fc, megatron_python, tmp_path):
+    h1 = fc.host("h1")
+    holder = subprocess.Popen(["ip", "netns", "exec", h1.netns, sys.executable, "-c",
+                               "import socket, time; s = socket.socket(); s.bind(('', 0)); s.listen(); "
+                               "print(s.getsockname()[1], flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        port = int(holder.stdout.readline())
+        cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process", master_port=port)
+        p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert one_line(p.stderr) == (f"error: host h1: master_port {port} of the cluster file is in use there (Address already in use); "
+                                  "free it, or leave master_port out to use a free port")  # fmt: skip
+    _, res = only_run(tmp_path / "logs")
+    assert leftovers(fc, res["run_id"]) == []
+
+
+def test_full_log_disk_is_named(fc, megatron_python, tmp_path):
+    """The log dir on a 128 KiB tmpfs (in a mount namespace of start_task's own): results.json
+    fits, the code archive does not."""
+    full = tmp_path / "full"
+    full.mkdir()
+    runs = {h.name: set(Path(h.workdir, "fb", "runs").glob("*")) for h in fc.hosts}
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
+    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(full / "logs")]
+    script = 'mount -t tmpfs -o size=128k tmpfs "$1" && shift && exec "$@"'
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(full), *argv],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = one_line(p.stderr)
+    assert line.startswith(f"error: {full}/logs/llama3_tiny_megatron_cpux2x1_") and line.endswith(
+        ": cannot write the code archive in the run's log folder: No space left on device"), line
+    for h in fc.hosts:  # nothing of the run reached the hosts
+        assert set(Path(h.workdir, "fb", "runs").glob("*")) == runs[h.name]
+    assert leftovers(fc, "llama3_tiny_megatron_cpux2x1_") == []
+
+
+def test_missing_base_image_is_named_then_loaded_over_ssh(fc, megatron_python, tmp_path):
+    import docker
+
+    from run_benchmarks.remote.containers import connect_engine
+    from run_benchmarks.runtimes.ssh import load_base_images
+
+    base = "flagbench/cpu-base:bookworm"
+    h2 = docker.DockerClient(base_url=f"unix://{fc.host('h2').docker_socket}")
+    for image in h2.images.list(name="flagbench/cpu-*"):  # the base and the images built on it
+        for tag in image.tags:
+            h2.images.remove(tag)
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    doc = yaml.safe_load(cfile.read_text())
+    del doc["image_build_args"]  # the Dockerfiles' default base
+    cfile.write_text(yaml.safe_dump(doc))
+    p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = one_line(p.stderr)
+    assert line.startswith(f"error: host h2: base image {base} of flagbench/cpu-megatron:") and line.endswith(
+        "is not on the engine; images are never pulled: load it there (start_task.py --cluster FILE --load-images, docs/clusters.md)"), line
+
+    here = connect_engine(fc.host("h1").docker_socket)  # stands for this machine's engine
+    t0 = time.monotonic()
+    lines = load_base_images(load(ClusterConfig, cfile), "cpu", ["megatron"], source=here)
+    took = time.monotonic() - t0
+    assert lines[0] == f"host h1: has {base}" and lines[1].startswith(f"host h2: loaded {base} ("), lines
+    assert h2.images.get(base).id == here.images.get(base).id
+    assert load_base_images(load(ClusterConfig, cfile), "cpu", ["megatron"], source=here) == [f"host h1: has {base}", f"host h2: has {base}"]
+    print(f"base image loaded over SSH in {took:.1f} s")
+    here.close()
+    h2.close()
+
+
+def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_path):
+    """No python: in the cluster file: each host builds or finds the environment with its own
+    python3 (Debian's, another patch version than this one). h1 finds the one built here
+    (same major.minor); h2 has none and no package index: said in seconds, with the log."""
+    from run_benchmarks import envs
+
+    cfile = cluster_file(fc, tmp_path, None, runtime="process")
+    t0 = time.monotonic()
+    p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=300)
+    took = time.monotonic() - t0
+    assert p.returncode == 2, p.stdout + p.stderr
+    line = one_line(p.stderr)
+    env = Path(fc.dir) / "hosts" / "h2" / "envs" / envs.env_dir("cpu", "megatron").name
+    log = env.with_name(env.name + ".build.log")
+    assert line.startswith(f"error: host h2: the megatron environment for vendor cpu is not built at {env} and pip cannot get torch "
+                           f"from its package index here (no network?; see {log}): copy an environment built from requirements.txt "
+                           f"with Python 3.11 to that path, or set python: in the cluster file"), line  # fmt: skip
+    assert "index versions torch" in log.read_text()  # pip's own output is kept
+    assert took < 90, f"{took:.0f} s to say so"
+    assert not env.exists()
+    _, res = only_run(tmp_path / "logs")
+    assert leftovers(fc, res["run_id"]) == []

@@ -1,10 +1,12 @@
-"""baichuan2_tiny on DeepSpeed ZeRO-3, 2 CPU processes, through the deepspeed launcher.
+"""baichuan2_tiny on DeepSpeed, CPU processes.
 
-The framework Python comes from ``FB_TEST_DEEPSPEED_PYTHON`` (the conftest sets
-it when the cpu vendor's deepspeed environment is built); without it the tests
-skip.  ``train.py`` is started the way the harness starts it, with a
-hand-written ``resolved.json`` (docs/architecture.md), and its output is read
-with ``training.metriclog.parse_lines`` only.
+The committed configuration (ZeRO-3, 2 processes, 30 steps) runs through
+start_task.py, its loss judged against the reference curve; ZeRO-2 and a single
+process run its first steps and must follow its curve (the starting weights do
+not depend on the layout). The override test starts ``train.py`` the way the
+harness does, with a hand-written ``resolved.json`` (docs/architecture.md),
+and reads its output with ``training.metriclog.parse_lines`` only. Without the
+deepspeed environment (``FB_TEST_DEEPSPEED_PYTHON``) these tests skip.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ import pytest
 import yaml
 
 from tests.case_helpers import framework_python, free_port, torch_extensions_dir
+from tests.deepspeed_runs import (
+    Run,
+    assert_data_inside_step,
+    assert_same_curve,
+    assert_short_run_unjudged,
+    start_task,
+)
 from training.flops import decoder_flops
 from training.metriclog import parse_lines
 
@@ -91,12 +100,16 @@ def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
     return proc, parse_lines(proc.stdout.splitlines(), source="stdout")
 
 
+@pytest.fixture(scope="module")
+def standard(tmp_path_factory, deepspeed_python) -> Run:
+    """The committed CPU configuration (config_cpux1x2: ZeRO-3, 2 processes), 30 steps."""
+    return start_task(tmp_path_factory.mktemp("standard"), "baichuan2_tiny:deepspeed:cpu:1:2")
+
+
 @pytest.mark.framework("deepspeed")
-def test_tiny_zero3_two_processes(tmp_path):
-    py = _python()
-    cfg = resolved(tmp_path)
-    proc, log = launch(py, tmp_path, cfg)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+def test_tiny_zero3_two_processes(standard):
+    run, log = standard, standard.log
+    assert run.proc.returncode == 0, run.proc.stdout[-6000:] + run.proc.stderr[-3000:]
     assert not log.errors, log.errors[:3]
     assert not log.of("error")
 
@@ -114,9 +127,10 @@ def test_tiny_zero3_two_processes(tmp_path):
     assert (m["global_batch"], m["micro_batch"], m["grad_accum"]) == (16, 4, 2)
     assert m["precision"] == "bf16" and m["recompute"] == "full"
     assert m["data"]["source"] == "synthetic"
+    assert m["init_weights"]["parameters"] == 31 and m["init_weights"]["seconds"] > 0
 
     # the effective config, read back from the engine
-    ds = json.loads((tmp_path / "out" / "ds_config.json").read_text())
+    ds = json.loads((run.output / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization_stage"] == 3
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
     assert ds["bf16"]["enabled"] is True
@@ -138,12 +152,31 @@ def test_tiny_zero3_two_processes(tmp_path):
     (end,) = log.of("end", "run_end")
     assert end.value["status"] == "ok" and end.value["steps"] == 30
 
-    # the committed reference (same machine type): mean relative error from step 21 on
+    # the committed reference (same machine type), judged by the harness: steps 21-30
     ref = json.loads(REFERENCE.read_text())
     assert (ref["model"], ref["config"]) == ("baichuan2_tiny", "config_cpux1x2")
-    pairs = [(x, r) for s, x, r in zip(range(1, 31), loss, ref["loss"]) if s >= 21]
-    mre = sum(abs(x - r) / r for x, r in pairs) / len(pairs)
-    assert mre < 0.02, (mre, loss)
+    assert run.round["status"] == "ok" and run.round["reference"] == {"train": str(REFERENCE)}
+    (phase,) = run.round["phases"]
+    gate = phase["gate"]
+    assert (gate["verdict"], gate["first_step"], gate["last_step"]) == ("aligned", 21, 30) and gate["mre"] < 0.02, gate
+
+
+SHORT = 6  # steps of the other layouts: their schedule is the standard run's (decay over 30 steps)
+
+
+@pytest.mark.framework("deepspeed")
+def test_zero_stage_and_dp_size_give_one_curve(standard, tmp_path):
+    """ZeRO-2 on 2 processes and ZeRO-3 on 1 start from the standard run's weights and follow
+    its curve; every run times its batch fetch inside the step."""
+    sets = (f"train.steps={SHORT}", "train.lr_decay_steps=30")
+    zero2 = start_task(tmp_path / "zero2", "baichuan2_tiny:deepspeed:cpu:1:2", *sets, "parallel.zero.stage=2")
+    dp1 = start_task(tmp_path / "dp1", "baichuan2_tiny:deepspeed:cpu:1:1", *sets)
+    for run, layout in ((zero2, "PP1DP2TP1ZeRO2"), (dp1, "PP1DP1TP1ZeRO3")):
+        assert_short_run_unjudged(run)
+        assert run.round["layout"] == layout
+        assert_same_curve(standard.loss("train", SHORT), run.loss("train", SHORT), layout)
+        assert_data_inside_step(run, {"train"}, SHORT)
+    assert_data_inside_step(standard, {"train"}, 30)
 
 
 @pytest.mark.framework("deepspeed")

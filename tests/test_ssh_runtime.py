@@ -194,7 +194,8 @@ def test_launcher_across_two_hosts(cluster, request, framework, case, reference,
 
     python = request.getfixturevalue(f"{framework}_python")
     cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)
-    proc = run(["--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")])
+    proc = run(["--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
+                "--reference", str(ROOT / reference)])  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]

@@ -75,7 +75,11 @@ def test_schema2_round_trip_keeps_every_record_and_nan(tmp_path):
     assert "failed: 1000.0" in (tmp_path / "results.md").read_text()  # a failed round's figure carries its status
 
 
-@pytest.mark.parametrize("path", RUNS, ids=[p.name for p in RUNS])
+RUNS_V1 = [p for p in RUNS if json.loads(p.read_text())["schema"] == 1]
+RUNS_V2 = [p for p in RUNS if json.loads(p.read_text())["schema"] == 2]
+
+
+@pytest.mark.parametrize("path", RUNS_V1, ids=[p.name for p in RUNS_V1])
 def test_schema1_files_load(path):
     run = tr.load(path)
     raw = json.loads(path.read_text())
@@ -87,6 +91,18 @@ def test_schema1_files_load(path):
             assert p.gate.compared_steps == raw_p["loss_compared_steps"]
             assert p.tokens_per_gpu_s == raw_p["tokens_per_gpu_s"] and p.loss == {int(k): v for k, v in raw_p["loss"].items()}
     assert results.rows(run)  # the tables read them
+
+
+@pytest.mark.parametrize("path", RUNS_V2, ids=[p.name for p in RUNS_V2])
+def test_schema2_files_load_with_their_step_records(path):
+    run = tr.load(path)
+    raw = json.loads(path.read_text())
+    assert run.schema_ == raw["schema"] == 2
+    for rnd in run.rounds:
+        for p in rnd.phases:
+            assert len(p.steps) == p.steps_run > 0  # every step of the phase kept
+            assert {s.step: s.loss for s in p.steps} == p.loss
+    assert results.rows(run)
 
 
 def test_what_is_not_a_results_file_is_named(tmp_path):

@@ -464,7 +464,7 @@ class SSHRuntime(Runtime):
         by_rank = {n.k: n for n in self.live}
         for n in self.live:
             if failure is not None:
-                n.error = n.error or (failure.detail if failure.host == n.host.name else f"stopped: host {failure.host} failed")
+                n.error = n.error or (failure.detail if failure.host == n.host.name else f"stopped: host {failure}")
         if self.live:  # every node's logs come back in parallel
             with ThreadPoolExecutor(max_workers=len(self.live)) as ex:
                 list(ex.map(lambda n: self._collect(plan, n, round_dir, round_dir / f"node{n.k}"), self.live))
@@ -473,7 +473,7 @@ class SSHRuntime(Runtime):
             local = round_dir / f"node{k}"
             n = by_rank.get(k)
             if n is None:  # never started on this host
-                why = "not started" if failure is None else failure.detail if failure.host == host.name else f"not started: host {failure.host} failed"
+                why = "not started" if failure is None else failure.detail if failure.host == host.name else f"not started: host {failure}"
                 outcomes.append(NodeOutcome(host.name, k, None, False, local, error=why))
             else:
                 outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error))

@@ -259,5 +259,7 @@ def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_
     assert "index versions torch" in log.read_text()  # pip's own output is kept
     assert took < 90, f"{took:.0f} s to say so"
     assert not env.exists()
-    _, res = only_run(tmp_path / "logs")
+    run_dir, res = only_run(tmp_path / "logs")
+    # h1's python3 (Debian's 3.11.2) found the environment this Python (3.11.7) built
+    assert f"[h1] {envs.python_of(envs.env_dir('cpu', 'megatron'))}\n" in (run_dir / "env_build.log").read_text()
     assert leftovers(fc, res["run_id"]) == []

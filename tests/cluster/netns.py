@@ -406,15 +406,21 @@ def _end(pid: int | None, expect: str, timeout: float = 10.0) -> None:
 
 
 def stop_daemon(c: Cluster, name: str, daemon: str) -> None:
-    """Stop one host's ``sshd`` (with its sessions: the host is unreachable) or ``dockerd``
-    (its containers stop; the engine keeps them), as a failing host would."""
+    """Stop one host's ``sshd`` (with its sessions: the host is unreachable) or crash its
+    ``dockerd`` (SIGKILL, then containerd: containers outlive the engine, which finds them
+    again, stopped, when it starts), as a failing host would."""
     h, hdir = c.host(name), Path(c.dir) / "hosts" / name
     if daemon == "sshd":
         for pid in _children(h.sshd_pid or 0):  # the sessions: one sshd per connection
             _end(pid, "", timeout=5)
         _end(h.sshd_pid, f"-f {hdir / 'sshd_config'}")
     elif daemon == "dockerd":
-        _end(h.dockerd_pid, f"--data-root {hdir / 'docker'} ", timeout=15)
+        # not TERM: a stopping engine still answers while it stops its containers, and the
+        # harness would see them exit and remove them, a race a crash does not have
+        if h.dockerd_pid and _alive(h.dockerd_pid) and f"--data-root {hdir / 'docker'} " in _cmdline(h.dockerd_pid):
+            os.kill(h.dockerd_pid, signal.SIGKILL)
+            while _alive(h.dockerd_pid):
+                time.sleep(0.05)
         _end(h.containerd_pid, str(hdir / "docker-exec"))
     else:
         raise ValueError(daemon)

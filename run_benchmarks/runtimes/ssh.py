@@ -566,6 +566,7 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
     live run is never touched. For ``start_task.py --cluster FILE cleanup``."""
     import datetime as dt
 
+    _needs_ssh(cluster, "cleanup")
     rt = SSHRuntime(cluster)
     try:
         rt._connect(list(cluster.hosts), f"cleanup-{dt.datetime.now():%Y%m%d-%H%M%S}")
@@ -585,6 +586,7 @@ def load_base_images(cluster: ClusterConfig, vendor: str, frameworks: list[str] 
     For ``start_task.py --cluster FILE --vendor V --load-images [ARCHIVE]``."""
     from run_benchmarks.remote.images import dockerfile_bases, load_images
 
+    _needs_ssh(cluster, "--load-images")
     vendor_dir = VENDORS_DIR / vendor
     contexts = [vendor_dir / fw for fw in frameworks] if frameworks else sorted(p for p in vendor_dir.iterdir() if p.is_dir())
     refs = dockerfile_bases(contexts, cluster.image_build_args)
@@ -601,6 +603,11 @@ def load_base_images(cluster: ClusterConfig, vendor: str, frameworks: list[str] 
         raise InputError(f"host {exc}" if exc.host in {h.name for h in cluster.hosts} else str(exc)) from None
     finally:
         rt.cleanup()
+
+
+def _needs_ssh(cluster: ClusterConfig, what: str) -> None:
+    if cluster.backend != "ssh":
+        raise InputError(f"{what} works on the hosts of a cluster file with backend: ssh (this one has {cluster.backend!r})")
 
 
 def _local_engine(refs: list[str]) -> Any:

@@ -2,10 +2,17 @@
 
 Imported after ``training.runtime.setup()`` (the vendor adapter must run
 before megatron is imported).  Works with megatron-core 0.16 and 0.19.
+
+Switches (settings.py): ``parallel.attention`` picks the core attention (``sdpa``: torch
+SDPA, torch picks the kernel; ``cudnn``: torch SDPA on its cuDNN backend; ``local``:
+megatron's; ``te``), ``parallel.fused_elementwise`` the RMSNorm and SwiGLU modules
+(kernels.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -16,8 +23,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+import kernels
 from settings import Settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -63,7 +72,7 @@ class SDPACoreAttention(MegatronModule):
         )
         self.heads = config.num_attention_heads // tp
         self.groups = (config.num_query_groups or config.num_attention_heads) // tp
-        head_dim = config.kv_channels
+        self.head_dim = head_dim = config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -96,6 +105,46 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
+class CuDNNCoreAttention(SDPACoreAttention):
+    """``SDPACoreAttention`` on torch's cuDNN SDPA backend alone (``parallel.attention: cudnn``).
+
+    Query, key and value go to the kernel as contiguous ``[b, heads, s, d]`` tensors; K/V keep
+    their own heads (GQA through ``enable_gqa``, no copies) where this torch's cuDNN backend
+    runs that, else each K/V head is repeated over its group (``kernels.cudnn_attention_mode``
+    decides once per process, when the first layer is built, and raises where the backend
+    does not run at all).
+    """
+
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any):
+        super().__init__(config, *args, **kwargs)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.gqa = kernels.cudnn_attention_mode(self.heads, self.groups, self.head_dim, config.params_dtype, device)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("CuDNNCoreAttention supports neither packed sequences nor an attention bias")
+        if self.training and self.dropout:
+            raise ValueError("CuDNNCoreAttention runs without attention dropout")
+        sq, b = query.shape[0], query.shape[1]
+        out = kernels._sdpa_cudnn(
+            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.scale, self.gqa
+        )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+CORE_ATTENTION = {"sdpa": SDPACoreAttention, "cudnn": CuDNNCoreAttention}
+
+
 def use_transformer_engine(s: Settings) -> bool:
     impl = s.layout.transformer_impl
     if impl == "transformer_engine":
@@ -106,8 +155,15 @@ def use_transformer_engine(s: Settings) -> bool:
 
 
 def layer_spec(s: Settings) -> ModuleSpec:
-    """Megatron's local layer spec (TransformerEngine's where it is used), core attention per ``parallel.attention``."""
+    """Megatron's local layer spec (TransformerEngine's where it is used), core attention per
+    ``parallel.attention``, norms and MLP activation per ``parallel.fused_elementwise``."""
+    fused = s.layout.fused_elementwise
     if use_transformer_engine(s):
+        if fused != "none":
+            raise RuntimeError(
+                f"parallel.fused_elementwise: {fused} replaces megatron's local norms and activation, "
+                "but TransformerEngine's layer spec is in use (it fuses its own): set parallel.transformer_impl: local"
+            )
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
@@ -115,9 +171,46 @@ def layer_spec(s: Settings) -> ModuleSpec:
         if s.layout.attention == "te":
             raise RuntimeError("parallel.attention: te needs TransformerEngine, which is not in use")
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if s.layout.attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if s.layout.attention in CORE_ATTENTION:
+        spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[s.layout.attention]
+    if fused != "none":
+        spec.submodules.input_layernorm = kernels.NORMS[fused]
+        spec.submodules.pre_mlp_layernorm = kernels.NORMS[fused]
+        _set_mlp_activation(spec, kernels.ACTIVATIONS[fused])
     return spec
+
+
+def _set_mlp_activation(spec: ModuleSpec, module: type) -> None:
+    """The MLP's activation module, which megatron calls on the whole ``[gate; up]`` fc1 output
+    when ``config.use_te_activation_func`` is set.  The MLP is a ModuleSpec in megatron-core
+    0.16 and a ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in 0.19."""
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, ModuleSpec):
+        mlp.submodules = dataclasses.replace(mlp.submodules, activation_func=module)
+    elif isinstance(mlp, functools.partial) and "submodules" in mlp.keywords:
+        subs = dataclasses.replace(mlp.keywords["submodules"], activation_func=module)
+        spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+    else:
+        raise RuntimeError(f"parallel.fused_elementwise: this megatron-core's MLP spec ({type(mlp).__name__}) is not one the case knows")
+
+
+def decoder_spec(s: Settings, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """What GPTModel builds its decoder from: the layer spec, or with fused elementwise kernels
+    this stage's layers and the final norm (megatron's block takes the final norm from here)."""
+    spec = layer_spec(s)
+    if s.layout.fused_elementwise == "none":
+        return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=kernels.NORMS[s.layout.fused_elementwise]
+    )
+
+
+def attention_kernel(s: Settings) -> str:
+    """The core attention as this process runs it, for run_meta."""
+    if s.layout.attention != "cudnn":
+        return s.layout.attention
+    modes = set(kernels._CUDNN_MODE.values())
+    return "cudnn, GQA " + ("/".join(sorted(modes)) if modes else "unchecked")
 
 
 def transformer_config(s: Settings) -> TransformerConfig:
@@ -157,6 +250,8 @@ def transformer_config(s: Settings) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
+        # the MLP calls an activation module (kernels.py) on the whole fc1 output
+        use_te_activation_func=lay.fused_elementwise != "none",
     )
     if lay.recompute != "none":
         kw["recompute_granularity"] = lay.recompute
@@ -174,7 +269,7 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model (all layers when pp == 1)."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(s),
+        transformer_layer_spec=decoder_spec(s, config),
         vocab_size=s.shape.vocab_size,
         max_sequence_length=s.shape.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -18,7 +18,10 @@ Keys read (``cfg`` is the resolved.json object):
 * ``parallel``: ``tp, pp``; optional ``recompute`` (none|selective|full),
   ``recompute_method`` (uniform|block), ``recompute_num_layers``,
   ``sequence_parallel``, ``distributed_optimizer``, ``overlap_grad_reduce``,
-  ``overlap_param_gather``, ``attention`` (sdpa|local|te),
+  ``overlap_param_gather``, ``attention`` (sdpa|cudnn|local|te; cudnn needs
+  vendor.device cuda), ``fused_elementwise`` (none|compile|liger: RMSNorm and
+  SwiGLU as torch.compile regions or liger-kernel's Triton kernels, liger on cuda
+  only, either with megatron's local spec only),
   ``transformer_impl`` (auto|local|transformer_engine),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``; ``dp`` when
   present must equal ``world_size / (tp * pp)``
@@ -43,7 +46,8 @@ from training.settings import number as _float
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size")
 PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
-ATTENTION = ("sdpa", "local", "te")
+ATTENTION = ("sdpa", "cudnn", "local", "te")
+FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
 TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
 
 
@@ -78,6 +82,7 @@ class Layout:
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     attention: str = "sdpa"
+    fused_elementwise: str = "none"
     transformer_impl: str = "auto"
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
@@ -148,6 +153,9 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         overlap_grad_reduce=_bool(_get(parallel, "overlap_grad_reduce", "parallel", False), "parallel.overlap_grad_reduce"),
         overlap_param_gather=_bool(_get(parallel, "overlap_param_gather", "parallel", False), "parallel.overlap_param_gather"),
         attention=_choice(_get(parallel, "attention", "parallel", "sdpa"), "parallel.attention", ATTENTION),
+        fused_elementwise=_choice(
+            _get(parallel, "fused_elementwise", "parallel", "none"), "parallel.fused_elementwise", FUSED_ELEMENTWISE
+        ),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
         optimizer_offload_fraction=_float(_get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"),
@@ -178,6 +186,30 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         raise SettingsError("parallel.sequence_parallel needs parallel.tp > 1")
     if layout.attention == "te" and layout.transformer_impl == "local":
         raise SettingsError("parallel.attention: te needs parallel.transformer_impl auto or transformer_engine")
+    if layout.fused_elementwise != "none" and layout.transformer_impl == "transformer_engine":
+        raise SettingsError(
+            f"parallel.fused_elementwise: {layout.fused_elementwise} replaces megatron's local RMSNorm and SwiGLU; "
+            "TransformerEngine brings its own: set parallel.transformer_impl to local (or auto without TransformerEngine) "
+            "or parallel.fused_elementwise to none"
+        )
+    if layout.fused_elementwise != "none" and layout.sequence_parallel:
+        raise SettingsError(f"parallel.fused_elementwise: {layout.fused_elementwise} does not support parallel.sequence_parallel")
+
+
+def check_device(layout: Layout, device: str) -> None:
+    """Switches whose kernels exist on CUDA devices only."""
+    if device == "cuda":
+        return
+    if layout.attention == "cudnn":
+        raise SettingsError(
+            f"parallel.attention: cudnn runs torch's cuDNN attention kernel, which needs vendor.device: cuda "
+            f"(this vendor's device is {device}); use parallel.attention: sdpa"
+        )
+    if layout.fused_elementwise == "liger":
+        raise SettingsError(
+            f"parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
+            f"(this vendor's device is {device}); use none or compile"
+        )
     if layout.overlap_param_gather and not layout.distributed_optimizer:
         raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
     if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
@@ -208,6 +240,7 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     if lr_warmup >= lr_decay:
         raise SettingsError(f"train.lr_warmup_steps ({lr_warmup}) must be below the decay steps ({lr_decay})")
     device = _choice(_get(vendor, "device", "vendor", "cpu"), "vendor.device", ("cpu", "cuda"))
+    check_device(layout, device)
     backend = _get(vendor, "dist_backend", "vendor", "gloo" if device == "cpu" else "nccl")
     name = cfg["case"].get("model") or model.get("name")
     if not name:

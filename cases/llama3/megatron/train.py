@@ -235,6 +235,8 @@ class Trainer:
                 overlap_grad_reduce=lay.overlap_grad_reduce,
                 overlap_param_gather=lay.overlap_param_gather,
                 attention=lay.attention,
+                attention_kernel=modeling.attention_kernel(s),
+                fused_elementwise=lay.fused_elementwise,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),

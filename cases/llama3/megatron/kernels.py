@@ -1,0 +1,212 @@
+"""Faster kernels for llama3/megatron's elementwise work and attention, each behind a switch.
+
+``parallel.fused_elementwise`` (none | compile | liger) swaps megatron's local RMSNorm
+(``torch.nn.RMSNorm`` through ``WrappedTorchNorm``: every norm of the layers and the final
+norm) and the MLP's SwiGLU for fused versions; ``parallel.attention: cudnn`` runs the core
+attention on torch's cuDNN SDPA backend (modeling.CuDNNCoreAttention, checked here first).
+
+* ``compile``: the same functions torch runs eagerly (``F.rms_norm``; ``silu(gate) * up`` on
+  megatron's fused ``[gate; up]`` fc1 output) as ``torch.compile`` regions, full graph, static
+  shapes: each is compiled once per input shape (forward and backward, Inductor on GPUs), so a
+  norm is one kernel each way and SwiGLU saves only its input for the backward.
+* ``liger``: liger-kernel's Triton kernels (``LigerRMSNormFunction`` in its ``llama`` casting
+  mode, which is torch's: normalize in float32, round, then scale; and
+  ``LigerFusedGateUpSiLUMulFunction``, which reads gate and up from the one fc1 buffer), never
+  in place. CUDA only.
+
+The modules keep megatron's builder signatures (``(config=, hidden_size=, eps=)`` for a norm,
+``(config=)`` for the activation), so they slot into megatron-core 0.16's and 0.19's local
+layer spec (``use_te_activation_func`` routes the MLP through an activation module).
+
+Imported after ``training.runtime.setup()``, like modeling.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+FUSED_ELEMENTWISE = ("none", "compile", "liger")
+
+#: torch.compile backend of the ``compile`` switch. Inductor generates the fused kernels; the
+#: CPU test sets "aot_eager" (the same dynamo graph capture and autograd split, without
+#: Inductor's code generation, which takes half a minute per graph on a small CPU).
+COMPILE_BACKEND = "inductor"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What ``torch.nn.RMSNorm`` computes (over the last dimension)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of megatron's fused fc1 output ``[..., gate; up]``: ``silu(gate) * up``."""
+    gate, up = torch.chunk(y, 2, dim=-1)
+    return F.silu(gate) * up
+
+
+_COMPILED: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
+
+
+def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` as one torch.compile region: full graph, static shapes (a new shape compiles anew)."""
+    key = (fn.__name__, COMPILE_BACKEND)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+    return _COMPILED[key]
+
+
+def _liger(what: str) -> Any:
+    try:
+        if what == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction as f
+        else:
+            from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction as f
+    except ImportError as exc:
+        raise RuntimeError(
+            f"parallel.fused_elementwise: liger needs liger-kernel (and triton): {exc}; "
+            "install it (pip install liger-kernel==0.8.5) or choose none or compile"
+        ) from exc
+    return f
+
+
+def _check_cuda(x: torch.Tensor, what: str) -> None:
+    if x.device.type != "cuda":
+        raise RuntimeError(f"parallel.fused_elementwise: liger runs Triton kernels on CUDA devices; {what} got a {x.device.type} tensor")
+
+
+class _Norm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (parameter ``weight``, made where megatron's would be) built with
+    megatron's norm-builder arguments; subclasses change only the forward."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"{type(self).__name__} is an RMSNorm; config.normalization is {config.normalization!r}")
+        if getattr(config, "sequence_parallel", False):
+            raise ValueError(f"{type(self).__name__} does not support sequence parallelism")
+        super().__init__(hidden_size, eps=eps)
+
+
+class CompiledRMSNorm(_Norm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return compiled(rms_norm)(x, self.weight, self.eps)
+
+
+class LigerRMSNorm(_Norm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_cuda(x, "LigerRMSNorm")
+        # offset 0, casting mode "llama" (torch's order), not in place, default row mode
+        return _liger("rms_norm").apply(x, self.weight, self.eps, 0.0, "llama", False, None)
+
+
+class _SwiGLU(torch.nn.Module):
+    """The MLP's activation module (megatron calls it on the whole fc1 output when
+    ``config.use_te_activation_func`` is set)."""
+
+    def __init__(self, config: Any = None, **kwargs: Any):
+        super().__init__()
+        if config is not None and not (getattr(config, "gated_linear_unit", True) and getattr(config, "activation_func", F.silu) is F.silu):
+            raise ValueError(f"{type(self).__name__} is SwiGLU: it needs gated_linear_unit and activation_func F.silu")
+
+
+class CompiledSwiGLU(_SwiGLU):
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return compiled(swiglu)(y)
+
+
+class LigerSwiGLU(_SwiGLU):
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        _check_cuda(y, "LigerSwiGLU")
+        shape = y.shape
+        out = _liger("swiglu").apply(y.reshape(-1, shape[-1]), False)  # not in place
+        return out.view(*shape[:-1], shape[-1] // 2)
+
+
+NORMS: dict[str, type] = {"compile": CompiledRMSNorm, "liger": LigerRMSNorm}
+ACTIVATIONS: dict[str, type] = {"compile": CompiledSwiGLU, "liger": LigerSwiGLU}
+
+
+# -- cuDNN attention -----------------------------------------------------------------------
+
+_CUDNN_MODE: dict[tuple, str] = {}
+
+
+def _sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: str) -> torch.Tensor:
+    """Causal attention on the cuDNN backend alone, ``[b, h, s, d]`` inputs made contiguous.
+
+    ``gqa``: ``native`` hands the kernel K/V with their own (fewer) heads (``enable_gqa``);
+    ``repeat`` repeats each K/V head over its group's query heads first (a copy).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, groups = q.shape[1], k.shape[1]
+    if gqa == "repeat" and heads != groups:
+        k = k.repeat_interleave(heads // groups, dim=1)
+        v = v.repeat_interleave(heads // groups, dim=1)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        return F.scaled_dot_product_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True, scale=scale,
+            enable_gqa=gqa == "native" and heads != groups,
+        )
+
+
+def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> str:
+    """How this process runs cuDNN attention for this head layout: ``native`` GQA or ``repeat``.
+
+    Checked once per process and layout on a small causal problem, forward and backward,
+    against float32 attention; raises with torch's reasons when the cuDNN backend runs
+    neither way here (no CUDA device, a torch without cuDNN attention, an unsupported card).
+    """
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"parallel.attention: cudnn runs torch's cuDNN attention kernel, which needs a CUDA device "
+            f"(this process computes on {device.type}); use parallel.attention: sdpa"
+        )
+    key = (heads, groups, head_dim, dtype, device.index)
+    if key in _CUDNN_MODE:
+        return _CUDNN_MODE[key]
+    import warnings
+
+    gen = torch.Generator(device=device).manual_seed(1234)
+    s = 256
+    q0 = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, generator=gen)
+    k0 = torch.randn(1, groups, s, head_dim, device=device, dtype=dtype, generator=gen)
+    v0 = torch.randn(1, groups, s, head_dim, device=device, dtype=dtype, generator=gen)
+    g0 = torch.randn(1, heads, s, head_dim, device=device, dtype=dtype, generator=gen)
+    scale = 1.0 / math.sqrt(head_dim)
+    ref_in = [t.float().requires_grad_() for t in (q0, k0, v0)]
+    rep = heads // groups
+    ref = F.scaled_dot_product_attention(
+        ref_in[0], ref_in[1].repeat_interleave(rep, 1), ref_in[2].repeat_interleave(rep, 1), is_causal=True, scale=scale
+    )
+    ref.backward(g0.float())
+    errors = []
+    for mode in ("native", "repeat") if heads != groups else ("native",):
+        ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = _sdpa_cudnn(*ins, scale=scale, gqa=mode)
+                out.backward(g0)
+                torch.cuda.synchronize(device)
+        except RuntimeError as exc:
+            reasons = "; ".join(str(w.message).splitlines()[0] for w in caught if "cuDNN" in str(w.message) or "cudnn" in str(w.message))
+            errors.append(f"{mode} GQA: {str(exc).splitlines()[0]}" + (f" ({reasons})" if reasons else ""))
+            continue
+        worst = max(
+            float((a.float() - b).abs().max() / (b.abs().max() + 1e-6))
+            for a, b in ((out, ref), (ins[0].grad, ref_in[0].grad), (ins[1].grad, ref_in[1].grad), (ins[2].grad, ref_in[2].grad))
+        )
+        if worst > 0.05:
+            errors.append(f"{mode} GQA: output or gradients off float32 attention by {worst:.3g} of their largest value")
+            continue
+        _CUDNN_MODE[key] = mode
+        return mode
+    raise RuntimeError(
+        f"parallel.attention: cudnn: torch {torch.__version__}'s cuDNN attention backend does not run "
+        f"{heads} query heads over {groups} KV groups, head dim {head_dim}, {dtype} on "
+        f"{torch.cuda.get_device_name(device)}: {' | '.join(errors)}; use parallel.attention: sdpa"
+    )

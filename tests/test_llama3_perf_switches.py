@@ -1,0 +1,163 @@
+"""llama3/megatron's speed switches: ``parallel.attention: cudnn`` and ``parallel.fused_elementwise``.
+
+Settings accept and refuse their values with messages that name the key and the fix. On the
+CPU, in the megatron-core environment, the tiny model built with ``fused_elementwise:
+compile`` has the compiled norm and SwiGLU modules in every slot (both layers' norms, the
+final norm, the MLP activation), each function is captured by torch.compile once for all
+its calls (one shape), and its loss and every gradient equal the plain model's from the same
+starting weights; the cuDNN and liger paths refuse a CPU with a clear error. The compiled
+regions run with the ``aot_eager`` backend here (dynamo's full-graph capture and the
+autograd split, without Inductor's code generation, which takes half a minute per graph on
+this machine); the GPU runs use Inductor (docs/results/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from tests.case_helpers import framework_python, free_port, load_case_module
+from tests.test_llama3_megatron_case import CASE_DIR, ROOT, resolved_config
+
+
+def _settings():
+    return load_case_module(CASE_DIR / "settings.py", "llama3_megatron_settings_perf")
+
+
+def _cuda(cfg: dict) -> dict:
+    cfg["vendor"].update(name="nvidia", device="cuda", dist_backend="nccl", adapters={})
+    return cfg
+
+
+def test_switch_values_are_read_and_checked(tmp_path):
+    st = _settings()
+    s = st.from_config(resolved_config(tmp_path, 1, "x"), world_size=1)
+    assert (s.layout.attention, s.layout.fused_elementwise) == ("sdpa", "none")  # defaults: today's path
+    for attention in ("sdpa", "cudnn"):
+        for fused in ("none", "compile", "liger"):
+            cfg = _cuda(resolved_config(tmp_path, 1, "x", parallel={"attention": attention, "fused_elementwise": fused}))
+            lay = st.from_config(cfg, world_size=1).layout
+            assert (lay.attention, lay.fused_elementwise) == (attention, fused)
+    cpu = st.from_config(resolved_config(tmp_path, 1, "x", parallel={"fused_elementwise": "compile"}), world_size=1)
+    assert cpu.layout.fused_elementwise == "compile"  # torch.compile runs on CPUs too
+
+    refused = {
+        "parallel.fused_elementwise must be one of none, compile, liger, got 'triton'": ({"fused_elementwise": "triton"}, True),
+        "parallel.attention must be one of sdpa, cudnn, local, te, got 'flash'": ({"attention": "flash"}, True),
+        "parallel.attention: cudnn runs torch's cuDNN attention kernel, which needs vendor.device: cuda "
+        "(this vendor's device is cpu); use parallel.attention: sdpa": ({"attention": "cudnn"}, False),
+        "parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
+        "(this vendor's device is cpu); use none or compile": ({"fused_elementwise": "liger"}, False),
+        "parallel.fused_elementwise: compile replaces megatron's local RMSNorm and SwiGLU; TransformerEngine brings "
+        "its own": ({"fused_elementwise": "compile", "transformer_impl": "transformer_engine"}, True),
+    }
+    for message, (parallel, on_cuda) in refused.items():
+        cfg = resolved_config(tmp_path, 1, "x", parallel=parallel)
+        with pytest.raises(st.SettingsError) as err:
+            st.from_config(_cuda(cfg) if on_cuda else cfg, world_size=1)
+        assert message in str(err.value)
+
+
+def test_case_and_vendor_configs_carry_the_switches():
+    case = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    assert case["standard"]["parallel"]["fused_elementwise"] == "none"
+    assert case["standard"]["parallel"]["attention"] == "sdpa"
+    assert "parallel.fused_elementwise" in case["vendor_may_change"] and "parallel.attention" in case["vendor_may_change"]
+    st = _settings()
+    for f in sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b").glob("config_*.yaml")):
+        par = yaml.safe_load(f.read_text()).get("parallel", {})
+        assert par.get("attention", "sdpa") in st.ATTENTION, f.name
+        assert par.get("fused_elementwise", "none") in st.FUSED_ELEMENTWISE, f.name
+
+
+_MODEL_CHECK = r"""
+import dataclasses, json, sys
+sys.path.insert(0, "cases/llama3/megatron")
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])  # the cpu vendor's adapter, seeds
+import torch, torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+import kernels, modeling, settings, startweights
+
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+model_parallel_cuda_manual_seed(1234)
+counter = CompileCounterWithBackend("aot_eager")
+kernels.COMPILE_BACKEND = counter
+gen = torch.Generator().manual_seed(7)
+tokens = torch.randint(0, 1024, (2, 128), generator=gen)
+labels = torch.randint(0, 1024, (2, 128), generator=gen)
+position_ids = torch.arange(128).expand(2, 128)
+out = {}
+for fused in ("none", "compile"):
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "fused_elementwise": fused}}, 1)
+    config = modeling.transformer_config(s)
+    model = modeling.build_model(s, config)
+    startweights.overwrite(model, s)
+    losses = model(tokens, position_ids, None, labels=labels)
+    loss = losses.float().mean()
+    loss.backward()
+    layer = model.decoder.layers[0]
+    out[fused] = {
+        "loss": loss.item(),
+        "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()},
+        "modules": [type(m).__name__ for m in (layer.input_layernorm, layer.pre_mlp_layernorm,
+                    model.decoder.layers[1].pre_mlp_layernorm, model.decoder.final_layernorm, layer.mlp.activation_func)],
+        "use_te_activation_func": config.use_te_activation_func,
+        "meta": modeling.attention_kernel(s),
+    }
+out["frames_compiled"] = counter.frame_count
+errors = {}
+try:
+    kernels.cudnn_attention_mode(4, 2, 16, torch.float32, torch.device("cpu"))
+except RuntimeError as exc:
+    errors["cudnn_mode"] = str(exc)
+try:  # settings refuse cudnn on a CPU vendor; the model refuses it on its own as well
+    s = settings.from_config(cfg, 1)
+    s = dataclasses.replace(s, layout=dataclasses.replace(s.layout, attention="cudnn"))
+    modeling.build_model(s, modeling.transformer_config(s))
+except RuntimeError as exc:
+    errors["cudnn_model"] = str(exc)
+try:
+    kernels.LigerSwiGLU()(torch.ones(4, 8))
+except RuntimeError as exc:
+    errors["liger"] = str(exc)
+out["errors"] = errors
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    proc = subprocess.run([py, "-c", _MODEL_CHECK, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    plain, fused = res["none"], res["compile"]
+
+    assert plain["modules"] == ["RMSNorm"] * 4 + ["function"]  # torch's RMSNorm, F.silu inside megatron's glu
+    assert fused["modules"] == ["CompiledRMSNorm"] * 4 + ["CompiledSwiGLU"]
+    assert (plain["use_te_activation_func"], fused["use_te_activation_func"]) == (False, True)
+    assert res["frames_compiled"] == 2  # rms_norm and swiglu, once each for 5 norms and 2 MLPs
+
+    assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert plain["grads"].keys() == fused["grads"].keys() and len(plain["grads"]) == 15
+    for name, g in plain["grads"].items():
+        assert fused["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+
+    errors = res["errors"]
+    assert "parallel.attention: cudnn runs torch's cuDNN attention kernel, which needs a CUDA device" in errors["cudnn_mode"]
+    assert errors["cudnn_model"].startswith(errors["cudnn_mode"])  # megatron adds where it was building
+    assert "parallel.fused_elementwise: liger runs Triton kernels on CUDA devices" in errors["liger"]

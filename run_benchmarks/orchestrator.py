@@ -237,8 +237,29 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
     )
 
 
+def code_version() -> str | None:
+    """The commit the harness runs from (``+changes`` when files differ from it), so a committed
+    result names the code that made it; None outside a git checkout."""
+    import subprocess
+
+    from run_benchmarks.registry import ROOT
+
+    def git(*args: str) -> str | None:
+        try:
+            p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return p.stdout.strip() if p.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
+        return None
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def base_results(plan: Plan) -> RunResults:
     return RunResults(
+        code_version=code_version(),
         run_id=plan.run_id,
         case=str(plan.case),
         model=plan.case.model,
@@ -311,9 +332,13 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
     t0 = t0 if t0 is not None else time.time()
     references = load_references(plan)
     run_dir = plan.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
     res = base_results(plan)
-    results.write(res, run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        results.write(res, run_dir)
+    except OSError as exc:  # a full or read-only log folder: one line, nothing started
+        raise InputError(f"{run_dir}: cannot write results there: {exc.strerror or exc}") from None
+    stopped_by: BaseException | None = None
     try:
         with console.status(f"preparing {plan.case.framework} environment"):
             python, root = runtime.prepare(plan, run_dir / "env_build.log")
@@ -339,9 +364,13 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
             console.print(f"round {r}: {rnd.status}" + (f" - {rnd.error.splitlines()[0]}" if rnd.error else ""))
+    except BaseException as exc:
+        stopped_by = exc
+        raise
     finally:
         runtime.cleanup()
-        res = res.model_copy(update={"runtime_info": runtime.describe(), "finished": _now()})
+        outcome = typed_results.run_outcome(res.rounds, stopped_by, plan.case.repeat)
+        res = res.model_copy(update={"runtime_info": runtime.describe(), "finished": _now(), **outcome})
         results.write(res, run_dir)
     return res
 

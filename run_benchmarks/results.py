@@ -94,6 +94,7 @@ def markdown(res: RunResults) -> str:
         f"{'' if res.validated else ' (not yet validated on hardware)'}, "
         f"{res.nnodes} node(s) x {res.nprocs} process(es), peak {peak} "
         f"({hw['chip']} {hw['precision']})\n\n"
+        f"status: **{res.status}**" + (f": {res.error}" if res.error else "") + "\n\n"
     )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(res)]

@@ -45,6 +45,7 @@ from run_benchmarks import plan as planning, results  # noqa: E402
 from run_benchmarks.casename import GRAMMAR, CaseName, check_name  # noqa: E402
 from run_benchmarks.config import ClusterConfig, load  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
+from run_benchmarks.runtimes.base import stop_on_signals  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -117,6 +118,39 @@ def describe(plan: planning.Plan, details: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def host_command(argv: list[str]) -> int:
+    """``--cluster FILE --vendor V --load-images [ARCHIVE]``: put the vendor's base images on every
+    host that lacks them (hosts without a registry); ``--cluster FILE --cleanup``: remove the
+    containers and processes earlier runs left on the hosts. One line per host; exit 2 on bad input."""
+    ap = argparse.ArgumentParser(prog="start_task.py", description=host_command.__doc__)
+    ap.add_argument("--cluster", metavar="FILE", required=True, help="cluster YAML (backend ssh)")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--load-images", nargs="?", const="", metavar="ARCHIVE",
+                       help="load the vendor's base images on every host that lacks them: from ARCHIVE "
+                            "(a docker save file), else from this machine's docker engine")
+    group.add_argument("--cleanup", action="store_true", help="remove what earlier runs left on the hosts")
+    ap.add_argument("--vendor", help="vendor folder under vendors/ (for --load-images)")
+    args = ap.parse_args(argv)
+    try:
+        cluster = load(ClusterConfig, args.cluster)
+        if args.cleanup:
+            from run_benchmarks.runtimes.ssh import clean_hosts
+
+            lines = clean_hosts(cluster) or ["nothing left on the hosts"]
+        else:
+            if not args.vendor:
+                raise InputError("--load-images needs --vendor (whose Dockerfiles name the base images)")
+            check_name(args.vendor, "vendor")
+            from run_benchmarks.runtimes.ssh import load_base_images
+
+            lines = load_base_images(cluster, args.vendor, None, Path(args.load_images) if args.load_images else None)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -128,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         from run_benchmarks import verify
 
         return verify.main(argv)
+    if any(a in ("--load-images", "--cleanup") or a.startswith("--load-images=") for a in argv):
+        return host_command(argv)  # a cluster's hosts made ready or cleaned, no case run
     args = parser().parse_args(argv)
     console = Console(stderr=True)
     try:
@@ -158,14 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    stop = None
     try:
-        res = orchestrator.run(plan, runtime, console, t0)
+        with stop_on_signals() as stop:  # SIGTERM / SIGHUP tear down as Ctrl-C does
+            res = orchestrator.run(plan, runtime, console, t0)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"interrupted; finished rounds are kept in {plan.run_dir}", file=sys.stderr)
-        return 130
+        return stop.exit_status if stop is not None else 130
     results.print_table(res, Console())
     print(f"results: {plan.run_dir / 'results.json'}")
     return 0 if res.rounds and all(r.status == "ok" for r in res.rounds) else 1

@@ -23,6 +23,7 @@ from run_benchmarks.errors import InputError
 SCHEMA_VERSION = 2
 
 Status = Literal["ok", "unjudged", "invalid", "failed"]
+RunStatus = Literal["running", "ok", "unjudged", "invalid", "failed", "interrupted"]
 #: rounds that ran fine and had nothing not aligned: their figures are results
 CLEAN: tuple[str, ...] = ("ok", "unjudged")
 Verdict = Literal["aligned", "not aligned", "not judged"]
@@ -172,11 +173,16 @@ class RunResults(Strict):
     hook: str | None = None
     user_overrides: list[dict[str, Any]]
     command: list[str] = []
+    code_version: str | None = None  # the harness's git commit, "+changes" when the tree differed from it
     model_counts: dict[str, dict[str, Any]]  # phase -> params and FLOPs per token
     hardware_info: dict[str, Any]
     rounds: list[RoundResult] = []
     python: str | None = None
     runtime_info: dict[str, Any] = {}
+    # the run as a whole: "running" until it ends, then the worst round's status, or "failed" /
+    # "interrupted" with the one-line cause when it stopped before or between rounds
+    status: RunStatus = "running"
+    error: str | None = None
 
     model_config = {"populate_by_name": True}
 
@@ -220,3 +226,24 @@ def load(path: str | Path) -> RunResults:
     except ValueError as exc:
         raise InputError(f"{p}: not JSON ({exc})") from None
     return parse(data, str(p))
+
+
+def run_outcome(rounds: list[RoundResult], stopped_by: BaseException | None, rounds_wanted: int) -> dict[str, Any]:
+    """The run's own ``status`` and ``error``: what stopped it, else its worst round
+    (failed > invalid > unjudged > ok), so a file that holds no round still says why."""
+    if isinstance(stopped_by, KeyboardInterrupt):
+        how = str(stopped_by) or "Ctrl-C"
+        return {"status": "interrupted", "error": f"interrupted by {how} after {len(rounds)} of {rounds_wanted} round(s)"}
+    if stopped_by is not None:
+        text = str(stopped_by).strip().splitlines()
+        cause = text[0] if text else type(stopped_by).__name__
+        from run_benchmarks.errors import InputError
+
+        if not isinstance(stopped_by, InputError):  # bad input speaks for itself; other errors say what they are
+            cause = f"{type(stopped_by).__name__}: {cause}"
+        return {"status": "failed", "error": f"stopped after {len(rounds)} of {rounds_wanted} round(s): {cause}"}
+    if not rounds:
+        return {"status": "failed", "error": "no round ran"}
+    worst = max(rounds, key=lambda r: ("ok", "unjudged", "invalid", "failed").index(r.status))
+    bad = [f"round {r.round} {r.status}" + (f": {r.error.splitlines()[0]}" if r.error else "") for r in rounds if r.status != "ok"]
+    return {"status": worst.status, "error": "; ".join(bad) or None}

@@ -31,17 +31,6 @@ from tests.test_ssh_runtime import CASE, START, cluster_file, leftovers, only_ru
 
 pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
 LONG = "train.steps=100000"
-# start_task.py with SIGTERM and SIGHUP turned into Ctrl-C (the lines proposed for its main)
-DRIVER = (
-    "import sys\n"
-    "from run_benchmarks.runtimes.base import stop_on_signals\n"
-    "from run_benchmarks import start_task\n"
-    "with stop_on_signals() as stop:\n"
-    "    rc = start_task.main(sys.argv[1:])\n"
-    "sys.exit(stop.exit_status if rc == 130 else rc)\n"
-)
-
-
 @pytest.fixture(scope="module")
 def fc() -> Iterator[netns.Cluster]:
     reason = cluster_skip_reason()
@@ -56,9 +45,8 @@ def fc() -> Iterator[netns.Cluster]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def start(cfile: Path, log_dir: Path, *extra: str, case: str = CASE, driver: bool = False) -> subprocess.Popen[str]:
-    head = [sys.executable, "-c", DRIVER] if driver else [sys.executable, START]
-    return subprocess.Popen([*head, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
+def start(cfile: Path, log_dir: Path, *extra: str, case: str = CASE) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=START.rsplit("/run_benchmarks", 1)[0])  # fmt: skip
 
 
@@ -100,12 +88,13 @@ def test_engine_stopped_mid_round_fails_both_rounds_and_cleanup_removes_its_cont
     assert p.returncode == 2 and one_line(p.stderr).startswith("error: host h2: docker engine not answering"), p.stderr
     netns.start_daemon(fc, "h2", "dockerd")  # the host comes back with the dead container
     assert leftovers(fc, res["run_id"]), "the stopped engine kept no container"
-    from run_benchmarks.runtimes.ssh import clean_hosts
-
-    (line,) = clean_hosts(load(ClusterConfig, cfile))
-    assert line.startswith(f"host h2: removed what earlier runs left there: 1 container(s) fb-") and line.endswith(f"of run {res['run_id']}"), line
+    p = run(["--cluster", str(cfile), "--cleanup"], timeout=120)  # the cleanup command
+    (line,) = p.stdout.splitlines()
+    assert p.returncode == 0 and line.startswith("host h2: removed what earlier runs left there: 1 container(s) fb-"), p.stdout + p.stderr
+    assert line.endswith(f"of run {res['run_id']}"), line
     assert leftovers(fc, res["run_id"]) == []
-    assert clean_hosts(load(ClusterConfig, cfile)) == []
+    p = run(["--cluster", str(cfile), "--cleanup"], timeout=120)
+    assert (p.returncode, p.stdout.strip()) == (0, "nothing left on the hosts"), p.stdout + p.stderr
 
 
 def test_host_lost_then_next_run_cleans_up_refuses_a_second_run_and_stops_on_sigterm(fc, megatron_python, tmp_path):
@@ -138,7 +127,7 @@ def test_host_lost_then_next_run_cleans_up_refuses_a_second_run_and_stops_on_sig
     doc = yaml.safe_load(cfile.read_text())
     del doc["master_port"]
     cfile.write_text(yaml.safe_dump(doc))
-    c = start(cfile, tmp_path / "c", "--set", LONG, driver=True)
+    c = start(cfile, tmp_path / "c", "--set", LONG)
     c_id = wait_training_on(fc.host("h1"), tmp_path / "c", c)
     assert stranded.wait(timeout=10) == -signal.SIGKILL
     assert engine.containers.list(all=True, filters={"label": "flagbench.run_id=old-run"}) == []

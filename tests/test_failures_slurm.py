@@ -19,7 +19,6 @@ import pytest
 
 from tests.slurm.cluster import SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
-from tests.test_failures_hosts import DRIVER
 from tests.test_slurm_backend import CASE, LONG, START, assert_nothing_left, cluster_file, job_id, results, run_dir, show_job, wait_for
 
 
@@ -50,7 +49,7 @@ def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path,
 @pytest.mark.framework("megatron")
 def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+    proc = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
                              "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--set", LONG],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=START.rsplit("/run_benchmarks", 1)[0])  # fmt: skip
 

@@ -150,3 +150,23 @@ def test_device_memory_per_phase_from_the_monitor():
     assert metrics.device_memory(nodes, (2.2, 2.4)) == tr.DeviceMemory(used_gib=60, total_gib=140, scope="round")
     assert metrics.device_memory([([{"t": 1.0, "gpus": []}], {0})], None) is None  # a CPU run
 
+
+
+def test_the_run_itself_has_a_status_and_a_cause_also_when_no_round_ran():
+    from run_benchmarks.errors import InputError
+
+    rounds = fake_run([{"status": "ok"}, {"status": "invalid", "error": "phase train: loss not aligned: MRE 2.10%\nmore"},
+                       {"status": "unjudged", "error": "phase train: loss not judged: no reference curve"}]).rounds
+    assert tr.run_outcome(rounds[:1], None, 1) == {"status": "ok", "error": None}
+    assert tr.run_outcome(rounds, None, 3) == {  # the worst round, each not-ok round's first line
+        "status": "invalid",
+        "error": "round 2 invalid: phase train: loss not aligned: MRE 2.10%; round 3 unjudged: phase train: loss not judged: no reference curve"}
+    assert tr.run_outcome([], None, 2) == {"status": "failed", "error": "no round ran"}
+    assert tr.run_outcome([], InputError("host h2: docker engine not answering"), 2) == {
+        "status": "failed", "error": "stopped after 0 of 2 round(s): host h2: docker engine not answering"}
+    assert tr.run_outcome(rounds[:1], OSError(28, "No space left on device"), 2)["error"] == (
+        "stopped after 1 of 2 round(s): OSError: [Errno 28] No space left on device")
+    assert tr.run_outcome(rounds[:1], KeyboardInterrupt("SIGTERM"), 3) == {
+        "status": "interrupted", "error": "interrupted by SIGTERM after 1 of 3 round(s)"}
+    # a file written before the run ends says so, and an old file without the fields still loads
+    assert fake_run().status == "running"

@@ -110,7 +110,7 @@ for fused in ("none", "compile"):
         "modules": [type(m).__name__ for m in (layer.input_layernorm, layer.pre_mlp_layernorm,
                     model.decoder.layers[1].pre_mlp_layernorm, model.decoder.final_layernorm, layer.mlp.activation_func)],
         "use_te_activation_func": config.use_te_activation_func,
-        "meta": modeling.attention_kernel(s),
+        "meta": [modeling.attention_kernel(s), modeling.fused_elementwise_in_use(s)],  # run_meta's
     }
 out["frames_compiled"] = counter.frame_count
 errors = {}
@@ -150,6 +150,7 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     assert plain["modules"] == ["RMSNorm"] * 4 + ["function"]  # torch's RMSNorm, F.silu inside megatron's glu
     assert fused["modules"] == ["CompiledRMSNorm"] * 4 + ["CompiledSwiGLU"]
     assert (plain["use_te_activation_func"], fused["use_te_activation_func"]) == (False, True)
+    assert (plain["meta"], fused["meta"]) == (["sdpa", "none"], ["sdpa", "compile"])  # no TransformerEngine here
     assert res["frames_compiled"] == 2  # rms_norm and swiglu, once each for 5 norms and 2 MLPs
 
     assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)

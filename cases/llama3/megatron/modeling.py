@@ -157,13 +157,8 @@ def use_transformer_engine(s: Settings) -> bool:
 def layer_spec(s: Settings) -> ModuleSpec:
     """Megatron's local layer spec (TransformerEngine's where it is used), core attention per
     ``parallel.attention``, norms and MLP activation per ``parallel.fused_elementwise``."""
-    fused = s.layout.fused_elementwise
+    fused = fused_elementwise_in_use(s)
     if use_transformer_engine(s):
-        if fused != "none":
-            raise RuntimeError(
-                f"parallel.fused_elementwise: {fused} replaces megatron's local norms and activation, "
-                "but TransformerEngine's layer spec is in use (it fuses its own): set parallel.transformer_impl: local"
-            )
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = get_gpt_layer_with_transformer_engine_spec()
@@ -194,15 +189,22 @@ def _set_mlp_activation(spec: ModuleSpec, module: type) -> None:
         raise RuntimeError(f"parallel.fused_elementwise: this megatron-core's MLP spec ({type(mlp).__name__}) is not one the case knows")
 
 
+def fused_elementwise_in_use(s: Settings) -> str:
+    """``parallel.fused_elementwise`` as it applies: to megatron's local spec.  Where
+    ``transformer_impl: auto`` finds TransformerEngine, TE's own fused norms and activation
+    serve instead and this is ``none`` (run_meta shows it; settings refuse the switch with
+    ``transformer_impl: transformer_engine``)."""
+    return "none" if use_transformer_engine(s) else s.layout.fused_elementwise
+
+
 def decoder_spec(s: Settings, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
     """What GPTModel builds its decoder from: the layer spec, or with fused elementwise kernels
     this stage's layers and the final norm (megatron's block takes the final norm from here)."""
     spec = layer_spec(s)
-    if s.layout.fused_elementwise == "none":
+    fused = fused_elementwise_in_use(s)
+    if fused == "none":
         return spec
-    return TransformerBlockSubmodules(
-        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=kernels.NORMS[s.layout.fused_elementwise]
-    )
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=kernels.NORMS[fused])
 
 
 def attention_kernel(s: Settings) -> str:
@@ -251,7 +253,7 @@ def transformer_config(s: Settings) -> TransformerConfig:
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
         # the MLP calls an activation module (kernels.py) on the whole fc1 output
-        use_te_activation_func=lay.fused_elementwise != "none",
+        use_te_activation_func=fused_elementwise_in_use(s) != "none",
     )
     if lay.recompute != "none":
         kw["recompute_granularity"] = lay.recompute

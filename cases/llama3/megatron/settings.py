@@ -21,7 +21,8 @@ Keys read (``cfg`` is the resolved.json object):
   ``overlap_param_gather``, ``attention`` (sdpa|cudnn|local|te; cudnn needs
   vendor.device cuda), ``fused_elementwise`` (none|compile|liger: RMSNorm and
   SwiGLU as torch.compile regions or liger-kernel's Triton kernels, liger on cuda
-  only, either with megatron's local spec only),
+  only; they replace megatron's local modules, so not with transformer_impl
+  transformer_engine, and under auto only where TransformerEngine is absent),
   ``transformer_impl`` (auto|local|transformer_engine),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``; ``dp`` when
   present must equal ``world_size / (tp * pp)``

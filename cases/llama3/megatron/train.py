@@ -236,7 +236,7 @@ class Trainer:
                 overlap_param_gather=lay.overlap_param_gather,
                 attention=lay.attention,
                 attention_kernel=modeling.attention_kernel(s),
-                fused_elementwise=lay.fused_elementwise,
+                fused_elementwise=modeling.fused_elementwise_in_use(s),
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),

@@ -88,12 +88,15 @@ class SDPACoreAttention(MegatronModule):
         **kwargs: Any,
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPACoreAttention supports neither packed sequences nor an attention bias")
+            raise ValueError(f"{type(self).__name__} supports neither packed sequences nor an attention bias")
         sq, b = query.shape[0], query.shape[1]
-        q = query.permute(1, 2, 0, 3)  # [b, heads, s, d]
-        k = key.permute(1, 2, 0, 3)
-        v = value.permute(1, 2, 0, 3)
-        out = F.scaled_dot_product_attention(
+        # megatron hands [s, b, heads, d]; the kernels take [b, heads, s, d]
+        out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of ``[b, heads, s, d]`` inputs (K/V with their own, fewer heads)."""
+        return F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -102,7 +105,6 @@ class SDPACoreAttention(MegatronModule):
             scale=self.scale,
             enable_gqa=self.heads != self.groups,
         )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 class CuDNNCoreAttention(SDPACoreAttention):
@@ -120,26 +122,10 @@ class CuDNNCoreAttention(SDPACoreAttention):
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.gqa = kernels.cudnn_attention_mode(self.heads, self.groups, self.head_dim, config.params_dtype, device)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("CuDNNCoreAttention supports neither packed sequences nor an attention bias")
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.training and self.dropout:
             raise ValueError("CuDNNCoreAttention runs without attention dropout")
-        sq, b = query.shape[0], query.shape[1]
-        out = kernels._sdpa_cudnn(
-            query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.scale, self.gqa
-        )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        return kernels._sdpa_cudnn(q, k, v, self.scale, self.gqa)
 
 
 CORE_ATTENTION = {"sdpa": SDPACoreAttention, "cudnn": CuDNNCoreAttention}

@@ -239,7 +239,7 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
 
 def code_version() -> str | None:
     """The commit the harness runs from (``+changes`` when files differ from it), so a committed
-    result names the code that made it; None outside a git checkout."""
+    result names the code that made it; outside a git checkout ``FLAGBENCH_CODE_VERSION``, else None."""
     import subprocess
 
     from run_benchmarks.registry import ROOT
@@ -252,8 +252,8 @@ def code_version() -> str | None:
         return p.stdout.strip() if p.returncode == 0 else None
 
     head = git("rev-parse", "HEAD")
-    if not head:
-        return None
+    if not head:  # a copy of the tree without git (a machine the code was sent to): as its sender said
+        return os.environ.get("FLAGBENCH_CODE_VERSION") or None
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

@@ -239,7 +239,8 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
 
 def code_version() -> str | None:
     """The commit the harness runs from (``+changes`` when files differ from it), so a committed
-    result names the code that made it; outside a git checkout ``FLAGBENCH_CODE_VERSION``, else None."""
+    result names the code that made it; ``FLAGBENCH_CODE_VERSION`` when set (a tree copied to another
+    machine), else None outside a git checkout."""
     import subprocess
 
     from run_benchmarks.registry import ROOT
@@ -251,9 +252,11 @@ def code_version() -> str | None:
             return None
         return p.stdout.strip() if p.returncode == 0 else None
 
+    if os.environ.get("FLAGBENCH_CODE_VERSION"):  # a copied tree whose own git (if any) is not the code's: as its sender said
+        return os.environ["FLAGBENCH_CODE_VERSION"]
     head = git("rev-parse", "HEAD")
-    if not head:  # a copy of the tree without git (a machine the code was sent to): as its sender said
-        return os.environ.get("FLAGBENCH_CODE_VERSION") or None
+    if not head:
+        return None
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 

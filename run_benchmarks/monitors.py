@@ -167,6 +167,7 @@ def summarize(path: Path) -> dict[str, Any] | None:
         "duration_s": samples[-1]["t"] - samples[0]["t"],
         "host_cpu_mean_percent": mean([s["host"]["cpu_percent"] for s in samples]),
         "host_mem_peak_gib": max(s["host"]["mem_used_gib"] for s in samples),
+        "host_mem_total_gib": max((s["host"].get("mem_total_gib") or 0.0) for s in samples) or None,
         "gpus": {
             str(i): {
                 "mem_peak_gib": max(d["mem"]) if d["mem"] else None,

@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from run_benchmarks import metrics, plan as planning, results, typed_results
+from run_benchmarks import causes, metrics, plan as planning, results, typed_results
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import summarize
 from run_benchmarks.plan import Plan
@@ -166,16 +166,28 @@ def _phase_result(plan: Plan, parsed: ml.ParsedLog, phase: str, reference: Refer
 
 def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, phases: list[PhaseResult], devices: list[str]) -> list[str]:
     """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device."""
-    errors: list[str] = []
+    # the root cause first: a rank killed by a signal, then the ranks' own exceptions (earliest
+    # first: later ones are mostly their peers' fall), then the nodes, a node that was only
+    # stopped because another failed last; the tail of the failing log closes the message
+    killed, nodes, stopped, context = [], [], [], []
+    rank_errors = sorted(parsed.of(ml.EV_ERROR), key=lambda e: e.t)
     for o in outcomes:
+        where = f"node{o.node_rank} ({o.host})"
         if o.error:
-            errors.append(f"node{o.node_rank} ({o.host}): {o.error}")
+            (stopped if o.error.startswith("stopped:") else nodes).append(f"{where}: {o.error}")
         elif o.timed_out:
-            errors.append(f"node{o.node_rank} ({o.host}): round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
+            nodes.append(f"{where}: round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
         elif o.returncode != 0:
-            errors.append(f"node{o.node_rank} ({o.host}): exit status {o.returncode}; {_failed_rank_tail(o)}")
-    for e in parsed.of(ml.EV_ERROR):
-        errors.append(f"rank {e.rank}: {e.value.get('message', '')}")
+            logs = "\n".join(causes.read(f) for f in [o.node_dir / "stdout.log", *metric_files(o.node_dir)])
+            root = causes.launcher_root_cause(logs)
+            if root and root[1].startswith("killed"):
+                mon = summarize(o.node_dir / "monitor.jsonl")
+                killed.append(f"rank {'?' if root[0] is None else root[0]} on {where} {root[1]}{causes.memory_hint(mon)}")
+            cause = None if rank_errors else causes.log_cause(logs)
+            nodes.append(f"{where}: exit status {o.returncode}" + (f": {cause}" if cause else ""))
+            context.append(_failed_rank_tail(o))
+    errors = killed + [f"rank {e.rank}: {(e.value.get('message') or '').strip().splitlines()[0] if e.value.get('message') else ''}"
+                       for e in rank_errors] + nodes + stopped + context
     steps_expected = int(plan.settings["train"]["steps"])
     if not errors:
         if not parsed.of(ml.EV_END, ml.K_RUN_END):

@@ -166,17 +166,17 @@ def _phase_result(plan: Plan, parsed: ml.ParsedLog, phase: str, reference: Refer
 
 def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, phases: list[PhaseResult], devices: list[str]) -> list[str]:
     """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device."""
-    # the root cause first: a rank killed by a signal, then the ranks' own exceptions (earliest
+    # the root cause first: the round deadline (the harness stopped the ranks), a rank killed by a signal, then the ranks' own exceptions (earliest
     # first: later ones are mostly their peers' fall), then the nodes, a node that was only
     # stopped because another failed last; the tail of the failing log closes the message
-    killed, nodes, stopped, context = [], [], [], []
+    deadline, killed, nodes, stopped, context = [], [], [], [], []
     rank_errors = sorted(parsed.of(ml.EV_ERROR), key=lambda e: e.t)
     for o in outcomes:
         where = f"node{o.node_rank} ({o.host})"
         if o.error:
             (stopped if o.error.startswith("stopped:") else nodes).append(f"{where}: {o.error}")
-        elif o.timed_out:
-            nodes.append(f"{where}: round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
+        elif o.timed_out:  # the harness stopped the ranks: what they say after that is the stop's doing
+            deadline.append(f"{where}: round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
         elif o.returncode != 0:
             logs = "\n".join(causes.read(f) for f in [o.node_dir / "stdout.log", *metric_files(o.node_dir)])
             root = causes.launcher_root_cause(logs)
@@ -186,7 +186,7 @@ def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLo
             cause = None if rank_errors else causes.log_cause(logs)
             nodes.append(f"{where}: exit status {o.returncode}" + (f": {cause}" if cause else ""))
             context.append(_failed_rank_tail(o))
-    errors = killed + [f"rank {e.rank}: {(e.value.get('message') or '').strip().splitlines()[0] if e.value.get('message') else ''}"
+    errors = deadline + killed + [f"rank {e.rank}: {(e.value.get('message') or '').strip().splitlines()[0] if e.value.get('message') else ''}"
                        for e in rank_errors] + nodes + stopped + context
     steps_expected = int(plan.settings["train"]["steps"])
     if not errors:
@@ -378,7 +378,8 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
-            console.print(f"round {r}: {rnd.status}" + (f" - {rnd.error.splitlines()[0]}" if rnd.error else ""))
+            # plain text: a rank's message may hold brackets that rich would read as markup
+            console.print(f"round {r}: {rnd.status}" + (f" - {rnd.error.splitlines()[0]}" if rnd.error else ""), markup=False)
     except BaseException as exc:
         stopped_by = exc
         raise

@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults
 
@@ -144,8 +145,8 @@ def print_table(res: RunResults, console: Console | None = None) -> None:
     table = Table(title=f"{res.case} / {res.vendor} / {res.config_name}")
     for c in COLUMNS:
         table.add_column(c)
-    for r in rows(res):
-        table.add_row(*r, style=None if r[-1] == "ok" else "red")
+    for r in rows(res):  # cells as plain text: an error may hold brackets that rich would read as markup
+        table.add_row(*(Text(c) for c in r), style=None if r[-1] == "ok" else "red")
     console.print(table)
 
 

@@ -170,3 +170,12 @@ def test_the_run_itself_has_a_status_and_a_cause_also_when_no_round_ran():
         "status": "interrupted", "error": "interrupted by SIGTERM after 1 of 3 round(s)"}
     # a file written before the run ends says so, and an old file without the fields still loads
     assert fake_run().status == "running"
+
+
+def test_the_terminal_table_prints_an_error_with_brackets_as_it_is():
+    from rich.console import Console
+
+    run = fake_run([{"status": "failed", "error": "rank 0: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc:553] Connection reset"}])
+    console = Console(width=300, record=True)
+    results.print_table(run, console)  # rich markup would refuse the closing-tag-like bracket
+    assert "failed: rank 0: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc" in console.export_text()

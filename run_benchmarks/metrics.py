@@ -129,6 +129,14 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
 # --------------------------------------------------------------------------- reference curves
 
 
+def round_loss(gates: Sequence[LossGate]) -> tuple[float | None, bool | None]:
+    """A round's loss aggregates over its phases: the worst MRE, and aligned True only when every
+    phase is, False when one is not, else None (a phase not judged)."""
+    mres = [g.mre for g in gates if g.mre is not None]
+    flags = [g.aligned for g in gates]
+    return (max(mres) if mres else None), (False if False in flags else (True if flags and all(flags) else None))
+
+
 def read_reference(path: Path, phase: str = "train") -> Reference:
     """A loss curve: a committed ``{"steps": [...], "loss": [...]}`` file, or a phase of an earlier
     run's results.json (its first round that ran clean: ``ok``, or ``unjudged`` as a first

@@ -164,30 +164,39 @@ def _phase_result(plan: Plan, parsed: ml.ParsedLog, phase: str, reference: Refer
     )
 
 
-def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, phases: list[PhaseResult], devices: list[str]) -> list[str]:
-    """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device."""
-    # the root cause first: the round deadline (the harness stopped the ranks), a rank killed by a signal, then the ranks' own exceptions (earliest
-    # first: later ones are mostly their peers' fall), then the nodes, a node that was only
-    # stopped because another failed last; the tail of the failing log closes the message
+def _first_line(text: str | None) -> str:
+    return next(iter((text or "").strip().splitlines()), "")
+
+
+def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, phases: list[PhaseResult], devices: list[str],
+                    monitors: dict[int, dict[str, Any] | None]) -> list[str]:  # fmt: skip
+    """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device.
+
+    The root cause first: the round deadline (the harness stopped the ranks: what they say
+    after that is the stop's doing), a rank killed by a signal, then the ranks' own exceptions
+    (earliest first: later ones are mostly their peers' fall), then the nodes, a node that was
+    only stopped because another failed last; the tail of the failing log closes the message.
+    ``monitors``: each node's monitor summary, by node rank.
+    """
     deadline, killed, nodes, stopped, context = [], [], [], [], []
     rank_errors = sorted(parsed.of(ml.EV_ERROR), key=lambda e: e.t)
     for o in outcomes:
         where = f"node{o.node_rank} ({o.host})"
         if o.error:
             (stopped if o.error.startswith("stopped:") else nodes).append(f"{where}: {o.error}")
-        elif o.timed_out:  # the harness stopped the ranks: what they say after that is the stop's doing
+        elif o.timed_out:
             deadline.append(f"{where}: round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
         elif o.returncode != 0:
             logs = "\n".join(causes.read(f) for f in [o.node_dir / "stdout.log", *metric_files(o.node_dir)])
             root = causes.launcher_root_cause(logs)
             if root and root[1].startswith("killed"):
-                mon = summarize(o.node_dir / "monitor.jsonl")
-                killed.append(f"rank {'?' if root[0] is None else root[0]} on {where} {root[1]}{causes.memory_hint(mon)}")
+                rank = "?" if root[0] is None else root[0]
+                killed.append(f"rank {rank} on {where} {root[1]}{causes.memory_hint(monitors.get(o.node_rank))}")
             cause = None if rank_errors else causes.log_cause(logs)
             nodes.append(f"{where}: exit status {o.returncode}" + (f": {cause}" if cause else ""))
             context.append(_failed_rank_tail(o))
-    errors = deadline + killed + [f"rank {e.rank}: {(e.value.get('message') or '').strip().splitlines()[0] if e.value.get('message') else ''}"
-                       for e in rank_errors] + nodes + stopped + context
+    ranks = [f"rank {e.rank}: {_first_line(e.value.get('message'))}" for e in rank_errors]
+    errors = deadline + killed + ranks + nodes + stopped + context
     steps_expected = int(plan.settings["train"]["steps"])
     if not errors:
         if not parsed.of(ml.EV_END, ml.K_RUN_END):
@@ -219,11 +228,11 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
     monitor_nodes = [(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, o.node_rank)) for o in outcomes]
     phases = [_phase_result(plan, parsed, ph, references[ph], monitor_nodes) for ph in plan.phases]
     devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
-    status, reasons = round_status(_process_errors(plan, outcomes, parsed, phases, devices), {p.phase: p.gate for p in phases})
+    monitors = {o.node_rank: summarize(o.node_dir / "monitor.jsonl") for o in outcomes}
+    status, reasons = round_status(_process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases})
     mem = metrics.memory_summary(parsed)
     one = phases[0] if len(phases) == 1 else None  # round-level figures only where they cannot be mistaken
-    mres = [p.gate.mre for p in phases if p.gate.mre is not None]
-    flags = [p.gate.aligned for p in phases]
+    loss_mre, loss_aligned = metrics.round_loss([p.gate for p in phases])
     return RoundResult(
         round=round_no,
         status=status,
@@ -239,10 +248,10 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
         per_rank_mem_gib=mem["per_rank_gib"],
         device_mem=metrics.device_memory(monitor_nodes, None),
         devices=devices,
-        loss_mre=max(mres) if mres else None,
-        loss_aligned=False if False in flags else (True if flags and all(flags) else None),
+        loss_mre=loss_mre,
+        loss_aligned=loss_aligned,
         phases=phases,
-        monitor={f"node{o.node_rank}": summarize(o.node_dir / "monitor.jsonl") for o in outcomes},
+        monitor={f"node{k}": m for k, m in monitors.items()},
         reference={ph: (r.path if r else None) for ph, r in references.items()},
         nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
         metric_parse_errors=len(parsed.errors),
@@ -379,7 +388,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
             # plain text: a rank's message may hold brackets that rich would read as markup
-            console.print(f"round {r}: {rnd.status}" + (f" - {rnd.error.splitlines()[0]}" if rnd.error else ""), markup=False)
+            console.print(f"round {r}: {rnd.status}" + (f" - {_first_line(rnd.error)}" if rnd.error else ""), markup=False)
     except BaseException as exc:
         stopped_by = exc
         raise

@@ -120,10 +120,9 @@ def _round(res: tr.RunResults, rnd: tr.RoundResult, check: Check) -> None:
     one = rnd.phases[0] if len(rnd.phases) == 1 else None
     for name in ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "window"):
         check.field(where, name, getattr(rnd, name), getattr(one, name) if one else None)
-    mres = [p.gate.mre for p in rnd.phases if p.gate.mre is not None]
-    flags = [p.gate.aligned for p in rnd.phases]
-    check.field(where, "loss_mre", rnd.loss_mre, max(mres) if mres else None)
-    check.field(where, "loss_aligned", rnd.loss_aligned, False if False in flags else (True if flags and all(flags) else None))
+    loss_mre, loss_aligned = metrics.round_loss([p.gate for p in rnd.phases])
+    check.field(where, "loss_mre", rnd.loss_mre, loss_mre)
+    check.field(where, "loss_aligned", rnd.loss_aligned, loss_aligned)
     if rnd.status != "failed" and all(g is not None for g in gates.values()):
         # a round that did not fail has the status its phases' verdicts give
         check.field(where, "status", rnd.status, round_status([], {ph: g for ph, g in gates.items() if g is not None})[0])

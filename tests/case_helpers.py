@@ -58,3 +58,13 @@ def pytest_in(py: str, test_file: Path, *args: str, env: dict[str, str] | None =
         [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), *args],
         cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False,
     )
+
+
+def units_in_env(var: str, test_file: Path, *args: str, timeout: int = 600) -> str:
+    """Run ``test_file``'s torch-only unit tests (``args``: e.g. ``-k``) in the framework Python named by
+    ``var`` (skip when it is unset), with ``var`` cleared there so the wrapper does not recurse;
+    assert they passed and return pytest's summary line."""
+    py = framework_python(var, "no Python with torch to run the unit tests")
+    proc = pytest_in(py, test_file, *args, env={var: ""}, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc.stdout.strip().splitlines()[-1]

@@ -7,7 +7,8 @@ is drawn on the rank's device from the stream of (run seed, parameter name)
 initialization: normal with some std, or a constant). A ZeRO-3 partitioned
 parameter keeps only this rank's partition, written straight into
 ``p.ds_tensor``; nothing is gathered. So ZeRO stages 0-3 and every
-data-parallel size start from the same model, on every device of one type::
+data-parallel size start from the same model, on every device (the draws of ``training.weights``
+do not depend on the device)::
 
     with deepspeed_loop.model_init_context(ds_config):
         model = build()

@@ -22,7 +22,8 @@ Every phase's loss is judged against its reference curve (docs/metrics.md). A ro
 ok (ran fine, every phase aligned), unjudged (ran fine, a phase not judged: no reference,
 steps missing), invalid (ran fine, a phase not aligned) or failed (a process error, a
 missing record, a NaN or inf loss, the wrong device).
-Exit status: 0 every round ok, 1 a round not ok, 2 bad input (nothing ran), 130 interrupted.
+Exit status: 0 every round ok, 1 a round unjudged, invalid or failed, 2 bad input (nothing ran),
+128 + the signal when stopped by Ctrl-C (130), SIGTERM (143) or SIGHUP (129).
 
 start_task.py --verify RESULTS.json [...] recomputes every figure of a results.json from
 its per-step records and names any mismatch: exit 0 all match, 1 a mismatch, 2 unreadable.

@@ -274,6 +274,7 @@ class CaseConfig(Strict):
     launcher: Literal["torchrun", "deepspeed", "paddle"]
     entry: str = "train.py"
     flops: str = "training.flops:decoder_flops"
+    memory: str | None = None  # lower bound of the states' memory, e.g. training.memory:zero_states (none: not checked)
     phases: list[str] = ["train"]
     models: dict[str, ModelEntry]
     standard: CaseStandard
@@ -281,10 +282,10 @@ class CaseConfig(Strict):
     reference_dir: str = "reference"
     description: str = ""
 
-    @field_validator("flops")
+    @field_validator("flops", "memory")
     @classmethod
-    def _flops(cls, v: str) -> str:
-        if not _MODSPEC.match(v):
+    def _flops(cls, v: str | None) -> str | None:
+        if v is not None and not _MODSPEC.match(v):
             raise ValueError(f"must be 'module:function', got {v!r}")
         return v
 

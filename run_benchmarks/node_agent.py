@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from run_benchmarks.launchers import NODE_ADDR  # noqa: E402  (standard library only)
+from run_benchmarks import progress  # standard library only, as is everything here
+from run_benchmarks.launchers import NODE_ADDR
 
 SPEC_VERSION = 1
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL; below Slurm's KillWait (30 s by default)
@@ -210,6 +211,8 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
         runner.node_dir, {**report, "returncode": None, "stopped_by_signal": signal.Signals(signum).name}
     )
     runner.start_monitor()
+    live = progress.Writer(runner.node_dir)  # the newest step, for the harness's progress line
+    live.start()
     rc: int
     try:
         runner.launch(cmd, env, node["cwd"])
@@ -218,6 +221,7 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
         print(f"flagbench node agent: cannot start {cmd[0]}: {exc}", file=sys.stderr, flush=True)
         rc = 127
     finally:
+        live.stop()
         runner.stop_monitor()
     if rc < 0:  # killed by a signal: the shell convention
         rc = 128 - rc

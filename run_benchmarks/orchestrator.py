@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from run_benchmarks import causes, metrics, plan as planning, results, typed_results
+from run_benchmarks import causes, metrics, plan as planning, progress, results, typed_results
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import summarize
 from run_benchmarks.plan import Plan
@@ -367,6 +367,8 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         with console.status(f"preparing {plan.case.framework} environment"):
             python, root = runtime.prepare(plan, run_dir / "env_build.log")
         plan.python = python
+        if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
+            planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
         for r in range(1, plan.case.repeat + 1):
             round_dir = run_dir / f"round{r}"
@@ -381,8 +383,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             (round_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2, default=str))
             started = time.monotonic()
             begin = t0 if r == 1 else time.time()
-            with console.status(f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"):
-                outcomes = runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
+            outcomes = _watched_round(plan, runtime, console, r, round_dir, nodes)
             rnd = evaluate_round(plan, r, outcomes, started, references)
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
@@ -398,6 +399,46 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         res = res.model_copy(update={"runtime_info": runtime.describe(), "finished": _now(), **outcome})
         results.write(res, run_dir)
     return res
+
+
+#: how often the progress line is refreshed, and how often it is printed as a plain line
+#: when the output is not a terminal (a CI log, a file); a runtime's note (a Slurm job's
+#: state) is printed whenever it changes
+PROGRESS_EVERY_S = 2.0
+PLAIN_EVERY_S = float(os.environ.get("FLAGBENCH_PROGRESS_EVERY_S", "60"))
+
+
+def _watched_round(plan: Plan, runtime: Runtime, console: Console, r: int, round_dir: Path,
+                   nodes: list[planning.NodePlan]) -> list[NodeOutcome]:
+    """``runtime.run_round`` with a live line: the runtime's note (a Slurm job's id, state and
+    pending reason), the newest step (k of n, tokens/p/s, loss) and the time so far."""
+    title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"
+    steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
+    t0 = time.monotonic()
+    shown = {"note": None, "plain_at": t0}
+
+    with console.status(title) as status:
+        def tick() -> None:
+            note = runtime.note()
+            line = progress.line(runtime.progress(round_dir), steps, plan.world_size)
+            text = ", ".join(filter(None, [note, line, progress.elapsed(t0)]))
+            if console.is_terminal:
+                status.update(f"{title}: {text}")
+                return
+            now = time.monotonic()
+            if note and note != shown["note"]:  # a job's state changes rarely: each change is said
+                console.print(f"round {r}: {note}", markup=False, highlight=False)
+                shown["note"] = note
+            if line and now - shown["plain_at"] >= PLAIN_EVERY_S:
+                console.print(f"round {r}: {line} ({progress.elapsed(t0)})", markup=False, highlight=False)
+                shown["plain_at"] = now
+
+        watch = progress.Watch(tick, PROGRESS_EVERY_S)
+        watch.start()
+        try:
+            return runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
+        finally:
+            watch.stop()
 
 
 def _cache_dir(plan: Plan, root: Path) -> Path:

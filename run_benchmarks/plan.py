@@ -57,6 +57,7 @@ class Plan:
     nodes: list[NodePlan] = dataclasses.field(default_factory=list)
     reference: Path | None = None  # --reference: compare the loss with this curve instead of the committed one
     command: list[str] = dataclasses.field(default_factory=list)  # the start_task.py arguments, to re-run it
+    memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # phase -> lower bound of the states' memory
 
     @property
     def world_size(self) -> int:
@@ -119,6 +120,7 @@ class Plan:
             "run_dir": str(self.run_dir),
             "reference": None if self.reference is None else str(self.reference),
             "command": self.command,
+            "memory": self.memory,
         }
 
 
@@ -149,6 +151,54 @@ def parse_override(text: str) -> tuple[str, Any]:
 def phase_value(train: dict[str, Any], phase: str, key: str) -> Any:
     """A train setting of one phase: its ``phases.<phase>`` value, else the common one."""
     return ((train.get("phases") or {}).get(phase) or {}).get(key, train.get(key))
+
+
+#: the share of a device's memory (of a host's, with offload) the states alone may take: the
+#: rest holds activations, communication buffers, workspaces and the runtime itself
+DEVICE_STATES_LIMIT = 0.90
+HOST_STATES_LIMIT = 0.75
+
+
+def memory_needs(model_fn: Any, counts: dict[str, dict[str, Any]], settings: dict[str, Any], cn: CaseName) -> dict[str, dict[str, Any]]:
+    """phase -> the case's lower bound of its states' memory (training/memory.py), in GiB;
+    {} when the case names no memory model."""
+    if model_fn is None:
+        return {}
+    par = settings["parallel"]
+    base = {k: v for k, v in par.items() if k != "phases"}
+    out = {}
+    for ph, c in counts.items():
+        need = model_fn(c, registry.deep_merge(base, (par.get("phases") or {}).get(ph) or {}), cn.world_size, cn.nprocs)
+        out[ph] = {"device_gib": round(need["device_bytes"] / 2**30, 2),
+                   "host_gib_per_node": round(need["host_bytes_per_node"] / 2**30, 2), "basis": need["basis"]}  # fmt: skip
+    return out
+
+
+def check_device_memory(memory: dict[str, dict[str, Any]], hardware: dict[str, Any], source: str) -> None:
+    """A layout whose weights, gradients and optimizer states alone fill the device is refused."""
+    cap = hardware.get("memory_gib")
+    for ph, need in memory.items():
+        if cap and need["device_gib"] > DEVICE_STATES_LIMIT * cap:
+            raise InputError(
+                f"{source}: {'' if ph == 'train' else ph + ': '}weights, gradients and optimizer states alone need "
+                f"{need['device_gib']:.1f} GiB per {hardware['chip']} ({need['basis']}), more than "
+                f"{DEVICE_STATES_LIMIT:.0%} of its {cap:g} GiB before any activation: use more devices, "
+                "a larger tensor/pipeline split or ZeRO stage, or offload the optimizer"
+            )
+
+
+def check_host_memory(memory: dict[str, dict[str, Any]], totals: dict[str, int], source: str) -> None:
+    """With offload: the states a node's ranks keep in host memory against each host's total
+    (bytes, from the runtime); a host that cannot hold them is named."""
+    for ph, need in memory.items():
+        for host, total in totals.items():
+            if need["host_gib_per_node"] > HOST_STATES_LIMIT * total / 2**30:
+                raise InputError(
+                    f"{source}: {'' if ph == 'train' else ph + ': '}the optimizer states offloaded to host memory alone "
+                    f"need {need['host_gib_per_node']:.1f} GiB per node ({need['basis']}), more than "
+                    f"{HOST_STATES_LIMIT:.0%} of {host}'s {total / 2**30:.1f} GiB: the ranks would be killed for "
+                    "host memory; use more devices, or a host with more memory"
+                )
 
 
 def check_layout(settings: dict[str, Any], phases: list[str], world: int, source: str) -> None:
@@ -222,6 +272,8 @@ def build(
         "peak_source": chip.source,
         "device_names": list(chip.device_names) or [re.escape(cn.hardware)],
     }
+    memory = memory_needs(registry.memory_model(case), counts, settings, cn)
+    check_device_memory(memory, hardware, str(cfg_path))
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     run_id = f"{cn.model}_{cn.framework}_{cn.size}_{stamp}"
     return Plan(
@@ -243,6 +295,7 @@ def build(
         user_overrides=user_overrides,
         counts=counts,
         hardware=hardware,
+        memory=memory,
         run_dir=log_dir / run_id,
         python="",
     )

@@ -159,8 +159,17 @@ def load_vendor_case(path: Path) -> VendorCaseConfig:
 
 
 def counter(case: CaseConfig) -> Callable[..., dict[str, Any]]:
-    module, _, func = case.flops.partition(":")
+    return _function(case, "flops", case.flops)
+
+
+def memory_model(case: CaseConfig) -> Callable[..., dict[str, Any]] | None:
+    """The case's lower bound of its states' memory (training/memory.py), None when it names none."""
+    return _function(case, "memory", case.memory) if case.memory else None
+
+
+def _function(case: CaseConfig, field: str, spec: str) -> Callable[..., dict[str, Any]]:
+    module, _, func = spec.partition(":")
     try:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as exc:
-        raise InputError(f"case {case.family}/{case.framework}: flops counter {case.flops!r} not found: {exc}") from None
+        raise InputError(f"case {case.family}/{case.framework}: {field} function {spec!r} not found: {exc}") from None

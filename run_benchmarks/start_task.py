@@ -23,6 +23,7 @@ ok (ran fine, every phase aligned), unjudged (ran fine, a phase not judged: no r
 steps missing), invalid (ran fine, a phase not aligned) or failed (a process error, a
 missing record, a NaN or inf loss, the wrong device).
 Exit status: 0 every round ok, 1 a round unjudged, invalid or failed, 2 bad input (nothing ran),
+3 an unexpected error in the harness (one line; its traceback in the file that line names),
 128 + the signal when stopped by Ctrl-C (130), SIGTERM (143) or SIGHUP (129).
 
 start_task.py --verify RESULTS.json [...] recomputes every figure of a results.json from
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
@@ -152,7 +155,40 @@ def host_command(argv: list[str]) -> int:
     return 0
 
 
+#: where an unexpected error's traceback goes when no run folder exists yet
+CRASH_DIR = Path.home() / ".cache" / "flagbench" / "crashes"
+
+
+def crash_report(exc: BaseException, run_dir: Path | None) -> str:
+    """An unexpected error (a harness bug, an unforeseen failure) as one line; its traceback goes
+    to ``harness-error.log`` in the run folder (else under ``CRASH_DIR``), which the line names."""
+    text = "".join(traceback.format_exception(exc))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for path in ([run_dir / "harness-error.log"] if run_dir is not None else []) + [CRASH_DIR / f"{stamp}-{os.getpid()}.log"]:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            where = f"the traceback is in {path}"
+            break
+        except OSError:
+            continue
+    else:
+        where = "the traceback could not be written to a file"
+    lines = str(exc).strip().splitlines()
+    return f"error: unexpected {type(exc).__name__}" + (f": {lines[0]}" if lines else "") + f" ({where})"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line; an error nobody foresaw is one line and exit 3, never a traceback."""
+    run_dir: list[Path] = []  # the run folder, once the plan names it
+    try:
+        return _main(argv, run_dir)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence
+        print(crash_report(exc, run_dir[0] if run_dir else None), file=sys.stderr)
+        return 3
+
+
+def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--nightly" or a.startswith("--nightly=") for a in argv):  # a run list: the nightly driver
@@ -176,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
         plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
         plan.command = ["run_benchmarks/start_task.py", *argv]
+        run_dir.append(plan.run_dir)
         if args.reference:
             plan.reference = Path(args.reference).expanduser().resolve()
             if not plan.reference.is_file():

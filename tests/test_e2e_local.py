@@ -7,6 +7,8 @@ files for the gate tests, since those change with the case's starting weights.
 """
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +22,13 @@ START = str(ROOT / "run_benchmarks" / "start_task.py")
 LLAMA = "llama3_tiny:megatron:cpu:1:2"
 
 
-def start(*args, timeout=900):
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout)
+def start(*args, timeout=900, **env):
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
 
 
-def run_case(log_dir: Path, *args, case=LLAMA):
+def run_case(log_dir: Path, *args, case=LLAMA, **env):
     """start_task.py on a tiny case; returns the process and its results (None when it wrote none)."""
-    proc = start("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args)
+    proc = start("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args, **env)
     runs = [p for p in log_dir.iterdir() if p.is_dir()] if log_dir.is_dir() else []
     assert len(runs) <= 1
     return proc, (tr.load(runs[0] / "results.json") if runs else None)
@@ -42,7 +44,7 @@ def curve_file(path: Path, loss: dict[int, float], off: float = 0.0) -> Path:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, megatron_python):
     log_dir = tmp_path_factory.mktemp("base")
-    proc, res = run_case(log_dir)
+    proc, res = run_case(log_dir, FLAGBENCH_PROGRESS_EVERY_S="1")  # a plain progress line every second
     return proc, res, log_dir / res.run_id
 
 
@@ -74,6 +76,8 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     md = (run_dir / "results.md").read_text()
     assert "| config | phase | precision | parallel |" in md and "config_cpux1x2 r1" in md and "| mem allocated (GiB) | mem in use (GiB) |" in md
     assert "config_cpux1x2 r1" in proc.stdout and "aligned (" in proc.stdout  # the same table in the terminal
+    # while it ran: the step it was at, read from the ranks' logs
+    assert re.search(r"round 1: step \d+/30, [\d,]+ tokens/p/s, loss [\d.]+ \(\d+:\d\d\)", proc.stderr), proc.stderr
 
     # another parallel layout of the same case on the same data, gated against this run's curve
     proc2, res2 = run_case(tmp_path / "tp2", "--variant", "TP2", "--reference", str(run_dir / "results.json"), "--set", "train.profile_step=8")

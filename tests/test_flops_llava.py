@@ -80,8 +80,10 @@ def test_counter_contract():
     for model in (LLAVA7B, TINY):
         for phase in CASE["phases"]:
             c = llava_flops(model, phase)
-            assert set(c) == {"params_exact", "params_nominal", "flops_per_token_6n", "flops_per_token_palm"}
+            assert set(c) == {"params_exact", "params_nominal", "flops_per_token_6n", "flops_per_token_palm", "params_trainable"}
             assert c["params_nominal"] == float(model["params_nominal"])
+            parts = llava_params(model["shape"])  # pretrain trains the projector; finetune the language model too
+            assert c["params_trainable"] == parts["projector"] + (parts["language_model"] if phase == "finetune" else 0)
             assert c["flops_per_token_palm"] > 0
     with pytest.raises(ValueError, match="phase"):
         llava_flops(LLAVA7B, "train")

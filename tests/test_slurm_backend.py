@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,7 +61,8 @@ def cluster_file(tmp: Path, conf: Path | None, port: bool = True, **slurm: Any) 
 def start(tmp: Path, cfile: Path, python: str, *extra: str) -> subprocess.Popen[str]:
     argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
             "--log-dir", str(tmp / "logs"), "--python", python, *extra]  # fmt: skip
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "FLAGBENCH_PROGRESS_EVERY_S": "1"}  # the plain progress line every second
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def wait_for(what: str, pred: Callable[[], Any], proc: subprocess.Popen[str], timeout: float = 300) -> Any:
@@ -220,6 +222,9 @@ def test_two_nodes_through_slurm(tmp_path: Path, slurm_cluster: SlurmTestCluster
     assert [(n["node_rank"], n["host"], n["returncode"]) for n in nodes] == [(0, "n1", 0), (1, "n2", 0)]
     jid = nodes[0]["slurm_job_id"]
     assert jid and all(n["slurm_job_id"] == jid and n["slurm_state"] == "COMPLETED" for n in nodes)
+    # while it ran: the job's id and state, then the step it was at, from the node agents' progress files
+    assert f"round 1: Slurm job {jid} RUNNING on " in out, out
+    assert re.search(r"round 1: step \d+/30, [\d,]+ tokens/p/s, loss [\d.]+ \(\d+:\d\d\)", out), out
     (job,) = res["runtime_info"]["slurm"]["jobs"]
     assert job["job_id"] == jid and job["state"] == "COMPLETED" and job["submit_to_first_step_s"] > 0
     rd = run_dir(tmp_path)
@@ -341,6 +346,7 @@ def test_a_job_still_pending_at_the_round_deadline_is_cancelled(tmp_path: Path, 
     (rnd,) = results(tmp_path)["rounds"]
     assert "still PENDING (Resources) when the round deadline passed; cancelled" in rnd["error"], rnd["error"]
     jid = rnd["nodes"][0]["slurm_job_id"]
+    assert f"round 1: Slurm job {jid} PENDING (Resources)" in proc.stderr, proc.stderr  # said while it waited
     assert show_job(slurm_cluster, jid)["JobState"] == "CANCELLED"
     end = time.monotonic() + 30
     while slurm_cluster.jobs() and time.monotonic() < end:

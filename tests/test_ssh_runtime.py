@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,8 +42,8 @@ def cluster_file(cluster, tmp_path: Path, python: str, runtime: str = "container
     return path
 
 
-def run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout)
+def run(args: list[str], timeout: float = 900, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
 
 
 def leftovers(cluster, run_id: str) -> list[str]:
@@ -66,11 +67,14 @@ def only_run(log_dir: Path) -> tuple[Path, dict]:
 def test_two_nodes_in_containers(cluster, megatron_python, tmp_path):
     cfile = cluster_file(cluster, tmp_path, megatron_python)
     t0 = time.monotonic()
-    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")])
+    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")],
+               FLAGBENCH_PROGRESS_EVERY_S="1")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
     assert rnd["status"] == "ok" and res["backend"] == "ssh" and res["runtime"] == "container"
+    # the step the round was at, read from the hosts while it ran
+    assert re.search(r"round 1: step \d+/30, [\d,]+ tokens/p/s, loss [\d.]+ \(\d+:\d\d\)", proc.stderr), proc.stderr
     assert [n["host"] for n in rnd["nodes"]] == ["h1", "h2"] and all(n["returncode"] == 0 for n in rnd["nodes"])
     images = res["runtime_info"]["images"]
     assert set(images) == {"h1", "h2"} and all(v.startswith("flagbench/cpu-megatron:") for v in images.values())

@@ -116,8 +116,11 @@ def llava_flops(model: dict, phase: str) -> dict:
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
     n = float(model["params_nominal"])
+    parts = llava_params(model["shape"])
     return {
-        "params_exact": llava_params(model["shape"])["total"],
+        "params_exact": parts["total"],
+        # pretrain trains the projector alone; finetune the projector and the language model
+        "params_trainable": parts["projector"] + (0 if phase == "pretrain" else parts["language_model"]),
         "params_nominal": n,
         "flops_per_token_6n": (2.0 if phase == "pretrain" else 6.0) * n,
         "flops_per_token_palm": palm_flops_per_token(model, phase)["total"],

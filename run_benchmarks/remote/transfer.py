@@ -135,6 +135,19 @@ class TransferMixin:
             sftp.close()
         return stats
 
+    def read_bytes(self, host: str | HostSpec, remote_path: str, *, limit: int = 1 << 20, timeout: float = 10.0) -> bytes | None:
+        """A small remote file's content (at most ``limit`` bytes); None when it is not there."""
+        sftp = self._sftp(self._spec(host), timeout)
+        try:
+            with sftp.open(remote_path, "rb") as fh:
+                return fh.read(limit)
+        except FileNotFoundError:
+            return None
+        except (OSError, paramiko.SSHException, EOFError, socket.timeout) as e:
+            raise RemoteCommandFailed(self._spec(host).name, f"cannot read {remote_path}: {e}") from e
+        finally:
+            sftp.close()
+
 
 def excluded(rel: Path, patterns: Sequence[str]) -> bool:
     posix = rel.as_posix()

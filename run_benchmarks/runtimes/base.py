@@ -54,6 +54,26 @@ class Runtime:
         """Extra facts for results.json (image ids, job ids)."""
         return {}
 
+    def progress(self, round_dir: Path) -> list[dict[str, Any] | None]:
+        """While a round runs (from another thread): each node's newest step record, read from
+        the round folder here (the local runtime's logs, a Slurm cluster's shared folder)."""
+        from run_benchmarks import progress
+
+        return [progress.read(d) for d in sorted(round_dir.glob("node*")) if d.is_dir()]
+
+    def host_memory(self) -> dict[str, int]:
+        """Each node host's total memory in bytes, after ``prepare`` ({} where not known before
+        the job starts, as under Slurm). This host's, for the local runtime."""
+        import socket
+
+        import psutil
+
+        return {socket.gethostname(): psutil.virtual_memory().total}
+
+    def note(self) -> str | None:
+        """While a round runs: the runtime's own state worth showing (a Slurm job's id and state)."""
+        return None
+
     def cleanup(self) -> None:
         """Tear everything down; safe to call more than once, and after a stop signal
         interrupted any other call (``stop_on_signals``)."""

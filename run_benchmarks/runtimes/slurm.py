@@ -439,6 +439,21 @@ class SlurmRuntime(Runtime):
             }
         }  # fmt: skip
 
+    def host_memory(self) -> dict[str, int]:
+        return {}  # the nodes are known once the job runs: not checked before
+
+    def note(self) -> str | None:
+        """The round's job: "Slurm job 57 PENDING (Resources)", "Slurm job 57 RUNNING on n[1-2]"."""
+        job = next((j for j in reversed(self.jobs) if j.job_id and j.gone_at is None), None)
+        if job is None:
+            return None
+        text = f"Slurm job {job.job_id} {job.state}"
+        if job.state in WAITING and job.reason and job.reason != "None":
+            text += f" ({job.reason})"
+        elif job.state in ACTIVE and job.nodelist:
+            text += f" on {job.nodelist}"
+        return text
+
     def cleanup(self) -> None:
         for job in self.jobs:
             if job.gone_at is None and self._alive(job):

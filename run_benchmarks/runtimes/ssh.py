@@ -524,6 +524,33 @@ class SSHRuntime(Runtime):
             time.sleep(POLL_S)
         return False
 
+    def host_memory(self) -> dict[str, int]:
+        """MemTotal of each host, from its /proc/meminfo."""
+
+        def total(h: HostConfig) -> tuple[str, int]:
+            res = self.pool.run(h.name, ["cat", "/proc/meminfo"], timeout=self.cluster.ssh.command_timeout_s, check=True)
+            kib = next((int(ln.split()[1]) for ln in res.stdout.splitlines() if ln.startswith("MemTotal:")), 0)
+            return h.name, kib * 1024
+
+        try:
+            return dict(self._each(total))
+        except RemoteError as exc:
+            raise InputError(f"host {exc}") from None
+
+    def progress(self, round_dir: Path) -> list[dict[str, Any] | None]:
+        """Each live node's progress.json, written on its host by the node agent."""
+        from run_benchmarks import progress
+
+        out: list[dict[str, Any] | None] = []
+        for n in list(self.live):
+            path = self.work(n.host) / "runs" / self.run_id / round_dir.name / f"node{n.k}" / progress.FILE
+            try:
+                data = self.pool.read_bytes(n.host.name, str(path), limit=4096)
+                out.append(json.loads(data) if data else None)
+            except (RemoteError, ValueError):
+                out.append(None)
+        return out
+
     def describe(self) -> dict[str, Any]:
         return {"hosts": [h.name for h in self.hosts], "images": dict(self.images), "timings_s": dict(self.timings),
                 "master_port": self.master_port, "leftovers_removed": list(self.notes)}  # fmt: skip

@@ -1,0 +1,146 @@
+"""A round's live progress: the latest step record of the ranks' logs, as one line.
+
+The node agent (SSH and Slurm runtimes) writes ``node<k>/progress.json`` every few seconds
+from the tails of its ranks' logs; the local runtime's logs are read here directly. The
+orchestrator turns the newest record into "step k/n, tokens/p/s, loss" in the terminal's
+status line (or a plain line now and then when the output is not a terminal).
+
+Standard library only: the node agent imports it on hosts and in containers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from training import metriclog as ml
+
+TAIL_BYTES = 64 * 1024  # a step line is a few hundred bytes: the newest is in the last 64 KiB
+FILE = "progress.json"
+WRITE_EVERY_S = 2.0
+
+
+def tail_lines(path: Path, nbytes: int = TAIL_BYTES) -> list[str]:
+    """The last complete lines of ``path`` within its last ``nbytes`` (none when unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - nbytes))
+            data = fh.read()
+    except OSError:
+        return []
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    return lines[1:] if size > nbytes else lines  # the first may be cut
+
+
+def rank_logs(node_dir: Path) -> list[Path]:
+    """The files a node's ranks write their metric lines to (the launcher's per-rank logs,
+    else the node's stdout)."""
+    ranks = node_dir / "ranks"
+    files = [p for p in ranks.rglob("*") if p.is_file()] if ranks.is_dir() else []
+    return files or [node_dir / "stdout.log"]
+
+
+def latest(files: Iterable[Path]) -> dict[str, Any] | None:
+    """The newest step record in the files' tails: phase, step, loss, tokens, step_time_s, t."""
+    best: ml.Record | None = None
+    for f in files:
+        for r in ml.parse_lines(tail_lines(f)).of(ml.EV_STEP, ml.K_TRAIN_STEP):
+            if best is None or r.t > best.t:
+                best = r
+    if best is None:
+        return None
+    v = best.value
+    return {"phase": v.get("phase", "train"), "step": int(v["step"]), "loss": float(v["loss"]),
+            "tokens": float(v["tokens"]), "step_time_s": float(v["step_time_s"]), "t": best.t}  # fmt: skip
+
+
+def write(node_dir: Path) -> None:
+    """``node_dir/progress.json`` from the node's rank logs (replaced at once: readers never see half)."""
+    snap = latest(rank_logs(node_dir))
+    if snap is None:
+        return
+    tmp = node_dir / f".{FILE}.tmp"
+    tmp.write_text(json.dumps(snap))
+    os.replace(tmp, node_dir / FILE)
+
+
+def read(node_dir: Path) -> dict[str, Any] | None:
+    """A node's progress: its progress.json, else its rank logs read here."""
+    try:
+        return json.loads((node_dir / FILE).read_text())
+    except (OSError, ValueError):
+        return latest(rank_logs(node_dir))
+
+
+class Writer(threading.Thread):
+    """In the node agent: refresh progress.json every ``every`` seconds until stopped."""
+
+    def __init__(self, node_dir: Path, every: float = WRITE_EVERY_S) -> None:
+        super().__init__(name="progress", daemon=True)
+        self.node_dir, self.every = node_dir, every
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every):
+            try:
+                write(self.node_dir)
+            except OSError:  # a full disk or a vanished folder must not stop the node
+                pass
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        try:
+            write(self.node_dir)  # the last step, for a reader that comes after the end
+        except OSError:
+            pass
+
+
+def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_size: int) -> str | None:
+    """"pretrain step 12/30, 1,234 tokens/p/s, loss 5.432" from the newest node snapshot;
+    ``steps`` holds each phase's planned step count."""
+    found = [s for s in snaps if s]
+    if not found:
+        return None
+    s = max(found, key=lambda x: x["t"])
+    phase = "" if s["phase"] == "train" else f"{s['phase']} "
+    total = steps.get(s["phase"])
+    tps = s["tokens"] / s["step_time_s"] / world_size if s["step_time_s"] > 0 else None
+    parts = [f"{phase}step {s['step']}" + (f"/{total}" if total else "")]
+    if tps is not None:
+        parts.append(f"{tps:,.0f} tokens/p/s")
+    parts.append(f"loss {s['loss']:.4g}")
+    return ", ".join(parts)
+
+
+class Watch(threading.Thread):
+    """In the orchestrator, while a round runs: every ``every`` seconds call ``tick`` (which reads
+    the runtime's note and the nodes' progress and shows them). A failed read is skipped: the
+    progress line must never fail a round."""
+
+    def __init__(self, tick: Callable[[], None], every: float) -> None:
+        super().__init__(name="round-watch", daemon=True)
+        self.tick, self.every = tick, every
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.every):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001
+                continue
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+def elapsed(t0: float) -> str:
+    s = int(time.monotonic() - t0)
+    return f"{s // 60}:{s % 60:02d}"

@@ -1,0 +1,90 @@
+"""The pre-launch memory check: a layout whose weights, gradients and optimizer states alone
+cannot fit the device (or, offloaded, the hosts) is refused with its figures, exit 2, before
+any process starts; on this host, on the hosts of an SSH cluster, and in --dry-run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from run_benchmarks.registry import ROOT
+from training.memory import megatron_states, zero_states
+
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+GiB = 2**30
+
+
+def start(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_zero_states_by_stage_and_offload():
+    c = {"params_exact": 1e9}
+    assert zero_states(c, {"zero": {"stage": 0}}, 4, 4)["device_bytes"] == 16e9
+    assert zero_states(c, {"zero": {"stage": 1}}, 4, 4)["device_bytes"] == 4e9 + 12e9 / 4
+    assert zero_states(c, {"zero": {"stage": 2}}, 4, 4)["device_bytes"] == 2e9 + 14e9 / 4
+    assert zero_states(c, {"zero": {"stage": 3}}, 4, 4)["device_bytes"] == 16e9 / 4
+    off = zero_states(c, {"zero": {"stage": 3, "offload_optimizer": "cpu"}}, 4, 2)
+    assert off["device_bytes"] == 4e9 / 4 and off["host_bytes_per_node"] == 16e9 / 4 * 2  # two ranks on the node
+    frozen = zero_states({"params_exact": 1e9, "params_trainable": 1e8}, {"zero": {"stage": 2}}, 2, 2)
+    assert frozen["device_bytes"] == 2e9 + (2e8 + 12e8) / 2  # frozen weights held, never trained
+
+
+def test_megatron_states_by_layout_and_offload():
+    c = {"params_exact": 8e9}
+    # TP2 DP2: 4e9 params per rank, bf16 weights + fp32 grads, master weights and moments split over DP
+    assert megatron_states(c, {"tp": 2, "pp": 1}, 4, 4)["device_bytes"] == 4e9 * (2 + 4) + 4e9 * 12 / 2
+    off = megatron_states(c, {"tp": 1, "pp": 1, "optimizer_cpu_offload": True}, 1, 1)
+    assert off["device_bytes"] == 8e9 * 10 and off["host_bytes_per_node"] == 8e9 * 8
+
+
+def test_a_layout_that_cannot_fit_the_card_is_refused_before_anything(tmp_path):
+    """llama3_8b on one H100 (TP1, moments on the host): 74.8 GiB of states on an 80 GiB card."""
+    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:1", "--log-dir", str(tmp_path), "--dry-run")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "config_H100x1x1.yaml: weights, gradients and optimizer states alone need 74.8 GiB per H100" in line
+    assert "more than 90% of its 80 GiB" in line and not list(tmp_path.iterdir())
+    # the plan shows the bound of each phase
+    ok = start("--vendor", "nvidia", "--case_name", "llava1.5_7b:deepspeed:H100:1:2", "--dry-run", "--json")
+    mem = json.loads(ok.stdout)["memory"]
+    assert set(mem) == {"pretrain", "finetune"} and mem["finetune"]["device_gib"] == pytest.approx(50.65, abs=0.01)
+    assert mem["pretrain"]["device_gib"] < 14 and "ZeRO-2 over 2" in mem["pretrain"]["basis"]
+
+
+def test_offloaded_states_larger_than_this_host_are_refused(tmp_path):
+    """8 ranks with their Adam moments on the host need 59.8 GiB of it; this host has less."""
+    total = psutil.virtual_memory().total / GiB
+    if total > 59.83 / 0.75:
+        pytest.skip(f"this host has {total:.0f} GiB: the 8-rank offload fits")
+    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:8", "--set", "parallel.optimizer_cpu_offload=true",
+                 "--python", sys.executable, "--log-dir", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert "the optimizer states offloaded to host memory alone need 59.8 GiB per node" in line
+    assert f"'s {total:.1f} GiB" in line and "Traceback" not in proc.stderr
+    (run_dir,) = tmp_path.iterdir()
+    res = json.loads((run_dir / "results.json").read_text())
+    assert res["status"] == "failed" and "59.8 GiB per node" in res["error"] and res["rounds"] == []
+    assert not (run_dir / "round1").exists()  # nothing was launched
+
+
+@pytest.mark.cluster
+def test_each_ssh_host_is_checked_by_name(cluster, tmp_path):
+    """Two hosts (network namespaces of this machine), 16 ranks with moments on the host."""
+    from tests.test_ssh_runtime import cluster_file
+
+    total = psutil.virtual_memory().total / GiB
+    if total > 29.92 / 0.75:
+        pytest.skip(f"this host has {total:.0f} GiB: the offload fits")
+    cfile = cluster_file(cluster, tmp_path, sys.executable, runtime="process")
+    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:2:8", "--set", "parallel.optimizer_cpu_offload=true",
+                 "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"))  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "need 29.9 GiB per node" in line and "more than 75% of h1's" in line, proc.stderr

@@ -1,0 +1,68 @@
+"""Lower bounds of a layout's memory: the weights, gradients and optimizer states alone.
+
+A case names its model in case.yaml (``memory: training.memory:zero_states``), as it names its
+FLOPs counter. The harness checks the bound before anything starts: a layout whose states
+alone leave no room on the device (or, with offload, on the host) is refused with the
+figures, instead of dying minutes later with an out-of-memory error or a SIGKILL.
+Activations, communication buffers, the framework's workspace and the CUDA context come on
+top, which is why the limits in run_benchmarks/plan.py stay below the full capacity.
+
+Mixed-precision Adam throughout: bf16/fp16 weights (2 bytes), fp32 master weights (4) and two
+fp32 moments (8). Frozen parameters (LLaVA's vision tower) hold weights only. Standard
+library only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GiB = 1024**3
+
+
+def _trainable(counts: dict[str, Any]) -> tuple[float, float]:
+    """(all parameters, trained parameters) of a phase."""
+    total = float(counts["params_exact"])
+    return total, float(counts.get("params_trainable", total))
+
+
+def zero_states(counts: dict[str, Any], parallel: dict[str, Any], world: int, per_node: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO (stage 0-3, optimizer and parameter offload to the CPU), data parallel
+    over ``world`` ranks: stage 1 partitions the optimizer states, 2 also the gradients, 3 also
+    the weights. With ``offload_optimizer: cpu`` the fp32 master weights, moments and fp32
+    gradients (16 bytes per trained parameter) live in host memory."""
+    zero = parallel.get("zero") or {}
+    stage = int(zero.get("stage", 0))
+    off_opt = str(zero.get("offload_optimizer", "none")) == "cpu"
+    off_par = str(zero.get("offload_param", "none")) == "cpu" and stage == 3
+    p, t = _trainable(counts)
+
+    def split(n: float, from_stage: int) -> float:
+        return n / world if stage >= from_stage else n
+
+    weights, grads, optim = split(2 * p, 3), split(2 * t, 2), split(12 * t, 1)
+    device = (0 if off_par else weights) + grads + (0 if off_opt else optim)
+    host = (weights if off_par else 0) + (16 * t / world if off_opt else 0)
+    parts = [f"ZeRO-{stage} over {world}", f"{p:.3g} params ({t:.3g} trained)"]
+    if off_opt:
+        parts.append("optimizer on the host")
+    if off_par:
+        parts.append("weights on the host")
+    return {"device_bytes": device, "host_bytes_per_node": host * per_node, "basis": ", ".join(parts)}
+
+
+def megatron_states(counts: dict[str, Any], parallel: dict[str, Any], world: int, per_node: int) -> dict[str, Any]:
+    """megatron-core: a rank holds 1/(tp*pp) of the model; bf16 weights (2 bytes) and fp32
+    gradient buffers (4); the fp32 master weights and moments (12) split over data parallel
+    ranks with the distributed optimizer. ``optimizer_cpu_offload`` moves the moments (the
+    ``optimizer_offload_fraction`` of them) to the host; the master weights stay on the device."""
+    tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    dp = max(1, world // (tp * pp))
+    p, t = _trainable(counts)
+    p, t = p / (tp * pp), t / (tp * pp)
+    shard = dp if parallel.get("distributed_optimizer", True) else 1
+    moments = 8 * t / shard
+    frac = float(parallel.get("optimizer_offload_fraction", 1.0)) if parallel.get("optimizer_cpu_offload") else 0.0
+    device = 2 * p + 4 * t + 4 * t / shard + moments * (1 - frac)
+    host = moments * frac
+    basis = f"TP{tp} PP{pp} DP{dp}, {p:.3g} params per rank" + (", moments on the host" if frac else "")
+    return {"device_bytes": device, "host_bytes_per_node": host * per_node, "basis": basis}

@@ -275,6 +275,7 @@ class CaseConfig(Strict):
     entry: str = "train.py"
     flops: str = "training.flops:decoder_flops"
     memory: str | None = None  # lower bound of the states' memory, e.g. training.memory:zero_states (none: not checked)
+    ceiling: bool = False  # the entry measures its kernel ceiling alone under --ceiling (training/ceiling.py)
     phases: list[str] = ["train"]
     models: dict[str, ModelEntry]
     standard: CaseStandard

@@ -16,7 +16,7 @@ from rich.text import Text
 from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults
 
 COLUMNS = ["config", "phase", "precision", "parallel", "fix_hp", "tokens/p/s", "loss", "mem allocated (GiB)", "mem in use (GiB)",
-           "MFU-6N", "MFU-PaLM", "status"]  # fmt: skip
+           "MFU-6N", "MFU-PaLM", "of ceiling", "status"]  # fmt: skip
 
 
 def system_info() -> dict[str, Any]:
@@ -53,6 +53,13 @@ def device_mem(m: DeviceMemory | None) -> str:
     return "-" if m is None else _gib(m.used_gib, m.total_gib) + ("" if m.scope == "phase" else " (round)")
 
 
+def ceiling_cell(eff: float | None, ceiling: float | None) -> str:
+    """The run's tokens/p/s over its kernel ceiling, with the ceiling: ``72.9% of 12,641``."""
+    if ceiling is None:
+        return "-"
+    return f"{'-' if eff is None else _pct(eff)} of {ceiling:,.0f}"
+
+
 def loss_cell(g: LossGate) -> str:
     if g.verdict == "aligned":
         return f"aligned ({_mre(g.mre)})"
@@ -81,7 +88,7 @@ def rows(res: RunResults) -> list[list[str]]:
                 f"{res.config_name} r{rnd.round}", p.phase, str(res.settings["train"]["precision"]), p.layout or rnd.layout or "-", fix,
                 fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"), loss_cell(p.gate),
                 fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)), fig(device_mem(p.device_mem)),
-                fig(_pct(p.mfu_6n)), fig(_pct(p.mfu_palm)), status,
+                fig(_pct(p.mfu_6n)), fig(_pct(p.mfu_palm)), fig(ceiling_cell(p.ceiling_efficiency, p.ceiling_tokens_per_gpu_s)), status,
             ])  # fmt: skip
     return out
 
@@ -101,7 +108,9 @@ def markdown(res: RunResults) -> str:
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(res)]
     notes = ["", "Memory: allocated is the framework allocator's peak over ranks (peak RSS on a CPU), over the device total the "
              "framework reports; in use is the busiest GPU the run used as the monitor saw it (NVML), over its total; "
-             "\"(round)\" where the monitor had no sample inside the phase. A round that is not ok shows its figures with its status."]  # fmt: skip
+             "\"(round)\" where the monitor had no sample inside the phase. A round that is not ok shows its figures with its status.",
+             "", "Of ceiling: tokens/p/s over the kernel ceiling the case measured on its device before training (its own "
+             "GEMMs and attention alone, forward and backward, training/ceiling.py), with that ceiling in tokens/p/s."]  # fmt: skip
     ov = res.overrides
     notes += ["", "Vendor overrides: " + (", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in ov) or "none")]
     if res.user_overrides:

@@ -195,6 +195,10 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         from run_benchmarks import nightly
 
         return nightly.main(argv)
+    if "--ceiling" in argv:  # the case's kernel ceiling on this host's device, printed alone
+        from run_benchmarks import ceiling
+
+        return ceiling.main(argv)
     if any(a == "--verify" or a.startswith("--verify=") for a in argv):  # check results files, run nothing
         from run_benchmarks import verify
 

@@ -19,6 +19,7 @@ from pydantic import Field, model_validator
 
 from run_benchmarks.config import Strict, validate
 from run_benchmarks.errors import InputError
+from training.ceiling import efficiency
 
 SCHEMA_VERSION = 2
 
@@ -103,6 +104,19 @@ class PhaseResult(Strict):
     peak_mem_gib: float | None = None  # the allocator's peak over ranks (peak RSS on a CPU)
     device_mem: DeviceMemory | None = None  # the monitor's view; None where it saw no device
     steps: list[Step] = []  # every step record (schema 2; empty in schema 1)
+    # the kernel ceiling the case measured on its device (run_meta's kernel_ceiling, training/ceiling.py)
+    # and the phase's tokens/p/s over it; None where none was measured
+    ceiling_tokens_per_gpu_s: float | None = None
+    ceiling_efficiency: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ceiling(cls, data: Any) -> Any:
+        """The ceiling figures from the run_meta record when the builder did not give them."""
+        if not isinstance(data, dict) or "ceiling_tokens_per_gpu_s" in data:
+            return data
+        ceiling, eff = efficiency(data.get("meta"), data.get("tokens_per_gpu_s"))
+        return {**data, "ceiling_tokens_per_gpu_s": ceiling, "ceiling_efficiency": eff} if ceiling is not None else data
 
     @model_validator(mode="before")
     @classmethod

@@ -210,3 +210,116 @@ def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dt
         f"{heads} query heads over {groups} KV groups, head dim {head_dim}, {dtype} on "
         f"{torch.cuda.get_device_name(device)}: {' | '.join(errors)}; use parallel.attention: sdpa"
     )
+
+
+# -- fused RoPE ----------------------------------------------------------------------------
+
+
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
+    """What megatron's unfused ``_apply_rotary_pos_emb_bshd`` computes without interleaving:
+    ``t * cos + rotate_half(t) * sin`` on the first ``freqs.shape[-1]`` channels, the rest as is."""
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    cos = (torch.cos(freqs) * mscale).to(t.dtype)
+    sin = (torch.sin(freqs) * mscale).to(t.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+
+
+def compiled_rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, mla_rotary_interleaved: bool = False,
+                  mscale: float = 1.0, multi_latent_attention: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """Stands in for megatron's ``rope_utils._apply_rotary_pos_emb_bshd`` (``parallel.fused_rope:
+    compile``): the same function as one torch.compile region (cos, sin, rotation and the
+    products in one kernel each way)."""
+    if rotary_interleaved or mla_rotary_interleaved or multi_latent_attention:
+        raise ValueError("parallel.fused_rope: compile covers the non-interleaved RoPE of Llama only")
+    return compiled(rope_bshd)(t, freqs, float(mscale))
+
+
+def install_compiled_rope() -> None:
+    """Route megatron's unfused RoPE (every attention layer's query and key) through
+    :func:`compiled_rope`: megatron-core 0.16 and 0.19 call ``_apply_rotary_pos_emb_bshd``
+    through their module's globals."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if not hasattr(rope_utils, "_apply_rotary_pos_emb_bshd"):
+        raise RuntimeError("parallel.fused_rope: this megatron-core has no rope_utils._apply_rotary_pos_emb_bshd to replace")
+    rope_utils._apply_rotary_pos_emb_bshd = compiled_rope
+
+
+# -- fused output layer + cross-entropy ----------------------------------------------------
+
+FUSED_LOSS_CHUNK = 2048  # tokens per chunk: the logits of a chunk are [chunk, vocab / tp] in float32
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
+    if group is not None:
+        torch.distributed.all_reduce(t, op=op, group=group)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Output layer and cross-entropy in one, over a vocabulary split across tensor-parallel
+    ranks, a chunk of tokens at a time: the logits of all tokens never exist at once.
+
+    Forward: per chunk, ``logits = x W^T`` (this rank's vocabulary slice, in float32 after
+    the product), the max, the sum of exponentials and the label's logit reduced over the
+    TP group; the loss is ``log(sum exp) + max - logit[label]``, and only the log-sum-exp per
+    token is kept. Backward: the chunk's logits are made again, ``softmax - one_hot`` scaled
+    by each token's incoming gradient gives ``dx = d W`` (all-reduced over the TP group, as
+    megatron's column-parallel output layer does) and ``dW += d^T x`` (float32 sum over
+    chunks). Megatron's path keeps the logits ([tokens, vocab / tp]) and its float32 softmax
+    for the backward instead; this one recomputes one product per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any, chunk: int) -> torch.Tensor:
+        vocab_part = weight.shape[0]
+        first = (torch.distributed.get_rank(group) if group is not None else 0) * vocab_part
+        n = x.shape[0]
+        lse = torch.empty(n, dtype=torch.float32, device=x.device)
+        loss = torch.empty(n, dtype=torch.float32, device=x.device)
+        for i in range(0, n, chunk):
+            logits = torch.matmul(x[i:i + chunk], weight.t()).float()
+            top = logits.max(dim=-1).values
+            _all_reduce(top, torch.distributed.ReduceOp.MAX, group)
+            total = torch.exp(logits - top[:, None]).sum(dim=-1)
+            _all_reduce(total, torch.distributed.ReduceOp.SUM, group)
+            local = labels[i:i + chunk] - first
+            inside = (local >= 0) & (local < vocab_part)
+            picked = logits.gather(1, local.clamp(0, vocab_part - 1)[:, None]).squeeze(1) * inside
+            _all_reduce(picked, torch.distributed.ReduceOp.SUM, group)
+            lse[i:i + chunk] = torch.log(total) + top
+            loss[i:i + chunk] = lse[i:i + chunk] - picked
+        ctx.save_for_backward(x, weight, labels, lse)
+        ctx.group, ctx.chunk, ctx.first = group, chunk, first
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight, labels, lse = ctx.saved_tensors
+        vocab_part, chunk = weight.shape[0], ctx.chunk
+        dx = torch.empty_like(x)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        rows = torch.arange(min(chunk, x.shape[0]), device=x.device)
+        for i in range(0, x.shape[0], chunk):
+            xc = x[i:i + chunk]
+            d = torch.exp(torch.matmul(xc, weight.t()).float() - lse[i:i + chunk, None])  # softmax
+            local = labels[i:i + chunk] - ctx.first
+            inside = (local >= 0) & (local < vocab_part)
+            r = rows[: xc.shape[0]]
+            d[r[inside], local[inside]] -= 1.0
+            d = (d * grad[i:i + chunk, None].float()).to(x.dtype)
+            dx[i:i + chunk] = torch.matmul(d, weight)
+            dw += torch.matmul(d.t(), xc)
+        _all_reduce(dx, torch.distributed.ReduceOp.SUM, ctx.group)
+        return dx, dw.to(weight.dtype), None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any,
+                         chunk: int = FUSED_LOSS_CHUNK) -> torch.Tensor:  # fmt: skip
+    """Per-token loss ``[b, s]`` of hidden states ``[s, b, h]`` through the output weight
+    ``[vocab / tp, h]`` against labels ``[b, s]``; ``group``: the TP group (None: no TP)."""
+    s, b, h = hidden.shape
+    flat_labels = labels.transpose(0, 1).reshape(-1)
+    loss = LinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels, group, chunk)
+    return loss.view(s, b).transpose(0, 1).contiguous()

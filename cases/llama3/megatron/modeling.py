@@ -96,15 +96,14 @@ class SDPACoreAttention(MegatronModule):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of ``[b, heads, s, d]`` inputs (K/V with their own, fewer heads)."""
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-            scale=self.scale,
-            enable_gqa=self.heads != self.groups,
-        )
+        return sdpa_attention(q, k, v, self.scale, self.dropout if self.training else 0.0)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """Causal grouped-query attention through torch SDPA, torch picking the kernel."""
+    return F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class CuDNNCoreAttention(SDPACoreAttention):
@@ -129,6 +128,29 @@ class CuDNNCoreAttention(SDPACoreAttention):
 
 
 CORE_ATTENTION = {"sdpa": SDPACoreAttention, "cudnn": CuDNNCoreAttention}
+
+
+def kernel_ceiling(s: Settings, device: torch.device, repeat: int = 5) -> dict[str, Any]:
+    """training/ceiling.py's kernel ceiling of this layout on ``device``: one tensor-parallel
+    rank's GEMMs of a micro batch and its core attention, with the kernel ``parallel.attention``
+    picks (``sdpa`` or ``cudnn``; megatron's ``local`` and TE's are timed as SDPA, named so)."""
+    from training import ceiling
+
+    sh, lay = s.shape, s.layout
+    d = sh.hidden_size // sh.num_heads
+    heads, groups = sh.num_heads // lay.tp, sh.num_kv_groups // lay.tp
+    scale = 1.0 / math.sqrt(d)
+    dtype = DTYPES[s.precision]
+    if lay.attention == "cudnn":
+        gqa = kernels.cudnn_attention_mode(heads, groups, d, dtype, device)
+        attend, name = (lambda q, k, v: kernels._sdpa_cudnn(q, k, v, scale, gqa)), f"cudnn, GQA {gqa}"
+    else:
+        attend = lambda q, k, v: sdpa_attention(q, k, v, scale)  # noqa: E731
+        name = "sdpa" if lay.attention == "sdpa" else f"sdpa (standing in for {lay.attention})"
+    tokens = lay.micro_batch * sh.seq_length
+    gemms = ceiling.decoder_gemms(sh.hidden_size, sh.ffn_hidden_size, sh.num_heads, sh.num_kv_groups, d, sh.vocab_size, lay.tp, tokens)
+    return ceiling.measure(gemms, sh.num_layers, attend, name, batch=lay.micro_batch, heads=heads, groups=groups,
+                           seq=sh.seq_length, head_dim=d, tp=lay.tp, dtype=dtype, device=device, repeat=repeat)  # fmt: skip
 
 
 def use_transformer_engine(s: Settings) -> bool:
@@ -253,9 +275,39 @@ def transformer_config(s: Settings) -> TransformerConfig:
     return TransformerConfig(**kw)
 
 
+class FusedLossGPTModel(GPTModel):
+    """GPTModel whose last stage computes the output layer and the loss in one
+    (``parallel.fused_linear_loss: chunked``, kernels.LinearCrossEntropy): the output layer hands
+    the final norm's output on unchanged, and the loss multiplies it by the output layer's
+    weight (the same parameter, so DDP, the optimizer and the starting weights see no change)
+    a chunk of tokens at a time."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.post_process:
+            self.output_layer.forward = _hand_on
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if logits.shape[-1] != self.config.hidden_size:
+            raise RuntimeError(f"fused_linear_loss: the output layer handed on {tuple(logits.shape)}, not hidden states")
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        return kernels.linear_cross_entropy(logits, self.output_layer.weight, labels, group)
+
+
+def _hand_on(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **kwargs: Any) -> tuple:
+    """The output layer's forward under the fused loss: the hidden states, no bias."""
+    if weight is not None:
+        raise RuntimeError("fused_linear_loss: the output layer is handed a weight (tied embeddings), which it does not support")
+    return hidden_states, None
+
+
 def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model (all layers when pp == 1)."""
-    return GPTModel(
+    if s.layout.fused_rope == "compile":
+        kernels.install_compiled_rope()
+    model_class = FusedLossGPTModel if s.layout.fused_linear_loss == "chunked" else GPTModel
+    return model_class(
         config=config,
         transformer_layer_spec=decoder_spec(s, config),
         vocab_size=s.shape.vocab_size,

@@ -23,6 +23,9 @@ Keys read (``cfg`` is the resolved.json object):
   SwiGLU as torch.compile regions or liger-kernel's Triton kernels, liger on cuda
   only; they replace megatron's local modules, so not with transformer_impl
   transformer_engine, and under auto only where TransformerEngine is absent),
+  ``fused_rope`` (none|compile: megatron's unfused RoPE as one torch.compile region),
+  ``fused_linear_loss`` (none|chunked: output layer and cross-entropy in one, a chunk of
+  tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
   ``transformer_impl`` (auto|local|transformer_engine),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``; ``dp`` when
   present must equal ``world_size / (tp * pp)``
@@ -49,6 +52,8 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("sdpa", "cudnn", "local", "te")
 FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
+FUSED_ROPE = ("none", "compile")
+FUSED_LINEAR_LOSS = ("none", "chunked")
 TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
 
 
@@ -84,6 +89,8 @@ class Layout:
     overlap_param_gather: bool = False
     attention: str = "sdpa"
     fused_elementwise: str = "none"
+    fused_rope: str = "none"
+    fused_linear_loss: str = "none"
     transformer_impl: str = "auto"
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
@@ -157,6 +164,8 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         fused_elementwise=_choice(
             _get(parallel, "fused_elementwise", "parallel", "none"), "parallel.fused_elementwise", FUSED_ELEMENTWISE
         ),
+        fused_rope=_choice(_get(parallel, "fused_rope", "parallel", "none"), "parallel.fused_rope", FUSED_ROPE),
+        fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
         optimizer_offload_fraction=_float(_get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"),
@@ -193,6 +202,8 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
             "TransformerEngine brings its own: set parallel.transformer_impl to local (or auto without TransformerEngine) "
             "or parallel.fused_elementwise to none"
         )
+    if layout.fused_linear_loss != "none" and layout.sequence_parallel:
+        raise SettingsError("parallel.fused_linear_loss: chunked does not support parallel.sequence_parallel")
     if layout.fused_elementwise != "none" and layout.sequence_parallel:
         raise SettingsError(f"parallel.fused_elementwise: {layout.fused_elementwise} does not support parallel.sequence_parallel")
 

@@ -29,6 +29,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from training import flops, runtime  # noqa: E402
+from training.ceiling import K_KERNEL_CEILING  # noqa: E402
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger  # noqa: E402
 from training.profiling import StepProfiler  # noqa: E402
 from training.steptimer import StepClock  # noqa: E402
@@ -111,6 +112,7 @@ class Trainer:
         import startweights
 
         s, lay = self.s, self.s.layout
+        self.ceiling = self.measure_ceiling()
         self.tconfig = modeling.transformer_config(s)
         model = modeling.build_model(s, self.tconfig)  # on the device (use_cpu_initialization=False)
         # every layout starts from the TP1/PP1 model's weights; written before Float16Module,
@@ -166,6 +168,18 @@ class Trainer:
             wd_incr_steps=s.steps,
             wd_incr_style="constant",
         )
+
+    def measure_ceiling(self) -> dict:
+        """training/ceiling.py's kernel ceiling of this layout, timed on every rank's device at
+        once before the model exists; the allocator's peak is reset after it."""
+        import torch
+
+        import modeling
+
+        value = modeling.kernel_ceiling(self.s, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return value
 
     def _exact_params(self, model) -> int:
         import torch
@@ -237,6 +251,8 @@ class Trainer:
                 attention=lay.attention,
                 attention_kernel=modeling.attention_kernel(s),
                 fused_elementwise=modeling.fused_elementwise_in_use(s),
+                fused_rope=lay.fused_rope,
+                fused_linear_loss=lay.fused_linear_loss,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),
@@ -246,6 +262,7 @@ class Trainer:
             device=s.device,
             torch_version=torch.__version__,
             data=self.data_desc,
+            **{K_KERNEL_CEILING: self.ceiling},
         )
 
     # -- training ----------------------------------------------------------
@@ -315,9 +332,32 @@ class Trainer:
             self.log.emit("info", "cuda_memory", {"max_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))})
 
 
+def ceiling_only(cfg: dict, log: MetricLogger) -> None:
+    """``--ceiling`` (start_task.py --ceiling): the kernel ceiling of the configured layout on this
+    process's first device, as one ``info`` record; no process group, model or data."""
+    import torch
+
+    import modeling
+    from settings import from_config
+
+    case = cfg["case"]
+    s = from_config(cfg, int(case["nnodes"]) * int(case["nprocs"]))
+    device = torch.device("cuda", 0) if s.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        log.emit("info", K_KERNEL_CEILING, modeling.kernel_ceiling(s, device))
+    except BaseException as exc:
+        log.error(f"kernel ceiling: {type(exc).__name__}: {exc}")
+        raise
+
+
 def main() -> int:
     cfg = runtime.setup()
     log = MetricLogger()
+    if "--ceiling" in sys.argv[1:]:
+        ceiling_only(cfg, log)
+        return 0
     runtime.run_trainer(lambda: Trainer(cfg, log), log)
     import torch.distributed as dist
 

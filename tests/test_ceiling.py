@@ -1,0 +1,108 @@
+"""The kernel ceiling (training/ceiling.py): the GEMM list a decoder's layout gives, the host's
+reading of it (results.json's ceiling figures, the table's "of ceiling" column), and on the CPU
+the real thing: ``start_task.py --ceiling`` on the tiny llama3 case, and a short run whose
+results.json carries the ceiling its ranks measured before training."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from run_benchmarks import results, typed_results as tr
+from run_benchmarks.registry import ROOT
+from training import ceiling, flops
+
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+LLAMA3_8B = dict(hidden=4096, ffn=14336, heads=32, groups=8, head_dim=128, vocab=128256)
+
+
+def test_decoder_gemms_are_the_models_linear_layers_per_tp_rank():
+    shape = flops.DecoderShape(num_layers=32, hidden_size=4096, num_heads=32, seq_length=8192, vocab_size=128256,
+                               ffn_hidden_size=14336, num_kv_groups=8)  # fmt: skip
+    counts = flops.param_counts(shape)
+    linear_per_layer = counts["per_layer"] - 2 * 4096  # without the two norms' weights
+    for tp in (1, 2, 4):
+        g = {x.name: x for x in ceiling.decoder_gemms(**LLAMA3_8B, tp=tp, tokens=8192)}
+        assert (g["qkv"].n, g["qkv"].k) == (6144 // tp, 4096) and (g["attn_proj"].n, g["attn_proj"].k) == (4096, 4096 // tp)
+        assert (g["fc1"].n, g["fc2"].k) == (2 * 14336 // tp, 14336 // tp) and g["output"].n == 128256 // tp
+        assert not g["output"].per_layer and all(x.per_layer for n, x in g.items() if n != "output")
+        # forward + both gradients of every product: 6 FLOPs per weight and token, the model's 6N over TP
+        per_token = (32 * sum(x.flops for x in g.values() if x.per_layer) + g["output"].flops) / 8192
+        assert per_token == pytest.approx(6 * (32 * linear_per_layer + counts["output"]) / tp, rel=1e-12)
+    # causal attention, forward + backward: 3.5 x the forward's 2 products over the causal half
+    assert ceiling.causal_attention_flops(1, 32, 8192, 128) == pytest.approx(3.5 * 4 * 32 * 8192**2 * 128 / 2)
+
+
+def test_efficiency_reads_the_ceiling_from_run_meta():
+    meta = {"kernel_ceiling": {"tokens_per_gpu_s": 12000.0}}
+    assert ceiling.efficiency(meta, 9000.0) == (12000.0, 0.75)
+    assert ceiling.efficiency(meta, None) == (12000.0, None)
+    for bad in (None, {}, {"kernel_ceiling": None}, {"kernel_ceiling": {"tokens_per_gpu_s": 0}},
+                {"kernel_ceiling": {"tokens_per_gpu_s": "fast"}}, {"kernel_ceiling": {"tokens_per_gpu_s": True}}):  # fmt: skip
+        assert ceiling.efficiency(bad, 9000.0) == (None, None)
+
+
+def _phase(**kw):
+    gate = {"verdict": "not judged", "reason": "no reference curve"}
+    return tr.PhaseResult(phase="train", steps_run=25, window={"warmup_steps": 5}, gate=gate, **kw)
+
+
+def test_a_phase_takes_its_ceiling_figures_from_its_meta():
+    p = _phase(tokens_per_gpu_s=9217.0, meta={"kernel_ceiling": {"tokens_per_gpu_s": 12290.0}})
+    assert p.ceiling_tokens_per_gpu_s == 12290.0 and p.ceiling_efficiency == pytest.approx(9217 / 12290)
+    assert results.ceiling_cell(p.ceiling_efficiency, p.ceiling_tokens_per_gpu_s) == "75.0% of 12,290"
+    again = tr.PhaseResult.model_validate(p.model_dump())  # as written to and read from results.json
+    assert (again.ceiling_tokens_per_gpu_s, again.ceiling_efficiency) == (p.ceiling_tokens_per_gpu_s, p.ceiling_efficiency)
+    none = _phase(tokens_per_gpu_s=9217.0, meta={"model": "x"})
+    assert (none.ceiling_tokens_per_gpu_s, none.ceiling_efficiency) == (None, None)
+    assert results.ceiling_cell(None, None) == "-"
+    # a results.json written before the ceiling existed still loads, without one
+    old = tr.load(ROOT / "docs/results/runs/2026-11-26_llama3_8b_H200x2_compile.json")
+    assert old.rounds[0].phases[0].ceiling_tokens_per_gpu_s is None
+
+
+def start(*args, timeout=600):
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+@pytest.mark.framework("megatron")
+def test_ceiling_alone_on_the_cpu(megatron_python):
+    base = ("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--python", megatron_python, "--ceiling")
+    proc = start(*base, "--json", "--set", "parallel.tp=2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    c = json.loads(proc.stdout)
+    # llama3_tiny: hidden 64, 4 heads of 16, 2 KV groups, ffn 224, vocab 1024, 2 layers, seq 128; TP2 shards
+    assert (c["tp"], c["micro_batch"], c["seq_length"], c["layers"], c["device"], c["attention"]) == (2, 1, 128, 2, "cpu", "sdpa")
+    assert {k: (v["m"], v["n"], v["k"]) for k, v in c["parts"].items() if k != "attention"} == {
+        "qkv": (128, 64, 64), "attn_proj": (128, 64, 32), "fc1": (128, 224, 64), "fc2": (128, 64, 112), "output": (128, 512, 64)}
+    assert c["micro_batch_s"] == pytest.approx(c["gemm_s"] + c["attention_s"])
+    assert c["tokens_per_gpu_s"] == pytest.approx(128 / (c["micro_batch_s"] * 2))
+    assert all(v["fwd_ms"] > 0 and v["dgrad_ms"] > 0 and v["wgrad_ms"] > 0 for k, v in c["parts"].items() if k != "attention")
+    assert c["parts"]["attention"]["fwd_bwd_ms"] > 0
+    text = start(*base)
+    assert text.returncode == 0 and "tokens/p/s" in text.stdout and "attention" in text.stdout, text.stdout + text.stderr
+    # a case whose entry measures none, and options that do not apply: bad input, nothing runs
+    other = start("--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:1:2", "--ceiling")
+    assert other.returncode == 2 and "does not measure a kernel ceiling" in other.stderr
+    cl = start(*base, "--cluster", "x.yaml")
+    assert cl.returncode == 2 and "--cluster does not apply" in cl.stderr
+
+
+@pytest.mark.framework("megatron")
+def test_a_run_records_the_ceiling_its_ranks_measured(megatron_python, tmp_path):
+    proc = start("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--python", megatron_python,
+                 "--log-dir", str(tmp_path), "--set", "train.steps=7")  # fmt: skip
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    res = tr.load(run_dir / "results.json")
+    (p,) = res.rounds[0].phases
+    assert p.steps_run == 7, proc.stdout + proc.stderr
+    c = p.meta["kernel_ceiling"]
+    assert c["tp"] == 1 and c["device"] == "cpu" and c["tokens_per_gpu_s"] > 0
+    assert p.ceiling_tokens_per_gpu_s == c["tokens_per_gpu_s"] and p.ceiling_efficiency == pytest.approx(p.tokens_per_gpu_s / c["tokens_per_gpu_s"])
+    raw = json.loads((run_dir / "results.json").read_text())["rounds"][0]["phases"][0]
+    assert raw["ceiling_efficiency"] == pytest.approx(p.ceiling_efficiency)  # written, not only derived on reading
+    assert "of ceiling" in (run_dir / "results.md").read_text()

@@ -155,6 +155,21 @@ class Node:
             pass
 
 
+#: what Debian-based images set when their Dockerfile sets no PATH
+IMAGE_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def image_path(image: str) -> str:
+    """The PATH an image's containers start with (its ``Config.Env``), else Debian's default."""
+    try:
+        out = subprocess.run(["docker", "image", "inspect", "--format", "{{json .Config.Env}}", image],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        env = json.loads(out.stdout) if out.returncode == 0 else []
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        env = []
+    return next((e.split("=", 1)[1] for e in env or [] if e.startswith("PATH=")), IMAGE_DEFAULT_PATH)
+
+
 def write_report(node_dir: Path, report: dict[str, Any]) -> None:
     tmp = node_dir / "node.json.tmp"
     tmp.write_text(json.dumps(report, indent=2))
@@ -197,9 +212,11 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
         if iface:
             env["GLOO_SOCKET_IFNAME"] = iface
     # the framework environment's tools (ninja for DeepSpeed's JIT-built ops, console scripts)
-    # on PATH, as in an activated environment; not for docker run here, whose PATH is the image's
-    if not spec.get("container") and os.path.isabs(cmd[0]):
-        env["PATH"] = os.pathsep.join([os.path.dirname(cmd[0]), env.get("PATH") or os.environ.get("PATH", os.defpath)])
+    # on PATH, as in an activated environment; in front of the image's own PATH for docker run
+    if os.path.isabs(cmd[0]):
+        image = (spec.get("container") or {}).get("image")
+        base = image_path(image) if image else env.get("PATH") or os.environ.get("PATH", os.defpath)
+        env["PATH"] = os.pathsep.join([os.path.dirname(cmd[0]), base])
     runner = Node(spec, rank, master, container_name)
     (runner.node_dir / "ranks").mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -132,12 +132,17 @@ def host_command(argv: list[str]) -> int:
     group.add_argument("--load-images", nargs="?", const="", metavar="ARCHIVE",
                        help="load the vendor's base images on every host that lacks them: from ARCHIVE "
                             "(a docker save file), else from this machine's docker engine")
-    group.add_argument("--cleanup", action="store_true", help="remove what earlier runs left on the hosts")
+    group.add_argument("--cleanup", action="store_true",
+                       help="remove what earlier runs left on the hosts (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm)")
     ap.add_argument("--vendor", help="vendor folder under vendors/ (for --load-images)")
     args = ap.parse_args(argv)
     try:
         cluster = load(ClusterConfig, args.cluster)
-        if args.cleanup:
+        if args.cleanup and cluster.backend == "slurm":
+            from run_benchmarks.runtimes.slurm import clean_jobs
+
+            lines = clean_jobs(cluster) or ["no Slurm job of a run whose start_task.py is gone"]
+        elif args.cleanup:
             from run_benchmarks.runtimes.ssh import clean_hosts
 
             lines = clean_hosts(cluster) or ["nothing left on the hosts"]

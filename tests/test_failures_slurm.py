@@ -72,3 +72,27 @@ def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: Sl
     for k in (0, 1):  # each node wrapper stopped its launcher and said so
         report = json.loads((run_dir(tmp_path) / "round1" / f"node{k}" / "node.json").read_text())
         assert report["stopped_by_signal"] in ("SIGTERM", "SIGINT"), report
+
+
+def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    """SIGKILL leaves start_task.py no chance to cancel its job; the job's comment names the
+    dead submitter, and ``--cleanup`` (as the next run's prepare) cancels it, naming it."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    proc = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+                             "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--set", LONG],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    jid = wait_for("the job to run", lambda: job_id(tmp_path) if job_id(tmp_path) and show_job(slurm_cluster, job_id(tmp_path))["JobState"] == "RUNNING" else None, proc)
+    proc.kill()
+    proc.communicate(timeout=30)
+    time.sleep(2)
+    assert jid in slurm_cluster.jobs()  # nobody follows it any more, yet it holds the nodes
+    run_id = results(tmp_path)["run_id"]
+    clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert clean.stdout.strip() == f"cancelled Slurm jobs whose start_task.py is gone: job {jid} of run {run_id}"
+    end = time.monotonic() + 60
+    while slurm_cluster.jobs() and time.monotonic() < end:
+        time.sleep(0.5)
+    assert_nothing_left(slurm_cluster, run_id)
+    again = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.strip() == "no Slurm job of a run whose start_task.py is gone"

@@ -22,6 +22,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,7 @@ class SlurmRuntime(Runtime):
             )
         self.node_python = self.conf.node_python or sys.executable
         self.jobs: list[Job] = []
+        self.notes: list[str] = []  # leftovers of earlier runs removed at prepare
 
     # ------------------------------------------------------------------ client commands
 
@@ -164,7 +166,31 @@ class SlurmRuntime(Runtime):
             raise InputError(f"backend slurm: the Slurm controller does not answer ({why[-1] if why else 'scontrol ping failed'})")
         if not plan.run_dir.is_absolute():
             raise InputError(f"backend slurm: run dir {plan.run_dir} must be an absolute path on a shared filesystem")
+        line = self.cancel_orphans()
+        if line:
+            self.notes.append(line)
+            print(line, file=sys.stderr, flush=True)
         return self._python(plan, log), ROOT
+
+    def cancel_orphans(self) -> str | None:
+        """Cancel the jobs that runs started from this host left behind when their start_task.py
+        died (SIGKILL, a crashed machine): each job's comment names its submitter's host and pid
+        (``submitter_comment``), and a pid no longer alive here means nobody follows the job.
+        Jobs of other submit hosts and of live runs are never touched. One line, or None."""
+        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%k"], timeout=30)
+        if proc.returncode != 0:
+            return None  # the controller answered ping: a transient failure; the next run sweeps
+        gone: dict[str, list[str]] = {}
+        for row in proc.stdout.splitlines():
+            job_id, _, comment = row.strip().partition("|")
+            owner = parse_comment(comment)
+            if owner and owner[0] == socket.gethostname() and not _alive_pid(owner[1]):
+                if self._run(["scancel", job_id], timeout=60).returncode == 0:
+                    gone.setdefault(owner[2], []).append(job_id)
+        if not gone:
+            return None
+        runs = "; ".join(f"job {', '.join(ids)} of run {run}" for run, ids in sorted(gone.items()))
+        return f"cancelled Slurm jobs whose start_task.py is gone: {runs}"
 
     # ------------------------------------------------------------------ what a round submits
 
@@ -232,6 +258,7 @@ class SlurmRuntime(Runtime):
             "sbatch", "--parsable", f"--job-name={self.job_name(plan, round_dir)}",
             f"--nodes={n}", "--ntasks-per-node=1", f"--time={c.time_limit}", "--no-requeue",
             f"--chdir={round_dir}", f"--output={round_dir / 'slurm' / 'job-%j.out'}",
+            f"--comment={submitter_comment(plan.run_id)}",
         ]  # fmt: skip
         if c.exclusive:
             argv.append("--exclusive")
@@ -436,7 +463,8 @@ class SlurmRuntime(Runtime):
                 "partition": c.partition, "account": c.account, "time_limit": c.time_limit,
                 "container_runtime": c.container_runtime, "image": c.image, "exclusive": c.exclusive,
                 "node_python": self.node_python, "jobs": [j.summary() for j in self.jobs if j.job_id],
-            }
+            },
+            "leftovers_removed": list(self.notes),
         }  # fmt: skip
 
     def host_memory(self) -> dict[str, int]:
@@ -459,6 +487,41 @@ class SlurmRuntime(Runtime):
             if job.gone_at is None and self._alive(job):
                 self._cancel(job, "cleanup")
                 self._wait_gone(job, limit=30.0)
+
+
+COMMENT_TAG = "flagbench"
+
+
+def submitter_comment(run_id: str) -> str:
+    """A job's comment: who follows it ("flagbench submitter=HOST:PID run=RUN_ID")."""
+    return f"{COMMENT_TAG} submitter={socket.gethostname()}:{os.getpid()} run={run_id}"
+
+
+def parse_comment(comment: str) -> tuple[str, int, str] | None:
+    """(host, pid, run id) of a ``submitter_comment``; None for any other comment."""
+    m = re.fullmatch(rf"{COMMENT_TAG} submitter=(\S+):(\d+) run=(\S+)", comment.strip())
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def _alive_pid(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_jobs(cluster: ClusterConfig) -> list[str]:
+    """``start_task.py --cluster FILE --cleanup`` for a Slurm cluster: the jobs of runs whose
+    start_task.py is gone, cancelled (``SlurmRuntime.cancel_orphans``)."""
+    rt = SlurmRuntime(cluster)
+    missing = [c for c in CLIENTS if shutil.which(c) is None]
+    if missing:
+        raise InputError(f"backend slurm: {', '.join(missing)} not found on this host (Slurm client commands)")
+    line = rt.cancel_orphans()
+    return [line] if line else []
 
 
 def _venv_home(env: Path) -> Path | None:

@@ -67,7 +67,7 @@ def test_prefix_is_needed_when_several_corpora(tmp_path):
     with pytest.raises(FileNotFoundError, match="name one with data.prefix"):
         _data({"data_dir": str(tmp_path)})
     assert _data({"data_dir": str(tmp_path), "prefix": "b"}).prefix == str(tmp_path / "b")
-    with pytest.raises(FileNotFoundError, match="c.idx not found"):
+    with pytest.raises(FileNotFoundError, match=r"data.prefix .c.: .*c\.idx does not exist"):
         _data({"data_dir": str(tmp_path), "prefix": "c"})
 
 

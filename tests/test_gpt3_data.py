@@ -67,7 +67,10 @@ def test_reader_without_docs_and_bad_files(tmp_path):
         paddle_gpt.read_corpus(prefix)
     with pytest.raises(FileNotFoundError, match="_ids.npy"):
         paddle_gpt.read_corpus(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no '<name>_ids.npy'"):
+        paddle_gpt.find_prefix(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="nowhere: no such directory"):
         paddle_gpt.find_prefix(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="out of range"):
         paddle_gpt.write_corpus(str(tmp_path / "x"), [np.array([5, 70000])], 50304)

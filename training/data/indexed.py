@@ -41,7 +41,10 @@ DTYPE_CODES: dict[int, type] = {
     6: np.float64,
     7: np.float32,
     8: np.uint16,
+    9: np.uint32,  # PaddleNLP's codes 9 and 10 (megatron-core stops at 8)
+    10: np.uint64,
 }
+HEADER_BYTES = len(INDEX_HEADER) + 8 + 1 + 8 + 8
 _CODE_OF = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 
 
@@ -134,36 +137,57 @@ def write_indexed(prefix: str, documents: Iterable[Sequence[int] | np.ndarray], 
 
 
 class IndexedReader:
-    """Reads ``<prefix>.bin/.idx`` through memory maps."""
+    """Reads ``<prefix>.bin/.idx`` through memory maps.
 
-    def __init__(self, prefix: str):
+    Every problem with the pair (a short or foreign ``.idx``, a ``.bin`` whose size
+    the index does not describe, a float dtype) is a ValueError whose message
+    starts with the file at fault.
+    """
+
+    def __init__(self, prefix: str, integer_tokens: bool = True):
         self.prefix = prefix
-        with open(idx_path(prefix), "rb") as fh:
-            header = fh.read(len(INDEX_HEADER))
-            if header != INDEX_HEADER:
-                raise ValueError(f"{idx_path(prefix)}: not a Megatron indexed dataset index (bad magic {header!r})")
-            (version,) = struct.unpack("<Q", fh.read(8))
-            if version != INDEX_VERSION:
-                raise ValueError(f"{idx_path(prefix)}: unsupported index version {version}")
-            (code,) = struct.unpack("<B", fh.read(1))
-            if code not in DTYPE_CODES:
-                raise ValueError(f"{idx_path(prefix)}: unknown dtype code {code}")
-            self.dtype = np.dtype(DTYPE_CODES[code])
-            (self.sequence_count,) = struct.unpack("<Q", fh.read(8))
-            (self.document_count,) = struct.unpack("<Q", fh.read(8))
-            offset = fh.tell()
-        idx = np.memmap(idx_path(prefix), mode="r", dtype=np.uint8)
+        ipath, bpath = idx_path(prefix), bin_path(prefix)
+        for path in (ipath, bpath):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{path}: no such file")
+        idx_size = os.path.getsize(ipath)
+        with open(ipath, "rb") as fh:
+            head = fh.read(HEADER_BYTES)
+        if head[: len(INDEX_HEADER)] != INDEX_HEADER:
+            raise ValueError(f"{ipath}: not a Megatron indexed dataset index (bad magic {head[:len(INDEX_HEADER)]!r})")
+        if len(head) < HEADER_BYTES:
+            raise ValueError(f"{ipath}: truncated: {idx_size} bytes, shorter than the {HEADER_BYTES}-byte header")
+        at = len(INDEX_HEADER)
+        (version,) = struct.unpack_from("<Q", head, at)
+        if version != INDEX_VERSION:
+            raise ValueError(f"{ipath}: unsupported index version {version}")
+        code = head[at + 8]
+        if code not in DTYPE_CODES:
+            raise ValueError(f"{ipath}: unknown dtype code {code}")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        if integer_tokens and self.dtype.kind not in "iu":
+            raise ValueError(f"{ipath}: dtype {self.dtype} (code {code}): token ids must be stored as integers")
+        self.sequence_count, self.document_count = struct.unpack_from("<QQ", head, at + 9)
         n, d = self.sequence_count, self.document_count
+        need = HEADER_BYTES + 4 * n + 8 * n + 8 * d
+        if idx_size < need:
+            raise ValueError(f"{ipath}: truncated: {idx_size} bytes, its header describes {n} sequences and "
+                             f"{d} document indices ({need} bytes)")
+        offset = HEADER_BYTES
+        idx = np.memmap(ipath, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n, offset=offset)
         offset += 4 * n
         self.sequence_pointers = np.frombuffer(idx, dtype=np.int64, count=n, offset=offset)
         offset += 8 * n
         self.document_indices = np.frombuffer(idx, dtype=np.int64, count=d, offset=offset)
-        size = os.path.getsize(bin_path(prefix))
+        if n and (self.sequence_lengths.min() < 0):
+            raise ValueError(f"{ipath}: negative sequence length")
+        size = os.path.getsize(bpath)
         expected = int(self.sequence_lengths.astype(np.int64).sum()) * self.dtype.itemsize
         if size != expected:
-            raise ValueError(f"{bin_path(prefix)}: {size} bytes, the index describes {expected}")
-        self._tokens = np.memmap(bin_path(prefix), mode="r", dtype=self.dtype) if size else np.zeros(0, self.dtype)
+            raise ValueError(f"{bpath}: {size} bytes, the index {os.path.basename(ipath)} describes {expected} "
+                             f"({'truncated' if size < expected else 'longer than its index'})")
+        self._tokens = np.memmap(bpath, mode="r", dtype=self.dtype) if size else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
         return self.sequence_count

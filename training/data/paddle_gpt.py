@@ -13,7 +13,13 @@ A corpus is two files that share a prefix (FlagPerf's gpt3 cases use
                        counts: document d is sentences docs[d] .. docs[d+1]-1,
                        docs[0] == 0 and docs[-1] == num_sentences.
 
-This is what PaddleNLP's ``create_pretraining_data.py`` writes and what its
+PaddleNLP's newer preprocessing (``paddlenlp.data.indexed_dataset.make_builder(path,
+"mmap", dtype)``) writes ``<prefix>.bin`` + ``<prefix>.idx`` instead: Megatron's
+indexed format (``training.data.indexed``, with PaddleNLP's dtype codes 9 and 10 for
+uint32/uint64).  ``read_tokens`` reads either, the npy pair first, as PaddleNLP's
+``make_dataset`` does.
+
+The pair is what PaddleNLP's ``create_pretraining_data.py`` writes and what its
 ``CompatibleIndexedDataset`` reads (``paddlenlp/data/indexed_dataset.py``:
 ``np.load(path + "_ids.npy", mmap_mode="r")``, ``np.load(path + "_idx.npz")``,
 ``["lens"]``, ``["docs"]``).  Files from older releases may lack ``docs``; the
@@ -34,11 +40,12 @@ import dataclasses
 import glob
 import os
 import tempfile
+import zipfile
 
 import numpy as np
 
 from training.data import synthetic
-from training.data.indexed import TokenWindows
+from training.data.indexed import IndexedReader, TokenWindows
 
 IDS_SUFFIX = "_ids.npy"
 IDX_SUFFIX = "_idx.npz"
@@ -127,16 +134,52 @@ def exists(prefix: str) -> bool:
     return os.path.isfile(prefix + IDS_SUFFIX) and os.path.isfile(prefix + IDX_SUFFIX)
 
 
+def mmap_exists(prefix: str) -> bool:
+    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
+
+
+def layout(prefix: str) -> str | None:
+    """``"npy"`` (the _ids.npy/_idx.npz pair), ``"mmap"`` (.bin/.idx) or None, the pair first."""
+    return "npy" if exists(prefix) else "mmap" if mmap_exists(prefix) else None
+
+
+def read_tokens(prefix: str) -> np.ndarray:
+    """Every token of the corpus at ``prefix``, in either layout, memory-mapped; errors name the file."""
+    if layout(prefix) == "mmap":
+        return IndexedReader(prefix).tokens
+    return read_corpus(prefix).ids
+
+
+def _load(path: str, **kw):  # type: ignore[no-untyped-def]
+    """``np.load`` whose failures name the file (a truncated or foreign file, a pickled array)."""
+    try:
+        return np.load(path, allow_pickle=False, **kw)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "allow_pickle" in text:
+            text = "holds Python objects (a pickled array), not token ids"
+        raise ValueError(f"{path}: not a readable numpy {'.npz archive' if path.endswith('.npz') else '.npy array'} "
+                         f"({text})") from None
+
+
 def read_corpus(prefix: str) -> Corpus:
     """Read a corpus pair and check that its two files agree."""
     if not exists(prefix):
         raise FileNotFoundError(f"no corpus at {prefix!r}: need {prefix}{IDS_SUFFIX} and {prefix}{IDX_SUFFIX}")
-    ids = np.load(prefix + IDS_SUFFIX, mmap_mode="r", allow_pickle=False)
-    with np.load(prefix + IDX_SUFFIX) as idx:
+    ids = _load(prefix + IDS_SUFFIX, mmap_mode="r")
+    idx = _load(prefix + IDX_SUFFIX)
+    if not hasattr(idx, "files"):
+        raise ValueError(f"{prefix}{IDX_SUFFIX}: a single array, not an .npz archive of 'lens' and 'docs'")
+    with idx:
         if "lens" not in idx:
             raise ValueError(f"{prefix}{IDX_SUFFIX} has no 'lens' array (keys: {sorted(idx.keys())})")
-        lens = np.asarray(idx["lens"])
-        docs = np.asarray(idx["docs"]) if "docs" in idx else np.arange(lens.shape[0] + 1, dtype=np.int64)
+        try:
+            lens = np.asarray(idx["lens"])
+            docs = np.asarray(idx["docs"]) if "docs" in idx else np.arange(lens.shape[0] + 1, dtype=np.int64)
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+            raise ValueError(f"{prefix}{IDX_SUFFIX}: an array cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"{prefix}{IDS_SUFFIX}: dtype {ids.dtype}: token ids must be stored as integers")
     if ids.ndim != 1:
         raise ValueError(f"{prefix}{IDS_SUFFIX} is {ids.ndim}-D, expected 1-D")
     total = int(lens.sum(dtype=np.int64))
@@ -148,16 +191,22 @@ def read_corpus(prefix: str) -> Corpus:
 
 
 def find_prefix(data_dir: str) -> str:
-    """The one corpus prefix in ``data_dir`` (e.g. ``<dir>/gpt_en_dataset_300m``)."""
-    found = sorted(p[: -len(IDS_SUFFIX)] for p in glob.glob(os.path.join(data_dir, "*" + IDS_SUFFIX)))
-    found = [p for p in found if os.path.isfile(p + IDX_SUFFIX)]
+    """The one corpus prefix in ``data_dir`` (e.g. ``<dir>/gpt_en_dataset_300m``): an
+    ``_ids.npy``/``_idx.npz`` pair or a ``.bin``/``.idx`` pair."""
+    if not os.path.isdir(data_dir):
+        raise FileNotFoundError(f"data.data_dir {data_dir}: no such directory")
+    npy = sorted(p[: -len(IDS_SUFFIX)] for p in glob.glob(os.path.join(data_dir, "*" + IDS_SUFFIX)))
+    npy = [p for p in npy if os.path.isfile(p + IDX_SUFFIX)]
+    mmap = sorted(p[:-4] for p in glob.glob(os.path.join(data_dir, "*.idx")) if os.path.isfile(p[:-4] + ".bin"))
+    found = npy + [p for p in mmap if p not in npy]
     if not found:
         raise FileNotFoundError(
             f"data_dir {data_dir!r} holds no '<name>{IDS_SUFFIX}' + '<name>{IDX_SUFFIX}' pair "
-            "(e.g. gpt_en_dataset_300m_ids.npy / gpt_en_dataset_300m_idx.npz)"
+            "(e.g. gpt_en_dataset_300m_ids.npy / gpt_en_dataset_300m_idx.npz) and no '<name>.bin' + '<name>.idx' pair"
         )
     if len(found) > 1:
-        raise ValueError(f"data_dir {data_dir!r} holds several corpora: {[os.path.basename(p) for p in found]}")
+        raise ValueError(f"data_dir {data_dir!r} holds several corpora: {[os.path.basename(p) for p in found]}; "
+                         "name one with data.prefix")
     return found[0]
 
 

@@ -5,8 +5,9 @@ Two sources, both Megatron indexed datasets (``training.data.indexed``):
 - ``cfg["data"]["data_dir"]`` set: a tokenized corpus (seed 003: openwebtext,
   the first 1e8 tokens) in ``<data_dir>/<prefix>.bin`` + ``<prefix>.idx``,
   tokenized with the Baichuan2 tokenizer (ids below the model's vocabulary,
-  125,696).  ``cfg["data"]["prefix"]`` names the pair; without it the
-  directory must hold exactly one ``.idx`` file.  ``cfg["data"]["max_tokens"]``
+  125,696).  ``cfg["data"]["prefix"]`` names the pair, or Megatron's blended
+  list ``"0.3 a 0.7 b"``; without it the directory must hold exactly one corpus
+  (``training.data.corpus``).  ``cfg["data"]["max_tokens"]``
   (when set) keeps only the first that many tokens of the concatenated stream.
 - ``data_dir`` null: a deterministic synthetic Markov corpus of
   ``cfg["data"]["synthetic_tokens"]`` tokens over the model's vocabulary,
@@ -22,35 +23,30 @@ data-parallel layout: micro step ``m`` of data-parallel rank ``r`` takes the
 
 from __future__ import annotations
 
-import glob
 import os
 import time
 from typing import Any
 
 import numpy as np
 
-from training.data.indexed import IndexedReader, TokenWindows
+from training.data import corpus
+from training.data.indexed import IndexedReader
 from training.data.synthetic import corpus_name, ensure_corpus, is_complete
 
 DEFAULT_SYNTHETIC_TOKENS = 1 << 23
 
 
+def find_prefixes(data_dir: str, prefix: str | list | None = None) -> list[tuple[float, str]]:
+    """The corpus's ``<data_dir>/<prefix>`` (weight, path) pairs: one, or a blend."""
+    return corpus.megatron_prefixes(data_dir, prefix)
+
+
 def find_prefix(data_dir: str, prefix: str | None = None) -> str:
-    """The ``<data_dir>/<prefix>`` path of the corpus's ``.bin/.idx`` pair."""
-    if prefix:
-        path = prefix if os.path.isabs(prefix) else os.path.join(data_dir, prefix)
-        if path.endswith(".idx") or path.endswith(".bin"):
-            path = path[:-4]
-        if not os.path.exists(path + ".idx"):
-            raise FileNotFoundError(f"{path}.idx not found (data.prefix={prefix!r}, data.data_dir={data_dir!r})")
-        return path
-    found = sorted(glob.glob(os.path.join(data_dir, "*.idx")))
+    """The ``<data_dir>/<prefix>`` path of the corpus's ``.bin/.idx`` pair (one corpus)."""
+    found = find_prefixes(data_dir, prefix)
     if len(found) != 1:
-        raise FileNotFoundError(
-            f"data.data_dir {data_dir!r} holds {len(found)} .idx files; name one with data.prefix"
-            + (f" (found: {', '.join(os.path.basename(f) for f in found)})" if found else "")
-        )
-    return found[0][:-4]
+        raise ValueError(f"data.prefix {prefix!r} names a blend of {len(found)} corpora where one is expected")
+    return found[0][1]
 
 
 def synthetic_prefix(data: dict[str, Any], vocab_size: int, seed: int, local_rank: int, timeout_s: float = 600.0) -> str:
@@ -103,16 +99,21 @@ class CaseData:
         self.grad_accum = self.global_batch // (self.micro_batch * self.dp_size)
         if data.get("data_dir"):
             self.source = "indexed"
-            self.prefix = find_prefix(data["data_dir"], data.get("prefix"))
+            blend = find_prefixes(data["data_dir"], data.get("prefix"))
         else:
             self.source = "synthetic"
-            self.prefix = synthetic_prefix(data, self.vocab_size, int(data.get("synthetic_seed", seed)), local_rank)
-        tokens = IndexedReader(self.prefix).tokens
+            blend = [(1.0, synthetic_prefix(data, self.vocab_size, int(data.get("synthetic_seed", seed)), local_rank))]
+        self.prefixes = [p for _, p in blend]
+        self.prefix = " ".join(self.prefixes) if len(blend) > 1 else self.prefixes[0]
+        arrays = [IndexedReader(p).tokens for p in self.prefixes]
         max_tokens = data.get("max_tokens")
-        if max_tokens and self.source == "indexed":
-            tokens = tokens[: int(float(max_tokens))]
-        self.num_tokens = int(tokens.size)
-        self.windows = TokenWindows(tokens, self.seq_length, int(seed))
+        if max_tokens and self.source == "indexed":  # the head of each corpus
+            arrays = [t[: int(float(max_tokens))] for t in arrays]
+        self.num_tokens = int(sum(t.size for t in arrays))
+        try:
+            self.windows = corpus.open_windows(arrays, [w for w, _ in blend], self.seq_length, int(seed))
+        except ValueError as exc:
+            raise ValueError(f"{self.prefix}: {exc}") from None
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.source, "prefix": self.prefix, "num_tokens": self.num_tokens, "num_windows": self.windows.num_windows}
@@ -122,7 +123,9 @@ class CaseData:
         first = step * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.micro_batch
         batch = self.windows.batch(first, self.micro_batch)
         if batch.max() >= self.vocab_size or batch.min() < 0:
-            raise ValueError(f"token id {int(batch.max())} outside the vocabulary of {self.vocab_size} ({self.prefix})")
+            bad = int(batch.max()) if batch.max() >= self.vocab_size else int(batch.min())
+            raise ValueError(f"{self.prefix}: token id {bad} outside the vocabulary of {self.vocab_size} "
+                             f"(step {step + 1}, micro step {micro_step})")
         return batch
 
     def micro_batch_tensors(self, step: int, micro_step: int, device: Any = None):

@@ -2,8 +2,9 @@
 
 With ``data.data_dir`` set, the corpus is PaddleNLP's GPT pretraining pair in
 that directory (``gpt_en_dataset_300m_ids.npy`` + ``gpt_en_dataset_300m_idx.npz``
-in FlagPerf; see ``training.data.paddle_gpt``), chosen by ``data.prefix`` or
-found as the only pair there.  Without it, the project's synthetic corpus is
+in FlagPerf; see ``training.data.paddle_gpt``) or the ``<prefix>.bin`` +
+``<prefix>.idx`` pair PaddleNLP's ``make_builder(..., "mmap", ...)`` writes, chosen by
+``data.prefix`` or found as the only corpus there.  Without it, the project's synthetic corpus is
 written once in that format into ``data.cache_dir`` by local rank 0 of each
 node; the other ranks wait on a barrier.
 
@@ -39,14 +40,18 @@ def corpus_prefix(s: Settings, local_rank: int, barrier) -> tuple[str, str]:
     """The corpus prefix and a description of it for the meta record."""
     if s.data_dir:
         if s.data_prefix:
-            prefix = os.path.join(s.data_dir, s.data_prefix)
-            if not paddle_gpt.exists(prefix):
+            prefix = s.data_prefix if os.path.isabs(s.data_prefix) else os.path.join(s.data_dir, s.data_prefix)
+            for ext in (".bin", ".idx", paddle_gpt.IDS_SUFFIX, paddle_gpt.IDX_SUFFIX):
+                prefix = prefix[: -len(ext)] if prefix.endswith(ext) else prefix
+            if paddle_gpt.layout(prefix) is None:
                 raise FileNotFoundError(
-                    f"data.data_dir/prefix: {prefix}{paddle_gpt.IDS_SUFFIX} and {prefix}{paddle_gpt.IDX_SUFFIX} must both exist"
+                    f"data.prefix {s.data_prefix!r}: neither {prefix}{paddle_gpt.IDS_SUFFIX} + {prefix}{paddle_gpt.IDX_SUFFIX} "
+                    f"nor {prefix}.bin + {prefix}.idx exist (data.data_dir {s.data_dir})"
                 )
         else:
             prefix = paddle_gpt.find_prefix(s.data_dir)
-        return prefix, f"paddle_gpt:{prefix}"
+        kind = "paddle_gpt" if paddle_gpt.layout(prefix) == "npy" else "paddle_mmap"
+        return prefix, f"{kind}:{prefix}"
     cache_dir = s.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
     n = synthetic_tokens(s)
     if local_rank == 0:
@@ -60,18 +65,28 @@ class StepBatches:
     """This rank's micro-batches of each optimizer step, as numpy arrays."""
 
     def __init__(self, prefix: str, s: Settings, data_rank: int):
-        self.corpus = paddle_gpt.read_corpus(prefix)
-        top = int(np.max(self.corpus.ids[: min(self.corpus.num_tokens, 1 << 20)]))
+        self.prefix = prefix
+        self.vocab_size = s.shape.vocab_size
+        tokens = paddle_gpt.read_tokens(prefix)
+        top = int(np.max(tokens[: min(int(tokens.shape[0]), 1 << 20)]))
         if top >= s.shape.vocab_size:
             raise ValueError(f"corpus {prefix} holds token id {top}, outside the model's vocabulary of {s.shape.vocab_size}")
-        self.windows = paddle_gpt.token_windows(self.corpus, s.shape.seq_length, s.seed)
+        try:
+            self.windows = paddle_gpt.TokenWindows(tokens, s.shape.seq_length, s.seed)
+        except ValueError as exc:
+            raise ValueError(f"corpus {prefix}: {exc}") from None
         self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, data_rank)
         self.micro_batch = s.layout.micro_batch
         self.grad_accum = s.layout.grad_accum
 
     def step(self, step: int) -> np.ndarray:
         """All of this rank's samples of one step: ``[per_rank, seq + 1]`` int64."""
-        return self.share.samples(step)
+        rows = self.share.samples(step)
+        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
+            bad = int(rows.max()) if int(rows.max()) >= self.vocab_size else int(rows.min())
+            raise ValueError(f"corpus {self.prefix}: token id {bad} in step {step + 1}'s samples, "
+                             f"outside the model's vocabulary of {self.vocab_size}")
+        return rows
 
     def micro_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """``grad_accum`` pairs (input ids, labels), each ``[micro_batch, seq]``."""

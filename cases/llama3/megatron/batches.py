@@ -1,7 +1,9 @@
 """Training data of the llama3/megatron case: corpus, sample order, per-rank batches.
 
 With ``data.data_dir`` set, the corpus is ``<data_dir>/<prefix>.bin/.idx`` (a
-Megatron indexed dataset, e.g. the tokenized wudao corpus).  Without it, a
+Megatron indexed dataset, e.g. the tokenized wudao corpus): ``data.prefix`` names
+it, or is null when the directory holds one corpus, or is Megatron's blended list
+``"0.3 wudao_a 0.7 wudao_b"`` (``training.data.corpus``).  Without it, a
 deterministic synthetic corpus is written once into ``data.cache_dir`` (by
 local rank 0 of each node, atomically; the other ranks wait on a barrier).
 
@@ -24,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from settings import Settings
-from training.data import synthetic, windows
-from training.data.indexed import IndexedReader, TokenWindows, bin_path, idx_path
+from training.data import corpus, synthetic, windows
+from training.data.indexed import IndexedReader
 
 #: smallest and largest synthetic corpus written when data.synthetic_tokens is not set
 SYNTHETIC_MIN_TOKENS = 1 << 20
@@ -38,40 +40,47 @@ def synthetic_tokens(s: Settings) -> int:
     )
 
 
-def corpus_prefix(s: Settings, local_rank: int) -> tuple[str, str]:
-    """The corpus's file prefix and a description for the run's meta record."""
+def corpus_prefix(s: Settings, local_rank: int) -> tuple[list[tuple[float, str]], str]:
+    """The corpus as (weight, file prefix) pairs (one pair unless blended) and a description
+    for the run's meta record."""
     if s.data_dir:
-        prefix = os.path.join(s.data_dir, s.data_prefix)
-        for path in (idx_path(prefix), bin_path(prefix)):
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"data.data_dir is set but {path} does not exist")
-        return prefix, f"indexed:{prefix}"
+        blend = corpus.megatron_prefixes(s.data_dir, s.data_prefix)
+        if len(blend) == 1:
+            return blend, f"indexed:{blend[0][1]}"
+        return blend, "blend:" + " ".join(f"{w:g} {p}" for w, p in blend)
     cache_dir = s.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
     n = synthetic_tokens(s)
     prefix = os.path.join(cache_dir, synthetic.corpus_name(s.shape.vocab_size, n, s.seed))
     if local_rank == 0:
         synthetic.ensure_corpus(cache_dir, s.shape.vocab_size, n, s.seed)
     dist.barrier()
-    return prefix, f"synthetic:{os.path.basename(prefix)}"
+    return [(1.0, prefix)], f"synthetic:{os.path.basename(prefix)}"
 
 
 class StepBatches:
     """This data-parallel rank's share of every optimizer step."""
 
-    def __init__(self, prefix: str, s: Settings, dp_rank: int, device: torch.device):
-        reader = IndexedReader(prefix)
-        vocab_max = s.shape.vocab_size
-        self.windows = TokenWindows(reader.tokens, s.shape.seq_length, s.seed)
+    def __init__(self, prefix: str | list[tuple[float, str]], s: Settings, dp_rank: int, device: torch.device):
+        blend = [(1.0, prefix)] if isinstance(prefix, str) else list(prefix)
+        readers = [IndexedReader(p) for _, p in blend]
+        self.prefixes = [p for _, p in blend]
+        self.vocab_size = s.shape.vocab_size
+        try:
+            self.windows = corpus.open_windows([r.tokens for r in readers], [w for w, _ in blend], s.shape.seq_length, s.seed)
+        except ValueError as exc:
+            raise ValueError(f"{' + '.join(self.prefixes)}: {exc}") from None
         self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, dp_rank)
         self.s = s
         self.device = device
-        sample = self.windows.window(0)
-        if int(sample.max()) >= vocab_max:
-            raise ValueError(f"corpus {prefix} holds token ids >= vocab_size {vocab_max}")
 
     def local_samples(self, step: int) -> np.ndarray:
         """``[global_batch/dp, seq+1]`` int64 token windows of ``step`` (0-based) for this rank."""
-        return self.share.samples(step)
+        rows = self.share.samples(step)
+        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
+            bad = int(rows.max()) if int(rows.max()) >= self.vocab_size else int(rows.min())
+            raise ValueError(f"{' + '.join(p + '.bin' for p in self.prefixes)}: token id {bad} in step {step + 1}'s samples, "
+                             f"outside the model's vocabulary of {self.vocab_size}")
+        return rows
 
     def microbatches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
         """The step's microbatches on the device: tokens, labels, position ids."""

@@ -124,7 +124,7 @@ class Settings:
     device: str
     dist_backend: str
     data_dir: str | None
-    data_prefix: str
+    data_prefix: str | list | None  # one corpus, a blend 'w prefix w prefix', or None: the only one there
     cache_dir: str | None
     synthetic_tokens: int | None
     profile_step: int = 0
@@ -285,7 +285,7 @@ def from_config(cfg: dict, world_size: int) -> Settings:
         device=device,
         dist_backend=str(backend),
         data_dir=data.get("data_dir"),
-        data_prefix=str(data.get("prefix") or "wudao_llama3bpe_content_document"),
+        data_prefix=data.get("prefix") or None,
         cache_dir=data.get("cache_dir"),
         synthetic_tokens=None if synthetic_tokens is None else _int(synthetic_tokens, "data.synthetic_tokens", 2),
         profile_step=profile_step,

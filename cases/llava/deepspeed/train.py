@@ -49,7 +49,12 @@ PHASES = ("pretrain", "finetune")
 def make_tokenizer(shape: dict, data: dict) -> tuple[data_llava.Tokenizer, str]:
     path = data.get("tokenizer_path") or data.get("model_path") or data.get("language_model_path")
     if path:
-        return data_llava.HFTokenizer(path), f"hf:{path}"
+        tok = data_llava.HFTokenizer(path)
+        image_id = int(shape["image_token_index"])
+        size = len(tok.tok)
+        data_llava.check_tokenizer(size, int(shape["vocab_size"]), image_id,
+                                   tok.tok.convert_ids_to_tokens(image_id) if image_id < size else None, f"tokenizer {path}")
+        return tok, f"hf:{path}"
     if data.get("data_dir"):
         raise ValueError("data.data_dir is set but no tokenizer is: set data.tokenizer_path (or data.model_path) "
                          "to a folder with the Vicuna/llava-hf tokenizer files")
@@ -129,7 +134,7 @@ def main() -> None:
         dataset = data_llava.LlavaDataset(
             json_path, image_folder, tok, template=data["template"], image_token_id=int(shape["image_token_index"]),
             num_image_tokens=n_img, image_size=int(shape["image_size"]), max_len=int(shape["seq_length"]),
-            aspect=data.get("image_aspect_ratio", "square"))
+            aspect=data.get("image_aspect_ratio", "square"), missing_images=data.get("missing_images") or "fail")
         ga = ds_config["gradient_accumulation_steps"]
         order = list(data_llava.rank_batches(len(dataset), seed=int(tr.get("seed", 1234)), dp_rank=rank,
                                              dp_size=world, micro_batch=int(tr["micro_batch"]), grad_accum=ga,
@@ -148,6 +153,7 @@ def main() -> None:
                 "vision_num_layers": int(shape["vision_num_layers"]), "image_size": int(shape["image_size"]),
                 "image_tokens": n_img, "template": data["template"], "tokenizer": tok_kind,
                 "data": "real" if data.get("data_dir") else "synthetic", "dataset_samples": len(dataset),
+                "skipped_missing_images": dataset.skipped,
                 "attention": "sdpa", "zero_stage_requested": ds_config["zero_optimization"]["stage"]}
         result = dsl.run_phase(cfg, phase, model, batches, ds_config=ds_config, logger=logger, meta=meta,
                                trainable=llava_model.trainable(phase))

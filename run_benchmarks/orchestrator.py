@@ -13,6 +13,7 @@ from typing import Any
 from rich.console import Console
 
 from run_benchmarks import causes, metrics, plan as planning, progress, results, typed_results
+from run_benchmarks import datacheck
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import summarize
 from run_benchmarks.plan import Plan
@@ -39,8 +40,9 @@ def reference_path(plan: Plan, phase: str = "train") -> Path | None:
     base = plan.case_dir / "reference" / plan.case.model
     suffix = "" if phase == "train" else f".{phase}"
     for name in (plan.config_name, f"config_{plan.case.size}"):
-        if (base / f"{name}{suffix}.json").is_file():
-            return base / f"{name}{suffix}.json"
+        for file in datacheck.reference_names(plan, name, suffix):  # the curve made on the run's data
+            if (base / file).is_file():
+                return base / file
     return None
 
 
@@ -76,7 +78,7 @@ def load_references(plan: Plan) -> dict[str, Reference | None]:
     out: dict[str, Reference | None] = {}
     for phase in plan.phases:
         path = reference_path(plan, phase)
-        out[phase] = None if path is None else _checked_reference(plan, path, phase)
+        out[phase] = None if path is None else datacheck.same_data(plan, phase, _checked_reference(plan, path, phase))
     return out
 
 
@@ -152,7 +154,7 @@ def _phase_result(plan: Plan, parsed: ml.ParsedLog, phase: str, reference: Refer
     return PhaseResult(
         phase=phase,
         **fig,
-        gate=metrics.judge_loss(fig["loss"], reference, warmup),
+        gate=datacheck.judge(fig["loss"], reference, warmup, plan, phase),
         reference=reference,
         meta=meta,
         step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
@@ -308,6 +310,7 @@ def base_results(plan: Plan) -> RunResults:
         command=plan.command,
         model_counts=plan.counts,
         hardware_info=plan.hardware,
+        data=plan.data,
     )
 
 

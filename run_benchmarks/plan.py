@@ -57,6 +57,7 @@ class Plan:
     nodes: list[NodePlan] = dataclasses.field(default_factory=list)
     reference: Path | None = None  # --reference: compare the loss with this curve instead of the committed one
     command: list[str] = dataclasses.field(default_factory=list)  # the start_task.py arguments, to re-run it
+    data: dict[str, Any] | None = None  # phase -> the identity of its data, after the pre-launch check (datacheck.py)
     memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # phase -> lower bound of the states' memory
 
     @property
@@ -119,6 +120,7 @@ class Plan:
             "hardware": self.hardware,
             "run_dir": str(self.run_dir),
             "reference": None if self.reference is None else str(self.reference),
+            "data": self.data,
             "command": self.command,
             "memory": self.memory,
         }

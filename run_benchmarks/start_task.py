@@ -28,6 +28,12 @@ Exit status: 0 every round ok, 1 a round unjudged, invalid or failed, 2 bad inpu
 
 start_task.py --verify RESULTS.json [...] recomputes every figure of a results.json from
 its per-step records and names any mismatch: exit 0 all match, 1 a mismatch, 2 unreadable.
+
+Real data (--data-dir) is checked whole before anything starts (docs/datasets.md): a missing,
+truncated or out-of-vocabulary file is exit 2 naming it. A reference curve belongs to the data
+it was made on: start_task.py --record-reference RUN/results.json makes a run's curves the case's
+reference for its data and config; start_task.py --compare RUN_A RUN_B [...] sets runs side by
+side (a table here, Markdown and an HTML page with the loss curves overlaid).
 """
 
 from __future__ import annotations
@@ -204,6 +210,10 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         from run_benchmarks import ceiling
 
         return ceiling.main(argv)
+    if any(a in ("--record-reference", "--compare") or a.startswith(("--record-reference=", "--compare=")) for a in argv):
+        from run_benchmarks import compare  # a run's curve made a reference, or runs set side by side: nothing runs
+
+        return compare.main(argv)
     if any(a == "--verify" or a.startswith("--verify=") for a in argv):  # check results files, run nothing
         from run_benchmarks import verify
 
@@ -226,8 +236,11 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
             plan.reference = Path(args.reference).expanduser().resolve()
             if not plan.reference.is_file():
                 raise InputError(f"--reference {plan.reference}: no such file")
-        from run_benchmarks import orchestrator
+        from run_benchmarks import datacheck, orchestrator
 
+        plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs
+        for line in datacheck.describe(plan.data):
+            console.print(line, markup=False)
         orchestrator.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)

@@ -188,6 +188,7 @@ class RunResults(Strict):
     user_overrides: list[dict[str, Any]]
     command: list[str] = []
     code_version: str | None = None  # the harness's git commit, "+changes" when the tree differed from it
+    data: dict[str, dict[str, Any]] | None = None  # phase -> the identity of the data it trained on (datacheck.py)
     model_counts: dict[str, dict[str, Any]]  # phase -> params and FLOPs per token
     hardware_info: dict[str, Any]
     rounds: list[RoundResult] = []

@@ -34,6 +34,9 @@ from typing import Any, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
+from training.data.llava_schema import (  # noqa: F401  (re-exported: the schema is part of the format)
+    MISSING_IMAGES, ROLES, check_records, check_tokenizer, entry_problem, find_missing_images, read_records)
+
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -182,74 +185,6 @@ def load_image(path: Any, image_size: int, aspect: str = "square") -> np.ndarray
     arr = np.asarray(img, dtype=np.float32) / 255.0
     arr = (arr - np.asarray(CLIP_MEAN, np.float32)) / np.asarray(CLIP_STD, np.float32)
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
-
-
-ROLES = ("human", "gpt")
-MISSING_IMAGES = ("fail", "skip")
-
-
-def read_records(json_path: str) -> list[Any]:
-    """A phase's JSON file as a list of entries; ValueError naming the file (and line) otherwise."""
-    try:
-        with open(json_path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{json_path}: no such file") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{json_path}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{json_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    if not isinstance(data, list):
-        raise ValueError(f"{json_path}: a JSON {type(data).__name__}, expected a list of entries "
-                         "({'id', 'image', 'conversations': [{'from', 'value'}, ...]})")
-    return data
-
-
-def entry_problem(rec: Any, template: str) -> str | None:
-    """What is wrong with one entry under LLaVA's schema, or None."""
-    if not isinstance(rec, dict):
-        return f"a JSON {type(rec).__name__}, not an object"
-    conv = rec.get("conversations")
-    if not isinstance(conv, list):
-        return f"no 'conversations' list (keys: {', '.join(sorted(map(str, rec))) or 'none'})"
-    if len(conv) < 2:
-        return f"'conversations' holds {len(conv)} turn(s); at least a human turn and a gpt turn are needed"
-    for k, turn in enumerate(conv):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str) or turn.get("from") not in ROLES:
-            return f"conversations[{k}] is not {{'from': 'human' | 'gpt', 'value': <text>}}: {json.dumps(turn)[:80]}"
-        if turn["from"] != ROLES[k % 2]:
-            return f"conversations[{k}] is from {turn['from']!r}; turns alternate human, gpt, human, ..."
-    if "image" in rec and (not isinstance(rec["image"], str) or not rec["image"]):
-        return f"'image' is {json.dumps(rec['image'])[:60]}, not a file name"
-    if template == "plain" and "image" in rec and IMAGE_PLACEHOLDER not in conv[0]["value"]:
-        return f"an image entry whose first turn holds no {IMAGE_PLACEHOLDER} (the plain template's caption pairs do)"
-    return None
-
-
-def check_records(records: list[Any], json_path: str, template: str) -> None:
-    """ValueError naming the file and the first entry that does not fit the schema."""
-    for i, rec in enumerate(records):
-        problem = entry_problem(rec, template)
-        if problem:
-            rid = f" (id {rec.get('id')!r})" if isinstance(rec, dict) and "id" in rec else ""
-            raise ValueError(f"{json_path}: entry {i}{rid}: {problem}")
-    if not records:
-        raise ValueError(f"{json_path}: no entries")
-
-
-def find_missing_images(records: list[dict[str, Any]], image_folder: str) -> list[int]:
-    """Indices of the entries whose image file is not there."""
-    return [i for i, r in enumerate(records) if "image" in r and not os.path.isfile(os.path.join(image_folder, r["image"]))]
-
-
-def check_tokenizer(size: int, vocab_size: int, image_token_id: int, token_at_image_id: str | None, where: str) -> None:
-    """A tokenizer of ``size`` ids fits the model: every id below its vocabulary, and the image token's id
-    not a text token (it may be the tokenizer's own ``<image>``)."""
-    if size > vocab_size:
-        raise ValueError(f"{where}: the tokenizer has {size} ids, more than the model's vocab_size {vocab_size}")
-    if token_at_image_id is not None and token_at_image_id != IMAGE_PLACEHOLDER:
-        raise ValueError(f"{where}: the tokenizer's id {image_token_id} is {token_at_image_id!r}, which the model "
-                         f"takes for its image token (model.image_token_index {image_token_id})")
 
 
 class LlavaDataset(torch.utils.data.Dataset):

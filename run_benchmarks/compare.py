@@ -1,0 +1,296 @@
+"""A vendor's run against a reference run, and a run's curve made the case's reference.
+
+``start_task.py --compare RUN_A RUN_B [...]``: every run set against the last one (the
+reference run, e.g. NVIDIA's), phase by phase: tokens/p/s and its ratio, MFU both ways,
+memory both ways, the loss MRE over the steps both ran from step 21 on (only where both
+trained on the same data), the layout and every setting that differs. A table here, and
+``compare.md`` and ``compare.html`` (the loss curves overlaid, drawn by the report's plotting
+code) in ``--out`` (default ``logs/compare-<time>``).
+
+``start_task.py --record-reference RUN/results.json``: the curves of the run's first clean
+round become the case's reference for its config and its data:
+``reference/<model>/<config>[.<phase>].json`` for the synthetic set,
+``<config>[.<phase>].data-<fingerprint>.json`` for real data (docs/datasets.md).
+
+Exit status: 0 done, 2 bad input (a file that is not a results.json, no clean round, a
+curve too short to judge a run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from run_benchmarks import datacheck, metrics, registry, typed_results as tr
+from run_benchmarks.casename import CaseName
+from run_benchmarks.errors import InputError
+from run_benchmarks.results import _gib, _pct, device_mem
+
+
+# --------------------------------------------------------------------------- --record-reference
+
+
+def _clean_round(res: tr.RunResults, path: Path) -> tr.RoundResult:
+    clean = [r for r in res.rounds if r.clean]
+    if not clean:
+        statuses = ", ".join(f"round {r.round} {r.status}" for r in res.rounds) or "no round"
+        raise InputError(f"{path}: no round ran clean (ok or unjudged): {statuses}; an invalid or failed round is no reference")
+    return clean[0]
+
+
+def record_reference(path: Path, replace: bool = False) -> list[str]:
+    """Write the run's curves as the case's reference for its config and data; one line per file.
+    A reference already there is replaced only with ``replace`` (a committed curve is no scratch file)."""
+    res = tr.load(path)
+    rnd = _clean_round(res, path)
+    try:
+        cn = CaseName.parse(res.case)
+        case_dir = registry.find_case(cn).path
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    lines, out = [], []
+    for p in rnd.phases:
+        ident = (res.data or {}).get(p.phase) or {"kind": datacheck.SYNTHETIC, "fingerprint": datacheck.SYNTHETIC}
+        fp = ident.get("fingerprint")
+        if not fp:
+            raise InputError(f"{path}: phase {p.phase}: its data has no fingerprint ({ident.get('reason', 'not checked')}); "
+                             "run where the data is readable to record a reference for it")
+        curve = tr.Reference(path=str(path), loss=p.loss)
+        try:
+            metrics.check_curve(curve)
+        except ValueError as exc:
+            raise InputError(f"phase {p.phase}: {exc}") from None
+        suffix = "" if p.phase == "train" else f".{p.phase}"
+        name = f"{res.config_name}{suffix}" + ("" if fp == datacheck.SYNTHETIC else f".data-{fp}") + ".json"
+        target = case_dir / "reference" / res.model / name
+        if target.is_file() and not replace:
+            raise InputError(f"{target}: a reference for this config and data exists; --replace replaces it")
+        steps = sorted(p.loss)
+        doc = {"model": res.model, "config": res.config_name, "phase": p.phase,
+               "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, run {res.run_id} round {rnd.round}",
+               "global_batch": res.settings.get("train", {}).get("global_batch"),
+               "steps": steps, "loss": [p.loss[s] for s in steps], "data": ident}
+        out.append((target, doc))
+    for target, doc in out:  # every phase checked before any file is written
+        existed = target.is_file()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        lines.append(f"{'replaced' if existed else 'wrote'} {target} (phase {doc['phase']}, steps {doc['steps'][0]}-{doc['steps'][-1]}, "
+                     f"data {doc['data'].get('fingerprint')})")
+    return lines
+
+
+# --------------------------------------------------------------------------- --compare
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+class Side:
+    """One run as the comparison reads it: its clean rounds' figures per phase."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.res = tr.load(path)
+        clean = [r for r in self.res.rounds if r.clean]
+        self.rounds = clean
+        self.label = f"{self.res.vendor} {self.res.hardware} x{self.res.world_size} {self.res.config_name}"
+        if not clean:
+            statuses = ", ".join(f"round {r.round} {r.status}" for r in self.res.rounds) or "no round"
+            raise InputError(f"{path}: no round ran clean (ok or unjudged): {statuses}; its figures are no results")
+
+    def phase(self, name: str) -> list[tr.PhaseResult]:
+        return [p for r in self.rounds for p in r.phases if p.phase == name]
+
+    def fig(self, phase: str, field: str) -> float | None:
+        return _mean([getattr(p, field) for p in self.phase(phase)])
+
+    def loss(self, phase: str) -> dict[int, float]:
+        ps = self.phase(phase)
+        return ps[0].loss if ps else {}
+
+    def fingerprint(self, phase: str) -> str:
+        ident = (self.res.data or {}).get(phase)
+        return datacheck.SYNTHETIC if ident is None else (ident.get("fingerprint") or "unknown")
+
+
+def _mre(loss: dict[int, float], ref: dict[int, float]) -> tuple[float | None, str]:
+    steps = sorted(s for s in ref if s >= metrics.ALIGN_FROM_STEP and s in loss)
+    if len(steps) < metrics.MIN_COMPARED_STEPS:
+        return None, f"{len(steps)} common step(s) from step {metrics.ALIGN_FROM_STEP}"
+    vals = [abs(loss[s] - ref[s]) / abs(ref[s]) for s in steps if math.isfinite(ref[s]) and ref[s] != 0]
+    if len(vals) != len(steps) or any(not math.isfinite(v) for v in vals):
+        return None, "a non-finite or zero loss"
+    return sum(vals) / len(vals), f"steps {steps[0]}-{steps[-1]}"
+
+
+def comparison(paths: list[Path]) -> dict[str, Any]:
+    """Every run against the last: rows per phase, differing settings, loss curves."""
+    if len(paths) < 2:
+        raise InputError("--compare needs at least two results.json files: RUN_A RUN_B (B the reference run)")
+    sides = [Side(p) for p in paths]
+    ref = sides[-1]
+    models = {s.res.model for s in sides}
+    if len(models) != 1:
+        raise InputError(f"--compare: runs of different models ({', '.join(sorted(models))}); compare runs of one case")
+    phases = ref.res.phases
+    rows = []
+    for phase in phases:
+        base_tps = ref.fig(phase, "tokens_per_gpu_s")
+        for i, s in enumerate(sides):
+            tps = s.fig(phase, "tokens_per_gpu_s")
+            if s is ref:
+                ratio, mre, note = "reference", "reference", ""
+            else:
+                ratio = "-" if tps is None or not base_tps else f"{tps / base_tps:.3f}"
+                if s.fingerprint(phase) != ref.fingerprint(phase):
+                    mre, note = "-", f"other data ({s.fingerprint(phase)} vs {ref.fingerprint(phase)}): loss not compared"
+                else:
+                    m, note = _mre(s.loss(phase), ref.loss(phase))
+                    mre = "-" if m is None else f"{100 * m:.2f}%"
+            ps = s.phase(phase)
+            last = ps[-1] if ps else None
+            rows.append({
+                "phase": phase, "run": ("reference: " if s is ref else f"run {i + 1}: ") + s.label, "file": str(s.path), "rounds": len(s.rounds),
+                "layout": (last.layout if last else None) or "-",
+                "tokens/p/s": "-" if tps is None else f"{tps:,.1f}", "ratio": ratio,
+                "MFU 6N": _pct(s.fig(phase, "mfu_6n")), "MFU PaLM": _pct(s.fig(phase, "mfu_palm")),
+                "mem allocated (GiB)": _gib(s.fig(phase, "peak_mem_gib"), None),
+                "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
+                "loss MRE vs reference": mre, "compared": note,
+            })
+    flats = [_flat(s.res.settings) for s in sides]
+    keys = sorted(set().union(*flats))
+    differ = [[k] + [json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats] for k in keys
+              if len({json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats}) > 1]
+    for attr in ("vendor", "hardware", "world_size", "config_name", "code_version"):
+        vals = [str(getattr(s.res, attr)) for s in sides]
+        if len(set(vals)) > 1:
+            differ.insert(0, [attr] + vals)
+    return {"sides": sides, "rows": rows, "differ": differ, "phases": phases}
+
+
+COLUMNS = ["phase", "run", "layout", "tokens/p/s", "ratio", "MFU 6N", "MFU PaLM", "mem allocated (GiB)",
+           "mem in use (GiB)", "loss MRE vs reference", "compared"]
+
+
+def markdown(c: dict[str, Any]) -> str:
+    sides = c["sides"]
+    lines = [f"# {sides[-1].res.model}: {len(sides) - 1} run(s) against the reference run", ""]
+    lines += [f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} clean round(s))"
+              for i, s in enumerate(sides)]
+    lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r[k]).replace("|", "/") for k in COLUMNS) + " |" for r in c["rows"]]
+    lines += ["", "Figures are the mean over each run's clean rounds; ratio is tokens/p/s over the reference run's; the "
+              "loss MRE is over the steps both runs have from step 21 on, on the same data only.", "", "## Settings that differ", ""]
+    if c["differ"]:
+        lines += ["| setting | " + " | ".join(f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)) + " |",
+                  "|" + "---|" * (len(sides) + 1)]
+        lines += ["| " + " | ".join(str(x).replace("|", "/") for x in row) + " |" for row in c["differ"]]
+    else:
+        lines.append("none")
+    return "\n".join(lines) + "\n"
+
+
+def html_page(c: dict[str, Any]) -> str:
+    from matplotlib.figure import Figure
+
+    from run_benchmarks import report
+
+    sides = c["sides"]
+    body = [f"<h1>{report.e(sides[-1].res.model)}: {len(sides) - 1} run(s) against the reference run</h1>", "<ul>"]
+    body += [f"<li>{'reference' if s is sides[-1] else f'run {i + 1}'}: {report.e(s.label)} <span class=\"meta\">{report.e(s.path)}</span></li>"
+             for i, s in enumerate(sides)]
+    body.append("</ul>")
+    body.append(report._table(COLUMNS, [[report.e(r[k]) for k in COLUMNS] for r in c["rows"]], numeric={3, 4, 5, 6, 7, 8, 9}))
+    plots = []
+    for phase in c["phases"]:
+        fig = Figure(figsize=(6.4, 3.6))
+        ax = fig.add_subplot()
+        for i, s in enumerate(sides):
+            curve = s.loss(phase)
+            steps = sorted(curve)
+            style = {"color": "k", "ls": "--", "lw": 1.6} if s is sides[-1] else {"lw": 1}
+            ax.plot(steps, [curve[k] for k in steps], label=("reference: " if s is sides[-1] else f"run {i + 1}: ") + s.label, **style)
+        ax.axvline(metrics.ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {metrics.ALIGN_FROM_STEP}")
+        ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}")
+        report._legend(ax)
+        plots.append(report._img(fig, f"loss {phase}", f"phase {phase}: every run's first clean round"))
+    body.append(f"<h2>Loss</h2><div class=\"plots\">{''.join(plots)}</div>")
+    body.append("<h2>Settings that differ</h2>")
+    if c["differ"]:
+        head = ["setting"] + [f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)]
+        body.append(report._table(head, [[report.e(x) for x in row] for row in c["differ"]]))
+    else:
+        body.append("<p>none</p>")
+    return report.PAGE.substitute(title=report.e(f"flagbench compare {sides[-1].res.model}"), body="\n".join(body))
+
+
+def print_table(c: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{c['sides'][-1].res.model}: against {c['sides'][-1].label}")
+    for col in COLUMNS:
+        t.add_column(col)
+    for r in c["rows"]:
+        t.add_row(*[str(r[k]) for k in COLUMNS])
+    console = Console(width=200)
+    console.print(t)
+    if c["differ"]:
+        d = Table(title="settings that differ")
+        d.add_column("setting")
+        for i, s in enumerate(c["sides"]):
+            d.add_column("reference" if s is c["sides"][-1] else f"run {i + 1}")
+        for row in c["differ"]:
+            d.add_row(*[str(x) for x in row])
+        console.print(d)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="start_task.py", description=__doc__.split("\n\n")[0])
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--compare", nargs="+", metavar="RESULTS.json", help="runs to compare; the last is the reference run")
+    group.add_argument("--record-reference", metavar="RESULTS.json", help="make a run's curves the case's reference for its data")
+    ap.add_argument("--replace", action="store_true", help="with --record-reference: replace a reference that exists")
+    ap.add_argument("--out", metavar="DIR", help="with --compare: where compare.md and compare.html go (default logs/compare-<time>)")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) and 2
+    try:
+        if args.record_reference:
+            print("\n".join(record_reference(Path(args.record_reference).expanduser().resolve(), args.replace)))
+            return 0
+        c = comparison([Path(p).expanduser().resolve() for p in args.compare])
+        out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "compare.md").write_text(markdown(c))
+            (out / "compare.html").write_text(html_page(c))
+        except OSError as exc:
+            raise InputError(f"{out}: cannot write the comparison there: {exc.strerror or exc}") from None
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(c)
+    print(f"comparison: {out / 'compare.md'}, {out / 'compare.html'}")
+    return 0

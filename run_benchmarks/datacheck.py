@@ -150,7 +150,7 @@ def check_llava(data: dict[str, Any], shape: dict[str, Any], model: str, phase: 
     if not data.get("json"):
         raise InputError(f"data.phases.{phase}.json: not set (the phase's LLaVA JSON file under data.data_dir)")
     json_path = os.path.join(root, str(data["json"]))
-    folder = os.path.join(root, str(data.get("image_folder") or "."))
+    folder = os.path.normpath(os.path.join(root, str(data.get("image_folder") or ".")))
     policy = data.get("missing_images") or "fail"
     if policy not in ls.MISSING_IMAGES:
         raise InputError(f"data.missing_images {policy!r}: one of {', '.join(ls.MISSING_IMAGES)}")
@@ -164,8 +164,9 @@ def check_llava(data: dict[str, Any], shape: dict[str, Any], model: str, phase: 
     gone = ls.find_missing_images(records, folder)
     if gone and policy == "fail":
         first = os.path.join(folder, records[gone[0]]["image"])
-        raise InputError(f"{first}: image of entry {gone[0]} of {json_path} (phase {phase}) is missing; {len(gone)} of "
-                         f"{len(records)} entries' images are (set data.missing_images=skip to leave them out and count them)")
+        raise InputError(f"{first}: image of entry {gone[0]} of {json_path} (phase {phase}) is missing; {len(gone)} of the "
+                         f"{sum(1 for r in records if 'image' in r)} images are (set data.missing_images=skip to leave their "
+                         "entries out and count them)")
     tok = data.get("tokenizer_path") or data.get("model_path") or data.get("language_model_path")
     if not tok:
         raise InputError("data.data_dir is set but no tokenizer is: set data.tokenizer_path (or data.model_path) "

@@ -204,9 +204,10 @@ class LlavaDataset(torch.utils.data.Dataset):
         check_records(records, json_path, template)
         gone = find_missing_images(records, image_folder)
         if gone and missing_images == "fail":
-            first = os.path.join(image_folder, records[gone[0]]["image"])
-            raise FileNotFoundError(f"{first}: image of entry {gone[0]} of {json_path} is missing ({len(gone)} of "
-                                    f"{len(records)} entries' images are; data.missing_images: skip leaves them out)")
+            first = os.path.normpath(os.path.join(image_folder, records[gone[0]]["image"]))
+            raise FileNotFoundError(f"{first}: image of entry {gone[0]} of {json_path} is missing ({len(gone)} of the "
+                                    f"{sum(1 for r in records if 'image' in r)} images are; data.missing_images: skip "
+                                    "leaves their entries out)")
         dropped = set(gone)
         self.records: list[dict[str, Any]] = [r for i, r in enumerate(records) if i not in dropped]
         self.skipped = len(gone)

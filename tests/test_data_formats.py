@@ -1,0 +1,255 @@
+"""Every data format the cases read, written by its upstream library's own writer inside the
+framework environment, run end to end on the tiny case through start_task.py.
+
+- llama3/megatron and baichuan2/deepspeed: Megatron's ``IndexedDatasetBuilder`` (uint16 and
+  int32), one corpus found in data_dir, and Megatron's blended ``weight prefix`` list;
+- gpt3/paddle: PaddleNLP's ``make_builder(..., "mmap", ...)`` .bin/.idx, and the
+  ``_ids.npy`` + ``_idx.npz`` pair as PaddleNLP's preprocessing lays it out;
+- llava/deepspeed: LLaVA JSON for both stages with JPEG and PNG images made by PIL, a
+  text-only entry, ``<image>`` after the text, multi-turn entries, a missing image under
+  ``data.missing_images: skip``, and a Hugging Face tokenizer saved by ``transformers``.
+
+A run on real data without a reference for it is unjudged ("no reference for this data");
+``--record-reference`` makes the run's curve the reference for that data and a second run
+aligns against it. The token streams are the project's synthetic Markov chain, so the loss
+falls and two runs on one corpus give one curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from run_benchmarks import typed_results as tr
+from run_benchmarks.registry import ROOT
+
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+
+MEGATRON_WRITER = textwrap.dedent("""
+    # Megatron's own builder: python - SPEC.json; SPEC: [{"prefix", "dtype", "vocab", "tokens", "seed"}]
+    import json, sys
+    import numpy as np, torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from training.data import synthetic
+    for c in json.load(open(sys.argv[1])):
+        b = IndexedDatasetBuilder(c["prefix"] + ".bin", dtype=np.dtype(c["dtype"]).type)
+        for doc in synthetic.documents(c["vocab"], c["tokens"], c["seed"]):
+            b.add_item(torch.from_numpy(doc.astype(np.int64)))
+            b.end_document()
+        b.finalize(c["prefix"] + ".idx")
+""")
+
+PADDLE_WRITER = textwrap.dedent("""
+    # PaddleNLP's mmap builder, and the npy/npz pair as its create_pretraining_data.py writes it
+    import sys
+    import numpy as np
+    from paddlenlp.data.indexed_dataset import make_builder
+    from training.data import synthetic
+    mmap_prefix, npy_prefix, vocab, tokens, seed = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    docs = synthetic.documents(vocab, tokens, seed)
+    b = make_builder(mmap_prefix + ".bin", "mmap", np.uint16)
+    for doc in docs:
+        b.add_item(doc)
+        b.end_document()
+    b.finalize(mmap_prefix + ".idx")
+    ids = np.concatenate(docs).astype(np.uint16)
+    lens = np.array([len(d) for d in docs], dtype=np.int32)
+    np.save(npy_prefix + "_ids.npy", ids)
+    np.savez(npy_prefix + "_idx.npz", lens=lens, docs=np.arange(len(docs) + 1, dtype=np.int64))
+""")
+
+LLAVA_WRITER = textwrap.dedent("""
+    # LLaVA's JSON for both stages, images by PIL, a tokenizer saved by transformers
+    import json, os, sys
+    import numpy as np
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    root, tok_dir, n_words = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    words = ["a", "red", "blue", "green", "cat", "dog", "house", "tree", "on", "the", "what", "is", "in",
+             "picture", "colour", "it", "shows", "sky", "and", "car", "small", "big", "describe", "image", "there"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for w in words + [f"w{k}" for k in range(max(0, n_words - len(words) - 3))]:
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                            pad_token="<unk>").save_pretrained(tok_dir)
+    rng = np.random.default_rng(0)
+    colours = {"red": (200, 30, 30), "blue": (30, 30, 200), "green": (30, 160, 30)}
+    os.makedirs(os.path.join(root, "LLaVA-Pretrain", "images", "00000"), exist_ok=True)
+    os.makedirs(os.path.join(root, "coco", "train2017"), exist_ok=True)
+    pre, fine = [], []
+    for i in range(40):
+        name = list(colours)[i % 3]
+        arr = np.clip(np.array(colours[name]) + rng.integers(-20, 20, (64, 80, 3)), 0, 255).astype(np.uint8)
+        ext = "jpg" if i % 2 else "png"
+        Image.fromarray(arr).save(os.path.join(root, "LLaVA-Pretrain", "images", "00000", f"{i:05d}.{ext}"))
+        Image.fromarray(arr).save(os.path.join(root, "coco", "train2017", f"{i:012d}.{ext}"))
+        pre.append({"id": f"{i:05d}", "image": f"00000/{i:05d}.{ext}", "conversations": [
+            {"from": "human", "value": "<image>\\ndescribe the image" if i % 4 else "describe the image\\n<image>"},
+            {"from": "gpt", "value": f"a {name} picture"}]})
+        turns = [{"from": "human", "value": "<image>\\nwhat is the colour"}, {"from": "gpt", "value": f"it is {name}"}]
+        if i % 3 == 0:
+            turns += [{"from": "human", "value": "is it big"}, {"from": "gpt", "value": "it is small"}]
+        fine.append({"id": f"c{i}", "image": f"coco/train2017/{i:012d}.{ext}", "conversations": turns})
+        if i % 5 == 0:
+            fine.append({"id": f"t{i}", "conversations": [{"from": "human", "value": "what is the sky"},
+                                                           {"from": "gpt", "value": "the sky is blue"}]})
+    fine.append({"id": "gone", "image": "ocr_vqa/images/missing.jpg", "conversations": [
+        {"from": "human", "value": "<image>\\nwhat is in the picture"}, {"from": "gpt", "value": "a car"}]})
+    json.dump(pre, open(os.path.join(root, "LLaVA-Pretrain", "blip_laion_cc_sbu_558k.json"), "w"))
+    json.dump(fine, open(os.path.join(root, "llava_v1_5_mix665k.json"), "w"))
+""")
+
+
+def framework_run(py: str, script: str, *args: str, timeout: int = 300) -> None:
+    """Run ``script`` with the framework's Python, the repository on PYTHONPATH."""
+    proc = subprocess.run([py, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def megatron_corpora(py: str, specs: list[dict]) -> None:
+    spec_file = Path(specs[0]["prefix"]).parent / "spec.json"
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(specs))
+    framework_run(py, MEGATRON_WRITER, str(spec_file))
+    spec_file.unlink()
+
+
+def llava_data(py: str, root: Path, tok_dir: Path, n_words: int = 40) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    framework_run(py, LLAVA_WRITER, str(root), str(tok_dir), str(n_words))
+
+
+def start(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def run_case(case: str, log_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, tr.RunResults | None]:
+    proc = start("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args)
+    runs = sorted(p for p in log_dir.iterdir() if p.is_dir()) if log_dir.is_dir() else []
+    return proc, (tr.load(runs[-1] / "results.json") if runs else None)
+
+
+NO_REFERENCE = "loss not judged: no reference for this data (fingerprint "
+
+
+@pytest.mark.framework("megatron")
+def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatron_python):
+    data = tmp_path / "data"
+    megatron_corpora(megatron_python, [{"prefix": str(data / "my-corpus_text_document"), "dtype": "uint16", "vocab": 1024,
+                                        "tokens": 60_000, "seed": 11}])
+    proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "first", "--data-dir", str(data), "--set", "train.steps=25")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (rnd,) = res.rounds
+    (p,) = rnd.phases
+    ident = res.data["train"]
+    assert ident["format"] == "megatron" and ident["corpora"][0]["prefix"] == "my-corpus_text_document"
+    assert ident["corpora"][0]["tokens"] == 60_000 and ident["corpora"][0]["dtype"] == "uint16" and len(ident["fingerprint"]) == 16
+    assert p.meta["data"] == f"indexed:{data / 'my-corpus_text_document'}"  # the prefix was found, not configured
+    assert rnd.status == "unjudged" and p.gate.verdict == "not judged" and p.reference is None
+    assert rnd.error == f"phase train: {NO_REFERENCE}{ident['fingerprint']}; start_task.py --record-reference RUN/results.json makes one)"
+    terminal = " ".join(proc.stderr.split())  # the round's line, however the terminal wrapped it
+    assert "round 1: unjudged - phase train: loss not judged: no reference for this data" in terminal
+    assert "%" not in p.gate.reason  # no meaningless percentage
+    assert p.loss[25] < p.loss[1] - 1.0  # it learns the corpus
+
+    first = tmp_path / "first" / res.run_id / "results.json"
+    ref_file = ROOT / "cases/llama3/megatron/reference/llama3_tiny" / f"config_cpux1x1.data-{ident['fingerprint']}.json"
+    try:
+        rec = start("--record-reference", str(first), timeout=120)
+        assert rec.returncode == 0, rec.stdout + rec.stderr
+        assert rec.stdout.strip() == f"wrote {ref_file} (phase train, steps 1-25, data {ident['fingerprint']})"
+        doc = json.loads(ref_file.read_text())
+        assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 26)]
+        again = start("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
+        assert again.returncode == 2 and again.stderr.strip() == f"error: {ref_file}: a reference for this config and data exists; --replace replaces it"
+        # the second run on the same data aligns against it
+        proc2, res2 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "second", "--data-dir", str(data), "--set", "train.steps=25")
+        assert proc2.returncode == 0, proc2.stdout + proc2.stderr
+        (p2,) = res2.rounds[0].phases
+        assert res2.rounds[0].status == "ok" and p2.gate.verdict == "aligned" and p2.reference.path == str(ref_file)
+        assert p2.gate.mre < 1e-3 and res2.data["train"]["fingerprint"] == ident["fingerprint"]
+        # the synthetic run is not judged against the real data's curve, nor the real run against the synthetic one
+        syn, res3 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "third", "--set", "train.steps=25", "--reference", str(first))
+        assert syn.returncode == 1 and res3.rounds[0].phases[0].gate.reason == "no reference curve", syn.stdout + syn.stderr
+    finally:
+        ref_file.unlink(missing_ok=True)
+
+
+@pytest.mark.framework("megatron")
+def test_llama3_on_a_blend_of_two_corpora(tmp_path, megatron_python):
+    data = tmp_path / "data"
+    megatron_corpora(megatron_python, [
+        {"prefix": str(data / "wudao_a"), "dtype": "uint16", "vocab": 1024, "tokens": 40_000, "seed": 1},
+        {"prefix": str(data / "wudao_b"), "dtype": "int32", "vocab": 1024, "tokens": 40_000, "seed": 2},
+    ])
+    dry = start("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--data-dir", str(data), "--dry-run", "--json")
+    assert dry.returncode == 2 and "holds 2 Megatron corpora" in dry.stderr and "name one with data.prefix" in dry.stderr
+    proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "logs", "--data-dir", str(data),
+                         "--set", "data.prefix=0.3 wudao_a 0.7 wudao_b", "--set", "train.steps=8")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # unjudged: no reference for this data
+    (p,) = res.rounds[0].phases
+    assert res.rounds[0].status == "unjudged" and p.steps_run == 8
+    assert p.meta["data"] == f"blend:0.3 {data / 'wudao_a'} 0.7 {data / 'wudao_b'}"
+    assert [(c["prefix"], c["weight"], c["dtype"]) for c in res.data["train"]["corpora"]] == [
+        ("wudao_a", 0.3, "uint16"), ("wudao_b", 0.7, "int32")]
+
+
+@pytest.mark.framework("paddle")
+@pytest.mark.parametrize("layout", ["mmap", "npy"])
+def test_gpt3_on_paddlenlp_data(tmp_path, paddle_python, layout):
+    data = tmp_path / "data"
+    data.mkdir()
+    other = tmp_path / "other"
+    other.mkdir()
+    mmap_dir, npy_dir = (data, other) if layout == "mmap" else (other, data)
+    framework_run(paddle_python, PADDLE_WRITER, str(mmap_dir / "gpt_corpus"), str(npy_dir / "gpt_corpus"), "1024", "60000", "5")
+    proc, res = run_case("gpt3_tiny:paddle:cpu:1:1", tmp_path / "logs", "--data-dir", str(data), "--set", "train.steps=8")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (p,) = res.rounds[0].phases
+    assert res.rounds[0].status == "unjudged" and p.steps_run == 8 and NO_REFERENCE in res.rounds[0].error
+    kind = "paddle_mmap" if layout == "mmap" else "paddle_gpt"
+    assert p.meta["data"] == f"{kind}:{data / 'gpt_corpus'}"
+    assert res.data["train"]["format"] == f"paddle_gpt:{layout}" and res.data["train"]["tokens"] == 60_000
+
+
+@pytest.mark.framework("deepspeed")
+@pytest.mark.framework("megatron")
+def test_baichuan2_on_megatron_builder_data(tmp_path, megatron_python, deepspeed_python):
+    data = tmp_path / "data"
+    megatron_corpora(megatron_python, [{"prefix": str(data / "owt_text_document"), "dtype": "uint16", "vocab": 2048,
+                                        "tokens": 50_000, "seed": 3}])
+    proc, res = run_case("baichuan2_tiny:deepspeed:cpu:1:1", tmp_path / "logs", "--data-dir", str(data), "--set", "train.steps=7")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    (p,) = res.rounds[0].phases
+    assert res.rounds[0].status == "unjudged" and p.steps_run == 7 and NO_REFERENCE in res.rounds[0].error
+    assert p.meta["data"]["prefix"] == str(data / "owt_text_document") and p.meta["data"]["source"] == "indexed"
+
+
+@pytest.mark.framework("deepspeed")
+def test_llava_on_llava_json_both_stages(tmp_path, deepspeed_python):
+    data, tok = tmp_path / "data", tmp_path / "tokenizer"
+    llava_data(deepspeed_python, data, tok)
+    args = ["--data-dir", str(data), "--set", f"data.tokenizer_path={tok}", "--set", "train.steps=6", "--set", "train.warmup_steps=2"]
+    failed = start("--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--log-dir", str(tmp_path / "no"), *args)
+    missing = data / "ocr_vqa/images/missing.jpg"
+    assert failed.returncode == 2 and not (tmp_path / "no").exists(), failed.stdout + failed.stderr
+    assert failed.stderr.startswith(f"error: {missing}: image of entry 48 of {data / 'llava_v1_5_mix665k.json'} (phase finetune) is missing")
+    proc, res = run_case("llava_tiny:deepspeed:cpu:1:2", tmp_path / "logs", *args, "--set", "data.missing_images=skip")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    pre, fine = res.rounds[0].phases
+    assert res.rounds[0].status == "unjudged" and pre.steps_run == fine.steps_run == 6
+    assert pre.meta["tokenizer"] == f"hf:{tok}" and pre.meta["data"] == "real" and pre.meta["dataset_samples"] == 40
+    assert fine.meta["dataset_samples"] == 48 and fine.meta["skipped_missing_images"] == 1  # 40 images + 8 text-only kept
+    assert res.data["finetune"]["skipped_missing_images"] == 1 and res.data["pretrain"]["skipped_missing_images"] == 0
+    assert res.data["pretrain"]["fingerprint"] != res.data["finetune"]["fingerprint"]
+    assert all(pre.loss[s] > 0 for s in pre.loss) and fine.loss[6] < fine.loss[1]

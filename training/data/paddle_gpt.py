@@ -156,7 +156,7 @@ def _load(path: str, **kw):  # type: ignore[no-untyped-def]
         return np.load(path, allow_pickle=False, **kw)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if "allow_pickle" in text:
+        if "allow_pickle" in text or "Python objects" in text:
             text = "holds Python objects (a pickled array), not token ids"
         raise ValueError(f"{path}: not a readable numpy {'.npz archive' if path.endswith('.npz') else '.npy array'} "
                          f"({text})") from None

@@ -1,0 +1,100 @@
+"""start_task.py --compare: a vendor's run against a reference run, phase by phase, in the
+terminal, in Markdown and in an HTML page checked in headless Chromium (as the nightly report
+is); and --record-reference's refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from run_benchmarks.registry import ROOT
+from tests.test_report_browser import assert_loads_offline_with_plots, load_page
+from tests.test_results_models import fake_phase, fake_round, fake_run
+
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+LLAVA = "llava_tiny:deepspeed:cpu:1:2"
+
+
+def start(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=120)
+
+
+def two_phase_run(path: Path, vendor: str, hardware_tps: tuple[float, float], loss_scale: float, *, tp: int = 1,
+                  data: dict | None = None, mem: float = 0.4, status: str = "ok") -> Path:
+    phases = [fake_phase("pretrain", tps=hardware_tps[0], loss_scale=loss_scale, mem=mem),
+              fake_phase("finetune", tps=hardware_tps[1], loss_scale=loss_scale, mem=mem)]
+    run = fake_run([{"status": status, "phases": phases}], run_id=f"llava_tiny_{vendor}", vendor=vendor, case=LLAVA)
+    run = run.model_copy(update={"model": "llava_tiny", "data": data,
+                                 "settings": {**run.settings, "parallel": {"tp": tp, "zero": {"stage": 2}}}})
+    path.write_text(json.dumps(run.dump()))
+    return path
+
+
+def test_compare_two_runs_table_markdown_and_page(tmp_path):
+    vendor = two_phase_run(tmp_path / "vendor.json", "iluvatar", (1500.0, 900.0), 1.01, tp=2, mem=0.6)
+    nvidia = two_phase_run(tmp_path / "nvidia.json", "nvidia", (1000.0, 1000.0), 1.0)
+    out = tmp_path / "cmp"
+    proc = start("--compare", str(vendor), str(nvidia), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    md = (out / "compare.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| pretrain") or line.startswith("| finetune")]
+    assert rows == [
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | 1.500 | 1.5% | 1.2% | 0.60 | - | 1.00% | steps 21-30 |",
+        "| pretrain | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | reference | 1.0% | 0.8% | 0.40 | - | reference |  |",
+        "| finetune | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 900.0 | 0.900 | 0.9% | 0.8% | 0.60 | - | 1.00% | steps 21-30 |",
+        "| finetune | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | reference | 1.0% | 0.8% | 0.40 | - | reference |  |",
+    ]
+    assert "| vendor | iluvatar | nvidia |" in md and "| parallel.tp | 2 | 1 |" in md
+    assert "1.500" in proc.stdout and "settings that differ" in proc.stdout  # the same table in the terminal
+    assert proc.stdout.strip().splitlines()[-1] == f"comparison: {out / 'compare.md'}, {out / 'compare.html'}"
+    page = load_page(out / "compare.html", tmp_path / "profile")
+    assert_loads_offline_with_plots(page, plots=2)  # the loss curves of both phases, overlaid
+    assert page["title"] == "flagbench compare llava_tiny" and page["tables"] == 2
+    assert "run 1: iluvatar cpu x2 config_cpux1x2" in page["text"] and "parallel.tp" in page["text"]
+    assert sorted(i["alt"] for i in page["images"]) == ["loss finetune", "loss pretrain"]
+
+
+def test_compare_other_data_and_bad_input(tmp_path):
+    real = {ph: {"kind": "real", "format": "llava", "fingerprint": f"{ph}0123456789ab"[:16]} for ph in ("pretrain", "finetune")}
+    vendor = two_phase_run(tmp_path / "vendor.json", "iluvatar", (1500.0, 900.0), 1.3, data=real)
+    nvidia = two_phase_run(tmp_path / "nvidia.json", "nvidia", (1000.0, 1000.0), 1.0)
+    proc = start("--compare", str(vendor), str(nvidia), "--out", str(tmp_path / "cmp"))
+    assert proc.returncode == 0, proc.stderr
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | 1.500 | 1.5% | 1.2% | 0.40 | - | - | " \
+           "other data (pretrain01234567 vs synthetic): loss not compared |" in md  # no MRE across data sets
+    failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="failed")
+    bad = start("--compare", str(vendor), str(failed), "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"error: {failed}: no round ran clean (ok or unjudged): round 1 failed; its figures are no results")
+    one = start("--compare", str(vendor))
+    assert one.returncode == 2 and "--compare needs at least two results.json files" in one.stderr
+    other_model = fake_run()
+    (tmp_path / "llama.json").write_text(json.dumps(other_model.dump()))
+    mixed = start("--compare", str(tmp_path / "llama.json"), str(nvidia), "--out", str(tmp_path / "y"))
+    assert mixed.returncode == 2 and "runs of different models (llama3_tiny, llava_tiny)" in mixed.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_record_reference_refuses_what_cannot_judge(tmp_path):
+    failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="invalid")
+    proc = start("--record-reference", str(failed))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {failed}: no round ran clean (ok or unjudged): round 1 invalid; an invalid or failed round is no reference")
+    short = fake_run([{"phases": [fake_phase(steps=20)]}])
+    (tmp_path / "short.json").write_text(json.dumps(short.dump()))
+    proc = start("--record-reference", str(tmp_path / "short.json"))
+    assert proc.returncode == 2 and "0 step(s) from step 21 on (none); the loss gate compares at least 5" in proc.stderr
+    unchecked = fake_run().model_copy(update={"data": {"train": {"kind": "real", "checked": False, "fingerprint": None,
+                                                                 "reason": "data_dir is not on this machine"}}})
+    (tmp_path / "unchecked.json").write_text(json.dumps(unchecked.dump()))
+    proc = start("--record-reference", str(tmp_path / "unchecked.json"))
+    assert proc.returncode == 2 and "its data has no fingerprint (data_dir is not on this machine)" in proc.stderr
+    # the committed synthetic curve is not replaced unasked
+    synthetic = fake_run()
+    (tmp_path / "synthetic.json").write_text(json.dumps(synthetic.dump()))
+    proc = start("--record-reference", str(tmp_path / "synthetic.json"))
+    target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.json"
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {target}: a reference for this config and data exists; --replace replaces it"

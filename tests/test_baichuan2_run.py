@@ -71,7 +71,7 @@ def resolved(tmp: Path, **over) -> dict:
         "model": {"name": "baichuan2_tiny", "params_nominal": TINY["params_nominal"], **TINY["shape"]},
         "train": train,
         "parallel": parallel,
-        "data": {"prefix": None, "max_tokens": 100000000, "synthetic_tokens": 1048576, "data_dir": None,
+        "data": {"format": "megatron", "prefix": None, "max_tokens": 100000000, "synthetic_tokens": 1048576, "data_dir": None,
                  "cache_dir": str(tmp / "cache")},
         "vendor": {"name": "cpu", "device": "cpu", "dist_backend": "gloo", "adapters": {}},
         "output_dir": str(tmp / "out"),

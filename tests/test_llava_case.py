@@ -328,6 +328,7 @@ def resolved(tmp: Path) -> dict:
         },
     }  # fmt: skip
     data = {
+        "format": "llava", "missing_images": "fail",
         "data_dir": None, "cache_dir": str(tmp / "cache"), "synthetic_seed": 1234, "num_workers": 0,
         "model_path": None, "vision_tower_path": None, "language_model_path": None, "tokenizer_path": None,
         "mmmu_dir": None, "mmmu_checkpoint": None, "synthetic_images": 512, "synthetic_image_size": 56,

@@ -162,6 +162,9 @@ class ClusterConfig(Strict):
     python: str | None = None  # use this Python as is (no environment built)
     image_build_args: dict[str, str] = {}  # e.g. {BASE_IMAGE: ...} for the vendor Dockerfiles
     round_timeout_s: float = Field(3600.0, gt=0)
+    # launch to the first rank's run_meta (every node joined, the framework is up): a node
+    # that never joins the rendezvous is found here, long before the round deadline
+    startup_timeout_s: float = Field(900.0, gt=0)
 
     @field_validator("work_dir")
     @classmethod

@@ -417,13 +417,19 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, r: int, round
     pending reason), the newest step (k of n, tokens/p/s, loss) and the time so far."""
     title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"
     steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
-    t0 = time.monotonic()
+    t0, begun = time.monotonic(), time.time()
     shown = {"note": None, "plain_at": t0}
+    startup = plan.cluster.startup_timeout_s
 
     with console.status(title) as status:
         def tick() -> None:
             note = runtime.note()
-            line = progress.line(runtime.progress(round_dir), steps, plan.world_size)
+            snaps = runtime.progress(round_dir)
+            since = runtime.running_since() or begun
+            if not any(snaps) and time.time() - since > startup and not runtime.aborted:
+                runtime.abort(f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
+                              "that never joined the rendezvous, or a hang before the first record; stopped")  # fmt: skip
+            line = progress.line(snaps, steps, plan.world_size)
             text = ", ".join(filter(None, [note, line, progress.elapsed(t0)]))
             if console.is_terminal:
                 status.update(f"{title}: {text}")

@@ -47,16 +47,21 @@ def rank_logs(node_dir: Path) -> list[Path]:
 
 
 def latest(files: Iterable[Path]) -> dict[str, Any] | None:
-    """The newest step record in the files' tails: phase, step, loss, tokens, step_time_s, t."""
+    """The ranks' state from the files' tails: None before any rank reported; ``{"started":
+    True}`` once one has sent its ``run_meta`` (the framework is up: every node joined the
+    rendezvous); with the newest step record's phase, step, loss, tokens, step_time_s, t."""
     best: ml.Record | None = None
+    started = False
     for f in files:
-        for r in ml.parse_lines(tail_lines(f)).of(ml.EV_STEP, ml.K_TRAIN_STEP):
+        parsed = ml.parse_lines(tail_lines(f))
+        started = started or bool(parsed.of(ml.EV_META, ml.K_RUN_META))
+        for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP):
             if best is None or r.t > best.t:
                 best = r
     if best is None:
-        return None
+        return {"started": True} if started else None
     v = best.value
-    return {"phase": v.get("phase", "train"), "step": int(v["step"]), "loss": float(v["loss"]),
+    return {"started": True, "phase": v.get("phase", "train"), "step": int(v["step"]), "loss": float(v["loss"]),
             "tokens": float(v["tokens"]), "step_time_s": float(v["step_time_s"]), "t": best.t}  # fmt: skip
 
 
@@ -105,7 +110,7 @@ class Writer(threading.Thread):
 def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_size: int) -> str | None:
     """"pretrain step 12/30, 1,234 tokens/p/s, loss 5.432" from the newest node snapshot;
     ``steps`` holds each phase's planned step count."""
-    found = [s for s in snaps if s]
+    found = [s for s in snaps if s and "step" in s]
     if not found:
         return None
     s = max(found, key=lambda x: x["t"])

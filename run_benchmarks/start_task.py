@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
                     help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
                          "(e.g. another parallel layout of the same case) or a {steps, loss} file")
     ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
+    ap.add_argument("--startup-timeout", type=float, metavar="S",
+                    help="seconds from launch to the first rank's report before the round is stopped (default 900)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
@@ -93,6 +95,10 @@ def load_cluster(args: argparse.Namespace) -> ClusterConfig:
         if args.round_timeout <= 0:
             raise InputError("--round-timeout must be positive")
         updates["round_timeout_s"] = args.round_timeout
+    if args.startup_timeout:
+        if args.startup_timeout <= 0:
+            raise InputError("--startup-timeout must be positive")
+        updates["startup_timeout_s"] = args.startup_timeout
     return cluster.model_copy(update=updates) if updates else cluster
 
 

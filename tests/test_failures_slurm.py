@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.slurm.cluster import SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
@@ -96,3 +97,29 @@ def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(tmp_path: Path, 
     assert_nothing_left(slurm_cluster, run_id)
     again = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.strip() == "no Slurm job of a run whose start_task.py is gone"
+
+
+def test_a_node_that_never_joins_is_found_at_the_startup_timeout(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    """n2 (127.0.0.3) cannot reach the rendezvous port on n1 (127.0.0.2): the job runs, no rank
+    ever reports, and the round is stopped at the startup timeout (counted from when the job
+    runs), the job cancelled, long before the round deadline."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    port = str(yaml.safe_load(cfile.read_text())["master_port"])
+    rule = ["INPUT", "-s", "127.0.0.3", "-d", "127.0.0.2", "-p", "tcp", "--dport", port, "-j", "DROP"]
+    subprocess.run(["iptables", "-I", *rule], check=True)
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
+                               "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--startup-timeout", "15"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["iptables", "-D", *rule], check=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    res = results(tmp_path)
+    (rnd,) = res["rounds"]
+    assert "no rank started training within 15 s of launch (startup_timeout_s)" in rnd["error"].splitlines()[0], rnd["error"]
+    assert "cancelled" in rnd["error"] and took < 120, (took, rnd["error"])
+    (job,) = res["runtime_info"]["slurm"]["jobs"]
+    assert job["cancelled_by_harness"] == "aborted"
+    assert_nothing_left(slurm_cluster, res["run_id"])

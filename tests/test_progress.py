@@ -101,3 +101,23 @@ def test_a_crash_during_the_run_leaves_its_traceback_in_the_run_folder(tmp_path,
     assert "Traceback" not in err and "evaluate_round" in log.read_text()
     res = json.loads((run_dir / "results.json").read_text())  # the run's file still says what stopped it
     assert res["status"] == "failed" and "RuntimeError: the table could not be made" in res["error"] and res["finished"]
+
+
+@pytest.mark.framework("megatron")
+def test_ranks_that_do_not_report_in_time_stop_the_local_round(tmp_path, megatron_python):
+    """Two local ranks cannot import torch and megatron-core and report within 1 s: the round
+    stops at the startup timeout with that cause, and no rank is left running."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(Path(start_task.__file__)), "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2",
+                           "--log-dir", str(tmp_path), "--python", megatron_python, "--startup-timeout", "1"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stdout + proc.stderr
+    (run_dir,) = tmp_path.iterdir()
+    res = json.loads((run_dir / "results.json").read_text())
+    (rnd,) = res["rounds"]
+    assert rnd["error"].startswith("node0 (localhost): no rank started training within 1 s of launch (startup_timeout_s)"), rnd["error"]
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert left == []

@@ -210,3 +210,27 @@ def test_launcher_across_two_hosts(cluster, request, framework, case, reference,
     mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
     assert n >= 10 and metrics.is_aligned(mre), mre
     assert leftovers(cluster, res["run_id"]) == []
+
+
+def test_a_node_that_never_joins_stops_the_round_at_the_startup_timeout(cluster, megatron_python, tmp_path):
+    """h2 cannot reach the master's rendezvous port (a firewall between the nodes, while SSH
+    from here works): neither node ever starts training. The round stops at the startup
+    timeout, long before its deadline, and says why."""
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="process")
+    h2 = cluster.hosts[1]
+    rule = ["OUTPUT", "-p", "tcp", "--dport", "29711", "-j", "DROP"]
+    subprocess.run(["ip", "netns", "exec", h2.netns, "iptables", "-I", *rule], check=True)
+    try:
+        t0 = time.monotonic()
+        proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
+                    "--startup-timeout", "20"])  # fmt: skip
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["ip", "netns", "exec", h2.netns, "iptables", "-D", *rule], check=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run_dir, res = only_run(tmp_path / "logs")
+    (rnd,) = res["rounds"]
+    first = rnd["error"].splitlines()[0]
+    assert "no rank started training within 20 s of launch (startup_timeout_s)" in first, rnd["error"]
+    assert "round deadline" not in rnd["error"] and took < 120, (took, rnd["error"])
+    assert leftovers(cluster, res["run_id"]) == []

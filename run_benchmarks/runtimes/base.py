@@ -28,6 +28,18 @@ class Runtime:
     """Runs the node commands of one round and brings their logs into ``round_dir``."""
 
     name = ""
+    #: set (from the orchestrator's watch thread) to stop the running round early: the
+    #: reason becomes every unfinished node's error; each ``run_round`` clears it first
+    aborted: str | None = None
+
+    def abort(self, reason: str) -> None:
+        """Stop the round now running, as its deadline would, with ``reason`` as the cause."""
+        self.aborted = reason
+
+    def running_since(self) -> float | None:
+        """Wall-clock time the round's processes started (None: when ``run_round`` began;
+        a Slurm job counts from when it runs, not while it waits in the queue)."""
+        return None
 
     def dry_prepare(self, plan: "Plan") -> tuple[str, Path]:
         """What ``prepare`` would return, without touching anything (for --dry-run)."""

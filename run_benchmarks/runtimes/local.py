@@ -60,6 +60,7 @@ class LocalRuntime(Runtime):
 
     def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
         started = time.monotonic()
+        self.aborted = None
         outcomes: list[NodeOutcome] = []
         monitors = []
         files = []
@@ -98,16 +99,18 @@ class LocalRuntime(Runtime):
                                 kill_group(other)
                     except subprocess.TimeoutExpired:
                         pass
-                if time.monotonic() > deadline:
-                    timed_out = True
+                if time.monotonic() > deadline or self.aborted:
+                    timed_out = not self.aborted
                     for i, proc in pending.items():
                         kill_group(proc)
                         rcs[i] = None
                     break
             for i, node in enumerate(nodes):
+                stopped = rcs.get(i) is None
                 outcomes.append(
-                    NodeOutcome(node.host, node.node_rank, rcs.get(i), timed_out and rcs.get(i) is None,
-                                round_dir / f"node{node.node_rank}", extra={"launched_at": launched[i], "exited_at": exited.get(i)})
+                    NodeOutcome(node.host, node.node_rank, rcs.get(i), timed_out and stopped,
+                                round_dir / f"node{node.node_rank}", error=self.aborted if stopped else None,
+                                extra={"launched_at": launched[i], "exited_at": exited.get(i)})
                 )  # fmt: skip
         finally:
             for proc in self.procs:

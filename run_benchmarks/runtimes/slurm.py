@@ -89,7 +89,7 @@ class Job:
     nodes_started_at: float | None = None  # the first node wrapper started (node.json)
     nodes_finished_at: float | None = None  # the last launcher exited (node.json)
     first_step_at: float | None = None  # the first train_step line
-    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup" | "launch failed"
+    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup" | "launch failed" | "aborted"
     state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
     launch_failure: str | None = None  # srun could not start the step on a node: why
 
@@ -330,6 +330,7 @@ class SlurmRuntime(Runtime):
                 Path(cache).mkdir(parents=True, exist_ok=True)
         (slurm_dir / "spec.json").write_text(json.dumps(spec, indent=2))
         (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
+        self.aborted = None
         job = self._submit(plan, round_dir)
         try:
             self._follow(job, time.monotonic() + timeout_s, slurm_dir / f"job-{job.job_id}.out")
@@ -385,6 +386,9 @@ class SlurmRuntime(Runtime):
             if time.monotonic() > deadline:
                 self._cancel(job, "round deadline")
                 return
+            if self.aborted:
+                self._cancel(job, "aborted")
+                return
             time.sleep(self.conf.poll_interval_s)
 
     def _cancel(self, job: Job, why: str) -> None:
@@ -430,6 +434,8 @@ class SlurmRuntime(Runtime):
                 error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"
             elif rep is not None and rep.get("error"):  # the node wrapper said why it stopped
                 error = f"{rep['error']} (Slurm job {job.job_id})"
+            elif job.cancelled_by_harness == "aborted":
+                error = f"{self.aborted} (Slurm job {job.job_id} cancelled)"
             elif job.cancelled_by_harness == "round deadline":
                 timed_out = True
                 if job.running_at is None:
@@ -469,6 +475,12 @@ class SlurmRuntime(Runtime):
 
     def host_memory(self) -> dict[str, int]:
         return {}  # the nodes are known once the job runs: not checked before
+
+    def running_since(self) -> float | None:
+        job = next((j for j in reversed(self.jobs) if j.gone_at is None), None)
+        if job is None or job.running_at is None:
+            return float("inf")  # queued: the startup clock has not started
+        return job.running_at
 
     def note(self) -> str | None:
         """The round's job: "Slurm job 57 PENDING (Resources)", "Slurm job 57 RUNNING on n[1-2]"."""

@@ -444,6 +444,7 @@ class SSHRuntime(Runtime):
 
     def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
         t0 = time.monotonic()
+        self.aborted = None
         deadline = t0 + timeout_s
         late: set[int] = set()
         failure: RemoteError | None = None  # a host that could not be staged, started or followed
@@ -454,6 +455,11 @@ class SSHRuntime(Runtime):
             self._start_all(plan, round_dir, nodes)
             if self._wait(deadline):
                 late = {n.k for n in self.live if n.rc is None}
+                if self.aborted:  # stopped early for a reason of its own, not the deadline
+                    for n in self.live:
+                        if n.k in late:
+                            n.error = n.error or self.aborted
+                    late = set()
         except RemoteError as exc:
             failure = exc
         finally:
@@ -519,7 +525,7 @@ class SSHRuntime(Runtime):
                             other.stop()
                             other.error = other.error or f"stopped: node{n.k} ({n.host.name}) failed"
                             other.poll()
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or self.aborted:
                 return True
             time.sleep(POLL_S)
         return False

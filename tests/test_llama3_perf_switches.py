@@ -72,6 +72,9 @@ def test_case_and_vendor_configs_carry_the_switches():
         par = yaml.safe_load(f.read_text()).get("parallel", {})
         assert par.get("attention", "sdpa") in st.ATTENTION, f.name
         assert par.get("fused_elementwise", "none") in st.FUSED_ELEMENTWISE, f.name
+        assert par.get("fused_rope", "none") in st.FUSED_ROPE and par.get("fused_linear_loss", "none") in st.FUSED_LINEAR_LOSS, f.name
+    assert case["standard"]["parallel"]["fused_rope"] == "none" and case["standard"]["parallel"]["fused_linear_loss"] == "none"
+    assert {"parallel.fused_rope", "parallel.fused_linear_loss"} <= set(case["vendor_may_change"])
 
 
 _MODEL_CHECK = r"""
@@ -162,3 +165,79 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     assert "parallel.attention: cudnn runs torch's cuDNN attention kernel, which needs a CUDA device" in errors["cudnn_mode"]
     assert errors["cudnn_model"].startswith(errors["cudnn_mode"])  # megatron adds where it was building
     assert "parallel.fused_elementwise: liger runs Triton kernels on CUDA devices" in errors["liger"]
+
+
+_LOSS_ROPE_CHECK = r"""
+import json, sys
+sys.path.insert(0, "cases/llama3/megatron")
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.models.common.embeddings import rope_utils
+import kernels, modeling, settings, startweights
+
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+model_parallel_cuda_manual_seed(1234)
+kernels.COMPILE_BACKEND = "aot_eager"
+out = {}
+# the loss function alone, several chunks, a per-token incoming gradient that is not uniform
+gen = torch.Generator().manual_seed(3)
+x = torch.randn(40, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+w = torch.randn(96, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+y = torch.randint(0, 96, (40,), generator=gen)
+g = torch.rand(40, generator=gen, dtype=torch.float64)
+ref = F.cross_entropy(x @ w.t(), y, reduction="none")
+(ref * g).sum().backward()
+rx, rw = x.grad.clone(), w.grad.clone()
+x.grad = w.grad = None
+got = kernels.LinearCrossEntropy.apply(x, w, y, None, 7)
+(got * g).sum().backward()
+out["fn"] = [float((got - ref).abs().max()), float((x.grad - rx).abs().max()), float((w.grad - rw).abs().max())]
+# RoPE: the compiled function against megatron's own
+t = torch.randn(12, 2, 4, 16, generator=gen, requires_grad=True)
+freqs = torch.randn(12, 1, 1, 16, generator=gen)
+mine = kernels.compiled_rope(t, freqs)
+theirs = rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
+out["rope"] = float((mine - theirs).abs().max())
+# the tiny model: plain, then both switches (small chunks), same starting weights
+tokens = torch.randint(0, 1024, (2, 128), generator=gen)
+labels = torch.randint(0, 1024, (2, 128), generator=gen)
+position_ids = torch.arange(128).expand(2, 128)
+kernels.FUSED_LOSS_CHUNK = 48
+for name, par in (("plain", {}), ("fused", {"fused_rope": "compile", "fused_linear_loss": "chunked"})):
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 1)
+    model = modeling.build_model(s, modeling.transformer_config(s))
+    startweights.overwrite(model, s)
+    loss = model(tokens, position_ids, None, labels=labels).float().mean()
+    loss.backward()
+    out[name] = {"loss": loss.item(), "type": type(model).__name__, "rope": rope_utils._apply_rotary_pos_emb_bshd.__name__,
+                 "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()}}
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_fused_linear_loss_and_rope_match_the_plain_model(tmp_path):
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    proc = subprocess.run([py, "-c", _LOSS_ROPE_CHECK, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    res = json.loads(line[len("RESULT "):])
+    # float64 inputs, the softmax in float32 as on the GPU: loss, dx and dW equal logits + cross_entropy to float32's precision
+    assert max(res["fn"]) < 1e-5
+    assert res["rope"] < 1e-6
+    plain, fused = res["plain"], res["fused"]
+    assert (plain["type"], fused["type"]) == ("GPTModel", "FusedLossGPTModel") and fused["rope"] == "compiled_rope"
+    assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert plain["grads"].keys() == fused["grads"].keys()
+    for name, g in plain["grads"].items():
+        assert fused["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name

@@ -226,7 +226,7 @@ def cpu_model() -> str | None:
     return None
 
 
-def summarize(values: list[float]) -> dict[str, Any]:
+def value_stats(values: list[float]) -> dict[str, Any]:
     """Median, min/max, quartiles and (from 5 values on) the olympic mean."""
     xs = sorted(values)
     out: dict[str, Any] = {"n": len(xs), "median": None, "min": None, "max": None, "q1": None, "q3": None, "olympic": None}
@@ -245,7 +245,7 @@ def round_stats(res: RunResults) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for phase in res.phases:
         figs = [_figures(p) for r in clean for p in r.phases if p.phase == phase]
-        out[phase] = {m: summarize([f[m] for f in figs if f[m] is not None]) for m in METRICS}
+        out[phase] = {m: value_stats([f[m] for f in figs if f[m] is not None]) for m in METRICS}
     return out
 
 

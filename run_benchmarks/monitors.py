@@ -144,7 +144,7 @@ class MonitorThread:
                 self._stop.wait(self.interval)
 
 
-def summarize(path: Path) -> dict[str, Any] | None:
+def monitor_summary(path: Path) -> dict[str, Any] | None:
     """Peak memory used/total per GPU, mean utilisation and power, host CPU/memory."""
     if not path.is_file():
         return None

@@ -32,15 +32,15 @@ from run_benchmarks import history, orchestrator, plan as planning, typed_result
 from run_benchmarks.config import ClusterConfig, load  # noqa: E402
 from run_benchmarks.casename import CaseName  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
-from run_benchmarks.runlist import CaseEntry, RunList, Tolerances, parse_runlist  # noqa: E402
+from run_benchmarks.runlist import RunListEntry, RunList, Tolerances, parse_runlist  # noqa: E402
 from run_benchmarks.typed_results import RunResults  # noqa: E402
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 @dataclasses.dataclass
-class Job:
+class NightlyCase:
     index: int
-    entry: CaseEntry
+    entry: RunListEntry
     plan: planning.Plan
     tolerances: Tolerances
     hardware_key: str
@@ -55,7 +55,7 @@ class Night:
     log_dir: Path
     db_path: Path
     report_dir: Path
-    jobs: list[Job]
+    jobs: list[NightlyCase]
 
 
 def _resolve(base: Path, p: str) -> Path:
@@ -86,7 +86,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
         hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
         hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
-        jobs.append(Job(i, e, plan, tol, hw))
+        jobs.append(NightlyCase(i, e, plan, tol, hw))
     return Night(
         path=path,
         text=path.read_text(encoding="utf-8"),
@@ -103,7 +103,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
 
 METRIC_LABELS = {"tokens_per_gpu_s": "tokens/p/s", "mfu_6n": "MFU-6N", "peak_mem_gib": "peak memory (GiB)"}
 
-Stats = dict[str, dict[str, dict[str, Any]]]  # phase -> metric -> history.summarize() over the clean rounds
+Stats = dict[str, dict[str, dict[str, Any]]]  # phase -> metric -> history.value_stats() over the clean rounds
 
 
 @dataclasses.dataclass
@@ -213,7 +213,7 @@ class _ProgressConsole:
         return getattr(self.progress.console, name)
 
 
-def run_case(job: Job, console: Any) -> tuple[RunResults, str | None]:
+def run_case(job: NightlyCase, console: Any) -> tuple[RunResults, str | None]:
     """Run one case through the orchestrator; returns its results and, if it broke off, why."""
     from run_benchmarks.runtimes import select
 
@@ -233,7 +233,7 @@ def run_case(job: Job, console: Any) -> tuple[RunResults, str | None]:
         return res, why
 
 
-def _label(job: Job) -> str:
+def _label(job: NightlyCase) -> str:
     e = job.entry
     extra = (f" variant {e.variant}" if e.variant else "") + (f" set {','.join(e.sets)}" if e.sets else "")
     return f"{history.case_key(e.case)} on {e.vendor}{extra}"
@@ -255,7 +255,7 @@ def run_night(night: Night, db: Any, night_id: int, console: Console, outcomes: 
             outcomes.append(_judge_and_store(night, db, night_id, job, res, broke, console=progress.console))
 
 
-def _judge_and_store(night: Night, db: Any, night_id: int, job: Job, res: RunResults, broke: str | None, console: Console) -> dict[str, Any]:
+def _judge_and_store(night: Night, db: Any, night_id: int, job: NightlyCase, res: RunResults, broke: str | None, console: Console) -> dict[str, Any]:
     counts = history.status_counts(res, job.entry.rounds)
     failed = counts["failed"]
     first_error = broke or next((r.error for r in res.rounds if r.status == "failed" and r.error), None)

@@ -15,7 +15,7 @@ from rich.console import Console
 from run_benchmarks import causes, metrics, plan as planning, progress, results, typed_results
 from run_benchmarks import datacheck
 from run_benchmarks.errors import InputError
-from run_benchmarks.monitors import summarize
+from run_benchmarks.monitors import monitor_summary
 from run_benchmarks.plan import Plan
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 from run_benchmarks.typed_results import LossGate, PhaseResult, Reference, RoundResult, RunResults, Status
@@ -230,7 +230,7 @@ def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], start
     monitor_nodes = [(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, o.node_rank)) for o in outcomes]
     phases = [_phase_result(plan, parsed, ph, references[ph], monitor_nodes) for ph in plan.phases]
     devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
-    monitors = {o.node_rank: summarize(o.node_dir / "monitor.jsonl") for o in outcomes}
+    monitors = {o.node_rank: monitor_summary(o.node_dir / "monitor.jsonl") for o in outcomes}
     status, reasons = round_status(_process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases})
     mem = metrics.memory_summary(parsed)
     one = phases[0] if len(phases) == 1 else None  # round-level figures only where they cannot be mistaken

@@ -35,7 +35,7 @@ class CaseTolerances(_Strict):
     memory_rise_pct: float | None = Field(None, gt=0)
 
 
-class CaseEntry(_Strict):
+class RunListEntry(_Strict):
     case: str  # model:framework:hardware:nnodes:nprocs
     vendor: str
     rounds: int = Field(3, ge=1, le=100)
@@ -76,7 +76,7 @@ class CaseEntry(_Strict):
 class RunList(_Strict):
     """A nightly run list (YAML).  Relative paths are relative to the run list's folder."""
 
-    cases: list[CaseEntry]
+    cases: list[RunListEntry]
     cluster: str | None = None  # cluster YAML as for start_task.py --cluster; none: this host
     log_dir: str = "logs/nightly"
     history_db: str | None = None  # default ~/.local/share/flagbench/history.sqlite
@@ -88,7 +88,7 @@ class RunList(_Strict):
 
     @field_validator("cases")
     @classmethod
-    def _cases(cls, v: list[CaseEntry]) -> list[CaseEntry]:
+    def _cases(cls, v: list[RunListEntry]) -> list[RunListEntry]:
         if not v:
             raise ValueError("at least one case is needed")
         seen: dict[tuple[Any, ...], int] = {}

@@ -151,7 +151,7 @@ class RoundResult(Strict):
     loss_mre: float | None = None  # the largest MRE of the phases
     loss_aligned: bool | None = None  # True every phase aligned, False one was not, None otherwise
     phases: list[PhaseResult]
-    monitor: dict[str, Any] = {}  # node -> monitors.summarize()
+    monitor: dict[str, Any] = {}  # node -> monitors.monitor_summary()
     reference: dict[str, str | None] = {}  # phase -> the reference file
     nodes: list[dict[str, Any]] = []
     metric_parse_errors: int = 0

@@ -55,14 +55,14 @@ def store(db, res: RunResults, requested: int | None = None, verdict: str = "pas
 
 
 def test_summary_median_iqr_and_olympic_mean():
-    s = history.summarize([10.0, 30.0, 20.0, 40.0])
+    s = history.value_stats([10.0, 30.0, 20.0, 40.0])
     assert (s["n"], s["median"], s["min"], s["max"]) == (4, 25.0, 10.0, 40.0)
     assert (s["q1"], s["q3"]) == (17.5, 32.5)
     assert s["olympic"] is None  # under 5 rounds
-    s5 = history.summarize([10.0, 30.0, 20.0, 40.0, 1000.0])
+    s5 = history.value_stats([10.0, 30.0, 20.0, 40.0, 1000.0])
     assert s5["median"] == 30.0 and s5["olympic"] == 30.0  # fastest (1000) and slowest (10) dropped
-    assert history.summarize([])["median"] is None
-    one = history.summarize([7.0])
+    assert history.value_stats([])["median"] is None
+    one = history.value_stats([7.0])
     assert (one["median"], one["q1"], one["q3"], one["olympic"]) == (7.0, 7.0, 7.0, None)
 
 

@@ -28,7 +28,7 @@ def test_monitor_thread_samples_and_summary(tmp_path):
     mon.stop()
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(lines) >= 3 and all(0 <= s["host"]["cpu_percent"] <= 100 for s in lines)
-    summary = monitors.summarize(out)
+    summary = monitors.monitor_summary(out)
     assert summary["samples"] == len(lines) and summary["host_mem_peak_gib"] > 0 and summary["gpus"] == {}
 
 
@@ -37,7 +37,7 @@ def test_summary_of_gpu_samples(tmp_path):
     gpus = monitors.parse_ixsmi_csv(SAMPLE.read_text())
     rows = [{"t": float(i), "host": {"cpu_percent": 50.0, "mem_used_gib": 10.0, "mem_total_gib": 64.0}, "gpus": gpus} for i in range(3)]
     out.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    s = monitors.summarize(out)
+    s = monitors.monitor_summary(out)
     assert s["gpus"]["0"]["mem_total_gib"] == 64 and s["gpus"]["0"]["util_mean_percent"] == 97
     assert s["gpus"]["2"]["power_mean_w"] is None and s["duration_s"] == 2.0
 

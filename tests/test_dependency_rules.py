@@ -1,0 +1,87 @@
+"""The dependency rules of docs/architecture.md, checked on the source (module-level imports
+read with ast, nothing imported):
+
+1. the host side (run_benchmarks/) never imports a framework or numerical library, at any level;
+2. the in-process side (training/) imports only the standard library, numpy, torch and itself
+   at module level (a framework only inside the function that needs it), never run_benchmarks;
+3. what runs on every node outside the framework environment (the node agent, the Slurm node
+   wrapper, the launchers, the progress writer, the metric-log protocol) is standard library only;
+4. a case never imports the host side.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from run_benchmarks.registry import ROOT
+
+FRAMEWORKS = {"torch", "deepspeed", "megatron", "paddle", "paddlenlp", "transformers", "numpy", "triton", "liger_kernel", "apex",
+              "transformer_engine", "PIL"}  # fmt: skip
+STDLIB = set(sys.stdlib_module_names)
+NODE_SIDE = ["run_benchmarks/node_agent.py", "run_benchmarks/slurm_node.py", "run_benchmarks/launchers.py",
+             "run_benchmarks/progress.py", "training/metriclog.py"]  # fmt: skip
+
+
+def imported(path: Path, module_level: bool) -> set[str]:
+    """Absolute module names imported by a file: at module level (also under if/try there),
+    or anywhere."""
+    tree = ast.parse(path.read_text(), str(path))
+    scope: list[ast.AST] = []
+    if module_level:
+        for node in tree.body:
+            scope += list(ast.walk(node)) if isinstance(node, (ast.If, ast.Try)) else [node]
+    else:
+        scope = list(ast.walk(tree))
+    out: set[str] = set()
+    for node in scope:
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def files(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_the_host_side_imports_no_framework():
+    bad = {f"{f.relative_to(ROOT)}: {m}" for f in files("run_benchmarks") for m in imported(f, False) if top(m) in FRAMEWORKS}
+    assert not bad, sorted(bad)
+
+
+def test_the_in_process_side_imports_only_stdlib_numpy_torch_at_module_level():
+    allowed = STDLIB | {"numpy", "torch", "training", "__future__"}
+    bad = {f"{f.relative_to(ROOT)}: {m}" for f in files("training") for m in imported(f, True) if top(m) not in allowed}
+    assert not bad, sorted(bad)
+    host = {f"{f.relative_to(ROOT)}: {m}" for f in files("training") for m in imported(f, False) if top(m) == "run_benchmarks"}
+    assert not host, sorted(host)
+
+
+@pytest.mark.parametrize("rel", NODE_SIDE)
+def test_what_runs_on_every_node_is_standard_library_only(rel):
+    path = ROOT / rel
+    own = {Path(p).with_suffix("").as_posix().replace("/", ".") for p in NODE_SIDE} | {"run_benchmarks", "training"}
+    bad = {m for m in imported(path, True) if top(m) not in STDLIB | {"__future__"} and m not in own}
+    assert not bad, f"{rel}: {sorted(bad)}"
+
+
+def test_a_case_never_imports_the_host_side():
+    bad = {f"{f.relative_to(ROOT)}: {m}" for f in files("cases") for m in imported(f, False) if top(m) == "run_benchmarks"}
+    assert not bad, sorted(bad)
+
+
+def test_the_checks_see_a_violation(tmp_path):
+    """The reader finds imports where they hide: under try, in a function, as from-imports."""
+    f = tmp_path / "m.py"
+    f.write_text("import os\ntry:\n    import torch\nexcept ImportError:\n    pass\n\ndef g():\n    from megatron.core import mpu\n")
+    assert imported(f, True) == {"os", "torch"}
+    assert imported(f, False) == {"os", "torch", "megatron.core"}

@@ -7,20 +7,24 @@ and kills the whole group on timeout, failure of a peer or Ctrl-C.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import IO
 
 from run_benchmarks.config import ClusterConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
+from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import MonitorThread
 from run_benchmarks.plan import NodePlan, Plan
 from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 
 KILL_GRACE_S = 10.0
+LOCK_FILE = Path.home() / ".cache" / "flagbench" / "locks" / "local.lock"
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
@@ -48,6 +52,27 @@ class LocalRuntime(Runtime):
     def __init__(self, cluster: ClusterConfig | None = None, python: str | None = None) -> None:
         self.python_override = python or (cluster.python if cluster else None)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.lock: IO[str] | None = None
+
+    def _take_lock(self, plan: Plan) -> None:
+        """One run at a time on this host (two would share its devices and skew both): an
+        exclusive flock, released by ``cleanup`` or by the kernel when the process ends, so a
+        killed run never leaves it behind. A second run is refused with the holder's run."""
+        LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(LOCK_FILE, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another run"
+            fh.close()
+            raise InputError(f"this host is busy: {holder} holds {LOCK_FILE}; one run at a time per host "
+                             "(wait for it to finish, or stop it)") from None  # fmt: skip
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"run {plan.run_id} (pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+        fh.flush()
+        self.lock = fh
 
     def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
         if self.python_override:
@@ -55,6 +80,7 @@ class LocalRuntime(Runtime):
         return str(python_of(env_dir(plan.vendor.name, plan.case.framework))), ROOT
 
     def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+        self._take_lock(plan)
         py = framework_python(plan.vendor.name, plan.case.framework, self.python_override, log)
         return str(py), ROOT
 
@@ -126,3 +152,6 @@ class LocalRuntime(Runtime):
         for proc in self.procs:
             kill_group(proc, grace=2.0)
         self.procs.clear()
+        if self.lock is not None:
+            self.lock.close()  # releases the flock
+            self.lock = None

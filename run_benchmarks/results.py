@@ -150,7 +150,7 @@ def breakdown_lines(res: RunResults) -> list[str]:
 def print_table(res: RunResults, console: Console | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
-        console.width = max(console.width, 200)
+        console.width = max(console.width, 1000)  # a table is as wide as its cells; never wrapped
     table = Table(title=f"{res.case} / {res.vendor} / {res.config_name}")
     for c in COLUMNS:
         table.add_column(c)

@@ -188,6 +188,10 @@ def test_host_down(cluster, megatron_python, tmp_path):
         # vendor image, where its CPU comm op is JIT-built with ninja from the environment's bin/
         pytest.param("deepspeed", "baichuan2_tiny:deepspeed:cpu:2:1", "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json",
                      "container", marks=pytest.mark.framework("deepspeed"), id="deepspeed-container"),
+        # both llava phases (ZeRO-2 then ZeRO-3) in the vendor image, gated against its committed
+        # 2-node curves, and each phase within the gate of the 1 node x 2 processes curves too
+        pytest.param("deepspeed", "llava_tiny:deepspeed:cpu:2:1", "cases/llava/deepspeed/reference/llava_tiny/config_cpux1x2.{phase}.json",
+                     "container", marks=pytest.mark.framework("deepspeed"), id="llava-container"),
         # paddle.distributed.launch: --master on the first host, --rank from the harness
         pytest.param("paddle", "gpt3_tiny:paddle:cpu:2:1", "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json",
                      "process", marks=pytest.mark.framework("paddle"), id="paddle"),
@@ -198,17 +202,18 @@ def test_launcher_across_two_hosts(cluster, request, framework, case, reference,
 
     python = request.getfixturevalue(f"{framework}_python")
     cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)
-    proc = run(["--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
-                "--reference", str(ROOT / reference)])  # fmt: skip
+    gate = [] if "{phase}" in reference else ["--reference", str(ROOT / reference)]  # else the committed curves
+    proc = run(["--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"), *gate])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
     assert rnd["status"] == "ok" and [n["returncode"] for n in rnd["nodes"]] == [0, 0]
-    assert rnd["phases"][0]["meta"]["world_size"] == 2
-    # same global batch and data as the 1 node x 2 processes reference: the curves agree
-    ref = metrics.load_reference(ROOT / reference)
-    mre, n = metrics.loss_mre({int(k): v for k, v in rnd["phases"][0]["loss"].items()}, ref)
-    assert n >= 10 and metrics.is_aligned(mre), mre
+    for p in rnd["phases"]:
+        assert p["meta"]["world_size"] == 2
+        # same global batch and data as the 1 node x 2 processes reference: the curves agree
+        ref = metrics.load_reference(ROOT / reference.format(phase=p["phase"]))
+        mre, n = metrics.loss_mre({int(k): v for k, v in p["loss"].items()}, ref)
+        assert n >= 5 and metrics.is_aligned(mre), (p["phase"], mre)
     assert leftovers(cluster, res["run_id"]) == []
 
 

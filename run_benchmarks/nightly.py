@@ -28,7 +28,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from run_benchmarks import history, orchestrator, plan as planning, typed_results  # noqa: E402
+from run_benchmarks import datacheck, history, orchestrator, plan as planning, typed_results  # noqa: E402
 from run_benchmarks.config import ClusterConfig, load  # noqa: E402
 from run_benchmarks.casename import CaseName  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
@@ -80,6 +80,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
         cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
         try:
             plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets))
+            plan.data = datacheck.check(plan)  # its data read whole, as start_task.py does: bad data is bad input
             orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
             raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None

@@ -51,6 +51,8 @@ BAD = [
     ("unknown variant", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, variant: PP9}\n", "no config_cpux1x2_PP9"),
     ("batch not divisible", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.global_batch=3]}\n",
      "global batch 3 is not a multiple"),
+    ("data without a corpus", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [data.data_dir=/]}\n",
+     "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on cpu): data.data_dir / holds 0 Megatron corpora"),
     ("missing cluster file", HEAD + "cluster: nope.yaml\ncases:\n" + GOOD_CASE, "nope.yaml: file not found"),
     ("bad cluster file", HEAD + "cluster: cluster.yaml\ncases:\n" + GOOD_CASE, "cluster.yaml: field 'master_port': Input should be a valid integer"),
 ]  # fmt: skip

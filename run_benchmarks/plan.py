@@ -219,49 +219,45 @@ def check_layout(settings: dict[str, Any], phases: list[str], world: int, source
             )
 
 
-def build(
-    cn: CaseName,
-    vendor_name: str,
-    cluster: ClusterConfig,
-    log_dir: Path,
-    variant: str | None = None,
-    sets: list[str] | None = None,
-    data_dir: str | None = None,
-) -> Plan:
-    vendor = registry.load_vendor(vendor_name)
-    entry = registry.find_case(cn)
-    case = entry.config
+@dataclasses.dataclass
+class Resolved:
+    """A vendor config resolved against its case: what every run of it and ``check`` share."""
+
+    config_file: Path
+    validated: bool
+    hook: str | None
+    settings: dict[str, Any]
+    overrides: list[dict[str, Any]]
+    user_overrides: list[dict[str, Any]]
+    counts: dict[str, dict[str, Any]]
+    hardware: dict[str, Any]
+    memory: dict[str, dict[str, Any]]
+
+
+def check_chip(vendor: VendorConfig, cn: CaseName) -> None:
     if cn.hardware not in vendor.chips:
         raise InputError(
             f"vendor {vendor.name!r} has no chip {cn.hardware!r} in vendors/{vendor.name}/vendor.yaml "
             f"(known: {', '.join(vendor.chips)})"
         )
-    cfg_path = registry.vendor_config_path(vendor.name, cn, variant)
+
+
+def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_path: Path, sets: list[str] | None = None) -> Resolved:
+    """The one resolution of a vendor config, for runs (``build``), nightly and ``check``: the
+    case's standard, the vendor's fair overrides, ``--set`` overrides, then every check that
+    needs no cluster (layout arithmetic, memory of the states)."""
+    case = entry.config
+    check_chip(vendor, cn)
     vcfg = registry.load_vendor_case(cfg_path)
     standard = registry.standard_settings(case, cn.model)
     overrides = registry.fairness_check(vcfg.values(), case, standard, str(cfg_path))
     settings = registry.deep_merge(standard, vcfg.values())
-
     user_overrides = []
     for text in sets or []:
         key, value = parse_override(text)
         user_overrides.append({"param": key, "value": value, "standard": registry.get_path(standard, key)})
         registry.set_path(settings, key, value)
-
-    data_dir = data_dir or cluster.data_dir
-    if data_dir:
-        settings["data"]["data_dir"] = data_dir
-        if cluster.backend == "local" and not Path(data_dir).is_dir():
-            raise InputError(f"data dir {data_dir} does not exist on this host")
-    else:
-        settings["data"].setdefault("data_dir", None)
-
-    if cluster.backend != "slurm" and len(cluster.hosts) < cn.nnodes:  # slurm allocates its nodes
-        raise InputError(f"case {cn} needs {cn.nnodes} nodes but the cluster config names {len(cluster.hosts)} host(s)")
-    if cluster.backend == "local" and cn.nnodes != 1:
-        raise InputError(f"case {cn}: the local runtime runs one node; give --cluster with {cn.nnodes} hosts")
     check_layout(settings, case.phases, cn.world_size, str(cfg_path))
-
     count_fn = registry.counter(case)
     counts = {ph: count_fn(case.models[cn.model].model_dump(), ph) for ph in case.phases}
     chip = vendor.chips[cn.hardware]
@@ -276,6 +272,34 @@ def build(
     }
     memory = memory_needs(registry.memory_model(case), counts, settings, cn)
     check_device_memory(memory, hardware, str(cfg_path))
+    return Resolved(cfg_path, vcfg.validated, vcfg.hook, settings, overrides, user_overrides, counts, hardware, memory)
+
+
+def build(
+    cn: CaseName,
+    vendor_name: str,
+    cluster: ClusterConfig,
+    log_dir: Path,
+    variant: str | None = None,
+    sets: list[str] | None = None,
+    data_dir: str | None = None,
+) -> Plan:
+    vendor = registry.load_vendor(vendor_name)
+    entry = registry.find_case(cn)
+    check_chip(vendor, cn)  # before the config's path: the chip is the clearer cause
+    if cluster.backend != "slurm" and len(cluster.hosts) < cn.nnodes:  # slurm allocates its nodes
+        raise InputError(f"case {cn} needs {cn.nnodes} nodes but the cluster config names {len(cluster.hosts)} host(s)")
+    if cluster.backend == "local" and cn.nnodes != 1:
+        raise InputError(f"case {cn}: the local runtime runs one node; give --cluster with {cn.nnodes} hosts")
+    r = resolve(cn, vendor, entry, registry.vendor_config_path(vendor.name, cn, variant), sets)
+    settings = r.settings
+    data_dir = data_dir or cluster.data_dir
+    if data_dir:
+        settings["data"]["data_dir"] = data_dir
+        if cluster.backend == "local" and not Path(data_dir).is_dir():
+            raise InputError(f"data dir {data_dir} does not exist on this host")
+    else:
+        settings["data"].setdefault("data_dir", None)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     run_id = f"{cn.model}_{cn.framework}_{cn.size}_{stamp}"
     return Plan(
@@ -284,20 +308,20 @@ def build(
         vendor=vendor,
         cluster=cluster,
         case_dir=entry.path,
-        launcher=case.launcher,
-        entry=case.entry,
-        phases=list(case.phases),
-        config_name=cfg_path.stem,
-        config_file=cfg_path,
-        validated=vcfg.validated,
+        launcher=entry.config.launcher,
+        entry=entry.config.entry,
+        phases=list(entry.config.phases),
+        config_name=r.config_file.stem,
+        config_file=r.config_file,
+        validated=r.validated,
         settings=settings,
-        model=case.models[cn.model].model_dump(),
-        overrides=overrides,
-        hook=vcfg.hook,
-        user_overrides=user_overrides,
-        counts=counts,
-        hardware=hardware,
-        memory=memory,
+        model=entry.config.models[cn.model].model_dump(),
+        overrides=r.overrides,
+        hook=r.hook,
+        user_overrides=r.user_overrides,
+        counts=r.counts,
+        hardware=r.hardware,
+        memory=r.memory,
         run_dir=log_dir / run_id,
         python="",
     )

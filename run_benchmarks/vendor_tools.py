@@ -26,7 +26,7 @@ import yaml  # noqa: E402
 
 from run_benchmarks import plan as planning, registry  # noqa: E402
 from run_benchmarks.casename import CaseName, check_name  # noqa: E402
-from run_benchmarks.config import VendorConfig, VendorCaseConfig, load  # noqa: E402
+from run_benchmarks.config import VendorConfig, load  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 
 CONFIG_NAME = re.compile(r"^config_(?P<hw>[A-Za-z0-9][A-Za-z0-9.\-]*)x(?P<n>[0-9]+)x(?P<m>[0-9]+)(?:_(?P<variant>[A-Za-z0-9][A-Za-z0-9_.\-]*))?$")
@@ -89,18 +89,18 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
         frameworks_used.add(entry.config.framework)
         if m["hw"] not in vendor.chips:
             problems.append(f"{cfg_file}: chip {m['hw']!r} is not in {vfile} chips ({', '.join(vendor.chips)})")
+        if m["hw"] not in vendor.chips:
+            continue  # said above
         try:
-            vcfg = load(VendorCaseConfig, cfg_file)
-            standard = registry.standard_settings(entry.config, model)
-            registry.fairness_check(vcfg.values(), entry.config, standard, str(cfg_file))
-            if vcfg.hook:
-                err = _function_defined(vcfg.hook, root)
+            # the resolution every run of this config goes through: fairness, layout, memory
+            cn = CaseName(model, entry.config.framework, m["hw"], int(m["n"]), int(m["m"]))
+            r = planning.resolve(cn, vendor, entry, cfg_file)
+            if r.hook:
+                err = _function_defined(r.hook, root)
                 if err:
                     problems.append(f"{cfg_file}: field 'hook': {err}")
-            settings = registry.deep_merge(standard, vcfg.values())
-            planning.check_layout(settings, entry.config.phases, int(m["n"]) * int(m["m"]), str(cfg_file))
-            prec = settings["train"]["precision"]
-            if m["hw"] in vendor.chips and prec not in vendor.chips[m["hw"]].peak_flops:
+            prec = r.settings["train"]["precision"]
+            if prec not in vendor.chips[m["hw"]].peak_flops:
                 problems.append(f"{vfile}: field 'chips.{m['hw']}.peak_flops': no entry for precision {prec!r} used by {cfg_file.name}")
         except InputError as exc:
             problems.append(str(exc))

@@ -30,6 +30,12 @@ def _framework_python(framework: str) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # the test session's local runs lock among themselves (one at a time, as the tests run),
+    # not against a benchmark that may be running on this machine
+    if not os.environ.get("FLAGBENCH_LOCK_DIR"):
+        import tempfile
+
+        os.environ["FLAGBENCH_LOCK_DIR"] = tempfile.mkdtemp(prefix="flagbench-test-locks-")
     for fw in FRAMEWORKS:  # environments already built are used without asking
         var = f"FB_TEST_{fw.upper()}_PYTHON"
         ready = envs.env_dir("cpu", fw) / ".flagbench-ready"

@@ -44,11 +44,12 @@ def test_megatron_states_by_layout_and_offload():
 
 
 def test_a_layout_that_cannot_fit_the_card_is_refused_before_anything(tmp_path):
-    """llama3_8b on one H100 (TP1, moments on the host): 74.8 GiB of states on an 80 GiB card."""
-    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:1", "--log-dir", str(tmp_path), "--dry-run")
+    """llama3_8b on two H100 without tensor parallelism or offload: 89.8 GiB of states per card."""
+    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:2", "--set", "parallel.tp=1",
+                 "--set", "parallel.optimizer_cpu_offload=false", "--log-dir", str(tmp_path), "--dry-run")  # fmt: skip
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
-    assert "config_H100x1x1.yaml: weights, gradients and optimizer states alone need 74.8 GiB per H100" in line
+    assert "config_H100x1x2.yaml: weights, gradients and optimizer states alone need 89.8 GiB per H100 (TP1 PP1 DP2" in line
     assert "more than 90% of its 80 GiB" in line and not list(tmp_path.iterdir())
     # the plan shows the bound of each phase
     ok = start("--vendor", "nvidia", "--case_name", "llava1.5_7b:deepspeed:H100:1:2", "--dry-run", "--json")

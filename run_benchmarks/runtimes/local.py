@@ -24,7 +24,12 @@ from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 
 KILL_GRACE_S = 10.0
-LOCK_FILE = Path.home() / ".cache" / "flagbench" / "locks" / "local.lock"
+
+def lock_file() -> Path:
+    """This host's run lock; FLAGBENCH_LOCK_DIR moves it (a test session's runs lock among
+    themselves, not against a benchmark running on the same machine)."""
+    folder = os.environ.get("FLAGBENCH_LOCK_DIR") or str(Path.home() / ".cache" / "flagbench" / "locks")
+    return Path(folder) / "local.lock"
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
@@ -58,15 +63,16 @@ class LocalRuntime(Runtime):
         """One run at a time on this host (two would share its devices and skew both): an
         exclusive flock, released by ``cleanup`` or by the kernel when the process ends, so a
         killed run never leaves it behind. A second run is refused with the holder's run."""
-        LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(LOCK_FILE, "a+")
+        path = lock_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(path, "a+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "another run"
             fh.close()
-            raise InputError(f"this host is busy: {holder} holds {LOCK_FILE}; one run at a time per host "
+            raise InputError(f"this host is busy: {holder} holds {path}; one run at a time per host "
                              "(wait for it to finish, or stop it)") from None  # fmt: skip
         fh.seek(0)
         fh.truncate()

@@ -386,5 +386,14 @@ def validate(model: type[M], data: Any, source: str) -> M:
         raise InputError(f"{source}: field '{field_path(err['loc'])}': {msg}{more}") from None
 
 
+def cluster_with(cluster: ClusterConfig, source: str, **values: Any) -> ClusterConfig:
+    """The cluster config with values given beside it (start_task.py's options, a run list's
+    keys; None: not given), validated as the file's own fields are, errors naming ``source``."""
+    given = {k: v for k, v in values.items() if v is not None}
+    if not given:
+        return cluster
+    return validate(ClusterConfig, {**cluster.model_dump(exclude_unset=True), **given}, source)
+
+
 def load(model: type[M], path: str | os.PathLike[str]) -> M:
     return validate(model, read_yaml(path), str(path))

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table  # noqa: E402
 
 from run_benchmarks import datacheck, history, orchestrator, plan as planning, typed_results  # noqa: E402
-from run_benchmarks.config import ClusterConfig, load  # noqa: E402
+from run_benchmarks.config import ClusterConfig, cluster_with, load  # noqa: E402
 from run_benchmarks.casename import CaseName  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 from run_benchmarks.runlist import RunListEntry, RunList, Tolerances, parse_runlist  # noqa: E402
@@ -68,12 +68,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
     rl = parse_runlist(path)
     base = path.resolve().parent
     cluster = load(ClusterConfig, _resolve(base, rl.cluster)) if rl.cluster else ClusterConfig()
-    updates: dict[str, Any] = {}
-    if rl.python:
-        updates["python"] = rl.python
-    if rl.round_timeout_s:
-        updates["round_timeout_s"] = rl.round_timeout_s
-    cluster = cluster.model_copy(update=updates) if updates else cluster
+    cluster = cluster_with(cluster, str(path), python=rl.python, round_timeout_s=rl.round_timeout_s)
     logs = Path(log_dir).expanduser().resolve() if log_dir else _resolve(base, rl.log_dir)
     jobs = []
     for i, e in enumerate(rl.cases):

@@ -53,7 +53,7 @@ from rich.console import Console  # noqa: E402
 
 from run_benchmarks import plan as planning, results  # noqa: E402
 from run_benchmarks.casename import GRAMMAR, CaseName, check_name  # noqa: E402
-from run_benchmarks.config import ClusterConfig, load  # noqa: E402
+from run_benchmarks.config import ClusterConfig, cluster_with, load  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 from run_benchmarks.runtimes.base import stop_on_signals  # noqa: E402
 
@@ -88,18 +88,8 @@ def parser() -> argparse.ArgumentParser:
 
 def load_cluster(args: argparse.Namespace) -> ClusterConfig:
     cluster = load(ClusterConfig, args.cluster) if args.cluster else ClusterConfig()
-    updates = {}
-    if args.python:
-        updates["python"] = args.python
-    if args.round_timeout:
-        if args.round_timeout <= 0:
-            raise InputError("--round-timeout must be positive")
-        updates["round_timeout_s"] = args.round_timeout
-    if args.startup_timeout:
-        if args.startup_timeout <= 0:
-            raise InputError("--startup-timeout must be positive")
-        updates["startup_timeout_s"] = args.startup_timeout
-    return cluster.model_copy(update=updates) if updates else cluster
+    return cluster_with(cluster, "command line", python=args.python, round_timeout_s=args.round_timeout,
+                        startup_timeout_s=args.startup_timeout)  # fmt: skip
 
 
 def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]

@@ -216,17 +216,56 @@ class ContainerOptions(Strict):
         return self
 
 
+#: device samplers the harness ships; a vendor names its own as "module:function" (a function
+#: returning one dict per device, as run_benchmarks.monitors documents)
+BUILTIN_MONITORS = ("nvml", "ixsmi", "none")
+_DEVICE_TYPE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
 class VendorConfig(Strict):
     name: str
     description: str = ""
-    device: Literal["cuda", "cpu"]
-    dist_backend: Literal["nccl", "gloo"]
+    # torch's device type of the vendor's build (cuda, cpu, npu, mlu, xpu, musa, ...) and the
+    # torch.distributed backend its collectives register (nccl, gloo, hccl, cncl, bkcl, mccl, ...)
+    device: str
+    dist_backend: str
     visible_devices_env: str | None = None
-    monitor: Literal["nvml", "ixsmi", "none"] = "none"
+    monitor: str = "none"
+    # "module:function" giving a rank's device memory (peak allocated, total, device name);
+    # none: the device type's torch module (torch.cuda, torch.npu, ...) is asked
+    memory_query: str | None = None
     chips: dict[str, ChipConfig]
     env: dict[str, str] = {}
     adapters: dict[str, str] = {}  # framework -> "module:function"
     container: ContainerOptions = ContainerOptions()
+
+    @field_validator("device", "dist_backend")
+    @classmethod
+    def _type_name(cls, v: str) -> str:
+        if not _DEVICE_TYPE.match(v):
+            raise ValueError(f"must be a lower-case name such as cuda, npu or nccl, hccl, got {v!r}")
+        return v
+
+    @field_validator("visible_devices_env")
+    @classmethod
+    def _visible(cls, v: str | None) -> str | None:
+        if v is not None and not _ENVNAME.match(v):
+            raise ValueError(f"environment variable name {v!r} is not valid")
+        return v
+
+    @field_validator("monitor")
+    @classmethod
+    def _monitor(cls, v: str) -> str:
+        if v not in BUILTIN_MONITORS and not _MODSPEC.match(v):
+            raise ValueError(f"must be one of {', '.join(BUILTIN_MONITORS)} or a vendor's 'module:function', got {v!r}")
+        return v
+
+    @field_validator("memory_query")
+    @classmethod
+    def _memory_query(cls, v: str | None) -> str | None:
+        if v is not None and not _MODSPEC.match(v):
+            raise ValueError(f"must be 'module:function', got {v!r}")
+        return v
 
     @field_validator("adapters")
     @classmethod

@@ -4,7 +4,7 @@ Each sample is one JSON line: ``{"t": ..., "host": {cpu_percent, mem_used_gib,
 mem_total_gib}, "gpus": [{index, util_percent, mem_used_gib, mem_total_gib,
 power_w, temp_c}]}``.  GPU readers are chosen by the vendor's ``monitor``
 field: ``nvml`` (nvidia-ml-py), ``ixsmi`` (Iluvatar's ixsmi CSV query output),
-``none``.  Run as ``python -m run_benchmarks.monitors --kind nvml --out F``
+``none``, or the vendor's own ``module:function`` (see ``gpu_reader``).  Run as ``python -m run_benchmarks.monitors --kind nvml --out F``
 on remote hosts; locally as a thread.
 """
 
@@ -103,6 +103,19 @@ def ixsmi_reader() -> list[dict[str, Any]]:
 
 
 def gpu_reader(kind: str) -> Callable[[], list[dict[str, Any]]] | None:
+    """The device sampler a vendor names: a built-in (nvml, ixsmi, none) or its own
+    ``module:function`` (imported from the code root, e.g. ``vendors.acme.monitor:sample``),
+    called once per interval and returning one dict per device with the keys of
+    ``NVMLReader`` (index, util_percent, mem_used_gib, mem_total_gib, power_w, temp_c; None
+    where the device does not tell)."""
+    if ":" in kind:
+        import importlib
+
+        module, _, func = kind.partition(":")
+        try:
+            return getattr(importlib.import_module(module), func)
+        except (ImportError, AttributeError):  # said by vendor_tools check; host metrics only here
+            return None
     if kind == "nvml":
         try:
             return NVMLReader()

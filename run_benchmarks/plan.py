@@ -92,6 +92,8 @@ class Plan:
                 "name": self.vendor.name,
                 "device": self.vendor.device,
                 "dist_backend": self.vendor.dist_backend,
+                "visible_devices_env": self.vendor.visible_devices_env,
+                "memory_query": self.vendor.memory_query,
                 "adapters": dict(self.vendor.adapters),
                 "hooks": [self.hook] if self.hook else [],
             },

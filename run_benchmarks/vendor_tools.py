@@ -66,6 +66,10 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
                 problems.append(f"{vfile}: field 'chips.{chip}.peak_flops.{prec}': {val} is not a plausible FLOP/s figure")
     if vendor.monitor == "nvml" and importlib.util.find_spec("pynvml") is None:
         problems.append(f"{vfile}: field 'monitor': nvml needs nvidia-ml-py installed")
+    for field, spec in (("monitor", vendor.monitor), ("memory_query", vendor.memory_query)):
+        err = _function_defined(spec, root) if spec and ":" in spec else None
+        if err:
+            problems.append(f"{vfile}: field '{field}': {err}")
     for fw, spec in vendor.adapters.items():
         err = _function_defined(spec, root)
         if err:

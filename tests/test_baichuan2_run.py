@@ -51,7 +51,7 @@ def resolved(tmp: Path, **over) -> dict:
         "adam_eps": 1.0e-8, "init_std": 0.02, "seed": 1234, "profile_step": 0,
     }  # fmt: skip
     parallel = {
-        "tp": 1, "pp": 1, "recompute": "full",
+        "tp": 1, "pp": 1, "recompute": "full", "recompute_num_layers": None, "attention": "sdpa", "fused_elementwise": "none",
         "zero": {
             "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": None,
             "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,

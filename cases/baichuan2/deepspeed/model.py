@@ -20,6 +20,22 @@ differs by a per-row constant and therefore gives the same softmax, but
 ``j - i`` keeps the values near the diagonal small, where a bf16 mask is most
 precise.
 
+Speed switches (``parallel`` settings, read by :func:`speed_switches`; the
+defaults are the plain path above):
+
+- ``fused_elementwise``: ``none`` | ``compile``.  ``compile`` runs the same
+  RMSNorm and SwiGLU functions as ``torch.compile`` regions (full graph, static
+  shapes, Inductor on GPUs): each is one kernel per direction, and SwiGLU keeps
+  only its two inputs for the backward.
+- ``attention``: ``sdpa`` | ``flex``.  ``flex`` runs torch's FlexAttention
+  (compiled) with the ALiBi bias as a score modification and the causal mask
+  as a block mask: no ``[heads, seq, seq]`` mask in memory, fully masked
+  blocks skipped.  The bias is added in float32 (the ``sdpa`` path adds it
+  rounded to the activation dtype).  FlexAttention has no CPU backward.
+- ``recompute_num_layers``: with ``recompute: full``, only the first N decoder
+  layers are recomputed in the backward (null: all of them); the others keep
+  their activations.
+
 Importable without DeepSpeed: the case's ``train.py`` builds the model inside
 ``deepspeed.zero.Init`` when ZeRO stage 3 is on, and the unit tests build it
 directly.
@@ -36,6 +52,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+ATTENTION = ("sdpa", "flex")
+FUSED_ELEMENTWISE = ("none", "compile")
+
+#: torch.compile backend of the ``compile`` and ``flex`` switches. Inductor generates the
+#: fused kernels; the CPU test sets "aot_eager" (the same graph capture and autograd split
+#: without code generation, which takes half a minute per graph on a small CPU).
+COMPILE_BACKEND = "inductor"
+
 
 @dataclasses.dataclass
 class Baichuan2Config:
@@ -50,6 +74,9 @@ class Baichuan2Config:
     z_loss_weight: float = 0.0  # Baichuan2's max-z auxiliary loss; 0 turns it off
     gradient_checkpointing: bool = False
     checkpoint_reentrant: bool = True
+    attention: str = "sdpa"            # sdpa | flex
+    fused_elementwise: str = "none"    # none | compile
+    recompute_num_layers: int | None = None  # with checkpointing on: the first N layers (None: all)
 
     @property
     def head_dim(self) -> int:
@@ -64,7 +91,49 @@ class Baichuan2Config:
         cfg = cls(**kwargs)
         if cfg.hidden_size % cfg.num_heads:
             raise ValueError(f"hidden_size {cfg.hidden_size} is not a multiple of num_heads {cfg.num_heads}")
+        speed_switches({"attention": cfg.attention, "fused_elementwise": cfg.fused_elementwise,
+                        "recompute_num_layers": cfg.recompute_num_layers}, cfg.num_layers)
         return cfg
+
+
+def speed_switches(parallel: dict[str, Any], num_layers: int | None = None) -> dict[str, Any]:
+    """The model's speed switches from a phase's ``parallel`` settings, checked; absent keys
+    take the plain path (``attention: sdpa``, ``fused_elementwise: none``, every layer
+    recomputed). A bad value is a ValueError naming the key."""
+    attention = parallel.get("attention") or "sdpa"
+    if attention not in ATTENTION:
+        raise ValueError(f"parallel.attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    fused = parallel.get("fused_elementwise") or "none"
+    if fused not in FUSED_ELEMENTWISE:
+        raise ValueError(f"parallel.fused_elementwise must be one of {', '.join(FUSED_ELEMENTWISE)}, got {fused!r}")
+    layers = parallel.get("recompute_num_layers")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0 or (num_layers is not None and layers > num_layers):
+            bound = f"0..{num_layers}" if num_layers is not None else "an integer >= 0"
+            raise ValueError(f"parallel.recompute_num_layers must be null or {bound}, got {layers!r}")
+    return {"attention": attention, "fused_elementwise": fused, "recompute_num_layers": layers}
+
+
+_COMPILED: dict[tuple[str, Any], Callable[..., Any]] = {}
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as one torch.compile region: full graph, static shapes (a new shape compiles anew)."""
+    key = (fn.__name__, COMPILE_BACKEND)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+    return _COMPILED[key]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Baichuan2 computes it: normalize in float32, round, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 # --------------------------------------------------------------------------- ALiBi
@@ -130,16 +199,49 @@ class Embedding(nn.Embedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, fused: str = "none"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        fn = compiled(rms_norm) if self.fused == "compile" else rms_norm
+        return fn(x, self.weight, self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexAlibi:
+    """What the ``flex`` attention needs, made once per sequence length and device: the
+    ALiBi score modification (``score + slope_h * (j - i)``) and the causal block mask."""
+
+    score_mod: Callable[..., torch.Tensor]
+    block_mask: Any
+
+
+def flex_alibi(num_heads: int, seq_len: int, device: torch.device | str) -> FlexAlibi:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32, device=device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    return FlexAlibi(alibi, create_block_mask(causal, None, None, seq_len, seq_len, device=device))
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: FlexAlibi) -> torch.Tensor:
+    """FlexAttention, compiled, on contiguous ``[b, heads, s, head_dim]`` inputs."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    key = ("flex_attention", COMPILE_BACKEND)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(flex, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
+    return _COMPILED[key](q.contiguous(), k.contiguous(), v.contiguous(), score_mod=bias.score_mod,
+                          block_mask=bias.block_mask)
 
 
 class Attention(nn.Module):
@@ -151,11 +253,14 @@ class Attention(nn.Module):
         self.W_pack = Linear(cfg.hidden_size, 3 * cfg.hidden_size, cfg.init_std)
         self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, cfg.init_std)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | FlexAlibi") -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.W_pack(x).view(b, s, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        if isinstance(mask, FlexAlibi):
+            out = flex_attention(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
         out = out.transpose(1, 2).reshape(b, s, self.hidden_size)
         return self.o_proj(out)
 
@@ -166,20 +271,22 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std)
         self.up_proj = Linear(cfg.hidden_size, cfg.ffn_hidden_size, cfg.init_std)
         self.down_proj = Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.init_std)
+        self.fused = cfg.fused_elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fn = compiled(swiglu) if self.fused == "compile" else swiglu
+        return self.down_proj(fn(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Baichuan2Config):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.fused_elementwise)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.fused_elementwise)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | FlexAlibi") -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -225,7 +332,7 @@ class Baichuan2ForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_std)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.fused_elementwise)
         self.lm_head = NormHead(cfg.hidden_size, cfg.vocab_size, cfg.init_std)
         self._mask_cache: tuple[tuple, torch.Tensor] | None = None
         # Parameters are initialized by each leaf module as it is built:
@@ -239,13 +346,26 @@ class Baichuan2ForCausalLM(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.config.gradient_checkpointing = False
 
-    def alibi_mask(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def alibi_mask(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> "torch.Tensor | FlexAlibi":
+        """The ALiBi + causal mask of the ``sdpa`` attention, or the ``flex`` attention's
+        score modification and block mask; made once per sequence length, dtype and device."""
         if seq_len > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {seq_len} tokens exceeds max_position_embeddings {self.config.max_position_embeddings}")
-        key = (seq_len, dtype, str(device))
+        key = (seq_len, dtype, str(device), self.config.attention)
         if self._mask_cache is None or self._mask_cache[0] != key:
-            self._mask_cache = (key, alibi_causal_mask(self.config.num_heads, seq_len, dtype, device))
+            if self.config.attention == "flex":
+                mask: Any = flex_alibi(self.config.num_heads, seq_len, device)
+            else:
+                mask = alibi_causal_mask(self.config.num_heads, seq_len, dtype, device)
+            self._mask_cache = (key, mask)
         return self._mask_cache[1]
+
+    def recomputed(self, index: int) -> bool:
+        """Whether decoder layer ``index`` is recomputed in this forward pass."""
+        cfg = self.config
+        if not (cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return False
+        return cfg.recompute_num_layers is None or index < cfg.recompute_num_layers
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` without labels; the mean loss with them.
@@ -255,8 +375,8 @@ class Baichuan2ForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         mask = self.alibi_mask(input_ids.shape[1], x.dtype, x.device)
-        for layer in self.layers:
-            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        for index, layer in enumerate(self.layers):
+            if self.recomputed(index):
                 x = checkpoint(layer, x, mask, use_reentrant=self.config.checkpoint_reentrant)
             else:
                 x = layer(x, mask)

@@ -403,6 +403,33 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
     return cur
 
 
+def _problem(model: type[BaseModel], err: Any, source: str) -> str:
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(model, tuple(err["loc"][:-1]))
+        names = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
+        msg = "unknown field" + (f"; expected one of: {', '.join(names)}" if names else "")
+    else:
+        got = err.get("input")
+        got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
+        msg = err["msg"].removeprefix("Value error, ") + got_txt
+    return f"{source}: field '{field_path(err['loc'])}': {msg}"
+
+
+def problems(model: type[BaseModel], path: str | os.PathLike[str]) -> list[str]:
+    """Every problem of a YAML file against ``model``, each naming file and field ([] when valid)."""
+    try:
+        data = read_yaml(path)
+    except InputError as exc:
+        return [str(exc)]
+    if not isinstance(data, dict):
+        return [f"{path}: expected a mapping at the top level, got {type(data).__name__}"]
+    try:
+        model.model_validate(data)
+    except ValidationError as exc:
+        return [_problem(model, err, str(path)) for err in exc.errors()]
+    return []
+
+
 def validate(model: type[M], data: Any, source: str) -> M:
     """``model`` from parsed YAML; one clear InputError naming ``source`` and the field otherwise."""
     if data is None:
@@ -412,17 +439,8 @@ def validate(model: type[M], data: Any, source: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        if err["type"] == "extra_forbidden":
-            parent = _model_at(model, tuple(err["loc"][:-1]))
-            names = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
-            msg = "unknown field" + (f"; expected one of: {', '.join(names)}" if names else "")
-        else:
-            got = err.get("input")
-            got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
-            msg = err["msg"].removeprefix("Value error, ") + got_txt
-        raise InputError(f"{source}: field '{field_path(err['loc'])}': {msg}{more}") from None
+        raise InputError(_problem(model, exc.errors()[0], source) + more) from None
 
 
 def cluster_with(cluster: ClusterConfig, source: str, **values: Any) -> ClusterConfig:

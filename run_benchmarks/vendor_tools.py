@@ -26,7 +26,7 @@ import yaml  # noqa: E402
 
 from run_benchmarks import plan as planning, registry  # noqa: E402
 from run_benchmarks.casename import CaseName, check_name  # noqa: E402
-from run_benchmarks.config import VendorConfig, load  # noqa: E402
+from run_benchmarks.config import VendorConfig, load, problems as config_problems  # noqa: E402
 from run_benchmarks.errors import InputError  # noqa: E402
 
 CONFIG_NAME = re.compile(r"^config_(?P<hw>[A-Za-z0-9][A-Za-z0-9.\-]*)x(?P<n>[0-9]+)x(?P<m>[0-9]+)(?:_(?P<variant>[A-Za-z0-9][A-Za-z0-9_.\-]*))?$")
@@ -52,15 +52,17 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
     root = vendors_dir.parent
     vdir = vendors_dir / name
     vfile = vdir / "vendor.yaml"
-    try:
-        vendor = load(VendorConfig, vfile)
-    except InputError as exc:
-        return [str(exc)]
+    listed = config_problems(VendorConfig, vfile)
+    if listed:
+        return listed  # every field's problem at once; the rest needs a valid vendor.yaml
+    vendor = load(VendorConfig, vfile)
     if vendor.name != name:
         problems.append(f"{vfile}: field 'name': {vendor.name!r} does not match the folder {name!r}")
     for chip, c in vendor.chips.items():
         if not c.peak_flops:
             problems.append(f"{vfile}: field 'chips.{chip}.peak_flops': empty peak table (write null for an unknown peak)")
+        if PLACEHOLDER in c.source:
+            problems.append(f"{vfile}: field 'chips.{chip}.source': still the scaffold's placeholder; name the datasheet of the peak")
         for prec, val in c.peak_flops.items():
             if val is not None and not (1e9 < val < 1e17):
                 problems.append(f"{vfile}: field 'chips.{chip}.peak_flops.{prec}': {val} is not a plausible FLOP/s figure")
@@ -112,17 +114,42 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
         for f in ("Dockerfile", "requirements.txt"):
             if not (vdir / fw / f).is_file():
                 problems.append(f"{vdir / fw / f}: missing (image definition for framework {fw})")
+        problems += image_problems(vdir / fw, fw)
     return problems
+
+
+#: what the scaffold writes where only the vendor knows the value
+PLACEHOLDER = "fill in"
+PLACEHOLDER_IMAGE = "fill-in/"
+#: what a framework environment must install for the cases and the harness's node side: the
+#: framework package the cases import (a base image may provide it: then say so in a comment
+#: naming it), and psutil for the monitors that run under that environment's Python
+NEEDED = {"megatron": ("megatron-core", "psutil"), "deepspeed": ("deepspeed", "psutil"), "paddle": ("paddlenlp", "psutil")}
+
+
+def image_problems(folder: Path, framework: str) -> list[str]:
+    """A framework's image definition: no scaffold placeholder left, requirements complete."""
+    out = []
+    docker, req = folder / "Dockerfile", folder / "requirements.txt"
+    if docker.is_file() and PLACEHOLDER_IMAGE in docker.read_text():
+        out.append(f"{docker}: BASE_IMAGE is still the scaffold's placeholder; name the vendor's base image")
+    if req.is_file():
+        text = req.read_text().lower().replace("_", "-")
+        for pkg in NEEDED.get(framework, ()):
+            if pkg not in text:
+                out.append(f"{req}: does not name {pkg} (needed by {framework} cases and the node monitors; "
+                           "if the base image provides it, say so in a comment naming it)")  # fmt: skip
+    return out
 
 
 VENDOR_TEMPLATE = """\
 # Vendor {name}: fill in every field; `python -m run_benchmarks.vendor_tools check {name}` validates.
 name: {name}
 description: {name} accelerators
-device: cuda                 # cuda (torch device of the vendor's build) or cpu
-dist_backend: nccl           # nccl (or the vendor's NCCL-compatible library) or gloo
+device: cuda                 # torch's device type of the vendor's build: cuda, npu, mlu, xpu, musa, ... or cpu
+dist_backend: nccl           # its torch.distributed backend: nccl, hccl, cncl, bkcl, mccl, ... or gloo
 visible_devices_env: CUDA_VISIBLE_DEVICES
-monitor: none                # nvml | ixsmi | none
+monitor: none                # nvml | ixsmi | none | "vendors.{name}.monitor:sample" (the vendor's own sampler)
 chips:
   {chip}:
     # dense peak FLOP/s per precision from the vendor's public datasheet; null if not public

@@ -75,6 +75,34 @@ def test_scaffolded_vendor_and_config_pass_check(tmp_path, monkeypatch):
     assert (vendors / "acme" / "megatron" / "Dockerfile") in written
     path = vendor_tools.scaffold_config("acme", "llama3_8b:megatron:X1:1:8", None, vendors_dir=vendors)
     assert path.name == "config_X1x1x8.yaml"
+    # the scaffold's placeholders are refused, every one at once
+    problems = vendor_tools.check_vendor("acme", vendors_dir=vendors)
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "field 'chips.X1.source': still the scaffold's placeholder; name the datasheet of the peak",
+        "BASE_IMAGE is still the scaffold's placeholder; name the vendor's base image",
+        "does not name megatron-core (needed by megatron cases and the node monitors; if the base image provides it, say so in a comment naming it)",
+        "does not name psutil (needed by megatron cases and the node monitors; if the base image provides it, say so in a comment naming it)",
+    ], problems
+    v = vendors / "acme"
+    (v / "vendor.yaml").write_text((v / "vendor.yaml").read_text().replace("fill in the datasheet the peak comes from", "Acme X1 datasheet"))
+    (v / "megatron" / "Dockerfile").write_text((v / "megatron" / "Dockerfile").read_text().replace("fill-in/base-image:tag", "acme/torch:2.6"))
+    (v / "megatron" / "requirements.txt").write_text("megatron-core==0.16.1\npsutil>=5.9\npyyaml\n")
     assert vendor_tools.check_vendor("acme", vendors_dir=vendors) == []
     with pytest.raises(InputError, match="exists already"):
         vendor_tools.scaffold_vendor("acme", "X1", ["megatron"], vendors_dir=vendors)
+
+
+def test_every_field_problem_of_vendor_yaml_at_once(tmp_path):
+    """Open device types, yet names checked; a monitor is a built-in or a plug-in; all listed."""
+    vendors, v = _copy_vendor(tmp_path, "cpu")
+    vy = yaml.safe_load((v / "vendor.yaml").read_text())
+    vy.update({"device": "NPU!", "dist_backend": "hccl", "monitor": "bogus", "memory_query": "no spec", "colour": "red"})
+    (v / "vendor.yaml").write_text(yaml.safe_dump(vy))
+    problems = vendor_tools.check_vendor("cpu", vendors_dir=vendors)
+    assert [p.split("field ", 1)[1].split(":")[0] for p in problems] == ["'device'", "'monitor'", "'memory_query'", "'colour'"], problems
+    vy.update({"device": "npu", "monitor": "vendors.cpu.monitor:sample", "memory_query": "vendors.cpu.memory:peak"})
+    del vy["colour"]
+    (v / "vendor.yaml").write_text(yaml.safe_dump(vy))
+    problems = vendor_tools.check_vendor("cpu", vendors_dir=vendors)
+    assert problems == [f"{v / 'vendor.yaml'}: field 'monitor': module vendors.cpu.monitor not found",
+                        f"{v / 'vendor.yaml'}: field 'memory_query': module vendors.cpu.memory not found"], problems

@@ -32,6 +32,22 @@ SPEC_VERSION = 1
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL; below Slurm's KillWait (30 s by default)
 
 
+def agent_spec(round_dir: str, master_placeholder: str, monitor: dict[str, Any], container: dict[str, Any] | None,
+               nodes: list[Any], **extra: Any) -> dict[str, Any]:
+    """What a node agent reads (``--spec``), built here for both runtimes that start one (SSH,
+    Slurm): ``nodes`` are the planner's NodePlans (node_rank, command, env, cwd); ``extra`` the
+    Slurm wrapper's rendezvous fields."""
+    return {
+        "version": SPEC_VERSION,
+        "round_dir": round_dir,
+        "master_placeholder": master_placeholder,
+        "monitor": monitor,
+        "container": container,
+        "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
+        **extra,
+    }
+
+
 def address_of(host: str) -> str:
     """The address this node resolves ``host`` to (IPv4 first), else the name itself."""
     try:

@@ -352,3 +352,19 @@ def test_a_job_still_pending_at_the_round_deadline_is_cancelled(tmp_path: Path, 
     while slurm_cluster.jobs() and time.monotonic() < end:
         time.sleep(0.5)
     assert slurm_cluster.jobs() == []
+
+
+def test_one_translation_of_the_vendors_container_options() -> None:
+    """The SSH runtime (engine API) and the Slurm node wrapper (docker run) start the same
+    container from the vendor's options: NVIDIA's here, with GPUs, host IPC and its limits."""
+    from run_benchmarks.registry import load_vendor
+    from run_benchmarks.remote.containers import Mount, docker_run_args, vendor_container
+
+    nv = load_vendor("nvidia").container
+    spec = vendor_container(nv, image="img", command=["python3", "-V"], run_id="r", name=None, env={"A": "1"},
+                            mounts=[Mount("/data", "/data", True)], workdir="/w")  # fmt: skip
+    assert spec.ipc_mode == "host" and spec.device_requests and spec.shm_size == nv.shm_size and spec.init
+    args = docker_run_args(spec)
+    assert args[:5] == ["--network", "host", "--init", "--ipc", "host"]
+    assert ["--gpus", "all"] == args[args.index("--gpus"):args.index("--gpus") + 2]
+    assert "memlock=-1:-1" in args and "A=1" in args and "/data:/data:ro" in args and args[-2:] == ["--workdir", "/w"]

@@ -321,6 +321,7 @@ class ContainerSpec:
     workdir: str | None = None
     user: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    init: bool = True  # a tiny init as PID 1: reaps what the launcher's ranks leave and forwards signals
 
     def __post_init__(self) -> None:
         self.mounts = [m if isinstance(m, Mount) else Mount(*m) for m in self.mounts]
@@ -328,6 +329,49 @@ class ContainerSpec:
             raise ValueError("ContainerSpec.command is empty")
         if not self.run_id:
             raise ValueError("ContainerSpec.run_id is empty")
+
+
+def vendor_container(opts: Any, *, image: str, command: list[str], run_id: str, name: str | None, env: Mapping[str, str],
+                     mounts: Sequence[Mount], workdir: str | None) -> ContainerSpec:
+    """The one translation of a vendor's ``container`` options (config.ContainerOptions) into a
+    container: the SSH runtime starts it through the engine, the Slurm node wrapper renders it
+    with ``docker_run_args``. Host network, the vendor's env, device nodes and mounts; NVIDIA's
+    device request and the host IPC namespace (shared memory between ranks) with ``gpus``."""
+    extra = []
+    for m in opts.mounts:
+        src, dst, *mode = m.split(":")
+        extra.append(Mount(src, dst, mode == ["ro"]))
+    return ContainerSpec(
+        image=image, command=list(command), run_id=run_id, name=name, env={**opts.extra_env, **env},
+        mounts=[*mounts, *extra], devices=[f"{d}:{d}:rwm" if ":" not in d else d for d in opts.devices],
+        device_requests=[nvidia_gpus()] if opts.gpus else [], shm_size=opts.shm_size,
+        ulimits=[(n, v, v) for n, v in opts.ulimits.items()], network_mode="host",
+        ipc_mode="host" if opts.gpus else None, privileged=opts.privileged, workdir=workdir,
+    )  # fmt: skip
+
+
+def docker_run_args(spec: ContainerSpec) -> list[str]:
+    """``spec`` as the options of ``docker run`` (the image and command not included)."""
+    out = ["--network", spec.network_mode] + (["--init"] if spec.init else [])
+    if spec.ipc_mode:
+        out += ["--ipc", spec.ipc_mode]
+    if spec.shm_size:
+        out += ["--shm-size", spec.shm_size]
+    for n, soft, hard in sorted(spec.ulimits):
+        out += ["--ulimit", f"{n}={soft}:{hard}"]
+    if spec.device_requests:
+        out += ["--gpus", "all"]
+    for d in spec.devices:
+        out += ["--device", d]
+    if spec.privileged:
+        out.append("--privileged")
+    for k, v in sorted(spec.env.items()):
+        out += ["--env", f"{k}={v}"]
+    for m in spec.mounts:
+        out += ["--volume", f"{m.source}:{m.target}" + (":ro" if m.read_only else "")]
+    if spec.workdir:
+        out += ["--workdir", spec.workdir]
+    return out
 
 
 class ContainerHandle:
@@ -397,6 +441,7 @@ def run_container(client: docker.DockerClient, spec: ContainerSpec) -> Container
                             read_only=m.read_only) for m in spec.mounts],
         network_mode=spec.network_mode,
         privileged=spec.privileged,
+        init=spec.init,
     )
     optional = dict(name=spec.name, ipc_mode=spec.ipc_mode, shm_size=spec.shm_size,
                     working_dir=spec.workdir, user=spec.user, cap_add=spec.cap_add or None,

@@ -35,7 +35,8 @@ from run_benchmarks.errors import InputError
 from run_benchmarks.plan import NodePlan, Plan, plan_nodes
 from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
-from run_benchmarks.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC, SPEC_VERSION
+from run_benchmarks.node_agent import agent_spec
+from run_benchmarks.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC
 from training import metriclog as ml
 
 #: the master address in planned commands; slurm_node puts the allocation's first node's address in
@@ -202,32 +203,22 @@ class SlurmRuntime(Runtime):
         return plan_nodes(dataclasses.replace(plan, cluster=cluster), python, root, round_dir)
 
     def _docker_options(self, plan: Plan, python: str, data: dict[str, Any]) -> list[str]:
-        c = plan.vendor.container
-        opts = ["--network", "host", "--init"]
-        if c.shm_size:
-            opts += ["--shm-size", c.shm_size]
-        for k, v in sorted(c.ulimits.items()):
-            opts += ["--ulimit", f"{k}={v}:{v}"]
-        if c.gpus:
-            opts += ["--gpus", "all"]
-        for d in c.devices:
-            opts += ["--device", d]
-        if c.privileged:
-            opts += ["--privileged"]
-        for k, v in sorted(c.extra_env.items()):
-            opts += ["--env", f"{k}={v}"]
-        mounts = [f"{ROOT}:{ROOT}:ro", f"{plan.run_dir}:{plan.run_dir}"]
-        if c.mount_framework_env:  # the host-built environment and the Python it was made from
+        """The vendor's container options as ``docker run`` arguments, translated as the SSH
+        runtime's are (remote.containers.vendor_container), with the run's mounts."""
+        from run_benchmarks.remote.containers import Mount, docker_run_args, vendor_container
+
+        mounts = [Mount(str(ROOT), str(ROOT), True), Mount(str(plan.run_dir), str(plan.run_dir))]
+        if plan.vendor.container.mount_framework_env:  # the host-built environment and the Python it was made from
             env = Path(python).parent.parent
             home = _venv_home(env)
-            mounts += [f"{env}:{env}:ro"] + ([f"{home}:{home}:ro"] if home else [])
+            mounts += [Mount(str(env), str(env), True)] + ([Mount(str(home), str(home), True)] if home else [])
         if data.get("cache_dir"):
-            mounts.append(f"{data['cache_dir']}:{data['cache_dir']}")
+            mounts.append(Mount(data["cache_dir"], data["cache_dir"]))
         if data.get("data_dir"):
-            mounts.append(f"{data['data_dir']}:{data['data_dir']}:ro")
-        for m in [*mounts, *c.mounts]:
-            opts += ["--volume", m]
-        return opts
+            mounts.append(Mount(data["data_dir"], data["data_dir"], True))
+        spec = vendor_container(plan.vendor.container, image="-", command=["-"], run_id=plan.run_id, name=None, env={},
+                                mounts=mounts, workdir=None)  # fmt: skip
+        return docker_run_args(spec)
 
     def spec(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], python: str) -> dict[str, Any]:
         container = None
@@ -236,18 +227,12 @@ class SlurmRuntime(Runtime):
             resolved = round_dir / "resolved.json"
             data = json.loads(resolved.read_text())["data"] if resolved.is_file() else plan.settings["data"]
             container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, python, data)}
-        return {
-            "version": SPEC_VERSION,
-            "run_id": plan.run_id,
-            "round_dir": str(round_dir),
-            "master_placeholder": MASTER_PLACEHOLDER,
-            "port_placeholder": PORT_PLACEHOLDER,
+        monitor = {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)}
+        return agent_spec(
+            str(round_dir), MASTER_PLACEHOLDER, monitor, container, nodes, run_id=plan.run_id, port_placeholder=PORT_PLACEHOLDER,
             # the cluster file's port, checked free on node 0; None: node 0 picks a free one
-            "master_port": self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
-            "monitor": {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)},
-            "container": container,
-            "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
-        }
+            master_port=self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
+        )  # fmt: skip
 
     def job_name(self, plan: Plan, round_dir: Path) -> str:
         return f"fb-{plan.run_id}-{round_dir.name}"

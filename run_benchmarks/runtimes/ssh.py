@@ -347,14 +347,11 @@ class SSHRuntime(Runtime):
         return out
 
     def _agent_spec(self, plan: Plan, host: HostConfig, round_dir: Path, nodes: list[NodePlan]) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "round_dir": str(self.node_round_dir(plan, host, round_dir)),
-            "master_placeholder": "@@FB_MASTER@@",
-            "monitor": {"kind": plan.vendor.monitor, "python": self.env_python, "interval_s": 1.0, "pythonpath": str(self.code_root(host))},
-            "container": None,
-            "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
-        }
+        from run_benchmarks.node_agent import agent_spec
+
+        # the agent runs inside the container here (it is the container's command): none to start
+        monitor = {"kind": plan.vendor.monitor, "python": self.env_python, "interval_s": 1.0, "pythonpath": str(self.code_root(host))}
+        return agent_spec(str(self.node_round_dir(plan, host, round_dir)), "@@FB_MASTER@@", monitor, None, nodes)
 
     def _stage(self, plan: Plan, k: int, host: HostConfig, round_dir: Path, nodes: list[NodePlan]) -> None:
         """Write the node's resolved.json and agent spec and send them to the host."""
@@ -391,7 +388,7 @@ class SSHRuntime(Runtime):
                                    cwd=str(self.code_root(host)), start_timeout=self.cluster.ssh.command_timeout_s)  # fmt: skip
             self.live.append(_Node(k, host, proc=proc))
             return
-        from run_benchmarks.remote.containers import ContainerSpec, Mount, nvidia_gpus, run_container
+        from run_benchmarks.remote.containers import Mount, run_container, vendor_container
 
         opts = plan.vendor.container
         code, rd = str(self.code_root(host)), str(self.node_round_dir(plan, host, round_dir))
@@ -403,27 +400,14 @@ class SSHRuntime(Runtime):
             mounts.append(Mount(data_dir, data_dir, True))
         if opts.mount_framework_env:
             mounts += [Mount(p, p, True) for p in self.prefixes]
-        for m in opts.mounts:
-            src, dst, *mode = m.split(":")
-            mounts.append(Mount(src, dst, mode == ["ro"]))
-        spec = ContainerSpec(
-            image=self.images[host.name].split()[0],
-            command=argv,
-            run_id=plan.run_id,
+        spec = vendor_container(
+            opts, image=self.images[host.name].split()[0], command=argv, run_id=plan.run_id,
             name=f"fb-{plan.run_id[-26:]}-{round_dir.name}-n{k}".replace(":", "-"),
             # XDG_CACHE_HOME: what frameworks build or fetch once (DeepSpeed's JIT ops, hub files)
             # is the host user's, shared with process runs there and kept across containers
-            env={**opts.extra_env, "PYTHONPATH": code, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": user_cache, **mark},
-            mounts=mounts,
-            devices=[f"{d}:{d}:rwm" for d in opts.devices],
-            device_requests=[nvidia_gpus()] if opts.gpus else [],
-            shm_size=opts.shm_size,
-            ulimits=[(n, v, v) for n, v in opts.ulimits.items()],
-            network_mode="host",
-            ipc_mode="host" if opts.gpus else None,
-            privileged=opts.privileged,
-            workdir=code,
-        )
+            env={"PYTHONPATH": code, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": user_cache, **mark},
+            mounts=mounts, workdir=code,
+        )  # fmt: skip
         self.live.append(_Node(k, host, container=run_container(self._engine(host), spec)))
 
     def _caches(self, host: HostConfig) -> str:

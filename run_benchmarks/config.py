@@ -103,7 +103,7 @@ class HostConfig(Strict):
             return v
         except ValueError:
             if not _HOSTNAME.match(v):
-                raise ValueError(f"{v!r} is neither an IP address nor a host name")
+                raise ValueError(f"{v!r} is neither an IP address nor a host name") from None
             return v
 
 

@@ -83,7 +83,7 @@ def rows(res: RunResults) -> list[list[str]]:
     for rnd in res.rounds:
         status = rnd.status + (f": {rnd.error.splitlines()[0][:60]}" if rnd.error and rnd.status != "ok" else "")
         for p in rnd.phases:
-            fig = lambda text: figure(text, rnd.status)  # noqa: E731
+            fig = lambda text, status=rnd.status: figure(text, status)
             out.append([
                 f"{res.config_name} r{rnd.round}", p.phase, str(res.settings["train"]["precision"]), p.layout or rnd.layout or "-", fix,
                 fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"), loss_cell(p.gate),
@@ -127,7 +127,7 @@ def breakdown_lines(res: RunResults) -> list[str]:
             for rank, b in sorted(p.step_breakdown.items(), key=lambda kv: int(kv[0])):
                 wall, ref = b["step_time_s"], b.get("window_step_time_s")
 
-                def row(name: str, t: float | None, of_ref: bool = True) -> str:
+                def row(name: str, t: float | None, of_ref: bool = True, wall: float = wall, ref: float | None = ref) -> str:
                     if t is None:
                         return f"| {name} | - | - | - |"
                     return f"| {name} | {t:.3f} | {_pct(t / wall if wall else None)} | {_pct(t / ref if ref and of_ref else None)} |"

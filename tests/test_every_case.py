@@ -28,7 +28,7 @@ def _smallest(model: str) -> str | None:
 def discovered() -> list[tuple[str, str, str]]:
     """(model, framework, size) of every case model with a one-node cpu config."""
     out = []
-    for key, entry in sorted(registry.cases().items()):
+    for key in sorted(registry.cases()):
         if ":" not in key:
             continue
         model, framework = key.split(":")

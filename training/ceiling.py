@@ -123,8 +123,7 @@ def time_gemm(g: Gemm, dtype: Any, device: Any, **kw: Any) -> dict[str, float]:
         "dgrad_s": time_op(lambda: torch.matmul(dy, w), device, **kw),
         "wgrad_s": time_op(lambda: torch.matmul(dy.t(), x), device, **kw),
     }
-    del x, w, dy
-    return out
+    return out  # the tensors go with this frame
 
 
 def time_attention(attend: Callable[[Any, Any, Any], Any], batch: int, heads: int, groups: int, seq: int, head_dim: int,

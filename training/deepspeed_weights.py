@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 
@@ -40,7 +40,7 @@ class Constant:
     value: float
 
 
-Init = Union[Normal, Constant]
+Init = Normal | Constant
 Rule = Callable[[str], Init]
 ZEROS, ONES = Constant(0.0), Constant(1.0)
 

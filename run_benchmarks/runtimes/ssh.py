@@ -561,7 +561,7 @@ class SSHRuntime(Runtime):
         for n in self.live:
             n.stop()
         self.live = []
-        for name, client in list(self.engines.items()):
+        for client in list(self.engines.values()):
             try:
                 if self.run_id:
                     cleanup_by_label(client, self.run_id)

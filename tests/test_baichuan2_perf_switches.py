@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.case_helpers import framework_python
-from tests.test_baichuan2_model import CASE, CASE_DIR, ROOT
+from tests.test_baichuan2_model import CASE, ROOT
 
 
 def test_case_yaml_and_vendor_configs_carry_the_switches():

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,7 @@ class Baichuan2Config:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_shape(cls, shape: dict[str, Any], **overrides: Any) -> "Baichuan2Config":
+    def from_shape(cls, shape: dict[str, Any], **overrides: Any) -> Baichuan2Config:
         """From a case.yaml ``shape`` mapping (unknown keys such as ``seq_length`` ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in shape.items() if k in names}
@@ -253,7 +254,7 @@ class Attention(nn.Module):
         self.W_pack = Linear(cfg.hidden_size, 3 * cfg.hidden_size, cfg.init_std)
         self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, cfg.init_std)
 
-    def forward(self, x: torch.Tensor, mask: "torch.Tensor | FlexAlibi") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | FlexAlibi) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.W_pack(x).view(b, s, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [b, heads, s, head_dim]
@@ -286,7 +287,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.fused_elementwise)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, mask: "torch.Tensor | FlexAlibi") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | FlexAlibi) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -305,7 +306,7 @@ class NormHead(nn.Module):
         nn.init.normal_(self.weight, 0.0, std)
         self._eval_weight: torch.Tensor | None = None
 
-    def train(self, mode: bool = True) -> "NormHead":
+    def train(self, mode: bool = True) -> NormHead:
         self._eval_weight = None
         return super().train(mode)
 
@@ -346,7 +347,7 @@ class Baichuan2ForCausalLM(nn.Module):
     def gradient_checkpointing_disable(self) -> None:
         self.config.gradient_checkpointing = False
 
-    def alibi_mask(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> "torch.Tensor | FlexAlibi":
+    def alibi_mask(self, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | FlexAlibi:
         """The ALiBi + causal mask of the ``sdpa`` attention, or the ``flex`` attention's
         score modification and block mask; made once per sequence length, dtype and device."""
         if seq_len > self.config.max_position_embeddings:

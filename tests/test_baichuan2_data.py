@@ -112,7 +112,7 @@ def test_shape_flat_or_nested_and_checked():
     s = settings_mod.shape({"model": flat})
     assert s["max_position_embeddings"] == 4096 and s["norm_eps"] == 1e-6
     assert settings_mod.shape({"model": {"shape": flat}}) == s
-    with pytest.raises(settings_mod.SettingsError, match="model.vocab_size"):
+    with pytest.raises(settings_mod.SettingsError, match="model.shape.vocab_size"):
         settings_mod.shape({"model": {k: v for k, v in flat.items() if k != "vocab_size"}})
     with pytest.raises(settings_mod.SettingsError, match="not a multiple of model.num_heads"):
         settings_mod.shape({"model": {**flat, "num_heads": 7}})

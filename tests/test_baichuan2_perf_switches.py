@@ -40,10 +40,9 @@ def test_case_yaml_and_vendor_configs_carry_the_switches():
 
 _CHECK = r"""
 import copy, json, sys
-sys.path.insert(0, "cases/baichuan2/deepspeed")
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-import model as M
+from cases.baichuan2.deepspeed import model as M
 
 out = {"switches": {}, "errors": []}
 out["switches"]["default"] = M.speed_switches({}, 4)

@@ -14,6 +14,7 @@ again under the deepspeed environment's Python. Run as a script (under
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import framework_python, free_port, load_case_module, units_in_env  # noqa: E402
+from tests.case_helpers import framework_python, free_port, units_in_env  # noqa: E402
 
 try:
     import torch
@@ -42,11 +43,11 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable 
 
 
 def baichuan2_model():
-    return load_case_module(BAICHUAN2_DIR / "model.py", "baichuan2_case_model")
+    return importlib.import_module("cases.baichuan2.deepspeed.model")
 
 
 def llava_model():
-    return load_case_module(LLAVA_DIR / "llava_model.py", "llava_case_model")
+    return importlib.import_module("cases.llava.deepspeed.model")
 
 
 def _check_rule_matches_own_init(model, rule) -> int:
@@ -136,9 +137,13 @@ def _zero3_vs_plain(build, rule_of, seed: int, device) -> dict:
     from training import deepspeed_loop as dsl
     from training import deepspeed_weights as W
 
-    settings = {"train": {"global_batch": 3, "micro_batch": 1, "precision": "bf16", "lr": 1e-3},
-                "parallel": {"zero": {"stage": 3}}}
-    zero3 = build(dsl.model_init_context(dsl.build_ds_config(settings, 64)))
+    from training import settings
+
+    cfg = {"case": {"model": "zero3_check"}, "model": {"params_nominal": 1.0},
+           "train": {"steps": 1, "global_batch": 3, "micro_batch": 1, "precision": "bf16", "lr": 1e-3},
+           "parallel": {"zero": {"stage": 3}}}
+    c = settings.from_config(cfg, torch.distributed.get_world_size())
+    zero3 = build(dsl.model_init_context(dsl.build_ds_config(c, 64)))
     plain = build(None)
     info = W.starting_weights(zero3, seed, rule_of(zero3), device)
     W.starting_weights(plain, seed, rule_of(plain), device)

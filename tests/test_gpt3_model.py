@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, load_case_module
+from cases.gpt3.paddle import settings as S
+from tests.case_helpers import framework_python
 from training import flops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +27,6 @@ CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 
 
-S = load_case_module(CASE_DIR / "gpt3_settings.py", "gpt3_settings_under_test")
 
 
 def _hand_count(L: int, h: int, V: int, T: int) -> int:
@@ -120,7 +120,7 @@ def test_settings_errors():
         S.from_config(_resolved(parallel__sharding_stage=1, parallel__sharding_degree=3), 8)
     with pytest.raises(S.SettingsError, match="stage 2 with pipeline"):
         S.from_config(_resolved(parallel__sharding_stage=2, parallel__sharding_degree=2, parallel__pp=2), 8)
-    with pytest.raises(S.SettingsError, match="global_batch 1024 is not a multiple"):
+    with pytest.raises(S.SettingsError, match="global batch 1024 is not a multiple"):
         S.from_config(_resolved(train__micro_batch=3), 8)
     with pytest.raises(S.SettingsError, match="grad_accum is 7"):
         S.from_config(_resolved(train__micro_batch=4, parallel__grad_accum=7), 8)
@@ -150,11 +150,11 @@ def test_built_models_match_the_counter():
     script = textwrap.dedent(
         f"""
         import json, sys
-        sys.path[:0] = [{str(CASE_DIR)!r}, {str(ROOT)!r}]
+        sys.path[:0] = [{str(ROOT)!r}]
         import numpy as np, paddle, yaml
         from paddlenlp.transformers.gpt import modeling as gm
-        import gpt3_model
-        from gpt3_settings import from_config
+        from cases.gpt3.paddle import model as gpt3_model
+        from cases.gpt3.paddle.settings import from_config
         case = yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r}))
         out = {{}}
         def settings(name):

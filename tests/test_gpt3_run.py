@@ -4,7 +4,7 @@ The layouts paddle's CPU build trains run through ``start_task.py`` as a user
 runs them, once each (module fixtures): one process (config_cpux1x1), sharding
 stage 1 over 2 ranks (config_cpux1x2, CI's case), plain data parallel over 2
 ranks with full recompute (the DP2 variant). From the same starting weights
-(cases/gpt3/paddle/gpt3_weights.py) and the same sequences per step, their loss
+(cases/gpt3/paddle/weights.py) and the same sequences per step, their loss
 curves agree within 0.5 % at every step, and with the committed reference.
 Their rank logs are read with ``training.metriclog.parse_lines`` only. The
 layouts the CPU build cannot run are started with ``paddle.distributed.launch``

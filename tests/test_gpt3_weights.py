@@ -1,4 +1,4 @@
-"""gpt3/paddle's starting weights (cases/gpt3/paddle/gpt3_weights.py) do not depend on the layout.
+"""gpt3/paddle's starting weights (cases/gpt3/paddle/weights.py) do not depend on the layout.
 
 The name mapping, init rules and TP slices are checked here directly; the
 built models in the paddle environment (``FB_TEST_PADDLE_PYTHON``; skipped
@@ -23,15 +23,14 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, load_case_module
+from cases.gpt3.paddle import weights as W
+from tests.case_helpers import framework_python
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 TINY = CASE["models"]["gpt3_tiny"]
 
-load_case_module(CASE_DIR / "gpt3_settings.py", "gpt3_settings")  # what gpt3_weights imports
-W = load_case_module(CASE_DIR / "gpt3_weights.py", "gpt3_weights_under_test")
 SHAPE = W.Shape(**{k: v for k, v in TINY["shape"].items() if k in W.Shape.__dataclass_fields__})
 #: GPTForCausalLMPipe.get_sequential_name_prefixes() of the 4-layer model
 PIPE_PREFIXES = {"0": "gpt.embeddings", **{str(i + 1): f"gpt.decoder.layers.{i}" for i in range(4)},
@@ -86,10 +85,10 @@ def test_tp_slices():
 
 SETTINGS = f"""
 import json, os, sys, time
-sys.path[:0] = [{str(CASE_DIR)!r}, {str(ROOT)!r}]
+sys.path[:0] = [{str(ROOT)!r}]
 import numpy as np, paddle, yaml
-import gpt3_model, gpt3_weights
-from gpt3_settings import from_config
+from cases.gpt3.paddle import model as gpt3_model, weights as gpt3_weights
+from cases.gpt3.paddle.settings import from_config
 case = yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r}))
 m = case["models"]["gpt3_tiny"]
 
@@ -223,7 +222,7 @@ def _assemble(out: Path, layout: str) -> dict[str, np.ndarray]:
         for name, value in np.load(f).items():
             by_stage.setdefault((name, stage), {})[tp_rank] = value
     full: dict[str, np.ndarray] = {}
-    for (name, stage), shards in sorted(by_stage.items()):
+    for (name, _stage), shards in sorted(by_stage.items()):
         parts = [shards[r] for r in sorted(shards)]
         axes = [a for a in range(parts[0].ndim) if parts[0].shape[a] != single[name].shape[a]]
         if axes:

@@ -10,6 +10,7 @@ this test, in the framework environment named by FB_TEST_MEGATRON_PYTHON.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.case_helpers import framework_python, free_port, load_case_module
+from tests.case_helpers import framework_python, free_port
 from training import flops
 from training.metriclog import REQUIRED_META, ParsedLog, parse_file, parse_lines
 
@@ -42,7 +43,7 @@ TINY_SHAPE = {
 
 
 def _settings_module():
-    return load_case_module(CASE_DIR / "settings.py", "llama3_megatron_settings")
+    return importlib.import_module("cases.llama3.megatron.settings")
 
 
 def resolved_config(tmp_path: Path, nprocs: int, config_name: str, parallel: dict | None = None, **train) -> dict:
@@ -91,9 +92,9 @@ def test_layout_is_derived_and_checked():
     assert (lay.dp, lay.grad_accum) == (2, 256)
     lay = st.derive_layout({"tp": 1, "pp": 2}, micro_batch=2, global_batch=512, world_size=8)
     assert (lay.dp, lay.grad_accum) == (4, 64)
-    with pytest.raises(st.SettingsError, match="global batch 8 is not divisible by micro_batch \\* dp = 3 \\* 2"):
+    with pytest.raises(st.SettingsError, match="global batch 8 is not a multiple of micro batch 3 x data-parallel size 2"):
         st.derive_layout({"tp": 1, "pp": 1}, micro_batch=3, global_batch=8, world_size=2)
-    with pytest.raises(st.SettingsError, match="world size 6 is not divisible by tp\\*pp"):
+    with pytest.raises(st.SettingsError, match="tp=4 x pp=1 does not divide the world size 6"):
         st.derive_layout({"tp": 4, "pp": 1}, micro_batch=1, global_batch=8, world_size=6)
     with pytest.raises(st.SettingsError, match="parallel.dp = 3"):
         st.derive_layout({"tp": 2, "dp": 3}, micro_batch=1, global_batch=8, world_size=4)
@@ -285,7 +286,7 @@ def test_bad_layout_fails_with_error_record(tmp_path):
     assert proc.returncode != 0
     log = parse_lines((proc.stdout + proc.stderr).splitlines())
     errors = log.of("error", "run_error")
-    assert errors and "global batch 6 is not divisible by micro_batch * dp = 4 * 2" in errors[0].value["message"]
+    assert errors and "global batch 6 is not a multiple of micro batch 4 x data-parallel size 2" in errors[0].value["message"]
     assert {r.value["status"] for r in log.of("end", "run_end")} == {"failed"}
 
 

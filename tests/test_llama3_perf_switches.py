@@ -13,6 +13,7 @@ this machine); the GPU runs use Inductor (docs/results/README.md).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -20,12 +21,12 @@ import subprocess
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, free_port, load_case_module
+from tests.case_helpers import framework_python, free_port
 from tests.test_llama3_megatron_case import CASE_DIR, ROOT, resolved_config
 
 
 def _settings():
-    return load_case_module(CASE_DIR / "settings.py", "llama3_megatron_settings_perf")
+    return importlib.import_module("cases.llama3.megatron.settings")
 
 
 def _cuda(cfg: dict) -> dict:
@@ -79,14 +80,13 @@ def test_case_and_vendor_configs_carry_the_switches():
 
 _MODEL_CHECK = r"""
 import dataclasses, json, sys
-sys.path.insert(0, "cases/llama3/megatron")
 from training import runtime
 cfg = runtime.setup(["--config", sys.argv[1]])  # the cpu vendor's adapter, seeds
 import torch, torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-import kernels, modeling, settings, startweights
+from cases.llama3.megatron import kernels, modeling, settings, startweights
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -169,7 +169,6 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
 
 _LOSS_ROPE_CHECK = r"""
 import json, sys
-sys.path.insert(0, "cases/llama3/megatron")
 from training import runtime
 cfg = runtime.setup(["--config", sys.argv[1]])
 import torch, torch.distributed as dist
@@ -177,7 +176,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.models.common.embeddings import rope_utils
-import kernels, modeling, settings, startweights
+from cases.llama3.megatron import kernels, modeling, settings, startweights
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

@@ -19,7 +19,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -56,12 +55,10 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable 
 
 @pytest.fixture(scope="module")
 def case_modules():
-    sys.path.insert(0, str(CASE_DIR))
-    import llava_mmmu
-    import llava_model
+    from cases.llava.deepspeed import mmmu
+    from cases.llava.deepspeed import model
 
-    yield llava_model, llava_mmmu
-    sys.path.remove(str(CASE_DIR))
+    return model, mmmu
 
 
 # --------------------------------------------------------------------------- data

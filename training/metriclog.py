@@ -219,24 +219,33 @@ class MetricLogger:
         self.stream.write(f"{PREFIX} {line}\n")
         self.stream.flush()
 
-    def meta(self, **value: Any) -> None:
+    def meta(self, phase: str | None = None, **value: Any) -> None:
         missing = [k for k in REQUIRED_META if k not in value]
         if missing:
             raise ValueError(f"run_meta lacks {', '.join(missing)}")
-        self.emit(EV_META, K_RUN_META, value)
+        self.emit(EV_META, K_RUN_META, _phased(value, phase))
 
-    def step(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, **extra: Any) -> None:
-        self.emit(
-            EV_STEP,
-            K_TRAIN_STEP,
-            {"step": step, "loss": loss, "tokens": tokens, "step_time_s": step_time_s, "lr": lr, **extra},
-        )
+    def step(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, phase: str | None = None,
+             **extra: Any) -> None:
+        value = {"step": step, "loss": loss, "tokens": tokens, "step_time_s": step_time_s, "lr": lr}
+        self.emit(EV_STEP, K_TRAIN_STEP, {**_phased(value, phase), **extra})
 
-    def peak_memory(self, peak_bytes: int, total_bytes: int | None, device: str) -> None:
-        self.emit(EV_MEMORY, K_PEAK_MEMORY, {"peak_bytes": int(peak_bytes), "total_bytes": total_bytes, "device": device})
+    def peak_memory(self, peak_bytes: int, total_bytes: int | None, device: str, phase: str | None = None) -> None:
+        value = {"peak_bytes": int(peak_bytes), "total_bytes": total_bytes, "device": device}
+        self.emit(EV_MEMORY, K_PEAK_MEMORY, _phased(value, phase))
 
-    def end(self, status: str, steps: int) -> None:
-        self.emit(EV_END, K_RUN_END, {"status": status, "steps": steps})
+    def end(self, status: str, steps: int, phase: str | None = None) -> None:
+        self.emit(EV_END, K_RUN_END, _phased({"status": status, "steps": steps}, phase))
 
-    def error(self, message: str) -> None:
-        self.emit(EV_ERROR, K_RUN_ERROR, {"message": message})
+    def error(self, message: str, phase: str | None = None) -> None:
+        self.emit(EV_ERROR, K_RUN_ERROR, _phased({"message": message}, phase))
+
+    def info(self, key: str, value: dict, phase: str | None = None) -> None:
+        """An ``info`` record (``step_breakdown``, ``start_weights``, a case's own keys)."""
+        self.emit(EV_INFO, key, _phased(value, phase))
+
+
+def _phased(value: dict, phase: str | None) -> dict:
+    """``value`` with ``"phase"`` when the record belongs to a named phase (a case without
+    phases sends none: its records are the ``train`` phase's)."""
+    return value if phase is None else {**value, "phase": phase}

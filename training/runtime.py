@@ -4,8 +4,7 @@
 vendor's adapter for the case's framework (before the framework is imported),
 and seeds the random generators.  ``dist_info()`` reads the rank layout that
 every launcher (torchrun, deepspeed, paddle.distributed.launch) exports.
-``run_trainer()`` drives a case's trainer object through its phases and writes
-the run's ``end`` (and on failure its ``error``) record.
+The lifecycle a case's trainer follows, and its driver, are in training/case.py.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import importlib
 import json
 import os
 import random
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 
@@ -108,32 +105,3 @@ def setup(argv: list[str] | None = None) -> dict[str, Any]:
     apply_adapter(cfg)
     seed_everything(int(cfg["train"].get("seed", 1234)))
     return cfg
-
-
-def run_trainer(make_trainer: Callable[[], Any], log: Any) -> Any:
-    """Build a trainer with ``make_trainer()`` and run its phases in order.
-
-    The trainer has ``init_distributed, build, prepare_data, emit_meta, train,
-    emit_memory`` and the attributes ``reporting`` (this rank writes the run's
-    records) and ``steps_done``.  On success the reporting rank writes
-    ``end ok``; on any failure (building the trainer included) this rank writes
-    ``error`` with the traceback and ``end failed``, and the exception goes on
-    up: the launcher stops the other ranks, no collective teardown that could
-    hang.  Returns the trainer.
-    """
-    trainer = None
-    try:
-        trainer = make_trainer()
-        trainer.init_distributed()
-        trainer.build()
-        trainer.prepare_data()
-        trainer.emit_meta()
-        trainer.train()
-        trainer.emit_memory()
-        if trainer.reporting:
-            log.end("ok", trainer.steps_done)
-    except BaseException as exc:
-        log.error(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}")
-        log.end("failed", trainer.steps_done if trainer is not None else 0)
-        raise
-    return trainer

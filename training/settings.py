@@ -1,17 +1,54 @@
-"""Readers for the harness's ``resolved.json``, shared by the cases' settings modules.
+"""The one settings model of the cases: the common train / parallel / data keys of
+``resolved.json``, read, defaulted and checked in one place.
 
-Each case reads, validates and derives its own settings (``cases/<family>/<framework>/
-*settings.py``) before any process group or model exists; the value readers, the
-error type and the layout arithmetic they have in common live here.  Every error
-names the key it is about.  Standard library only, so host-side tests import it.
+A case's own settings module (``cases/<family>/<framework>/settings.py``) calls
+:func:`from_config` and reads only the keys that are its own (model shape, layout
+switches of its framework) from :attr:`Common.sections` and :func:`shape_source`.
+Every error names the key it is about.  Standard library only, so host-side code
+and tests import it anywhere.
 
-Layout arithmetic, in the harness's terms: ``dp = world_size / (tp * pp)`` and
-``grad_accum = global_batch / (micro_batch * dp)``, both exactly.  The callers pass
-the message of each failure, so every case keeps the wording its docs and tests pin.
+Keys read, with their one default (``-``: required):
+
+==========================  =========  ===============================================
+``train.steps``             -          optimizer steps of the phase (>= 1)
+``train.global_batch``      -          sequences per optimizer step
+``train.micro_batch``       1          sequences per micro-batch and data-parallel rank
+``train.precision``         bf16       bf16 | fp16 | fp32
+``train.lr``                -          peak learning rate
+``train.min_lr``            0.0        end of the cosine decay
+``train.lr_warmup_steps``   0          linear warmup steps
+``train.lr_decay_steps``    steps      cosine horizon (null: the phase's steps)
+``train.weight_decay``      0.0
+``train.clip_grad``         0.0        global-norm clipping; 0: none
+``train.adam_beta1/2``      0.9/0.95   ``train.betas: [b1, b2]`` is read when a beta key
+                                       is absent (the two keys come first)
+``train.adam_eps``          1e-8
+``train.init_std``          0.02
+``train.seed``              1234
+``train.profile_step``      0          K > 0: profile step K (training/profiling.py)
+``parallel.tp``, ``.pp``    1          ``dp = world / (tp * pp)`` exactly; ``parallel.dp``,
+                                       when given, must equal it
+``parallel.recompute``      none       one of the case's choices; true/false: full/none
+``data.data_dir``           null       null: the case's synthetic data
+``data.cache_dir``          null       where synthetic data is written (the harness sets it)
+``data.prefix``             null       corpus prefix in data_dir (null: found there)
+``data.synthetic_tokens``   null       size of the synthetic corpus (case default)
+``data.format``             null       how the host checks the data (docs/datasets.md)
+``vendor.device``           cpu        the vendor's device type
+``vendor.dist_backend``     gloo/nccl  gloo on a cpu device, else nccl
+==========================  =========  ===============================================
+
+Gradient accumulation is ``global_batch / (micro_batch * dp)``, exactly;
+``train.gradient_accumulation_steps`` or ``grad_accum`` (train or parallel), when
+given, must equal it.  Phases: a section's ``phases.<phase>`` entry overlays the
+section (:func:`phase_sections`), so a phase reads its keys as a single-phase case
+does.  The model shape sits under ``model.shape`` (case.yaml) or flat in ``model``
+(resolved.json): :func:`shape_source` is the one place that knows.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -68,23 +105,252 @@ def divides(what: str, a: int, b: int, fix: str) -> None:
         raise SettingsError(f"{what}: {b} is not divisible by {a}; {fix}")
 
 
-def data_parallel(world_size: int, tp: int, pp: int, error: str) -> int:
-    """``dp = world_size / (tp * pp)``, exactly.
 
-    ``error`` is the message when it is not whole, a format string over
-    ``world``, ``tp`` and ``pp``.
-    """
-    if world_size % (tp * pp) != 0:
-        raise SettingsError(error.format(world=world_size, tp=tp, pp=pp))
+
+# -- the layout arithmetic, one wording (the host's plan checks say the same) -----------
+
+
+def data_parallel(world_size: int, tp: int, pp: int) -> int:
+    """``dp = world_size / (tp * pp)``, exactly."""
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise SettingsError(f"tp={tp} x pp={pp} does not divide the world size {world_size}")
     return world_size // (tp * pp)
 
 
-def grad_accum(global_batch: int, micro_batch: int, dp: int, error: str) -> int:
-    """``global_batch / (micro_batch * dp)``, exactly.
-
-    ``error`` is the message when it is not whole, a format string over ``gb``,
-    ``mb`` and ``dp``.
-    """
-    if global_batch % (micro_batch * dp) != 0:
-        raise SettingsError(error.format(gb=global_batch, mb=micro_batch, dp=dp))
+def grad_accum(global_batch: int, micro_batch: int, dp: int) -> int:
+    """``global_batch / (micro_batch * dp)``, exactly."""
+    if micro_batch < 1 or global_batch % (micro_batch * dp) != 0:
+        raise SettingsError(
+            f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x data-parallel size {dp}"
+        )
     return global_batch // (micro_batch * dp)
+
+
+# -- the shape of a section ---------------------------------------------------------------
+
+SECTIONS = ("train", "parallel", "data")
+PRECISIONS = ("bf16", "fp16", "fp32")
+BETAS = (0.9, 0.95)  # the default when neither train.adam_beta1/2 nor train.betas is given
+
+
+def deep_merge(base: dict, over: dict | None) -> dict:
+    """``base`` with ``over`` laid on top, nested mappings merged key by key."""
+    out = copy.deepcopy(base)
+    for k, v in (over or {}).items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def phase_sections(cfg: dict, phase: str = "train") -> dict[str, dict]:
+    """``{"train", "parallel", "data"}`` of one phase: each section of the resolved config
+    overlaid with its ``phases.<phase>`` entry (the ``phases`` key itself dropped)."""
+    out = {}
+    for name in SECTIONS:
+        sec = cfg.get(name) or {}
+        if not isinstance(sec, dict):
+            raise SettingsError(f"resolved config: section {name!r} must be a mapping, got {sec!r}")
+        sec = dict(sec)
+        over = (sec.pop("phases", None) or {}).get(phase) or {}
+        out[name] = deep_merge(sec, over)
+    return out
+
+
+def shape_source(model: dict) -> dict:
+    """Where the model's shape keys are: ``model.shape`` when it is a mapping, else ``model``
+    itself (the harness writes the shape flat into resolved.json)."""
+    shape = model.get("shape")
+    return shape if isinstance(shape, dict) else model
+
+
+def shape_ints(model: dict, keys: tuple[str, ...]) -> dict[str, int]:
+    """The positive integers ``keys`` of the model's shape (:func:`shape_source`)."""
+    src = shape_source(model)
+    return {k: integer(get(src, k, "model.shape"), f"model.shape.{k}", 1) for k in keys}
+
+
+def model_name(cfg: dict) -> str:
+    name = (cfg.get("case") or {}).get("model") or (cfg.get("model") or {}).get("name")
+    if not name:
+        raise SettingsError("resolved config: case.model is missing")
+    return str(name)
+
+
+# -- the typed model ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    steps: int
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+    precision: str
+    lr: float
+    min_lr: float
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    init_std: float
+    seed: int
+    profile_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    tp: int
+    pp: int
+    dp: int
+    recompute: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    data_dir: str | None
+    cache_dir: str | None
+    prefix: str | list | None
+    synthetic_tokens: int | None
+    format: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Common:
+    """What every case reads from ``resolved.json``, for one phase."""
+
+    model_name: str
+    config_name: str
+    params_nominal: float
+    phase: str
+    world_size: int
+    train: Train
+    parallel: Parallel
+    data: Data
+    device: str
+    dist_backend: str
+    output_dir: str | None
+    sections: dict[str, dict]  # the phase's train / parallel / data as given: the case's own keys
+
+
+def adam_betas(train: dict) -> tuple[float, float]:
+    """``train.adam_beta1`` / ``adam_beta2`` (the keys every case.yaml states), each falling
+    back on ``train.betas: [b1, b2]``, then on :data:`BETAS`."""
+    pair = train.get("betas")
+    if pair is not None and (not isinstance(pair, (list, tuple)) or len(pair) != 2):
+        raise SettingsError(f"resolved config: train.betas must be a pair, got {pair!r}")
+    b1 = get(train, "adam_beta1", "train", pair[0] if pair else BETAS[0])
+    b2 = get(train, "adam_beta2", "train", pair[1] if pair else BETAS[1])
+    return number(b1, "train.adam_beta1"), number(b2, "train.adam_beta2")
+
+
+def read_train(train: dict, dp: int) -> Train:
+    """The common ``train`` keys of one phase, for a data-parallel size ``dp``."""
+    steps = integer(get(train, "steps", "train"), "train.steps", 1)
+    gb = integer(get(train, "global_batch", "train"), "train.global_batch", 1)
+    mb = integer(get(train, "micro_batch", "train", 1), "train.micro_batch", 1)
+    accum = grad_accum(gb, mb, dp)
+    for key in ("gradient_accumulation_steps", "grad_accum"):
+        if train.get(key) is not None and integer(train[key], f"train.{key}", 1) != accum:
+            raise SettingsError(f"train.{key} is {train[key]} but global batch {gb} / (micro batch {mb} x "
+                                f"data-parallel size {dp}) = {accum}: the global batch is fixed")
+    warmup = integer(get(train, "lr_warmup_steps", "train", 0), "train.lr_warmup_steps")
+    decay = integer(train.get("lr_decay_steps") or steps, "train.lr_decay_steps", 1)
+    profile = integer(get(train, "profile_step", "train", 0), "train.profile_step", 0)
+    if profile > steps:
+        raise SettingsError(f"train.profile_step = {profile} is beyond the run's {steps} steps")
+    b1, b2 = adam_betas(train)
+    return Train(
+        steps=steps,
+        global_batch=gb,
+        micro_batch=mb,
+        grad_accum=accum,
+        precision=choice(get(train, "precision", "train", "bf16"), "train.precision", PRECISIONS),
+        lr=number(get(train, "lr", "train"), "train.lr"),
+        min_lr=number(get(train, "min_lr", "train", 0.0), "train.min_lr"),
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        weight_decay=number(get(train, "weight_decay", "train", 0.0), "train.weight_decay"),
+        clip_grad=number(get(train, "clip_grad", "train", 0.0), "train.clip_grad"),
+        adam_beta1=b1,
+        adam_beta2=b2,
+        adam_eps=number(get(train, "adam_eps", "train", 1e-8), "train.adam_eps"),
+        init_std=number(get(train, "init_std", "train", 0.02), "train.init_std"),
+        seed=integer(get(train, "seed", "train", 1234), "train.seed"),
+        profile_step=profile,
+    )
+
+
+def read_parallel(parallel: dict, world_size: int, recompute: tuple[str, ...] = ("none", "full")) -> Parallel:
+    """tp, pp, the derived dp and ``recompute`` (one of the case's ``recompute`` choices)."""
+    tp = integer(get(parallel, "tp", "parallel", 1), "parallel.tp", 1)
+    pp = integer(get(parallel, "pp", "parallel", 1), "parallel.pp", 1)
+    dp = data_parallel(world_size, tp, pp)
+    if parallel.get("dp") is not None and integer(parallel["dp"], "parallel.dp", 1) != dp:
+        raise SettingsError(f"parallel.dp = {parallel['dp']} but world size {world_size} / (tp {tp} x pp {pp}) = {dp}")
+    rc = get(parallel, "recompute", "parallel", "none")
+    if isinstance(rc, bool):  # FlagPerf's configs write recompute: true/false
+        rc = "full" if rc else "none"
+    return Parallel(tp=tp, pp=pp, dp=dp, recompute=choice(rc, "parallel.recompute", recompute))
+
+
+def read_data(data: dict) -> Data:
+    syn = data.get("synthetic_tokens")
+    return Data(
+        data_dir=data.get("data_dir") or None,
+        cache_dir=data.get("cache_dir") or None,
+        prefix=data.get("prefix") or None,
+        synthetic_tokens=None if syn is None else integer(syn, "data.synthetic_tokens", 2),
+        format=data.get("format") or None,
+    )
+
+
+def from_config(cfg: dict, world_size: int, phase: str = "train",
+                recompute: tuple[str, ...] = ("none", "full")) -> Common:
+    """The common settings of ``phase`` for a run of ``world_size`` ranks."""
+    for section in ("model", "train"):
+        if not isinstance(cfg.get(section), dict):
+            raise SettingsError(f"resolved config: section {section!r} is missing or not a mapping")
+    sections = phase_sections(cfg, phase)
+    par = read_parallel(sections["parallel"], world_size, recompute)
+    tr = read_train(sections["train"], par.dp)
+    for key in ("gradient_accumulation_steps", "grad_accum"):
+        given = sections["parallel"].get(key)
+        if given is not None and integer(given, f"parallel.{key}", 1) != tr.grad_accum:
+            raise SettingsError(f"parallel.{key} is {given} but global batch {tr.global_batch} / (micro batch "
+                                f"{tr.micro_batch} x data-parallel size {par.dp}) = {tr.grad_accum}: the global batch is fixed")
+    vendor = cfg.get("vendor") or {}
+    device = str(get(vendor, "device", "vendor", "cpu"))
+    model = cfg["model"]
+    return Common(
+        model_name=model_name(cfg),
+        config_name=str(cfg.get("config_name") or ""),
+        params_nominal=number(get(model, "params_nominal", "model"), "model.params_nominal"),
+        phase=phase,
+        world_size=world_size,
+        train=tr,
+        parallel=par,
+        data=read_data(sections["data"]),
+        device=device,
+        dist_backend=str(get(vendor, "dist_backend", "vendor", "gloo" if device == "cpu" else "nccl")),
+        output_dir=cfg.get("output_dir"),
+        sections=sections,
+    )
+
+
+def flat(c: Common) -> dict[str, Any]:
+    """The common values under the flat names the cases' settings dataclasses use
+    (``steps``, ``lr``, ``data_prefix`` ...); a case keeps the ones it has fields for."""
+    return {
+        "model_name": c.model_name, "config_name": c.config_name, "params_nominal": c.params_nominal,
+        "world_size": c.world_size, **{f.name: getattr(c.train, f.name) for f in dataclasses.fields(Train)},
+        "device": c.device, "dist_backend": c.dist_backend, "data_dir": c.data.data_dir, "data_prefix": c.data.prefix,
+        "cache_dir": c.data.cache_dir, "synthetic_tokens": c.data.synthetic_tokens, "output_dir": c.output_dir,
+    }
+
+
+def fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``values`` that dataclass ``cls`` has fields for."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in values.items() if k in names}

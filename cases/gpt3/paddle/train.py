@@ -29,30 +29,44 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from training import case, runtime
 
-from training import flops, runtime  # noqa: E402
+case.isolate(__file__)
+from training import flops  # noqa: E402
 from training.metriclog import MetricLogger  # noqa: E402
 from training.steptimer import StepClock  # noqa: E402
 
 
 class Trainer:
-    def __init__(self, cfg: dict, log: MetricLogger):
-        import paddle
+    """The case's one phase on training/case.py's lifecycle: build, step, finish."""
 
-        from gpt3_settings import from_config
-
+    def __init__(self, cfg: dict, log: MetricLogger, phase: str | None = None):
         self.cfg = cfg
         self.log = log
+        self.phase = phase
         self.dist = runtime.dist_info()
-        self.s = from_config(cfg, self.dist.world_size)
-        paddle.set_device(f"gpu:{self.dist.local_rank}" if self.s.device == "gpu" else "cpu")
-        self.steps_done = 0
+        self.steps = 0
         self.reporting = self.dist.rank == 0  # until the topology is known
+
+    def build(self) -> None:
+        """Settings, process groups, model and optimizer, data; ``run_meta``."""
+        import paddle
+
+        from cases.gpt3.paddle.settings import from_config
+
+        self.s = from_config(self.cfg, self.dist.world_size)
+        paddle.set_device(f"gpu:{self.dist.local_rank}" if self.s.device == "gpu" else "cpu")
         self.clock = StepClock(self._barrier)  # training/steptimer.py: the one timing rule
+        self._init_distributed()
+        self._build_model()
+        self._prepare_data()
+        self._emit_meta()
+        self.steps = self.s.steps
+        self.tokens_per_step = self.s.global_batch * self.s.shape.seq_length
+        self.run_step = self._step_pipeline if self.s.layout.pp > 1 else self._step_nonpipeline
 
     # -- setup -------------------------------------------------------------
-    def init_distributed(self) -> None:
+    def _init_distributed(self) -> None:
         import paddle
         from paddle.distributed import fleet
         from paddle.distributed.fleet.meta_parallel import get_rng_state_tracker
@@ -79,7 +93,7 @@ class Trainer:
         self.reporting = self.is_last_stage and self.tp_rank == 0 and self.data_rank == 0
 
         # dropout: shared inside a TP group ("global_seed"), per rank ("local_seed"); the
-        # parameters drawn while the model is built are overwritten by gpt3_weights in build()
+        # parameters drawn while the model is built are overwritten by weights.py in _build_model()
         paddle.seed(s.seed)
         tracker = get_rng_state_tracker()
         tracker.reset()
@@ -100,12 +114,12 @@ class Trainer:
         if self.dist.world_size > 1:
             dist.barrier()
 
-    def build(self) -> None:
+    def _build_model(self) -> None:
         import paddle
         from paddle.distributed import fleet
         from paddlenlp.transformers import CosineAnnealingWithWarmupDecay
 
-        import gpt3_model
+        from cases.gpt3.paddle import model as gpt3_model
 
         s, lay = self.s, self.s.layout
         self.flash = lay.use_flash_attention and gpt3_model.flash_attention_available(s.device)
@@ -169,21 +183,21 @@ class Trainer:
         self.model, self.optimizer = model, optimizer
 
     def _init_weights(self, model) -> None:
-        """The same full starting weights whatever the layout (gpt3_weights), before AMP
+        """The same full starting weights whatever the layout (weights.py), before AMP
         decoration and the parallel wrappers; this rank's time for it goes out as an info line
         (no barrier inside: ranks finish building their models at different times)."""
-        import gpt3_weights
+        from cases.gpt3.paddle import weights as gpt3_weights
 
         t0 = time.perf_counter()
         tensors = gpt3_weights.init_weights(model, self.s, self.tp_rank)
         self._sync_device()
-        self.log.emit("info", "init_weights", {"seconds": round(time.perf_counter() - t0, 4), "tensors": tensors})
+        self.log.info("init_weights", {"seconds": round(time.perf_counter() - t0, 4), "tensors": tensors})
 
     def _exact_params(self, model) -> int:
         import paddle
         import paddle.distributed as dist
 
-        import gpt3_model
+        from cases.gpt3.paddle import model as gpt3_model
 
         lay = self.s.layout
         local = gpt3_model.local_param_count(model, self.tp_rank, self.stage, lay.pp)
@@ -199,14 +213,14 @@ class Trainer:
             )
         return total
 
-    def prepare_data(self) -> None:
-        import gpt3_data
+    def _prepare_data(self) -> None:
+        from cases.gpt3.paddle import data as gpt3_data
 
         prefix, self.data_desc = gpt3_data.corpus_prefix(self.s, self.dist.local_rank, self._barrier)
         self.batches = gpt3_data.StepBatches(prefix, self.s, self.data_rank)
 
-    def emit_meta(self) -> None:
-        import gpt3_model
+    def _emit_meta(self) -> None:
+        from cases.gpt3.paddle import model as gpt3_model
 
         if not self.reporting:
             return
@@ -315,31 +329,28 @@ class Trainer:
             dist.all_reduce(t, group=self.hcg.get_sharding_parallel_group())
         return float(t.numpy()[0]) / lay.dp
 
-    def train(self) -> None:
-        s = self.s
-        tokens_per_step = s.global_batch * s.shape.seq_length
-        run_step = self._step_pipeline if s.layout.pp > 1 else self._step_nonpipeline
-        for step in range(s.steps):
-            lr = float(self.scheduler.get_lr())
-            with self.clock.step():  # from the batch fetch to the end of the optimizer step
-                loss = run_step(step)
-                self.scheduler.step()
-            self.steps_done = step + 1
-            mean = self._data_mean(loss)  # outside the timed window
-            if self.reporting:
-                extra = {}
-                if self.scaler is not None:
-                    extra["loss_scale"] = float(self.scaler._scale.numpy().reshape(-1)[0])
-                self.log.step(step + 1, mean, tokens_per_step, self.clock.step_time_s, lr, data_s=self.clock.data_s, **extra)
+    def step(self, step: int) -> None:
+        """Optimizer step ``step`` (1-based)."""
+        lr = float(self.scheduler.get_lr())
+        with self.clock.step():  # from the batch fetch to the end of the optimizer step
+            loss = self.run_step(step - 1)
+            self.scheduler.step()
+        mean = self._data_mean(loss)  # outside the timed window
+        if self.reporting:
+            extra = {}
+            if self.scaler is not None:
+                extra["loss_scale"] = float(self.scaler._scale.numpy().reshape(-1)[0])
+            self.log.step(step, mean, self.tokens_per_step, self.clock.step_time_s, lr, data_s=self.clock.data_s, **extra)
 
-    def emit_memory(self) -> None:
+    def finish(self) -> None:
+        """``peak_memory`` of this rank."""
         import paddle
 
         if self.s.device == "gpu":
             dev = self.dist.local_rank
             props = paddle.device.cuda.get_device_properties(dev)
             self.log.peak_memory(int(paddle.device.cuda.max_memory_allocated(dev)), int(props.total_memory), props.name)
-            self.log.emit("info", "gpu_memory", {"max_reserved_bytes": int(paddle.device.cuda.max_memory_reserved(dev))})
+            self.log.info("gpu_memory", {"max_reserved_bytes": int(paddle.device.cuda.max_memory_reserved(dev))})
         else:
             # ru_maxrss is in KiB on Linux: the process's peak resident set
             self.log.peak_memory(int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None, "cpu")
@@ -348,7 +359,7 @@ class Trainer:
 def main() -> int:
     cfg = runtime.setup()
     log = MetricLogger(rank=runtime.dist_info().rank)
-    runtime.run_trainer(lambda: Trainer(cfg, log), log)
+    case.run(lambda phase: Trainer(cfg, log, phase), log)
     import paddle.distributed as pdist
 
     # every rank leaves together: a rank that exits while a peer still uses the process

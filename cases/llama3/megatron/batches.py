@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from settings import Settings
+from cases.llama3.megatron.settings import Settings
 from training.data import corpus, synthetic, windows
 from training.data.indexed import IndexedReader
 

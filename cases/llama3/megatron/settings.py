@@ -5,19 +5,15 @@ derived once (data-parallel size, gradient accumulation), so that a bad value
 fails before any process group or model exists, with a message that names the
 key.  Standard library only.
 
-Keys read (``cfg`` is the resolved.json object):
+Keys read (``cfg`` is the resolved.json object): the common train / parallel /
+data / vendor keys through ``training.settings.from_config`` (their defaults are
+listed there), and this case's own:
 
-* ``case.model`` (or ``model.name``), ``config_name``
-* ``model.params_nominal`` and the shape, under ``model.shape`` or flat in
-  ``model``: ``num_layers, hidden_size, ffn_hidden_size, num_heads,
-  num_kv_groups, seq_length, vocab_size, norm_eps, rope_base``
-* ``train``: ``steps, global_batch, micro_batch, precision, lr, min_lr,
-  lr_warmup_steps, weight_decay, clip_grad, adam_beta1, adam_beta2, init_std,
-  seed``; optional ``lr_decay_steps`` (default ``steps``), ``adam_eps``
-  (1e-8), ``profile_step`` (0: none; see training/profiling.py); ``betas: [b1, b2]`` is accepted in place of the two beta keys
-* ``parallel``: ``tp, pp``; optional ``recompute`` (none|selective|full),
-  ``recompute_method`` (uniform|block), ``recompute_num_layers``,
-  ``sequence_parallel``, ``distributed_optimizer``, ``overlap_grad_reduce``,
+* the shape, under ``model.shape`` or flat in ``model``: ``num_layers,
+  hidden_size, ffn_hidden_size, num_heads, num_kv_groups, seq_length,
+  vocab_size``; optional ``norm_eps`` (1e-5), ``rope_base`` (500000)
+* ``parallel``: ``recompute`` is one of none|selective|full; optional
+  ``recompute_method`` (uniform|block), ``recompute_num_layers``, ``sequence_parallel``, ``distributed_optimizer``, ``overlap_grad_reduce``,
   ``overlap_param_gather``, ``attention`` (sdpa|cudnn|local|te; cudnn needs
   vendor.device cuda), ``fused_elementwise`` (none|compile|liger: RMSNorm and
   SwiGLU as torch.compile regions or liger-kernel's Triton kernels, liger on cuda
@@ -27,11 +23,8 @@ Keys read (``cfg`` is the resolved.json object):
   ``fused_linear_loss`` (none|chunked: output layer and cross-entropy in one, a chunk of
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
   ``transformer_impl`` (auto|local|transformer_engine),
-  ``optimizer_cpu_offload``, ``optimizer_offload_fraction``; ``dp`` when
-  present must equal ``world_size / (tp * pp)``
-* ``data``: ``data_dir`` (null: synthetic), ``prefix``, ``cache_dir``,
-  optional ``synthetic_tokens``
-* ``vendor``: ``device`` (cpu|cuda), ``dist_backend`` (gloo|nccl)
+  ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
+* ``vendor.device``: cpu or cuda
 """
 
 from __future__ import annotations
@@ -39,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from training.settings import SettingsError, data_parallel, grad_accum
+from training import settings as common
+from training.settings import SettingsError
 from training.settings import boolean as _bool
 from training.settings import choice as _choice
 from training.settings import divides as _divides
@@ -48,7 +42,6 @@ from training.settings import integer as _int
 from training.settings import number as _float
 
 SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size")
-PRECISIONS = ("bf16", "fp16", "fp32")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("sdpa", "cudnn", "local", "te")
 FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
@@ -132,21 +125,11 @@ class Settings:
 
 
 def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_size: int) -> Layout:
-    """DP = world / (tp * pp); grad accumulation = global_batch / (micro_batch * dp), exactly."""
-    tp = _int(_get(parallel, "tp", "parallel", 1), "parallel.tp", 1)
-    pp = _int(_get(parallel, "pp", "parallel", 1), "parallel.pp", 1)
-    dp = data_parallel(
-        world_size, tp, pp,
-        "world size {world} is not divisible by tp*pp = {tp}*{pp}; choose tp and pp whose product divides the number of processes",
-    )
-    if parallel.get("dp") is not None and _int(parallel["dp"], "parallel.dp", 1) != dp:
-        raise SettingsError(f"parallel.dp = {parallel['dp']} but world_size / (tp * pp) = {world_size} / ({tp} * {pp}) = {dp}")
-    accum = grad_accum(
-        global_batch, micro_batch, dp,
-        "global batch {gb} is not divisible by micro_batch * dp = {mb} * {dp}; "
-        "gradient accumulation must be a whole number: change train.micro_batch or the parallel layout",
-    )
-    recompute = _choice(_get(parallel, "recompute", "parallel", "none"), "parallel.recompute", RECOMPUTE)
+    """DP = world / (tp * pp); grad accumulation = global_batch / (micro_batch * dp), exactly
+    (training.settings); then this case's layout switches."""
+    par = common.read_parallel(parallel, world_size, RECOMPUTE)
+    tp, pp, dp, recompute = par.tp, par.pp, par.dp, par.recompute
+    accum = common.grad_accum(global_batch, micro_batch, dp)
     return Layout(
         tp=tp,
         pp=pp,
@@ -173,8 +156,8 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
 
 
 def read_shape(model: dict) -> Shape:
-    src = model.get("shape", model)
-    vals = {k: _int(_get(src, k, "model.shape"), f"model.shape.{k}", 1) for k in SHAPE_KEYS}
+    src = common.shape_source(model)
+    vals = common.shape_ints(model, SHAPE_KEYS)
     shape = Shape(
         **vals,
         norm_eps=_float(_get(src, "norm_eps", "model.shape", 1e-5), "model.shape.norm_eps"),
@@ -230,64 +213,13 @@ def check_device(layout: Layout, device: str) -> None:
 
 def from_config(cfg: dict, world_size: int) -> Settings:
     """Validate the resolved config and derive the run's settings."""
-    for section in ("case", "model", "train", "vendor"):
-        if not isinstance(cfg.get(section), dict):
-            raise SettingsError(f"resolved config: section {section!r} is missing or not an object")
-    train, model, vendor = cfg["train"], cfg["model"], cfg["vendor"]
-    parallel = cfg.get("parallel") or {}
-    data = cfg.get("data") or {}
-    shape = read_shape(model)
-    global_batch = _int(_get(train, "global_batch", "train"), "train.global_batch", 1)
-    micro_batch = _int(_get(train, "micro_batch", "train", 1), "train.micro_batch", 1)
-    layout = derive_layout(parallel, micro_batch, global_batch, world_size)
+    c = common.from_config(cfg, world_size, recompute=RECOMPUTE)
+    if c.train.lr_warmup_steps >= c.train.lr_decay_steps:  # megatron's scheduler asserts it
+        raise SettingsError(f"train.lr_warmup_steps ({c.train.lr_warmup_steps}) must be below the decay steps "
+                            f"({c.train.lr_decay_steps})")
+    shape = read_shape(cfg["model"])
+    layout = derive_layout(c.sections["parallel"], c.train.micro_batch, c.train.global_batch, world_size)
     check_layout_fits(shape, layout)
-    steps = _int(_get(train, "steps", "train"), "train.steps", 1)
-    betas = train.get("betas")
-    if betas is not None and (not isinstance(betas, (list, tuple)) or len(betas) != 2):
-        raise SettingsError(f"resolved config: train.betas must be a pair, got {betas!r}")
-    beta1 = _float(_get(train, "adam_beta1", "train", betas[0] if betas else 0.9), "train.adam_beta1")
-    beta2 = _float(_get(train, "adam_beta2", "train", betas[1] if betas else 0.95), "train.adam_beta2")
-    lr_warmup = _int(_get(train, "lr_warmup_steps", "train", 0), "train.lr_warmup_steps")
-    lr_decay = _int(_get(train, "lr_decay_steps", "train", steps), "train.lr_decay_steps", 1)
-    if lr_warmup >= lr_decay:
-        raise SettingsError(f"train.lr_warmup_steps ({lr_warmup}) must be below the decay steps ({lr_decay})")
-    device = _choice(_get(vendor, "device", "vendor", "cpu"), "vendor.device", ("cpu", "cuda"))
+    device = _choice(c.device, "vendor.device", ("cpu", "cuda"))
     check_device(layout, device)
-    backend = _get(vendor, "dist_backend", "vendor", "gloo" if device == "cpu" else "nccl")
-    name = cfg["case"].get("model") or model.get("name")
-    if not name:
-        raise SettingsError("resolved config: case.model is missing")
-    synthetic_tokens = data.get("synthetic_tokens")
-    profile_step = _int(_get(train, "profile_step", "train", 0), "train.profile_step", 0)
-    if profile_step > steps:
-        raise SettingsError(f"train.profile_step = {profile_step} is beyond the run's {steps} steps")
-    return Settings(
-        model_name=str(name),
-        config_name=str(cfg.get("config_name", "")),
-        params_nominal=_float(_get(model, "params_nominal", "model"), "model.params_nominal"),
-        shape=shape,
-        layout=layout,
-        world_size=world_size,
-        steps=steps,
-        global_batch=global_batch,
-        precision=_choice(_get(train, "precision", "train", "bf16"), "train.precision", PRECISIONS),
-        lr=_float(_get(train, "lr", "train"), "train.lr"),
-        min_lr=_float(_get(train, "min_lr", "train", 0.0), "train.min_lr"),
-        lr_warmup_steps=lr_warmup,
-        lr_decay_steps=lr_decay,
-        weight_decay=_float(_get(train, "weight_decay", "train", 0.0), "train.weight_decay"),
-        clip_grad=_float(_get(train, "clip_grad", "train", 0.0), "train.clip_grad"),
-        adam_beta1=beta1,
-        adam_beta2=beta2,
-        adam_eps=_float(_get(train, "adam_eps", "train", 1e-8), "train.adam_eps"),
-        init_std=_float(_get(train, "init_std", "train", 0.02), "train.init_std"),
-        seed=_int(_get(train, "seed", "train", 1234), "train.seed"),
-        device=device,
-        dist_backend=str(backend),
-        data_dir=data.get("data_dir"),
-        data_prefix=data.get("prefix") or None,
-        cache_dir=data.get("cache_dir"),
-        synthetic_tokens=None if synthetic_tokens is None else _int(synthetic_tokens, "data.synthetic_tokens", 2),
-        profile_step=profile_step,
-        output_dir=cfg.get("output_dir"),
-    )
+    return Settings(**common.fields_of(Settings, common.flat(c)), shape=shape, layout=layout)

@@ -41,7 +41,7 @@ import time
 import torch
 from megatron.core import parallel_state
 
-from settings import Settings
+from cases.llama3.megatron.settings import Settings
 from training import weights
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -26,9 +26,10 @@ import os
 import resource
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from training import case, runtime
 
-from training import flops, runtime  # noqa: E402
+case.isolate(__file__)
+from training import flops  # noqa: E402
 from training.ceiling import K_KERNEL_CEILING  # noqa: E402
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger  # noqa: E402
 from training.profiling import StepProfiler  # noqa: E402
@@ -66,13 +67,16 @@ def forward_step(data_iterator, model):
 
 
 class Trainer:
-    def __init__(self, cfg: dict, log: MetricLogger):
+    """The case's one phase on training/case.py's lifecycle: build, step, finish."""
+
+    def __init__(self, cfg: dict, log: MetricLogger, phase: str | None = None):
         import torch
 
-        from settings import from_config
+        from cases.llama3.megatron.settings import from_config
 
         self.cfg = cfg
         self.log = log
+        self.phase = phase
         self.dist = runtime.dist_info()
         self.s = from_config(cfg, self.dist.world_size)
         if self.s.device == "cuda":
@@ -81,7 +85,26 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.dist.local_world_size)))
-        self.steps_done = 0
+        self.steps = self.s.steps
+        self.reporting = False  # known once the process groups are
+
+    def build(self) -> None:
+        """Process groups, model and optimizer, data, ``run_meta``; the step loop's tools."""
+        import torch.distributed as dist
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.init_distributed()
+        self.build_model()
+        self.prepare_data()
+        self.emit_meta()
+        self.fwd_bwd = get_forward_backward_func()
+        self.prof = StepProfiler(self.s.profile_step, self.s.output_dir, self.dist.rank, self.device.type)
+
+        def sync() -> None:
+            _sync(self.device)
+            dist.barrier()
+
+        self.clock = StepClock(sync)  # training/steptimer.py: batch fetch to optimizer step, synchronized
 
     # -- setup -------------------------------------------------------------
     def init_distributed(self) -> None:
@@ -102,14 +125,13 @@ class Trainer:
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
         self.reporting = self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
 
-    def build(self) -> None:
+    def build_model(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
-        import modeling
-        import startweights
+        from cases.llama3.megatron import modeling, startweights
 
         s, lay = self.s, self.s.layout
         self.ceiling = self.measure_ceiling()
@@ -119,7 +141,7 @@ class Trainer:
         # DDP and the optimizer take their copies
         init = startweights.overwrite(model, s)
         if self.tp_rank == 0 and self.dp_rank == 0:  # one record per pipeline stage
-            self.log.emit("info", "start_weights", {**init, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
+            self.log.info("start_weights", {**init, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
         self.params_exact = self._exact_params(model)
         if s.precision in ("bf16", "fp16"):
             model = Float16Module(self.tconfig, model)
@@ -174,7 +196,7 @@ class Trainer:
         once before the model exists; the allocator's peak is reset after it."""
         import torch
 
-        import modeling
+        from cases.llama3.megatron import modeling
 
         value = modeling.kernel_ceiling(self.s, self.device)
         if self.device.type == "cuda":
@@ -185,7 +207,7 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
-        import modeling
+        from cases.llama3.megatron import modeling
 
         local = torch.tensor([modeling.local_param_count(model)], dtype=torch.float64, device=self.device)
         dist.all_reduce(local)  # every data-parallel replica adds the same count
@@ -209,7 +231,7 @@ class Trainer:
         return total
 
     def prepare_data(self) -> None:
-        import batches
+        from cases.llama3.megatron import batches
 
         prefix, self.data_desc = batches.corpus_prefix(self.s, self.dist.local_rank)
         self.batches = batches.StepBatches(prefix, self.s, self.dp_rank, self.device)
@@ -217,7 +239,7 @@ class Trainer:
     def emit_meta(self) -> None:
         import torch
 
-        import modeling
+        from cases.llama3.megatron import modeling
 
         s, lay, sh = self.s, self.s.layout, self.s.shape
         if not self.reporting:
@@ -266,62 +288,54 @@ class Trainer:
         )
 
     # -- training ----------------------------------------------------------
-    def train(self) -> None:
+    def step(self, step: int) -> None:
+        """Optimizer step ``step`` (1-based): the pipeline schedule over its micro-batches."""
         import torch
         import torch.distributed as dist
-        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        s, lay = self.s, self.s.layout
-        fwd_bwd = get_forward_backward_func()
-        tokens_per_step = s.global_batch * s.shape.seq_length
-        dp_group = self.ps.get_data_parallel_group()
-        prof = StepProfiler(s.profile_step, s.output_dir, self.dist.rank, self.device.type)
-
-        def sync() -> None:
-            _sync(self.device)
-            dist.barrier()
-
-        clock = StepClock(sync)  # training/steptimer.py: batch fetch to optimizer step, synchronized
-        for step in range(s.steps):
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            with clock.step(), prof.step(step + 1):
-                self.model.zero_grad_buffer()
-                self.optimizer.zero_grad()
-                losses = fwd_bwd(
-                    forward_step_func=forward_step,
-                    data_iterator=clock.timed(self.batches.microbatches(step)),
-                    model=[self.model],
-                    num_microbatches=lay.grad_accum,
-                    seq_length=s.shape.seq_length,
-                    micro_batch_size=lay.micro_batch,
-                    decoder_seq_length=s.shape.seq_length,
-                    forward_only=False,
+        s, lay, clock, prof = self.s, self.s.layout, self.clock, self.prof
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        with clock.step(), prof.step(step):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            losses = self.fwd_bwd(
+                forward_step_func=forward_step,
+                data_iterator=clock.timed(self.batches.microbatches(step - 1)),
+                model=[self.model],
+                num_microbatches=lay.grad_accum,
+                seq_length=s.shape.seq_length,
+                micro_batch_size=lay.micro_batch,
+                decoder_seq_length=s.shape.seq_length,
+                forward_only=False,
+            )
+            with prof.optimizer():
+                ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            _sync(self.device)  # the profiled step's kernels end inside its trace
+        step_time = clock.step_time_s
+        parts = prof.result(step, step_time, reduce=self.tp_rank == 0 and self.dp_rank == 0)  # one per stage
+        if parts is not None:
+            self.log.info(K_STEP_BREAKDOWN, {**parts, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
+        if self.is_last_stage:
+            local = torch.stack([x["lm loss"] for x in losses]).float().mean().reshape(1)
+            dist.all_reduce(local, group=self.ps.get_data_parallel_group())
+            loss = local.item() / lay.dp
+            if self.reporting:
+                self.log.step(
+                    step,
+                    loss,
+                    s.global_batch * s.shape.seq_length,
+                    step_time,
+                    lr,
+                    data_s=clock.data_s,
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    skipped=not ok,
+                    **({"profiled": True} if step == s.profile_step else {}),
                 )
-                with prof.optimizer():
-                    ok, grad_norm, _ = self.optimizer.step()
-                self.scheduler.step(increment=1)
-                _sync(self.device)  # the profiled step's kernels end inside its trace
-            step_time = clock.step_time_s
-            self.steps_done = step + 1
-            parts = prof.result(step + 1, step_time, reduce=self.tp_rank == 0 and self.dp_rank == 0)  # one per stage
-            if parts is not None:
-                self.log.emit("info", K_STEP_BREAKDOWN, {**parts, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
-            if self.is_last_stage:
-                local = torch.stack([x["lm loss"] for x in losses]).float().mean().reshape(1)
-                dist.all_reduce(local, group=dp_group)
-                loss = local.item() / lay.dp
-                if self.reporting:
-                    self.log.step(
-                        step + 1,
-                        loss,
-                        tokens_per_step,
-                        step_time,
-                        lr,
-                        data_s=clock.data_s,
-                        grad_norm=None if grad_norm is None else float(grad_norm),
-                        skipped=not ok,
-                        **({"profiled": True} if step + 1 == s.profile_step else {}),
-                    )
+
+    def finish(self) -> None:
+        """This rank's ``peak_memory`` (and the allocator's reserve on cuda)."""
+        self.emit_memory()
 
     def emit_memory(self) -> None:
         import torch
@@ -329,7 +343,7 @@ class Trainer:
         peak, total, name = _peak_memory(self.device)
         self.log.peak_memory(peak, total, name)
         if self.device.type == "cuda":  # the allocator's reserve: what an OOM margin is measured against
-            self.log.emit("info", "cuda_memory", {"max_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))})
+            self.log.info("cuda_memory", {"max_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))})
 
 
 def ceiling_only(cfg: dict, log: MetricLogger) -> None:
@@ -337,8 +351,8 @@ def ceiling_only(cfg: dict, log: MetricLogger) -> None:
     process's first device, as one ``info`` record; no process group, model or data."""
     import torch
 
-    import modeling
-    from settings import from_config
+    from cases.llama3.megatron import modeling
+    from cases.llama3.megatron.settings import from_config
 
     case = cfg["case"]
     s = from_config(cfg, int(case["nnodes"]) * int(case["nprocs"]))
@@ -346,7 +360,7 @@ def ceiling_only(cfg: dict, log: MetricLogger) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     try:
-        log.emit("info", K_KERNEL_CEILING, modeling.kernel_ceiling(s, device))
+        log.info(K_KERNEL_CEILING, modeling.kernel_ceiling(s, device))
     except BaseException as exc:
         log.error(f"kernel ceiling: {type(exc).__name__}: {exc}")
         raise
@@ -358,7 +372,7 @@ def main() -> int:
     if "--ceiling" in sys.argv[1:]:
         ceiling_only(cfg, log)
         return 0
-    runtime.run_trainer(lambda: Trainer(cfg, log), log)
+    case.run(lambda phase: Trainer(cfg, log, phase), log)
     import torch.distributed as dist
 
     dist.barrier()

@@ -5,7 +5,7 @@
     python cases/llama3/megatron/weights_check.py --compare a.pt b.pt [...]
 
 The first form sets the run up exactly as train.py does (``Trainer.init_distributed``
-and ``Trainer.build``: model, start weights, Float16Module, DDP, optimizer), then
+and ``Trainer.build_model``: model, start weights, Float16Module, DDP, optimizer), then
 joins every parameter's tensor-parallel shards back into its TP1 tensor and collects
 the pipeline stages on rank 0, which saves ``{"weights": {layout-free name: float32
 tensor}, ...}``.  The joining is written here again, from megatron's layouts, rather
@@ -20,10 +20,11 @@ Run with the repository root on PYTHONPATH, in the megatron-core environment.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from training import case
+
+case.isolate(__file__)
 
 
 def _unwrap(model):
@@ -62,7 +63,7 @@ def gather(trainer) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    import startweights as sw
+    from cases.llama3.megatron import startweights as sw
 
     model = _unwrap(trainer.model)
     names = sw.layout_free_names(model)
@@ -91,8 +92,8 @@ def megatron_std(trainer) -> dict:
     """Per layout-free name, the standard deviation of megatron's own (CPU) initialisation."""
     import copy
 
-    import modeling
-    import startweights as sw
+    from cases.llama3.megatron import modeling
+    from cases.llama3.megatron import startweights as sw
 
     config = copy.copy(trainer.tconfig)
     config.perform_initialization, config.use_cpu_initialization = True, True
@@ -113,11 +114,11 @@ def dump(argv: list[str]) -> int:
     ap.add_argument("--megatron-std", action="store_true")
     args, rest = ap.parse_known_args(argv)
     cfg = runtime.setup(rest)
-    import train
+    from cases.llama3.megatron import train
 
     trainer = train.Trainer(cfg, MetricLogger(stream=sys.stderr))
     trainer.init_distributed()
-    trainer.build()
+    trainer.build_model()
     if args.megatron_std and dist.get_world_size() != 1:
         raise SystemExit("--megatron-std needs one process")
     full = gather(trainer)

@@ -14,8 +14,10 @@ The pretrain phase's model starts from ``training.deepspeed_weights`` (the same
 full weights from the run's seed under ZeRO-2 or ZeRO-3 and any data-parallel
 size), overwritten by checkpoints where ``data`` names them.
 
-Phase settings: ``cfg[section]`` overlaid with ``cfg["phases"][phase][section]``
-(see case.yaml).  Data: LLaVA's JSON + image folder under ``data.data_dir``
+Each phase is a trainer on the lifecycle of training/case.py (build, step,
+finish), the training itself the shared DeepSpeed loop's
+(``training.deepspeed_loop.DeepSpeedPhase``).  Phase settings: each section
+overlaid with its ``phases.<phase>`` entry (training/settings.py, see case.yaml).  Data: LLaVA's JSON + image folder under ``data.data_dir``
 (``phases.<p>.data.json`` / ``image_folder``), else a synthetic set in the same
 format written to ``data.cache_dir``.  Tokens of a step: the real (unpadded)
 lengths of its samples, image tokens included, summed over all ranks.
@@ -24,29 +26,19 @@ lengths of its samples, image tokens included, summed over all ranks.
 from __future__ import annotations
 
 import os
-import sys
 
-from training import runtime
-from training.metriclog import EV_INFO, MetricLogger
+from training import case, runtime
 
-cfg = runtime.setup()
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from training import deepspeed_loop as dsl  # noqa: E402
-from training import deepspeed_weights as dsw  # noqa: E402
-from training.data import llava as data_llava  # noqa: E402
-from training.data import llava_synth  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llava_mmmu  # noqa: E402
-import llava_model  # noqa: E402
+case.isolate(__file__)
+from training.metriclog import MetricLogger  # noqa: E402
 
 PHASES = ("pretrain", "finetune")
 
 
-def make_tokenizer(shape: dict, data: dict) -> tuple[data_llava.Tokenizer, str]:
+def make_tokenizer(shape: dict, data: dict):
+    from training.data import llava as data_llava
+    from training.data import llava_synth
+
     path = data.get("tokenizer_path") or data.get("model_path") or data.get("language_model_path")
     if path:
         tok = data_llava.HFTokenizer(path)
@@ -65,6 +57,10 @@ def make_tokenizer(shape: dict, data: dict) -> tuple[data_llava.Tokenizer, str]:
 
 def dataset_paths(data: dict, phase: str, local_rank: int) -> tuple[str, str]:
     """(json, image folder) of a phase: the real set, or the synthetic one (written by each node's local rank 0)."""
+    import torch.distributed as dist
+
+    from training.data import llava_synth
+
     if data.get("data_dir"):
         root = data["data_dir"]
         return os.path.join(root, data["json"]), os.path.join(root, data.get("image_folder", "."))
@@ -78,9 +74,12 @@ def dataset_paths(data: dict, phase: str, local_rank: int) -> tuple[str, str]:
     return os.path.join(root, name), os.path.join(root, llava_synth.IMAGE_FOLDER)
 
 
-def starting_weights(model, shape: dict, seed: int, data: dict, device: torch.device) -> dict:
+def starting_weights(model, shape: dict, seed: int, data: dict, device) -> dict:
     """The first phase's model: the same full weights from ``seed`` whatever the ZeRO stage and
     data-parallel size, then the checkpoints ``data`` names, if any."""
+    from cases.llava.deepspeed import model as llava_model
+    from training import deepspeed_weights as dsw
+
     rule = llava_model.init_rule(shape)
     init = dsw.starting_weights(model, seed, rule, device)
     loaded = llava_model.load_pretrained(
@@ -105,70 +104,126 @@ class Counting:
         return b
 
 
-def main() -> None:
-    device = dsl.init_distributed(cfg)
-    info = runtime.dist_info()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    logger = MetricLogger(rank=rank)
-    # resolved.json holds the shape flat in "model" (or under "model.shape")
-    shape, model_name = cfg["model"].get("shape") or cfg["model"], cfg["case"]["model"]
-    n_img = llava_model.num_image_tokens(shape)
-    tok, tok_kind = make_tokenizer(shape, dsl.phase_settings(cfg, "pretrain")["data"])
-    previous = None
-    for phase in PHASES:
-        s = dsl.phase_settings(cfg, phase)
-        tr, data = s["train"], s["data"]
-        ds_config = dsl.build_ds_config(s, int(shape["hidden_size"]), world)
-        dtype = dsl.DTYPES[tr.get("precision", "bf16")]
+class Round:
+    """What the phases of one round share: the device, the tokenizer, the pretrained model."""
+
+    def __init__(self, cfg: dict, log: MetricLogger):
+        self.cfg, self.log = cfg, log
+        self.device = None
+        self.previous = None  # the pretrain phase's trained module, the finetune phase's start
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        from cases.llava.deepspeed import model as llava_model
+        from training import deepspeed_loop as dsl
+        from training import settings
+
+        if self.device is not None:
+            return
+        self.device = dsl.init_distributed(self.cfg)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.log.rank = self.rank
+        # resolved.json holds the shape flat in "model" (or under "model.shape")
+        self.shape = settings.shape_source(self.cfg["model"])
+        self.n_img = llava_model.num_image_tokens(self.shape)
+        self.tok, self.tok_kind = make_tokenizer(self.shape, settings.phase_sections(self.cfg, "pretrain")["data"])
+
+
+class PhaseTrainer:
+    """One phase of the round (training/case.py's lifecycle)."""
+
+    def __init__(self, rnd: Round, phase: str):
+        self.rnd, self.phase = rnd, phase
+        self.steps, self.reporting = 0, False
+
+    def build(self) -> None:
+        import torch
+
+        from cases.llava.deepspeed import model as llava_model
+        from training import deepspeed_loop as dsl
+        from training import settings
+        from training.data import llava as data_llava
+
+        rnd, phase = self.rnd, self.phase
+        rnd.start()
+        cfg, shape, device, rank, world = rnd.cfg, rnd.shape, rnd.device, rnd.rank, rnd.world
+        c = settings.from_config(cfg, world, phase)
+        tr, data = c.train, c.sections["data"]
+        ds_config = dsl.build_ds_config(c, int(shape["hidden_size"]))
         zero3 = ds_config["zero_optimization"]["stage"] == 3
-        model = llava_model.build_model(shape, dtype, device, dsl.model_init_context(ds_config) if zero3 else None)
-        if previous is None:
-            weights = starting_weights(model, shape, int(tr.get("seed", 1234)), data, device)
+        model = llava_model.build_model(shape, dsl.DTYPES[tr.precision], device,
+                                        dsl.model_init_context(ds_config) if zero3 else None)
+        if rnd.previous is None:
+            weights = starting_weights(model, shape, tr.seed, data, device)
             if rank == 0:
-                logger.emit(EV_INFO, "weights", {"phase": phase, **weights})
+                rnd.log.info("weights", weights, phase=phase)
         else:
-            llava_model.copy_model(model, previous)
-            previous = None
+            llava_model.copy_model(model, rnd.previous)
+            rnd.previous = None
             dsl.release(None)
-        json_path, image_folder = dataset_paths(data, phase, info.local_rank)
+        json_path, image_folder = dataset_paths(data, phase, runtime.dist_info().local_rank)
         dataset = data_llava.LlavaDataset(
-            json_path, image_folder, tok, template=data["template"], image_token_id=int(shape["image_token_index"]),
-            num_image_tokens=n_img, image_size=int(shape["image_size"]), max_len=int(shape["seq_length"]),
+            json_path, image_folder, rnd.tok, template=data["template"], image_token_id=int(shape["image_token_index"]),
+            num_image_tokens=rnd.n_img, image_size=int(shape["image_size"]), max_len=int(shape["seq_length"]),
             aspect=data.get("image_aspect_ratio", "square"), missing_images=data.get("missing_images") or "fail")
-        ga = ds_config["gradient_accumulation_steps"]
-        order = list(data_llava.rank_batches(len(dataset), seed=int(tr.get("seed", 1234)), dp_rank=rank,
-                                             dp_size=world, micro_batch=int(tr["micro_batch"]), grad_accum=ga,
-                                             steps=int(tr["steps"])))
+        order = list(data_llava.rank_batches(len(dataset), seed=tr.seed, dp_rank=rank, dp_size=world,
+                                             micro_batch=tr.micro_batch, grad_accum=tr.grad_accum, steps=tr.steps))
         workers = int(data.get("num_workers", 0))
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=order, collate_fn=data_llava.Collator(tok.pad_id), num_workers=workers,
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=order, collate_fn=data_llava.Collator(rnd.tok.pad_id), num_workers=workers,
             pin_memory=device.type == "cuda", persistent_workers=False, prefetch_factor=4 if workers else None)
-        batches = Counting(loader)
-        meta = {"model": model_name, "params_exact": sum(int(getattr(p, "ds_numel", p.numel()))
-                                                         for p in model.parameters()),
-                "params_nominal": float(cfg["model"]["params_nominal"]), "num_layers": int(shape["num_layers"]),
+        self.batches = Counting(self.loader)
+        meta = {"model": c.model_name, "params_exact": sum(int(getattr(p, "ds_numel", p.numel()))
+                                                           for p in model.parameters()),
+                "params_nominal": c.params_nominal, "num_layers": int(shape["num_layers"]),
                 "hidden_size": int(shape["hidden_size"]), "num_heads": int(shape["num_heads"]),
                 "num_kv_groups": int(shape.get("num_kv_groups") or shape["num_heads"]),
                 "seq_length": int(shape["seq_length"]), "vocab_size": int(shape["vocab_size"]),
                 "vision_num_layers": int(shape["vision_num_layers"]), "image_size": int(shape["image_size"]),
-                "image_tokens": n_img, "template": data["template"], "tokenizer": tok_kind,
-                "data": "real" if data.get("data_dir") else "synthetic", "dataset_samples": len(dataset),
+                "image_tokens": rnd.n_img, "template": data["template"], "tokenizer": rnd.tok_kind,
+                "data": "real" if c.data.data_dir else "synthetic", "dataset_samples": len(dataset),
                 "skipped_missing_images": dataset.skipped,
                 "attention": "sdpa", "zero_stage_requested": ds_config["zero_optimization"]["stage"]}
-        result = dsl.run_phase(cfg, phase, model, batches, ds_config=ds_config, logger=logger, meta=meta,
-                               trainable=llava_model.trainable(phase))
-        counts = torch.tensor([batches.samples, batches.tokens, batches.images], dtype=torch.float64, device=device)
+        self.loop = dsl.DeepSpeedPhase(cfg, c, model, self.batches, ds_config=ds_config, logger=rnd.log, meta=meta,
+                                       trainable=llava_model.trainable(phase))
+        self.loop.build()
+        self.steps, self.reporting = tr.steps, rank == 0
+
+    def step(self, step: int) -> None:
+        self.loop.step(step)
+
+    def finish(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from training import deepspeed_loop as dsl
+
+        rnd, result, b = self.rnd, self.loop.result, self.batches
+        self.loop.finish()
+        counts = torch.tensor([b.samples, b.tokens, b.images], dtype=torch.float64, device=rnd.device)
         dist.all_reduce(counts)
-        if rank == 0:
-            logger.emit(EV_INFO, "phase_summary", {
-                "phase": phase, "samples": int(counts[0]), "mean_seq_length": float(counts[1] / counts[0]),
+        if rnd.rank == 0:
+            rnd.log.info("phase_summary", {
+                "samples": int(counts[0]), "mean_seq_length": float(counts[1] / counts[0]),
                 "images_per_sample": float(counts[2] / counts[0]), "first_loss": result.losses[0],
-                "last_loss": result.losses[-1]})
-        if phase == "pretrain":
-            previous = result.engine.module
+                "last_loss": result.losses[-1]}, phase=self.phase)
+        if self.phase == "pretrain":
+            rnd.previous = result.engine.module
         dsl.release(result)
-        del model, loader, batches
-    llava_mmmu.run_or_skip(cfg, logger, device, rank)
+        del self.loop, self.loader, self.batches
+
+
+def main() -> None:
+    cfg = runtime.setup()  # the vendor adapter runs before deepspeed is imported
+    log = MetricLogger()
+    rnd = Round(cfg, log)
+    case.run(lambda phase: PhaseTrainer(rnd, phase), log, phases=PHASES)
+    import torch.distributed as dist
+
+    from cases.llava.deepspeed import mmmu
+
+    mmmu.run_or_skip(cfg, log, rnd.device, rnd.rank)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,93 @@
+"""Training data of the gpt3/paddle case: corpus, sample order, per-rank batches.
+
+With ``data.data_dir`` set, the corpus is PaddleNLP's GPT pretraining pair in
+that directory (``gpt_en_dataset_300m_ids.npy`` + ``gpt_en_dataset_300m_idx.npz``
+in FlagPerf; see ``training.data.paddle_gpt``) or the ``<prefix>.bin`` +
+``<prefix>.idx`` pair PaddleNLP's ``make_builder(..., "mmap", ...)`` writes, chosen by
+``data.prefix`` or found as the only corpus there.  Without it, the project's synthetic corpus is
+written once in that format into ``data.cache_dir`` by local rank 0 of each
+node; the other ranks wait on a barrier.
+
+Optimizer step ``t`` (0-based) uses samples ``t*G .. t*G+G-1`` of the seeded
+window order (G = global batch); data-parallel rank ``r`` (paddle's
+``sharding_degree * dp_rank + sharding_rank``) takes the ``r``-th contiguous
+slice of ``G / dp`` samples, cut into ``grad_accum`` micro-batches
+(``training.data.windows``).  TP ranks and pipeline stages of one replica read
+the same samples.  So the sequences of a step are the same for every layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from cases.gpt3.paddle.settings import Settings
+from training.data import paddle_gpt, windows
+
+#: smallest and largest synthetic corpus written when data.synthetic_tokens is not set
+SYNTHETIC_MIN_TOKENS = 1 << 20
+SYNTHETIC_MAX_TOKENS = 1 << 25
+
+
+def synthetic_tokens(s: Settings) -> int:
+    return windows.synthetic_tokens(
+        s.synthetic_tokens, s.steps, s.global_batch, s.shape.seq_length, SYNTHETIC_MIN_TOKENS, SYNTHETIC_MAX_TOKENS
+    )
+
+
+def corpus_prefix(s: Settings, local_rank: int, barrier) -> tuple[str, str]:
+    """The corpus prefix and a description of it for the meta record."""
+    if s.data_dir:
+        if s.data_prefix:
+            prefix = s.data_prefix if os.path.isabs(s.data_prefix) else os.path.join(s.data_dir, s.data_prefix)
+            for ext in (".bin", ".idx", paddle_gpt.IDS_SUFFIX, paddle_gpt.IDX_SUFFIX):
+                prefix = prefix[: -len(ext)] if prefix.endswith(ext) else prefix
+            if paddle_gpt.layout(prefix) is None:
+                raise FileNotFoundError(
+                    f"data.prefix {s.data_prefix!r}: neither {prefix}{paddle_gpt.IDS_SUFFIX} + {prefix}{paddle_gpt.IDX_SUFFIX} "
+                    f"nor {prefix}.bin + {prefix}.idx exist (data.data_dir {s.data_dir})"
+                )
+        else:
+            prefix = paddle_gpt.find_prefix(s.data_dir)
+        kind = "paddle_gpt" if paddle_gpt.layout(prefix) == "npy" else "paddle_mmap"
+        return prefix, f"{kind}:{prefix}"
+    cache_dir = s.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
+    n = synthetic_tokens(s)
+    if local_rank == 0:
+        paddle_gpt.ensure_synthetic(cache_dir, s.shape.vocab_size, n, s.seed)
+    barrier()
+    prefix = paddle_gpt.synthetic_prefix(cache_dir, s.shape.vocab_size, n, s.seed)
+    return prefix, f"synthetic:{os.path.basename(prefix)}"
+
+
+class StepBatches:
+    """This rank's micro-batches of each optimizer step, as numpy arrays."""
+
+    def __init__(self, prefix: str, s: Settings, data_rank: int):
+        self.prefix = prefix
+        self.vocab_size = s.shape.vocab_size
+        tokens = paddle_gpt.read_tokens(prefix)
+        top = int(np.max(tokens[: min(int(tokens.shape[0]), 1 << 20)]))
+        if top >= s.shape.vocab_size:
+            raise ValueError(f"corpus {prefix} holds token id {top}, outside the model's vocabulary of {s.shape.vocab_size}")
+        try:
+            self.windows = paddle_gpt.TokenWindows(tokens, s.shape.seq_length, s.seed)
+        except ValueError as exc:
+            raise ValueError(f"corpus {prefix}: {exc}") from None
+        self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, data_rank)
+        self.micro_batch = s.layout.micro_batch
+        self.grad_accum = s.layout.grad_accum
+
+    def step(self, step: int) -> np.ndarray:
+        """All of this rank's samples of one step: ``[per_rank, seq + 1]`` int64."""
+        rows = self.share.samples(step)
+        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
+            bad = int(rows.max()) if int(rows.max()) >= self.vocab_size else int(rows.min())
+            raise ValueError(f"corpus {self.prefix}: token id {bad} in step {step + 1}'s samples, "
+                             f"outside the model's vocabulary of {self.vocab_size}")
+        return rows
+
+    def micro_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``grad_accum`` pairs (input ids, labels), each ``[micro_batch, seq]``."""
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in windows.micro_split(self.step(step), self.grad_accum, self.micro_batch)]

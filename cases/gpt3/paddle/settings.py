@@ -1,0 +1,221 @@
+"""The gpt3/paddle case's settings, read from the harness's ``resolved.json``.
+
+Everything the case reads from the resolved config is read, validated and
+derived here (data-parallel width, sharding and dp degrees, gradient
+accumulation) before any process group or model exists, and every error names
+the key.  Standard library only, so tests can import it anywhere.
+
+Keys read (``cfg`` is the resolved.json object): the common train / parallel /
+data / vendor keys through ``training.settings.from_config`` (their defaults are
+listed there), and this case's own:
+
+* the shape, under ``model.shape`` or flat in ``model``: ``num_layers,
+  hidden_size, ffn_hidden_size, num_heads, seq_length, vocab_size``; optional
+  ``num_kv_groups`` (must equal ``num_heads``), ``norm_eps`` (1e-5),
+  ``hidden_act`` (gelu), and the ``training.flops.DecoderShape`` flags, which
+  must describe GPT-3 (``gated_mlp: false, tied_embeddings: true, bias: true,
+  norm: layernorm, learned_positions: true``)
+* ``train``: ``amp_level`` (O2|O1), ``loss_scale`` (1024, fp16 only),
+  ``hidden_dropout`` and ``attention_dropout`` (0.1)
+* ``parallel``: ``recompute`` is one of none|full|full_attn|core_attn (or a
+  bool); ``sharding_stage`` (0|1|2, also "stage1"/"stage2"),
+  ``sharding_degree`` (default: the whole data-parallel width when a stage is
+  set), ``use_flash_attention`` (true), ``use_fused_rms_norm``,
+  ``fuse_attention_qkv``, ``fuse_attention_ffn``, ``sequence_parallel`` (false)
+* ``vendor.device``: cpu, cuda or gpu (paddle's name for cuda)
+
+Parallel layout, in the harness's terms: ``dp = world / (tp * pp)`` is the
+data-parallel width; paddle's hybrid topology splits it into
+``sharding_degree x dp_degree`` (sharded and plain replicas);
+``grad_accum = global_batch / (micro_batch * dp)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from training import settings as common
+from training.settings import SettingsError
+from training.settings import choice as _choice
+from training.settings import get as _get
+from training.settings import integer as _int
+from training.settings import number as _float
+
+SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "seq_length", "vocab_size")
+AMP_LEVELS = ("O1", "O2")
+RECOMPUTE = ("none", "full", "full_attn", "core_attn")
+#: what GPT-3 is, in training.flops.DecoderShape's terms
+GPT3_FLAGS = {"gated_mlp": False, "tied_embeddings": True, "bias": True, "norm": "layernorm", "learned_positions": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    seq_length: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    hidden_act: str = "gelu"
+
+    def decoder_shape(self) -> dict[str, Any]:
+        """The mapping ``training.flops.decoder_shape`` takes for this model."""
+        d = {k: getattr(self, k) for k in SHAPE_KEYS}
+        return {**d, "num_kv_groups": self.num_heads, **GPT3_FLAGS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int  # data-parallel width = sharding_degree * dp_degree
+    sharding_stage: int
+    sharding_degree: int
+    dp_degree: int
+    micro_batch: int
+    grad_accum: int
+    recompute: str = "none"
+    use_flash_attention: bool = True
+    use_fused_rms_norm: bool = False
+    fuse_attention_qkv: bool = False
+    fuse_attention_ffn: bool = False
+    sequence_parallel: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    model_name: str
+    config_name: str
+    params_nominal: float
+    shape: Shape
+    layout: Layout
+    world_size: int
+    steps: int
+    global_batch: int
+    precision: str
+    amp_level: str
+    loss_scale: float
+    lr: float
+    min_lr: float
+    lr_warmup_steps: int
+    lr_decay_steps: int
+    weight_decay: float
+    clip_grad: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    init_std: float
+    hidden_dropout: float
+    attention_dropout: float
+    seed: int
+    device: str  # "cpu" or "gpu" (paddle's name)
+    dist_backend: str
+    data_dir: str | None
+    data_prefix: str | None
+    cache_dir: str | None
+    synthetic_tokens: int | None
+
+
+def _bool(value: Any, where: str) -> bool:
+    return common.boolean(value, where, accept_01=True)  # FlagPerf's configs write 0/1
+
+
+def _sharding_stage(value: Any) -> int:
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("", "none", "stage0"):
+            return 0
+        if v in ("stage1", "stage2", "stage3"):
+            value = int(v[-1])
+        else:
+            raise SettingsError(f"resolved config: parallel.sharding_stage must be 0, 1 or 2 (or 'stage1'/'stage2'), got {value!r}")
+    stage = _int(value, "parallel.sharding_stage")
+    if stage == 3:
+        raise SettingsError("resolved config: parallel.sharding_stage 3 is not supported by the gpt3/paddle case (use 1 or 2)")
+    if stage > 3:
+        raise SettingsError(f"resolved config: parallel.sharding_stage must be 0, 1 or 2, got {value!r}")
+    return stage
+
+
+def _shape(model: dict) -> Shape:
+    src = common.shape_source(model)
+    vals = common.shape_ints(model, SHAPE_KEYS)
+    kv = src.get("num_kv_groups")
+    if kv is not None and _int(kv, "model.num_kv_groups", 1) != vals["num_heads"]:
+        raise SettingsError(f"resolved config: model.num_kv_groups must equal num_heads ({vals['num_heads']}): GPT-3 has multi-head attention")
+    for flag, want in GPT3_FLAGS.items():
+        if flag in src and src[flag] != want:
+            raise SettingsError(f"resolved config: model.{flag} is {src[flag]!r}, but GPT-3 (PaddleNLP's GPT) has {want!r}")
+    if vals["hidden_size"] % vals["num_heads"]:
+        raise SettingsError(f"resolved config: model.hidden_size {vals['hidden_size']} is not a multiple of num_heads {vals['num_heads']}")
+    return Shape(
+        **vals,
+        norm_eps=_float(src.get("norm_eps", 1e-5), "model.norm_eps"),
+        hidden_act=str(src.get("hidden_act", "gelu")),
+    )
+
+
+def _layout(c: common.Common, shape: Shape) -> Layout:
+    par, tp, pp, dp = c.sections["parallel"], c.parallel.tp, c.parallel.pp, c.parallel.dp
+    stage = _sharding_stage(par.get("sharding_stage", 0))
+    degree_raw = par.get("sharding_degree")
+    degree = _int(degree_raw, "parallel.sharding_degree", 1) if degree_raw is not None else (dp if stage else 1)
+    if dp % degree:
+        raise SettingsError(f"resolved config: parallel.sharding_degree {degree} does not divide the data-parallel width {dp}")
+    if stage == 0 and degree > 1:
+        raise SettingsError(f"resolved config: parallel.sharding_degree is {degree} but parallel.sharding_stage is 0")
+    if stage == 2 and pp > 1:
+        raise SettingsError("resolved config: sharding stage 2 with pipeline parallelism is not supported by paddle's hybrid parallel (use stage 1 with pp > 1)")
+    if shape.num_heads % tp or shape.vocab_size % tp or shape.ffn_hidden_size % tp:
+        raise SettingsError(f"resolved config: parallel.tp {tp} must divide num_heads, vocab_size and ffn_hidden_size")
+    if shape.num_layers < pp:
+        raise SettingsError(f"resolved config: parallel.pp {pp} exceeds num_layers {shape.num_layers}")
+    sp = _bool(par.get("sequence_parallel", False), "parallel.sequence_parallel")
+    if sp and tp == 1:
+        raise SettingsError("resolved config: parallel.sequence_parallel needs tp > 1")
+    return Layout(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        sharding_stage=stage if degree > 1 else 0,
+        sharding_degree=degree,
+        dp_degree=dp // degree,
+        micro_batch=c.train.micro_batch,
+        grad_accum=c.train.grad_accum,
+        recompute=c.parallel.recompute,
+        use_flash_attention=_bool(par.get("use_flash_attention", True), "parallel.use_flash_attention"),
+        use_fused_rms_norm=_bool(par.get("use_fused_rms_norm", False), "parallel.use_fused_rms_norm"),
+        fuse_attention_qkv=_bool(par.get("fuse_attention_qkv", False), "parallel.fuse_attention_qkv"),
+        fuse_attention_ffn=_bool(par.get("fuse_attention_ffn", False), "parallel.fuse_attention_ffn"),
+        sequence_parallel=sp,
+    )
+
+
+def from_config(cfg: dict, world_size: int) -> Settings:
+    """Validate the resolved config for a run of ``world_size`` ranks."""
+    c = common.from_config(cfg, world_size, recompute=RECOMPUTE)
+    train = c.sections["train"]
+    shape = _shape(cfg["model"])
+    layout = _layout(c, shape)
+    precision = c.train.precision
+    device = {"cuda": "gpu"}.get(c.device.lower(), c.device.lower())
+    if device not in ("cpu", "gpu"):
+        raise SettingsError(f"resolved config: vendor.device must be cpu or cuda, got {c.device!r}")
+    if device == "cpu" and precision != "fp32":
+        # paddle's amp_guard "can only be enabled on CUDAPlace, XPUPlace, and CustomPlace":
+        # on the CPU it silently computes in fp32, so a bf16/fp16 label would be false
+        raise SettingsError(f"resolved config: train.precision {precision} has no effect in paddle on the CPU (AMP runs only on GPU/XPU/custom devices); use fp32")
+    return Settings(
+        **common.fields_of(Settings, {**common.flat(c), "device": device}),
+        shape=shape,
+        layout=layout,
+        amp_level=_choice(_get(train, "amp_level", "train", "O2"), "train.amp_level", AMP_LEVELS),
+        loss_scale=_float(_get(train, "loss_scale", "train", 1024.0), "train.loss_scale"),
+        hidden_dropout=_float(_get(train, "hidden_dropout", "train", 0.1), "train.hidden_dropout"),
+        attention_dropout=_float(_get(train, "attention_dropout", "train", 0.1), "train.attention_dropout"),
+    )

@@ -1,0 +1,82 @@
+"""``python -m run_benchmarks.case_tools scaffold-case``: a case written from the templates runs
+end to end on the CPU. In a copy of the repository: scaffold a DeepSpeed case, run it through
+start_task.py (unjudged: no reference yet), record its first reference curve with
+``--record-reference``, then run the test the scaffold wrote, which runs the case again and
+needs its loss aligned with that curve. Bad names are refused with exit 2 and nothing is
+written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from run_benchmarks.registry import ROOT
+
+COPIED = ("run_benchmarks", "training", "cases", "vendors", "tests", "setup.cfg", "pyproject.toml")
+
+
+def _repo_copy(dst: Path) -> Path:
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__", "logs"))
+        else:
+            shutil.copy2(src, dst / name)
+    return dst
+
+
+def _run(repo: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    return subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_names_are_refused_with_exit_2(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "cases").mkdir(parents=True)
+    for name in ("run_benchmarks", "training"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for args, said in (
+        (["Gpt2", "deepspeed", "--model", "gpt2_tiny"], "family 'Gpt2': a case folder is a Python package name"),
+        (["gpt2", "megatron", "--model", "gpt2_tiny"], "framework 'megatron': scaffold-case has a template for deepspeed"),
+        (["gpt2", "deepspeed", "--model", "gpt2-tiny"], "model 'gpt2-tiny'"),
+    ):
+        proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", *args, timeout=60)
+        assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in (repo / "cases").iterdir()) == []
+    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "x", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "y", timeout=60)
+    assert proc.returncode == 2 and "cases/gpt2/deepspeed exists" in proc.stderr, proc.stderr
+
+
+@pytest.mark.framework("deepspeed")
+def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, deepspeed_python):
+    repo = _repo_copy(tmp_path / "repo")
+    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "gpt2_tiny", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "wrote cases/gpt2/deepspeed/train.py" in proc.stdout and "--record-reference" in proc.stdout, proc.stdout
+    reference = repo / "cases" / "gpt2" / "deepspeed" / "reference" / "gpt2_tiny" / "config_cpux1x2.json"
+
+    logs = tmp_path / "logs"
+    first = _run(repo, "run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", "gpt2_tiny:deepspeed:cpu:1:2",
+                 "--log-dir", str(logs))
+    (run,) = list(logs.iterdir())
+    (rnd,) = json.loads((run / "results.json").read_text())["rounds"]
+    assert (first.returncode, rnd["status"]) == (1, "unjudged"), first.stdout[-4000:] + first.stderr[-2000:]
+    assert "no reference curve" in rnd["error"], rnd["error"]
+    loss = rnd["phases"][0]["loss"]
+    assert len(loss) == 30 and loss["30"] < 0.8 * loss["1"], loss  # it learns
+
+    rec = _run(repo, "run_benchmarks/start_task.py", "--record-reference", str(run / "results.json"), timeout=120)
+    assert rec.returncode == 0 and reference.is_file(), rec.stdout + rec.stderr
+    assert json.loads(reference.read_text())["loss"] == [loss[str(s)] for s in range(1, 31)]
+
+    # the scaffold's own test: the case again, its loss judged against the curve just recorded
+    gen = _run(repo, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpt2_deepspeed_case.py")
+    assert gen.returncode == 0 and "1 passed" in gen.stdout, gen.stdout[-4000:] + gen.stderr[-2000:]

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_case_module(path: Path, name: str) -> ModuleType:
-    """Import a case's module from its file under ``name`` (registered in ``sys.modules``:
-    dataclasses look their module up there)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def framework_python(var: str, skip_reason: str) -> str:

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.case_helpers import load_case_module
 from training.data.indexed import write_indexed
 from training.data.synthetic import corpus_name
 
 CASE_DIR = Path(__file__).resolve().parent.parent / "cases" / "baichuan2" / "deepspeed"
 
 
-def _load(name: str):
-    return load_case_module(CASE_DIR / f"{name}.py", f"baichuan2_case_{name}")
-
-
-data_mod = _load("data")
-settings_mod = _load("settings")
+data_mod = importlib.import_module("cases.baichuan2.deepspeed.data")
+settings_mod = importlib.import_module("cases.baichuan2.deepspeed.settings")
 
 
 def _corpus(tmp: Path, name: str = "owt_text_document", n_docs: int = 20, doc_len: int = 50, vocab: int = 1000) -> np.ndarray:

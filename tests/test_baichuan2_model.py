@@ -7,6 +7,7 @@ again under the deepspeed environment's Python (``FB_TEST_DEEPSPEED_PYTHON``).
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, load_case_module, pytest_in
+from tests.case_helpers import framework_python, pytest_in
 from training.flops import decoder_flops
 
 try:
@@ -31,7 +32,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable 
 
 
 def _model_module():
-    return load_case_module(CASE_DIR / "model.py", "baichuan2_case_model")
+    return importlib.import_module("cases.baichuan2.deepspeed.model")
 
 
 @pytest.fixture(scope="module")

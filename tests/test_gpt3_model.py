@@ -160,7 +160,7 @@ def test_built_models_match_the_counter():
         def settings(name):
             m = case["models"][name]
             train = {{**case["standard"]["train"], **m.get("train", {{}}), "precision": "fp32"}}
-            return from_config({{"model": {{"params_nominal": m["params_nominal"], **m["shape"]}}, "train": train,
+            return from_config({{"case": {{"model": name}}, "model": {{"params_nominal": m["params_nominal"], **m["shape"]}}, "train": train,
                                 "parallel": case["standard"]["parallel"], "vendor": {{"device": "cpu"}}}}, 1)
         s = settings("gpt3_tiny")
         model = gpt3_model.build_model(s, gpt3_model.gpt_config(s, 1, 0, False))

@@ -94,7 +94,7 @@ m = case["models"]["gpt3_tiny"]
 
 def settings(world=1, seed=42, **par):
     train = {{**case["standard"]["train"], **m["train"], "micro_batch": 1, "seed": seed}}
-    return from_config({{"model": {{"params_nominal": m["params_nominal"], **m["shape"]}}, "train": train,
+    return from_config({{"case": {{"model": "gpt3_tiny"}}, "model": {{"params_nominal": m["params_nominal"], **m["shape"]}}, "train": train,
                          "parallel": {{**case["standard"]["parallel"], **par}}, "vendor": {{"device": "cpu"}}}}, world)
 
 def build(s, tp_rank=0, build_seed=0):

@@ -20,11 +20,12 @@ Run with the repository root on PYTHONPATH, in the megatron-core environment.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from training import case
-
-case.isolate(__file__)
+# the case's modules are imported as cases.llama3.megatron.<module> (training/case.py): this
+# folder off sys.path; --compare needs only torch, and no PYTHONPATH
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != os.path.dirname(os.path.abspath(__file__))]
 
 
 def _unwrap(model):

@@ -206,19 +206,21 @@ def check_host_memory(memory: dict[str, dict[str, Any]], totals: dict[str, int],
 
 
 def check_layout(settings: dict[str, Any], phases: list[str], world: int, source: str) -> None:
+    """The layout arithmetic, before launch, with the checks the ranks make (training.settings)."""
+    from training.settings import SettingsError, data_parallel, grad_accum
+
     par = settings["parallel"]
-    tp, pp = int(par.get("tp", 1)), int(par.get("pp", 1))
-    if tp < 1 or pp < 1 or world % (tp * pp):
-        raise InputError(f"{source}: tp={tp} x pp={pp} does not divide the world size {world}")
-    dp = world // (tp * pp)
+    try:
+        dp = data_parallel(world, int(par.get("tp", 1)), int(par.get("pp", 1)))
+    except SettingsError as exc:
+        raise InputError(f"{source}: {exc}") from None
     for phase in phases:
         gb = int(phase_value(settings["train"], phase, "global_batch"))
         mb = int(phase_value(settings["train"], phase, "micro_batch"))
-        if mb < 1 or gb % (mb * dp):
-            raise InputError(
-                f"{source}: global batch {gb} is not a multiple of micro batch {mb} x data-parallel size {dp}"
-                + (f" (phase {phase})" if phase != "train" else "")
-            )
+        try:
+            grad_accum(gb, mb, dp)
+        except SettingsError as exc:
+            raise InputError(f"{source}: {exc}" + (f" (phase {phase})" if phase != "train" else "")) from None
 
 
 @dataclasses.dataclass

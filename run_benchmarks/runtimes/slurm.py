@@ -142,7 +142,12 @@ class SlurmRuntime(Runtime):
         return env
 
     def _run(self, argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(argv, env=self._env(), capture_output=True, text=True, timeout=timeout)
+        """A Slurm client command; one the controller does not answer in ``timeout`` is a failed
+        call (exit 124, as timeout(1) says), read again at the next poll, never a crash."""
+        try:
+            return subprocess.run(argv, env=self._env(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: no answer from the Slurm controller within {timeout:g} s")
 
     # ------------------------------------------------------------------ prepare
 

@@ -44,6 +44,11 @@ class Launcher:
         """Environment the launcher needs on each node (may hold NODE_ADDR)."""
         return {}
 
+    def leftovers(self, s: LaunchSpec) -> list[str]:
+        """Glob patterns of files the round's ranks leave on a node and nothing else removes;
+        whoever ran the launcher there deletes them when it has exited."""
+        return []
+
 
 class Torchrun(Launcher):
     name = "torchrun"
@@ -87,6 +92,12 @@ class DeepSpeed(Launcher):
         if s.nnodes == 1:
             return {}
         return {"hostfile": "".join(f"node{k} slots={s.nprocs}\n" for k in range(s.nnodes))}
+
+    def leftovers(self, s: LaunchSpec) -> list[str]:
+        # on CPU, when all ranks share a host (the launcher sets LOCAL_SIZE), DeepSpeed's shm
+        # all-reduce maps one 66 MB buffer per rank, /dev/shm/deepspeed_allreduce_buffer_
+        # <n>_<MASTER_ADDR>_<MASTER_PORT>_<rank>, and never unlinks it: memory held until reboot
+        return [f"/dev/shm/deepspeed_allreduce_buffer_*_*_{s.master_port}_*"]
 
 
 class Paddle(Launcher):

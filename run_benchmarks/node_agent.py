@@ -14,6 +14,7 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -43,7 +44,8 @@ def agent_spec(round_dir: str, master_placeholder: str, monitor: dict[str, Any],
         "master_placeholder": master_placeholder,
         "monitor": monitor,
         "container": container,
-        "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd} for n in nodes],
+        "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd, "leftovers": n.leftovers}
+                  for n in nodes],
         **extra,
     }
 
@@ -63,6 +65,20 @@ def resolve(node: dict[str, Any], placeholder: str, master: str) -> tuple[list[s
     argv = [a.replace(placeholder, master) for a in node["command"]]
     env = {k: v.replace(placeholder, master) for k, v in node["env"].items()}
     return argv, env
+
+
+def remove_leftovers(patterns: list[str]) -> list[str]:
+    """Delete the files matching the launcher's leftover patterns (see Launcher.leftovers);
+    the paths removed."""
+    removed = []
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def container_argv(container: dict[str, Any], name: str, env: dict[str, str], cwd: str, argv: list[str]) -> list[str]:
@@ -256,6 +272,7 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
     finally:
         live.stop()
         runner.stop_monitor()
+        report["leftovers_removed"] = remove_leftovers(node.get("leftovers", []))
     if rc < 0:  # killed by a signal: the shell convention
         rc = 128 - rc
     write_report(runner.node_dir, {

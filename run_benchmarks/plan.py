@@ -30,6 +30,7 @@ class NodePlan:
     env: dict[str, str]
     cwd: str
     files: dict[str, str] = dataclasses.field(default_factory=dict)  # written beside resolved.json
+    leftovers: list[str] = dataclasses.field(default_factory=list)  # glob patterns removed after the round
 
 
 @dataclasses.dataclass
@@ -361,7 +362,7 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
             rdzv_id=f"{plan.run_id}-{round_dir.name}",
         )
         nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), {**env, **launcher.env(spec)}, str(root),
-                              launcher.files(spec)))  # fmt: skip
+                              launcher.files(spec), launcher.leftovers(spec)))  # fmt: skip
     return nodes
 
 

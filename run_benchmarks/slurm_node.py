@@ -121,7 +121,8 @@ def rendezvous_port(spec: dict[str, Any], rank: int, job_id: str) -> int:
 def fill_port(node: dict[str, Any], placeholder: str, port: int) -> dict[str, Any]:
     p = str(port)
     return {**node, "command": [a.replace(placeholder, p) for a in node["command"]],
-            "env": {k: v.replace(placeholder, p) for k, v in node["env"].items()}}  # fmt: skip
+            "env": {k: v.replace(placeholder, p) for k, v in node["env"].items()},
+            "leftovers": [g.replace(placeholder, p) for g in node.get("leftovers", [])]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ find its Python through FB_TEST_<FRAMEWORK>_PYTHON, set here when not given.
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -63,6 +64,17 @@ def _environment_fixture(framework: str):  # type: ignore[no-untyped-def]
         return py
 
     return python
+
+
+@pytest.fixture(autouse=True)
+def _no_deepspeed_shm_left():  # type: ignore[no-untyped-def]
+    """Tests that start DeepSpeed's launcher themselves (not through a runtime, which removes
+    them) leave its CPU all-reduce buffers in /dev/shm, 66 MB a rank: removed after each test."""
+    pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        Path(path).unlink(missing_ok=True)
 
 
 megatron_python = _environment_fixture("megatron")

@@ -11,6 +11,7 @@ deepspeed environment (``FB_TEST_DEEPSPEED_PYTHON``) these tests skip.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -103,7 +104,22 @@ def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
 @pytest.fixture(scope="module")
 def standard(tmp_path_factory, deepspeed_python) -> Run:
     """The committed CPU configuration (config_cpux1x2: ZeRO-3, 2 processes), 30 steps."""
-    return start_task(tmp_path_factory.mktemp("standard"), "baichuan2_tiny:deepspeed:cpu:1:2")
+    before = set(glob.glob(SHM_BUFFERS))
+    run = start_task(tmp_path_factory.mktemp("standard"), "baichuan2_tiny:deepspeed:cpu:1:2")
+    run.shm_left = set(glob.glob(SHM_BUFFERS)) - before  # type: ignore[attr-defined]
+    return run
+
+
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce, one per rank
+
+
+@pytest.mark.framework("deepspeed")
+def test_the_shm_buffers_of_deepspeed_are_removed_after_the_round(standard):
+    """On one host DeepSpeed's CPU all-reduce maps a 66 MB file per rank in /dev/shm and never
+    unlinks it; the launcher names that leftover and the runtime deletes it after the round."""
+    ranks_log = "".join(p.read_text() for p in (standard.dir / "round1").glob("node*/ranks/*.log"))
+    assert "deepspeed_shm_comm" in ranks_log  # the op was loaded: the run made the buffers
+    assert standard.shm_left == set()
 
 
 @pytest.mark.framework("deepspeed")

@@ -19,6 +19,7 @@ from run_benchmarks.config import ClusterConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import MonitorThread
+from run_benchmarks.node_agent import remove_leftovers
 from run_benchmarks.plan import NodePlan, Plan
 from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
@@ -148,6 +149,8 @@ class LocalRuntime(Runtime):
             for proc in self.procs:
                 kill_group(proc)
             self.procs.clear()
+            for node in nodes:
+                remove_leftovers(node.leftovers)
             for mon in monitors:
                 mon.stop()
             for fh in files:

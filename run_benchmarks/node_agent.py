@@ -260,7 +260,7 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
         runner.node_dir, {**report, "returncode": None, "stopped_by_signal": signal.Signals(signum).name}
     )
     runner.start_monitor()
-    live = progress.Writer(runner.node_dir)  # the newest step, for the harness's progress line
+    live = progress.writer(runner.node_dir)  # the newest step, for the harness's progress line
     live.start()
     rc: int
     try:

@@ -83,28 +83,10 @@ def read(node_dir: Path) -> dict[str, Any] | None:
         return latest(rank_logs(node_dir))
 
 
-class Writer(threading.Thread):
-    """In the node agent: refresh progress.json every ``every`` seconds until stopped."""
-
-    def __init__(self, node_dir: Path, every: float = WRITE_EVERY_S) -> None:
-        super().__init__(name="progress", daemon=True)
-        self.node_dir, self.every = node_dir, every
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(self.every):
-            try:
-                write(self.node_dir)
-            except OSError:  # a full disk or a vanished folder must not stop the node
-                pass
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=5)
-        try:
-            write(self.node_dir)  # the last step, for a reader that comes after the end
-        except OSError:
-            pass
+def writer(node_dir: Path, every: float = WRITE_EVERY_S) -> Watch:
+    """In the node agent: refresh progress.json every ``every`` seconds, and once more when
+    stopped (the last step, for a reader that comes after the end)."""
+    return Watch(lambda: write(node_dir), every, name="progress", final=True)
 
 
 def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_size: int) -> str | None:
@@ -125,25 +107,31 @@ def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_si
 
 
 class Watch(threading.Thread):
-    """In the orchestrator, while a round runs: every ``every`` seconds call ``tick`` (which reads
-    the runtime's note and the nodes' progress and shows them). A failed read is skipped: the
-    progress line must never fail a round."""
+    """Call ``tick`` every ``every`` seconds until stopped (and once more then if ``final``).
+    The orchestrator's tick reads the runtime's note and the nodes' progress and shows them;
+    the node agent's writes progress.json. A failed tick is skipped: progress must never fail
+    a round, nor a full disk or a vanished folder stop a node."""
 
-    def __init__(self, tick: Callable[[], None], every: float) -> None:
-        super().__init__(name="round-watch", daemon=True)
-        self.tick, self.every = tick, every
+    def __init__(self, tick: Callable[[], None], every: float, name: str = "round-watch", final: bool = False) -> None:
+        super().__init__(name=name, daemon=True)
+        self.tick, self.every, self.final = tick, every, final
         self._halt = threading.Event()
+
+    def _tick(self) -> None:
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001
+            pass
 
     def run(self) -> None:
         while not self._halt.wait(self.every):
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001
-                continue
+            self._tick()
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=10)
+        if self.final:
+            self._tick()
 
 
 def elapsed(t0: float) -> str:

@@ -69,7 +69,7 @@ def test_prefix_is_needed_when_several_corpora(tmp_path):
 def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
     _corpus(tmp_path, vocab=5000)
     cd = _data({"data_dir": str(tmp_path)})
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
         for step in range(5):
             for m in range(2):
                 cd.micro_batch_tokens(step, m)

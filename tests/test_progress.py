@@ -52,7 +52,7 @@ def test_only_the_tail_is_read_and_a_cut_line_is_skipped(tmp_path):
 def test_the_agent_writer_keeps_progress_json_current(tmp_path):
     node = tmp_path / "node1"
     rank_log(node / "ranks" / "x" / "attempt_0" / "0" / "stdout.log", 0, [(1, 9.0)])
-    w = progress.Writer(node, every=0.1)
+    w = progress.writer(node, every=0.1)
     w.start()
     try:
         deadline = time.monotonic() + 5

@@ -33,6 +33,7 @@ import numpy as np
 from training.data import corpus
 from training.data.indexed import IndexedReader
 from training.data.synthetic import corpus_name, ensure_corpus, is_complete
+from training.data.windows import check_token_ids
 from training.settings import grad_accum
 
 DEFAULT_SYNTHETIC_TOKENS = 1 << 23
@@ -119,12 +120,8 @@ class TokenBatches:
     def micro_batch_tokens(self, step: int, micro_step: int) -> np.ndarray:
         """int64 ``[micro_batch, seq_length + 1]`` for optimizer step ``step`` (0-based), micro step ``micro_step``."""
         first = step * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.micro_batch
-        batch = self.windows.batch(first, self.micro_batch)
-        if batch.max() >= self.vocab_size or batch.min() < 0:
-            bad = int(batch.max()) if batch.max() >= self.vocab_size else int(batch.min())
-            raise ValueError(f"{self.prefix}: token id {bad} outside the vocabulary of {self.vocab_size} "
-                             f"(step {step + 1}, micro step {micro_step})")
-        return batch
+        return check_token_ids(self.windows.batch(first, self.micro_batch), self.vocab_size, self.prefix,
+                               f"step {step + 1}, micro step {micro_step}")
 
     def micro_batch_tensors(self, step: int, micro_step: int, device: Any = None):
         """``(input_ids, labels)`` torch tensors, each ``[micro_batch, seq_length]``."""

@@ -32,6 +32,18 @@ def synthetic_tokens(requested: int | None, steps: int, global_batch: int, seq_l
     return int(min(max(needed, minimum), maximum))
 
 
+def check_token_ids(rows: np.ndarray, vocab_size: int, source: str, where: str) -> np.ndarray:
+    """``rows`` unchanged when every id is in ``[0, vocab_size)``; else a ValueError naming the
+    corpus (``source``), the id and the step (``where``). Checked on each batch before it reaches
+    an embedding, where a bad id is an IndexError on a CPU and a device assert on a GPU."""
+    if rows.size:
+        top, low = int(rows.max()), int(rows.min())
+        if top >= vocab_size or low < 0:
+            bad = top if top >= vocab_size else low
+            raise ValueError(f"{source}: token id {bad} in {where}, outside the model's vocabulary of {vocab_size}")
+    return rows
+
+
 class RankShare:
     """One data-parallel rank's contiguous share of every optimizer step."""
 

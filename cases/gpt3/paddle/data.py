@@ -81,12 +81,8 @@ class StepBatches:
 
     def step(self, step: int) -> np.ndarray:
         """All of this rank's samples of one step: ``[per_rank, seq + 1]`` int64."""
-        rows = self.share.samples(step)
-        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
-            bad = int(rows.max()) if int(rows.max()) >= self.vocab_size else int(rows.min())
-            raise ValueError(f"corpus {self.prefix}: token id {bad} in step {step + 1}'s samples, "
-                             f"outside the model's vocabulary of {self.vocab_size}")
-        return rows
+        return windows.check_token_ids(self.share.samples(step), self.vocab_size, f"corpus {self.prefix}",
+                                       f"step {step + 1}'s samples")
 
     def micro_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """``grad_accum`` pairs (input ids, labels), each ``[micro_batch, seq]``."""

@@ -75,12 +75,8 @@ class StepBatches:
 
     def local_samples(self, step: int) -> np.ndarray:
         """``[global_batch/dp, seq+1]`` int64 token windows of ``step`` (0-based) for this rank."""
-        rows = self.share.samples(step)
-        if rows.size and (int(rows.max()) >= self.vocab_size or int(rows.min()) < 0):
-            bad = int(rows.max()) if int(rows.max()) >= self.vocab_size else int(rows.min())
-            raise ValueError(f"{' + '.join(p + '.bin' for p in self.prefixes)}: token id {bad} in step {step + 1}'s samples, "
-                             f"outside the model's vocabulary of {self.vocab_size}")
-        return rows
+        return windows.check_token_ids(self.share.samples(step), self.vocab_size,
+                                       " + ".join(p + ".bin" for p in self.prefixes), f"step {step + 1}'s samples")
 
     def microbatches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
         """The step's microbatches on the device: tokens, labels, position ids."""

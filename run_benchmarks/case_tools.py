@@ -29,16 +29,26 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from run_benchmarks import registry  # noqa: E402
-from run_benchmarks.errors import InputError  # noqa: E402
-from training import flops  # noqa: E402
+from run_benchmarks import registry
+from run_benchmarks.errors import InputError
+from training import flops
 
 TEMPLATES = Path(__file__).resolve().parent / "case_templates"
 FRAMEWORKS = ("deepspeed",)
 #: the template model's shape (case.yaml.tmpl), for its exact parameter count
-TINY_SHAPE = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 256, "num_heads": 4, "seq_length": 64,
-              "vocab_size": 512, "gated_mlp": False, "tied_embeddings": True, "bias": True, "norm": "layernorm",
-              "learned_positions": True}
+TINY_SHAPE = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "ffn_hidden_size": 256,
+    "num_heads": 4,
+    "seq_length": 64,
+    "vocab_size": 512,
+    "gated_mlp": False,
+    "tied_embeddings": True,
+    "bias": True,
+    "norm": "layernorm",
+    "learned_positions": True,
+}
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
 
@@ -46,8 +56,10 @@ def _names(family: str, framework: str, model: str) -> None:
     if not _IDENT.match(family):
         raise InputError(f"family {family!r}: a case folder is a Python package name (lower case letters, digits, _)")
     if framework not in FRAMEWORKS:
-        raise InputError(f"framework {framework!r}: scaffold-case has a template for {', '.join(FRAMEWORKS)}; "
-                         "cases/llama3/megatron and cases/gpt3/paddle show megatron and paddle cases")
+        raise InputError(
+            f"framework {framework!r}: scaffold-case has a template for {', '.join(FRAMEWORKS)}; "
+            "cases/llama3/megatron and cases/gpt3/paddle show megatron and paddle cases"
+        )
     if not _IDENT.match(model):
         raise InputError(f"model {model!r}: use lower case letters, digits and _ (it names folders and files)")
 
@@ -78,8 +90,12 @@ def scaffold_case(family: str, framework: str, model: str, root: Path = registry
     for path in files:
         if path.exists():
             raise InputError(f"{path} exists")
-    values = {"family": family, "model": model, "date": dt.date.today().isoformat(),
-              "params": f"{flops.param_counts(flops.decoder_shape(TINY_SHAPE))['total']:.4e}"}
+    values = {
+        "family": family,
+        "model": model,
+        "date": dt.date.today().isoformat(),
+        "params": f"{flops.param_counts(flops.decoder_shape(TINY_SHAPE))['total']:.4e}",
+    }
     written = []
     for package in (root / "cases" / family, case_dir):
         package.mkdir(parents=True, exist_ok=True)

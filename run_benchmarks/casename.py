@@ -52,11 +52,13 @@ class CaseName:
         return f"{self.model}:{self.framework}:{self.hardware}:{self.nnodes}:{self.nprocs}:{self.repeat}"
 
     @classmethod
-    def parse(cls, text: str) -> "CaseName":
+    def parse(cls, text: str) -> CaseName:
         parts = text.split(":")
         if len(parts) not in (5, 6):
             raise InputError(f"case name {text!r} must have the form {GRAMMAR} (got {len(parts)} fields)")
-        model, framework, hardware = (check_name(p, f"case name {text!r}: {w}") for p, w in zip(parts[:3], ("model", "framework", "hardware")))
+        model, framework, hardware = (
+            check_name(p, f"case name {text!r}: {w}") for p, w in zip(parts[:3], ("model", "framework", "hardware"))
+        )
         nnodes = _positive(parts[3], "nnodes", text)
         nprocs = _positive(parts[4], "nprocs", text)
         repeat = _positive(parts[5], "repeat", text) if len(parts) == 6 else 1

@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks import plan as planning, registry
+from run_benchmarks import plan as planning
+from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.errors import InputError
 from training import metriclog as ml
@@ -55,11 +56,27 @@ def measure(plan: planning.Plan, python: str, root: Path, timeout_s: float = 600
     with tempfile.TemporaryDirectory(prefix="flagbench-ceiling-") as tmp:
         cfg = Path(tmp) / "resolved.json"
         cfg.write_text(json.dumps(plan.resolved(0, str(Path(tmp) / "output"), str(Path(tmp) / "cache")), indent=2))
-        env = {**os.environ, **plan.vendor.env, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1", "FB_RUN_ID": plan.run_id,
-               "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}  # fmt: skip
+        env = {
+            **os.environ,
+            **plan.vendor.env,
+            "PYTHONPATH": str(root),
+            "PYTHONUNBUFFERED": "1",
+            "FB_RUN_ID": plan.run_id,
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_WORLD_SIZE": "1",
+        }
         try:
-            proc = subprocess.run([python, str(entry), "--config", str(cfg), "--ceiling"], cwd=str(root), env=env,
-                                  capture_output=True, text=True, timeout=timeout_s, check=False)  # fmt: skip
+            proc = subprocess.run(
+                [python, str(entry), "--config", str(cfg), "--ceiling"],
+                cwd=str(root),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{entry} --ceiling ran past {timeout_s:.0f} s") from None
     parsed = ml.parse_lines(proc.stdout.splitlines(), source=f"{entry.name} --ceiling")
@@ -79,7 +96,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ceiling", action="store_true", help="print the case's kernel ceiling on this host's first device alone")
     args = ap.parse_args(argv)
     try:
-        for flag, given in (("--cluster", args.cluster), ("--reference", args.reference), ("--nightly", args.nightly), ("--dry-run", args.dry_run)):
+        for flag, given in (
+            ("--cluster", args.cluster),
+            ("--reference", args.reference),
+            ("--nightly", args.nightly),
+            ("--dry-run", args.dry_run),
+        ):
             if given:
                 raise InputError(f"--ceiling measures on this host's first device alone; {flag} does not apply")
         check_name(args.vendor, "vendor")
@@ -99,5 +121,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     counts = plan.counts[plan.phases[0]]
-    print(json.dumps(value, indent=2) if args.json else table(value, args.case_name, plan.hardware["peak_flops"], counts["flops_per_token_6n"]))
+    print(
+        json.dumps(value, indent=2)
+        if args.json
+        else table(value, args.case_name, plan.hardware["peak_flops"], counts["flops_per_token_6n"])
+    )
     return 0

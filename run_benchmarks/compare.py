@@ -26,11 +26,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks import datacheck, metrics, registry, typed_results as tr
+from run_benchmarks import datacheck, metrics, registry
+from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
 from run_benchmarks.results import _gib, _pct, device_mem
-
 
 # --------------------------------------------------------------------------- --record-reference
 
@@ -58,8 +58,10 @@ def record_reference(path: Path, replace: bool = False) -> list[str]:
         ident = (res.data or {}).get(p.phase) or {"kind": datacheck.SYNTHETIC, "fingerprint": datacheck.SYNTHETIC}
         fp = ident.get("fingerprint")
         if not fp:
-            raise InputError(f"{path}: phase {p.phase}: its data has no fingerprint ({ident.get('reason', 'not checked')}); "
-                             "run where the data is readable to record a reference for it")
+            raise InputError(
+                f"{path}: phase {p.phase}: its data has no fingerprint ({ident.get('reason', 'not checked')}); "
+                "run where the data is readable to record a reference for it"
+            )
         curve = tr.Reference(path=str(path), loss=p.loss)
         try:
             metrics.check_curve(curve)
@@ -71,17 +73,25 @@ def record_reference(path: Path, replace: bool = False) -> list[str]:
         if target.is_file() and not replace:
             raise InputError(f"{target}: a reference for this config and data exists; --replace replaces it")
         steps = sorted(p.loss)
-        doc = {"model": res.model, "config": res.config_name, "phase": p.phase,
-               "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, run {res.run_id} round {rnd.round}",
-               "global_batch": res.settings.get("train", {}).get("global_batch"),
-               "steps": steps, "loss": [p.loss[s] for s in steps], "data": ident}
+        doc = {
+            "model": res.model,
+            "config": res.config_name,
+            "phase": p.phase,
+            "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, run {res.run_id} round {rnd.round}",
+            "global_batch": res.settings.get("train", {}).get("global_batch"),
+            "steps": steps,
+            "loss": [p.loss[s] for s in steps],
+            "data": ident,
+        }
         out.append((target, doc))
     for target, doc in out:  # every phase checked before any file is written
         existed = target.is_file()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        lines.append(f"{'replaced' if existed else 'wrote'} {target} (phase {doc['phase']}, steps {doc['steps'][0]}-{doc['steps'][-1]}, "
-                     f"data {doc['data'].get('fingerprint')})")
+        lines.append(
+            f"{'replaced' if existed else 'wrote'} {target} (phase {doc['phase']}, steps {doc['steps'][0]}-{doc['steps'][-1]}, "
+            f"data {doc['data'].get('fingerprint')})"
+        )
     return lines
 
 
@@ -168,19 +178,30 @@ def comparison(paths: list[Path]) -> dict[str, Any]:
                     mre = "-" if m is None else f"{100 * m:.2f}%"
             ps = s.phase(phase)
             last = ps[-1] if ps else None
-            rows.append({
-                "phase": phase, "run": ("reference: " if s is ref else f"run {i + 1}: ") + s.label, "file": str(s.path), "rounds": len(s.rounds),
-                "layout": (last.layout if last else None) or "-",
-                "tokens/p/s": "-" if tps is None else f"{tps:,.1f}", "ratio": ratio,
-                "MFU 6N": _pct(s.fig(phase, "mfu_6n")), "MFU PaLM": _pct(s.fig(phase, "mfu_palm")),
-                "mem allocated (GiB)": _gib(s.fig(phase, "peak_mem_gib"), None),
-                "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
-                "loss MRE vs reference": mre, "compared": note,
-            })
+            rows.append(
+                {
+                    "phase": phase,
+                    "run": ("reference: " if s is ref else f"run {i + 1}: ") + s.label,
+                    "file": str(s.path),
+                    "rounds": len(s.rounds),
+                    "layout": (last.layout if last else None) or "-",
+                    "tokens/p/s": "-" if tps is None else f"{tps:,.1f}",
+                    "ratio": ratio,
+                    "MFU 6N": _pct(s.fig(phase, "mfu_6n")),
+                    "MFU PaLM": _pct(s.fig(phase, "mfu_palm")),
+                    "mem allocated (GiB)": _gib(s.fig(phase, "peak_mem_gib"), None),
+                    "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
+                    "loss MRE vs reference": mre,
+                    "compared": note,
+                }
+            )
     flats = [_flat(s.res.settings) for s in sides]
     keys = sorted(set().union(*flats))
-    differ = [[k] + [json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats] for k in keys
-              if len({json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats}) > 1]
+    differ = [
+        [k] + [json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats]
+        for k in keys
+        if len({json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats}) > 1
+    ]
     for attr in ("vendor", "hardware", "world_size", "config_name", "code_version"):
         vals = [str(getattr(s.res, attr)) for s in sides]
         if len(set(vals)) > 1:
@@ -188,22 +209,43 @@ def comparison(paths: list[Path]) -> dict[str, Any]:
     return {"sides": sides, "rows": rows, "differ": differ, "phases": phases}
 
 
-COLUMNS = ["phase", "run", "layout", "tokens/p/s", "ratio", "MFU 6N", "MFU PaLM", "mem allocated (GiB)",
-           "mem in use (GiB)", "loss MRE vs reference", "compared"]
+COLUMNS = [
+    "phase",
+    "run",
+    "layout",
+    "tokens/p/s",
+    "ratio",
+    "MFU 6N",
+    "MFU PaLM",
+    "mem allocated (GiB)",
+    "mem in use (GiB)",
+    "loss MRE vs reference",
+    "compared",
+]
 
 
 def markdown(c: dict[str, Any]) -> str:
     sides = c["sides"]
     lines = [f"# {sides[-1].res.model}: {len(sides) - 1} run(s) against the reference run", ""]
-    lines += [f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} clean round(s))"
-              for i, s in enumerate(sides)]
+    lines += [
+        f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} clean round(s))"
+        for i, s in enumerate(sides)
+    ]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[k]).replace("|", "/") for k in COLUMNS) + " |" for r in c["rows"]]
-    lines += ["", "Figures are the mean over each run's clean rounds; ratio is tokens/p/s over the reference run's; the "
-              "loss MRE is over the steps both runs have from step 21 on, on the same data only.", "", "## Settings that differ", ""]
+    lines += [
+        "",
+        "Figures are the mean over each run's clean rounds; ratio is tokens/p/s over the reference run's; the "
+        "loss MRE is over the steps both runs have from step 21 on, on the same data only.",
+        "",
+        "## Settings that differ",
+        "",
+    ]
     if c["differ"]:
-        lines += ["| setting | " + " | ".join(f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)) + " |",
-                  "|" + "---|" * (len(sides) + 1)]
+        lines += [
+            "| setting | " + " | ".join(f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)) + " |",
+            "|" + "---|" * (len(sides) + 1),
+        ]
         lines += ["| " + " | ".join(str(x).replace("|", "/") for x in row) + " |" for row in c["differ"]]
     else:
         lines.append("none")
@@ -217,8 +259,10 @@ def html_page(c: dict[str, Any]) -> str:
 
     sides = c["sides"]
     body = [f"<h1>{report.e(sides[-1].res.model)}: {len(sides) - 1} run(s) against the reference run</h1>", "<ul>"]
-    body += [f"<li>{'reference' if s is sides[-1] else f'run {i + 1}'}: {report.e(s.label)} <span class=\"meta\">{report.e(s.path)}</span></li>"
-             for i, s in enumerate(sides)]
+    body += [
+        f'<li>{"reference" if s is sides[-1] else f"run {i + 1}"}: {report.e(s.label)} <span class="meta">{report.e(s.path)}</span></li>'
+        for i, s in enumerate(sides)
+    ]
     body.append("</ul>")
     body.append(report._table(COLUMNS, [[report.e(r[k]) for k in COLUMNS] for r in c["rows"]], numeric={3, 4, 5, 6, 7, 8, 9}))
     plots = []
@@ -234,7 +278,7 @@ def html_page(c: dict[str, Any]) -> str:
         ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}")
         report._legend(ax)
         plots.append(report._img(fig, f"loss {phase}", f"phase {phase}: every run's first clean round"))
-    body.append(f"<h2>Loss</h2><div class=\"plots\">{''.join(plots)}</div>")
+    body.append(f'<h2>Loss</h2><div class="plots">{"".join(plots)}</div>')
     body.append("<h2>Settings that differ</h2>")
     if c["differ"]:
         head = ["setting"] + [f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from pathlib import Path
 import typing
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
@@ -141,7 +141,7 @@ class SlurmConfig(Strict):
         return v
 
     @model_validator(mode="after")
-    def _container(self) -> "SlurmConfig":
+    def _container(self) -> SlurmConfig:
         if self.container_runtime == "docker" and not self.image:
             raise ValueError("container_runtime 'docker' needs image (the vendor image present on the nodes)")
         return self
@@ -172,7 +172,7 @@ class ClusterConfig(Strict):
         return check_remote_path(v)
 
     @model_validator(mode="after")
-    def _check(self) -> "ClusterConfig":
+    def _check(self) -> ClusterConfig:
         names = [h.name for h in self.hosts]
         if len(set(names)) != len(names):
             raise ValueError(f"host names repeat: {names}")
@@ -210,7 +210,7 @@ class ContainerOptions(Strict):
     mount_framework_env: bool = False
 
     @model_validator(mode="after")
-    def _priv(self) -> "ContainerOptions":
+    def _priv(self) -> ContainerOptions:
         if self.privileged and not self.privileged_reason:
             raise ValueError("privileged: true needs privileged_reason saying why")
         return self

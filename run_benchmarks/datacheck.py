@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from run_benchmarks.errors import InputError
 
@@ -71,8 +72,10 @@ def _tokens_checked(tokens: Any, path: str, vocab: int, model: str) -> dict[str,
     scan = corpus.scan_tokens(tokens, vocab)
     if scan["first_bad"] is not None:
         pos, value = scan["first_bad"]
-        raise InputError(f"{path}: token id {value} at position {pos:,} is outside the model's vocabulary "
-                         f"[0, {vocab}) (model.vocab_size of {model}; largest id in the file {scan['max']})")
+        raise InputError(
+            f"{path}: token id {value} at position {pos:,} is outside the model's vocabulary "
+            f"[0, {vocab}) (model.vocab_size of {model}; largest id in the file {scan['max']})"
+        )
     return scan
 
 
@@ -106,11 +109,18 @@ def check_megatron(data: dict[str, Any], shape: dict[str, Any], model: str, phas
         tokens = reader.tokens if head is None else reader.tokens[:head]
         _tokens_checked(tokens, prefix + ".bin", vocab, model)
         _enough(int(tokens.shape[0]), seq, prefix + ".bin")
-        files.append({"prefix": os.path.basename(prefix), "weight": weight, "dtype": str(reader.dtype),
-                      "tokens": int(tokens.shape[0]), "documents": max(int(reader.document_count) - 1, 0),
-                      "index_sha256": _sha(prefix + ".idx"), "tokens_sample_sha256": _sample_sha(prefix + ".bin")})
-    return {"kind": "real", "format": "megatron", "dir": str(data["data_dir"]), "corpora": files,
-            **({"max_tokens": head} if head else {})}
+        files.append(
+            {
+                "prefix": os.path.basename(prefix),
+                "weight": weight,
+                "dtype": str(reader.dtype),
+                "tokens": int(tokens.shape[0]),
+                "documents": max(int(reader.document_count) - 1, 0),
+                "index_sha256": _sha(prefix + ".idx"),
+                "tokens_sample_sha256": _sample_sha(prefix + ".bin"),
+            }
+        )
+    return {"kind": "real", "format": "megatron", "dir": str(data["data_dir"]), "corpora": files, **({"max_tokens": head} if head else {})}
 
 
 def check_paddle_gpt(data: dict[str, Any], shape: dict[str, Any], model: str, phase: str) -> dict[str, Any]:
@@ -124,22 +134,32 @@ def check_paddle_gpt(data: dict[str, Any], shape: dict[str, Any], model: str, ph
             for ext in (".bin", ".idx", paddle_gpt.IDS_SUFFIX, paddle_gpt.IDX_SUFFIX):
                 prefix = prefix[: -len(ext)] if prefix.endswith(ext) else prefix
             if paddle_gpt.layout(prefix) is None:
-                raise FileNotFoundError(f"data.prefix {data['prefix']!r}: neither {prefix}{paddle_gpt.IDS_SUFFIX} + "
-                                        f"{prefix}{paddle_gpt.IDX_SUFFIX} nor {prefix}.bin + {prefix}.idx exist (data.data_dir {data_dir})")
+                raise FileNotFoundError(
+                    f"data.prefix {data['prefix']!r}: neither {prefix}{paddle_gpt.IDS_SUFFIX} + "
+                    f"{prefix}{paddle_gpt.IDX_SUFFIX} nor {prefix}.bin + {prefix}.idx exist (data.data_dir {data_dir})"
+                )
         else:
             prefix = paddle_gpt.find_prefix(data_dir)
         layout = paddle_gpt.layout(prefix)
         tokens = paddle_gpt.read_tokens(prefix)
     except (OSError, ValueError) as exc:
         raise InputError(str(exc)) from None
-    token_file, index_file = ((prefix + paddle_gpt.IDS_SUFFIX, prefix + paddle_gpt.IDX_SUFFIX) if layout == "npy"
-                              else (prefix + ".bin", prefix + ".idx"))
+    token_file, index_file = (
+        (prefix + paddle_gpt.IDS_SUFFIX, prefix + paddle_gpt.IDX_SUFFIX) if layout == "npy" else (prefix + ".bin", prefix + ".idx")
+    )
     vocab, seq = int(shape["vocab_size"]), int(shape["seq_length"])
     _tokens_checked(tokens, token_file, vocab, model)
     _enough(int(tokens.shape[0]), seq, token_file)
-    return {"kind": "real", "format": f"paddle_gpt:{layout}", "dir": data_dir, "prefix": os.path.basename(prefix),
-            "dtype": str(tokens.dtype), "tokens": int(tokens.shape[0]), "index_sha256": _sha(index_file),
-            "tokens_sample_sha256": _sample_sha(token_file)}
+    return {
+        "kind": "real",
+        "format": f"paddle_gpt:{layout}",
+        "dir": data_dir,
+        "prefix": os.path.basename(prefix),
+        "dtype": str(tokens.dtype),
+        "tokens": int(tokens.shape[0]),
+        "index_sha256": _sha(index_file),
+        "tokens_sample_sha256": _sample_sha(token_file),
+    }
 
 
 def check_llava(data: dict[str, Any], shape: dict[str, Any], model: str, phase: str) -> dict[str, Any]:
@@ -164,18 +184,30 @@ def check_llava(data: dict[str, Any], shape: dict[str, Any], model: str, phase: 
     gone = ls.find_missing_images(records, folder)
     if gone and policy == "fail":
         first = os.path.join(folder, records[gone[0]]["image"])
-        raise InputError(f"{first}: image of entry {gone[0]} of {json_path} (phase {phase}) is missing; {len(gone)} of the "
-                         f"{sum(1 for r in records if 'image' in r)} images are (set data.missing_images=skip to leave their "
-                         "entries out and count them)")
+        raise InputError(
+            f"{first}: image of entry {gone[0]} of {json_path} (phase {phase}) is missing; {len(gone)} of the "
+            f"{sum(1 for r in records if 'image' in r)} images are (set data.missing_images=skip to leave their "
+            "entries out and count them)"
+        )
     tok = data.get("tokenizer_path") or data.get("model_path") or data.get("language_model_path")
     if not tok:
-        raise InputError("data.data_dir is set but no tokenizer is: set data.tokenizer_path (or data.model_path) "
-                         "to a folder with the Vicuna/llava-hf tokenizer files")
+        raise InputError(
+            "data.data_dir is set but no tokenizer is: set data.tokenizer_path (or data.model_path) "
+            "to a folder with the Vicuna/llava-hf tokenizer files"
+        )
     tokenizer = _tokenizer(str(tok), shape)
-    return {"kind": "real", "format": "llava", "dir": root, "json": str(data["json"]), "entries": len(records),
-            "json_sha256": _sha(json_path), "images": sum(1 for r in records if "image" in r),
-            "template": data.get("template"), "tokenizer": tokenizer,
-            "skipped_missing_images": len(gone)}
+    return {
+        "kind": "real",
+        "format": "llava",
+        "dir": root,
+        "json": str(data["json"]),
+        "entries": len(records),
+        "json_sha256": _sha(json_path),
+        "images": sum(1 for r in records if "image" in r),
+        "template": data.get("template"),
+        "tokenizer": tokenizer,
+        "skipped_missing_images": len(gone),
+    }
 
 
 def _tokenizer(folder: str, shape: dict[str, Any]) -> dict[str, Any]:
@@ -214,8 +246,13 @@ def check(plan: Any) -> dict[str, dict[str, Any]]:
             out[phase] = {"kind": SYNTHETIC, "fingerprint": SYNTHETIC}
             continue
         if not Path(str(d["data_dir"])).is_dir():  # on the hosts only (backend local already refused this)
-            out[phase] = {"kind": "real", "checked": False, "dir": str(d["data_dir"]), "fingerprint": None,
-                          "reason": "data_dir is not on this machine: checked by the ranks only"}
+            out[phase] = {
+                "kind": "real",
+                "checked": False,
+                "dir": str(d["data_dir"]),
+                "fingerprint": None,
+                "reason": "data_dir is not on this machine: checked by the ranks only",
+            }
             continue
         fmt = d.get("format")
         if fmt not in CHECKS:
@@ -237,11 +274,16 @@ def describe(identities: dict[str, dict[str, Any]]) -> list[str]:
         if not ident.get("checked"):
             lines.append(f"data {tag}{ident['dir']}: {ident['reason']}")
             continue
-        what = {"megatron": lambda i: ", ".join(f"{c['prefix']} ({c['tokens']:,} tokens, {c['dtype']}"
-                                                  + (f", weight {c['weight']:g})" if len(i["corpora"]) > 1 else ")")
-                                                  for c in i["corpora"]),
-                "llava": lambda i: f"{i['json']} ({i['entries']:,} entries, {i['images']:,} images"
-                                   + (f", {i['skipped_missing_images']:,} missing: skipped)" if i["skipped_missing_images"] else ")")}
+        what = {
+            "megatron": lambda i: ", ".join(
+                f"{c['prefix']} ({c['tokens']:,} tokens, {c['dtype']}" + (f", weight {c['weight']:g})" if len(i["corpora"]) > 1 else ")")
+                for c in i["corpora"]
+            ),
+            "llava": lambda i: (
+                f"{i['json']} ({i['entries']:,} entries, {i['images']:,} images"
+                + (f", {i['skipped_missing_images']:,} missing: skipped)" if i["skipped_missing_images"] else ")")
+            ),
+        }
         fmt = ident["format"].split(":")[0]
         body = what[fmt](ident) if fmt in what else f"{ident['prefix']} ({ident['tokens']:,} tokens, {ident['dtype']})"
         lines.append(f"data {tag}{ident['format']} {body}, checked; fingerprint {ident['fingerprint']}")

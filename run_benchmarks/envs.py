@@ -23,8 +23,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from run_benchmarks.errors import InputError
 
@@ -128,15 +129,15 @@ def _build(env: Path, req: Path, out: BinaryIO, what: str, log: Path) -> None:
     # the package index answers (or a local wheelhouse has the first package): else say so now,
     # not after pip's retries
     name = re.split(r"[<>=!~;\[ ]", pins[0])[0] if pins else "pip"
-    probe = pip + ["index", "versions", name, "--disable-pip-version-check",
-                   "--retries", "0", "--timeout", str(PROBE_TIMEOUT_S)]  # fmt: skip
+    probe = pip + ["index", "versions", name, "--disable-pip-version-check", "--retries", "0", "--timeout", str(PROBE_TIMEOUT_S)]
     if step(probe) != 0:
         shutil.rmtree(env, ignore_errors=True)
         raise InputError(
             f"{what} is not built at {env} and pip cannot get {name} from its package index here "
             f"(no network?; see {log}): copy an environment built from {req.name} with Python {python_version()} "
             "to that path, or set python: in the cluster file to a Python that has the framework, "
-            "or use runtime: container with an image that holds it")  # fmt: skip
+            "or use runtime: container with an image that holds it"
+        )
     install = pip + ["install", "--disable-pip-version-check", "-q"]
     # torch first: its pinned CPU wheel must win over any transitive 'torch'
     torch_pins = [p for p in pins if p.startswith("torch==")]

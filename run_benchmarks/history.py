@@ -23,8 +23,9 @@ import shutil
 import sqlite3
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -251,8 +252,13 @@ def round_stats(res: RunResults) -> dict[str, dict[str, dict[str, Any]]]:
 
 def _figures(p: PhaseResult) -> dict[str, float | None]:
     """The METRICS of one phase of one round."""
-    return {"tokens_per_gpu_s": p.tokens_per_gpu_s, "mfu_6n": p.mfu_6n, "mfu_palm": p.mfu_palm, "peak_mem_gib": p.peak_mem_gib,
-            "device_mem_used_gib": p.device_mem.used_gib if p.device_mem else None}  # fmt: skip
+    return {
+        "tokens_per_gpu_s": p.tokens_per_gpu_s,
+        "mfu_6n": p.mfu_6n,
+        "mfu_palm": p.mfu_palm,
+        "peak_mem_gib": p.peak_mem_gib,
+        "device_mem_used_gib": p.device_mem.used_gib if p.device_mem else None,
+    }
 
 
 def loss_verdict(res: RunResults) -> bool | None:
@@ -285,7 +291,9 @@ def start_night(db: sqlite3.Connection, started: str, runlist_path: str, runlist
 
 def finish_night(db: sqlite3.Connection, night: int, finished: str, exit_status: int, report_path: str | None) -> None:
     with db:
-        db.execute("UPDATE nights SET finished = ?, exit_status = ?, report_path = ? WHERE id = ?", (finished, exit_status, report_path, night))
+        db.execute(
+            "UPDATE nights SET finished = ?, exit_status = ?, report_path = ? WHERE id = ?", (finished, exit_status, report_path, night)
+        )
 
 
 def _loss_points(curve: dict[Any, Any] | None) -> list[tuple[int, float | None]]:
@@ -314,7 +322,7 @@ def record_run(
     n = status_counts(res, rounds_requested)
     aligned = loss_verdict(res)
     good = int(n["failed"] == 0 and n["invalid"] == 0 and n["ok"] + n["unjudged"] > 0)
-    j = lambda x: json.dumps(x, sort_keys=True, default=str)  # noqa: E731
+    j = lambda x: json.dumps(x, sort_keys=True, default=str)
     with db:
         cur = db.execute(
             "INSERT INTO runs (night_id, run_id, case_key, vendor, hardware_key, config_key, config_name, variant,"
@@ -323,14 +331,36 @@ def record_run(
             " overrides_json, user_overrides_json, hardware_json)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                night, res.run_id, case_key(res.case), res.vendor, hardware,
-                config_key(res.config_name, res.settings), res.config_name, variant,
-                res.started, res.finished, run_dir, rounds_requested, n["ok"], n["unjudged"], n["invalid"], n["failed"],
-                None if aligned is None else int(aligned), good, verdict,
-                baseline_runs, j(baseline or {}), j(tolerances or {}), error, j(res.system), j(res.settings),
-                j(res.overrides), j(res.user_overrides), j(res.hardware_info),
+                night,
+                res.run_id,
+                case_key(res.case),
+                res.vendor,
+                hardware,
+                config_key(res.config_name, res.settings),
+                res.config_name,
+                variant,
+                res.started,
+                res.finished,
+                run_dir,
+                rounds_requested,
+                n["ok"],
+                n["unjudged"],
+                n["invalid"],
+                n["failed"],
+                None if aligned is None else int(aligned),
+                good,
+                verdict,
+                baseline_runs,
+                j(baseline or {}),
+                j(tolerances or {}),
+                error,
+                j(res.system),
+                j(res.settings),
+                j(res.overrides),
+                j(res.user_overrides),
+                j(res.hardware_info),
             ),
-        )  # fmt: skip
+        )
         run = int(cur.lastrowid or 0)
         for phase, stats in round_stats(res).items():
             db.executemany(
@@ -343,17 +373,34 @@ def record_run(
                 dm = p.device_mem
                 db.execute(
                     "INSERT INTO phases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (run, r.round, p.phase, p.tokens_per_gpu_s, p.mfu_6n, p.mfu_palm, p.step_time_s, p.peak_mem_gib,
-                     dm.used_gib if dm else None, dm.total_gib if dm else None, p.gate.verdict, p.gate.mre, p.gate.reason),
-                )  # fmt: skip
-                db.executemany("INSERT INTO losses VALUES (?, ?, ?, ?, ?)", [(run, r.round, p.phase, s, v) for s, v in _loss_points(p.loss)])
+                    (
+                        run,
+                        r.round,
+                        p.phase,
+                        p.tokens_per_gpu_s,
+                        p.mfu_6n,
+                        p.mfu_palm,
+                        p.step_time_s,
+                        p.peak_mem_gib,
+                        dm.used_gib if dm else None,
+                        dm.total_gib if dm else None,
+                        p.gate.verdict,
+                        p.gate.mre,
+                        p.gate.reason,
+                    ),
+                )
+                db.executemany(
+                    "INSERT INTO losses VALUES (?, ?, ?, ?, ?)", [(run, r.round, p.phase, s, v) for s, v in _loss_points(p.loss)]
+                )
         for phase, curve in (reference or {}).items():
             db.executemany("INSERT INTO losses VALUES (?, 0, ?, ?, ?)", [(run, phase, s, v) for s, v in _loss_points(curve)])
         db.executemany(
             "INSERT INTO findings (run, metric, baseline, now, change, tolerance, message, phase) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [(run, f["metric"], f.get("baseline"), f.get("now"), f.get("change"), f.get("tolerance"), f["message"], f.get("phase"))
-             for f in findings],
-        )  # fmt: skip
+            [
+                (run, f["metric"], f.get("baseline"), f.get("now"), f.get("change"), f.get("tolerance"), f["message"], f.get("phase"))
+                for f in findings
+            ],
+        )
     return run
 
 
@@ -372,8 +419,9 @@ def phases_of(db: sqlite3.Connection, run: int) -> list[sqlite3.Row]:
     """Every phase of every round of a run, with its round's status, in round and phase order."""
     return db.execute(
         "SELECT p.*, r.status, r.error FROM phases p JOIN rounds r ON r.run = p.run AND r.round = p.round"
-        " WHERE p.run = ? ORDER BY p.round, p.rowid", (run,),
-    ).fetchall()  # fmt: skip
+        " WHERE p.run = ? ORDER BY p.round, p.rowid",
+        (run,),
+    ).fetchall()
 
 
 def baseline_runs(db: sqlite3.Connection, identity: dict[str, str], limit: int, before_run: int | None = None) -> list[sqlite3.Row]:
@@ -413,7 +461,9 @@ def case_runs(db: sqlite3.Connection, case: str, vendor: str | None = None, limi
     if vendor:
         sql += " AND vendor = ?"
         args.append(vendor)
-    rows = db.execute(sql + " ORDER BY started DESC, id DESC" + (" LIMIT ?" if limit else ""), (*args, *([limit] if limit else []))).fetchall()
+    rows = db.execute(
+        sql + " ORDER BY started DESC, id DESC" + (" LIMIT ?" if limit else ""), (*args, *([limit] if limit else []))
+    ).fetchall()
     return rows[::-1]
 
 
@@ -435,8 +485,24 @@ LOSS_TEXT = {None: "not judged", 1: "aligned", 0: "NOT aligned"}
 def history_table(db: sqlite3.Connection, rows: list[sqlite3.Row], title: str) -> Table:
     """One line per run and phase; the figures are over the run's clean rounds only."""
     table = Table(title=title, title_justify="left")
-    for col in ("started", "run", "vendor", "hardware", "config", "phase", "rounds ok/unjudged/invalid/failed", "tokens/p/s", "min-max",
-                "IQR", "olympic", "MFU-6N", "mem alloc GiB", "mem in use GiB", "loss", "verdict"):  # fmt: skip
+    for col in (
+        "started",
+        "run",
+        "vendor",
+        "hardware",
+        "config",
+        "phase",
+        "rounds ok/unjudged/invalid/failed",
+        "tokens/p/s",
+        "min-max",
+        "IQR",
+        "olympic",
+        "MFU-6N",
+        "mem alloc GiB",
+        "mem in use GiB",
+        "loss",
+        "verdict",
+    ):
         table.add_column(col, no_wrap=col not in ("hardware", "config"), overflow="fold")
     for row in rows:
         sets = json.loads(row["user_overrides_json"])
@@ -444,12 +510,23 @@ def history_table(db: sqlite3.Connection, rows: list[sqlite3.Row], title: str) -
         for phase, st in (stats_of(db, row["id"]) or {"-": {}}).items():
             tps, mfu, mem, used = (st.get(m, {}) for m in ("tokens_per_gpu_s", "mfu_6n", "peak_mem_gib", "device_mem_used_gib"))
             table.add_row(
-                row["started"][:16].replace("T", " "), row["run_id"].rsplit("_", 1)[-1], row["vendor"], row["hardware_key"].split("|", 2)[-1],
-                config, phase, rounds_text(row), fmt_num(tps.get("median")),
-                f"{fmt_num(tps.get('min'))}-{fmt_num(tps.get('max'))}", f"{fmt_num(tps.get('q1'))}-{fmt_num(tps.get('q3'))}",
-                fmt_num(tps.get("olympic")), "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
-                fmt_num(mem.get("median"), ".3f"), fmt_num(used.get("median"), ".2f"), LOSS_TEXT[row["loss_aligned"]], row["verdict"],
-            )  # fmt: skip
+                row["started"][:16].replace("T", " "),
+                row["run_id"].rsplit("_", 1)[-1],
+                row["vendor"],
+                row["hardware_key"].split("|", 2)[-1],
+                config,
+                phase,
+                rounds_text(row),
+                fmt_num(tps.get("median")),
+                f"{fmt_num(tps.get('min'))}-{fmt_num(tps.get('max'))}",
+                f"{fmt_num(tps.get('q1'))}-{fmt_num(tps.get('q3'))}",
+                fmt_num(tps.get("olympic")),
+                "-" if mfu.get("median") is None else f"{100 * mfu['median']:.1f}%",
+                fmt_num(mem.get("median"), ".3f"),
+                fmt_num(used.get("median"), ".2f"),
+                LOSS_TEXT[row["loss_aligned"]],
+                row["verdict"],
+            )
     return table
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-
 #: stands for the node's own address in a launcher's env; the node agent fills it in
 NODE_ADDR = "@@FB_NODE_ADDR@@"
 
@@ -55,18 +54,31 @@ class Torchrun(Launcher):
 
     def command(self, s: LaunchSpec) -> list[str]:
         return [
-            s.python, "-m", "torch.distributed.run",
-            "--nnodes", str(s.nnodes),
-            "--nproc-per-node", str(s.nprocs),
-            "--node-rank", str(s.node_rank),
-            "--master-addr", s.master_addr,
-            "--master-port", str(s.master_port),
-            "--rdzv-id", s.rdzv_id,
-            "--log-dir", s.log_dir,
-            "--redirects", "3",
-            "--tee", "3",
-            s.entry, "--config", s.config,
-        ]  # fmt: skip
+            s.python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(s.nnodes),
+            "--nproc-per-node",
+            str(s.nprocs),
+            "--node-rank",
+            str(s.node_rank),
+            "--master-addr",
+            s.master_addr,
+            "--master-port",
+            str(s.master_port),
+            "--rdzv-id",
+            s.rdzv_id,
+            "--log-dir",
+            s.log_dir,
+            "--redirects",
+            "3",
+            "--tee",
+            "3",
+            s.entry,
+            "--config",
+            s.config,
+        ]
 
 
 class DeepSpeed(Launcher):
@@ -74,13 +86,20 @@ class DeepSpeed(Launcher):
 
     def command(self, s: LaunchSpec) -> list[str]:
         argv = [
-            s.python, "-m", "deepspeed.launcher.runner",
-            "--num_nodes", str(s.nnodes),
-            "--num_gpus", str(s.nprocs),
-            "--master_addr", s.master_addr,
-            "--master_port", str(s.master_port),
-            "--enable_each_rank_log", s.log_dir,
-        ]  # fmt: skip
+            s.python,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_nodes",
+            str(s.nnodes),
+            "--num_gpus",
+            str(s.nprocs),
+            "--master_addr",
+            s.master_addr,
+            "--master_port",
+            str(s.master_port),
+            "--enable_each_rank_log",
+            s.log_dir,
+        ]
         if s.nnodes > 1:
             # the harness starts every node itself (no pdsh/ssh fan-out from rank 0); the
             # hostfile only sizes the world: with --no_ssh its names are labels

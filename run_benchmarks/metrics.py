@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from run_benchmarks import typed_results
 from run_benchmarks.errors import InputError
@@ -55,8 +56,10 @@ def check_curve(reference: Reference) -> None:
     steps = compared_steps(reference)
     if len(steps) < MIN_COMPARED_STEPS:
         have = f"steps {step_ranges(steps)}" if steps else "none"
-        raise BadReference(f"{reference.path}: {len(steps)} step(s) from step {ALIGN_FROM_STEP} on ({have}); "
-                           f"the loss gate compares at least {MIN_COMPARED_STEPS}")  # fmt: skip
+        raise BadReference(
+            f"{reference.path}: {len(steps)} step(s) from step {ALIGN_FROM_STEP} on ({have}); "
+            f"the loss gate compares at least {MIN_COMPARED_STEPS}"
+        )
     for s in steps:
         v = reference.loss[s]
         if not math.isfinite(v) or v == 0:
@@ -111,19 +114,28 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
     steps = compared_steps(reference)
     missing = [s for s in steps if s not in loss]
     if missing:
-        return LossGate(verdict="not judged", reason=f"step{'s' if len(missing) > 1 else ''} {step_ranges(missing)} missing "
-                        f"(reference to step {steps[-1]})")  # fmt: skip
+        return LossGate(
+            verdict="not judged",
+            reason=f"step{'s' if len(missing) > 1 else ''} {step_ranges(missing)} missing (reference to step {steps[-1]})",
+        )
     if len(steps) < MIN_COMPARED_STEPS:
-        return LossGate(verdict="not judged", compared_steps=len(steps),
-                        reason=f"{len(steps)} step(s) compared, at least {MIN_COMPARED_STEPS} needed")  # fmt: skip
+        return LossGate(
+            verdict="not judged", compared_steps=len(steps), reason=f"{len(steps)} step(s) compared, at least {MIN_COMPARED_STEPS} needed"
+        )
     try:
         mre, n = loss_mre(loss, reference.loss)
     except BadReference as exc:
         raise BadReference(f"{reference.path}: {exc}") from None
     verdict = "aligned" if mre < ALIGN_TOLERANCE else "not aligned"
-    return LossGate(verdict=verdict, mre=mre, compared_steps=n, first_step=steps[0], last_step=steps[-1],
-                    reason=f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
-                    + ("" if verdict == "aligned" else f" (at least {100 * ALIGN_TOLERANCE:g}%)"))  # fmt: skip
+    return LossGate(
+        verdict=verdict,
+        mre=mre,
+        compared_steps=n,
+        first_step=steps[0],
+        last_step=steps[-1],
+        reason=f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
+        + ("" if verdict == "aligned" else f" (at least {100 * ALIGN_TOLERANCE:g}%)"),
+    )
 
 
 # --------------------------------------------------------------------------- reference curves
@@ -163,7 +175,7 @@ def read_reference(path: Path, phase: str = "train") -> Reference:
             raise ValueError(f"{path}: round {clean[0].round} has no loss curve for phase {phase!r} (has {', '.join(curves) or 'none'})")
         return Reference(path=str(path), loss=curves[phase])
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not isinstance(data.get("loss"), list):
-        raise ValueError(f"{path}: neither a reference curve ({{\"steps\": [...], \"loss\": [...]}}) nor a results.json")
+        raise ValueError(f'{path}: neither a reference curve ({{"steps": [...], "loss": [...]}}) nor a results.json')
     if len(data["steps"]) != len(data["loss"]):
         raise ValueError(f"{path}: {len(data['steps'])} steps but {len(data['loss'])} losses")
     return Reference(path=str(path), loss={int(s): float(v) for s, v in zip(data["steps"], data["loss"])})
@@ -185,14 +197,22 @@ def step_records(parsed: ml.ParsedLog, phase: str) -> list[Step]:
         if v.get("phase", "train") != phase or int(v["step"]) in by_step:
             continue
         by_step[int(v["step"])] = Step(
-            step=int(v["step"]), t=r.t, loss=float(v["loss"]), tokens=float(v["tokens"]), step_time_s=float(v["step_time_s"]),
-            lr=float(v["lr"]), data_s=None if v.get("data_s") is None else float(v["data_s"]),
-            profiled=bool(v.get("profiled", False)), skipped=bool(v.get("skipped", False)),
-        )  # fmt: skip
+            step=int(v["step"]),
+            t=r.t,
+            loss=float(v["loss"]),
+            tokens=float(v["tokens"]),
+            step_time_s=float(v["step_time_s"]),
+            lr=float(v["lr"]),
+            data_s=None if v.get("data_s") is None else float(v["data_s"]),
+            profiled=bool(v.get("profiled", False)),
+            skipped=bool(v.get("skipped", False)),
+        )
     return [by_step[k] for k in sorted(by_step)]
 
 
-def figures(steps: Sequence[Step], warmup_steps: int, world_size: int, counts: Mapping[str, Any], peak_flops: float | None) -> dict[str, Any]:
+def figures(
+    steps: Sequence[Step], warmup_steps: int, world_size: int, counts: Mapping[str, Any], peak_flops: float | None
+) -> dict[str, Any]:
     """Everything a phase's step records determine: the window, tokens/p/s, step time, MFU both
     ways, the loss curve. --verify compares a results.json against this."""
     # a profiled step runs under the profiler's cost: never part of the throughput window
@@ -212,8 +232,13 @@ def figures(steps: Sequence[Step], warmup_steps: int, world_size: int, counts: M
         tokens = sum(s.tokens for s in window)
         seconds = sum(s.step_time_s for s in window)
         tps = tokens / seconds / world_size if seconds > 0 else None
-        out["window"] = Window(first_step=window[0].step, last_step=window[-1].step, steps=len(window), warmup_steps=warmup_steps,
-                               excluded=[s.step for s in after_warmup if s.profiled])  # fmt: skip
+        out["window"] = Window(
+            first_step=window[0].step,
+            last_step=window[-1].step,
+            steps=len(window),
+            warmup_steps=warmup_steps,
+            excluded=[s.step for s in after_warmup if s.profiled],
+        )
         out["tokens_per_gpu_s"] = tps
         out["step_time_s"] = seconds / len(window)
         out["mfu_6n"] = mfu(counts["flops_per_token_6n"], tps, peak_flops)

@@ -18,24 +18,27 @@ import socket
 import statistics
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rich.console import Console  # noqa: E402
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn  # noqa: E402
-from rich.table import Table  # noqa: E402
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from run_benchmarks import datacheck, history, orchestrator, plan as planning, typed_results  # noqa: E402
-from run_benchmarks.config import ClusterConfig, cluster_with, load  # noqa: E402
-from run_benchmarks.casename import CaseName  # noqa: E402
-from run_benchmarks.errors import InputError  # noqa: E402
-from run_benchmarks.runlist import RunListEntry, RunList, Tolerances, parse_runlist  # noqa: E402
-from run_benchmarks.typed_results import RunResults  # noqa: E402
+from run_benchmarks import datacheck, history, orchestrator, typed_results
+from run_benchmarks import plan as planning
+from run_benchmarks.casename import CaseName
+from run_benchmarks.config import ClusterConfig, cluster_with, load
+from run_benchmarks.errors import InputError
+from run_benchmarks.runlist import RunList, RunListEntry, Tolerances, parse_runlist
+from run_benchmarks.typed_results import RunResults
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
 
 @dataclasses.dataclass
 class NightlyCase:
@@ -90,7 +93,11 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
         cluster=cluster,
         log_dir=logs,
         db_path=Path(db).expanduser().resolve() if db else _resolve(base, rl.history_db) if rl.history_db else history.default_db(),
-        report_dir=Path(report_dir).expanduser().resolve() if report_dir else _resolve(base, rl.report_dir) if rl.report_dir else logs / "reports",
+        report_dir=Path(report_dir).expanduser().resolve()
+        if report_dir
+        else _resolve(base, rl.report_dir)
+        if rl.report_dir
+        else logs / "reports",
         jobs=jobs,
     )
 
@@ -134,17 +141,30 @@ def judge(
     base = {ph: {m: _median([b.get(ph, {}).get(m, {}).get("median") for b in baseline]) for m in METRIC_LABELS} for ph in stats}
     if rounds_failed:
         why = f": {first_error.strip().splitlines()[0]}" if first_error else ""
-        findings.append({
-            "metric": "rounds failed", "baseline": 0.0 if n else None, "now": float(rounds_failed), "change": None, "tolerance": 0.0,
-            "message": f"{label}: {rounds_failed} of {rounds_requested} round(s) failed"
-                       f" (baseline: {'none' if not n else f'no failed round in the last {n} good runs'}){why}",
-        })  # fmt: skip
+        findings.append(
+            {
+                "metric": "rounds failed",
+                "baseline": 0.0 if n else None,
+                "now": float(rounds_failed),
+                "change": None,
+                "tolerance": 0.0,
+                "message": f"{label}: {rounds_failed} of {rounds_requested} round(s) failed"
+                f" (baseline: {'none' if not n else f'no failed round in the last {n} good runs'}){why}",
+            }
+        )
     for ph, reason in not_aligned.items():
-        findings.append({
-            "metric": "loss alignment", "phase": ph, "baseline": 1.0 if n else None, "now": 0.0, "change": None, "tolerance": None,
-            "message": f"{label}{tag(ph)}: loss no longer aligns with the reference: {reason}"
-                       f" (baseline: {'none' if not n else f'aligned or not judged in the last {n} good runs'})",
-        })  # fmt: skip
+        findings.append(
+            {
+                "metric": "loss alignment",
+                "phase": ph,
+                "baseline": 1.0 if n else None,
+                "now": 0.0,
+                "change": None,
+                "tolerance": None,
+                "message": f"{label}{tag(ph)}: loss no longer aligns with the reference: {reason}"
+                f" (baseline: {'none' if not n else f'aligned or not judged in the last {n} good runs'})",
+            }
+        )
     for ph, st in stats.items():
         for metric, pct, direction in (
             ("tokens_per_gpu_s", tol.throughput_drop_pct, -1),
@@ -157,11 +177,18 @@ def judge(
             change = now / b - 1
             if direction * change > pct / 100:
                 fmt = (lambda x: f"{100 * x:.2f}%") if metric == "mfu_6n" else (lambda x: f"{x:.4g}")
-                findings.append({
-                    "metric": METRIC_LABELS[metric], "phase": ph, "baseline": b, "now": now, "change": change, "tolerance": direction * pct / 100,
-                    "message": f"{label}{tag(ph)}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
-                               f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%",
-                })  # fmt: skip
+                findings.append(
+                    {
+                        "metric": METRIC_LABELS[metric],
+                        "phase": ph,
+                        "baseline": b,
+                        "now": now,
+                        "change": change,
+                        "tolerance": direction * pct / 100,
+                        "message": f"{label}{tag(ph)}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
+                        f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%",
+                    }
+                )
     status = "regressed" if findings else "pass" if n else "baseline: none"
     return Verdict(status, n, base, findings)
 
@@ -243,7 +270,9 @@ def run_night(night: Night, db: Any, night_id: int, console: Console, outcomes: 
         done = 0
         for job in night.jobs:
             counter = f"[{job.index + 1}/{len(night.jobs)}]"
-            progress.console.print(f"{counter} {_label(job)}: {job.entry.rounds} round(s), run {job.plan.run_id}", markup=False, highlight=False)
+            progress.console.print(
+                f"{counter} {_label(job)}: {job.entry.rounds} round(s), run {job.plan.run_id}", markup=False, highlight=False
+            )
             proxy = _ProgressConsole(progress, task, counter, job.plan.run_dir / "results.json", done)
             res, broke = run_case(job, proxy)
             done += job.entry.rounds
@@ -251,7 +280,9 @@ def run_night(night: Night, db: Any, night_id: int, console: Console, outcomes: 
             outcomes.append(_judge_and_store(night, db, night_id, job, res, broke, console=progress.console))
 
 
-def _judge_and_store(night: Night, db: Any, night_id: int, job: NightlyCase, res: RunResults, broke: str | None, console: Console) -> dict[str, Any]:
+def _judge_and_store(
+    night: Night, db: Any, night_id: int, job: NightlyCase, res: RunResults, broke: str | None, console: Console
+) -> dict[str, Any]:
     counts = history.status_counts(res, job.entry.rounds)
     failed = counts["failed"]
     first_error = broke or next((r.error for r in res.rounds if r.status == "failed" and r.error), None)
@@ -264,29 +295,48 @@ def _judge_and_store(night: Night, db: Any, night_id: int, job: NightlyCase, res
             if r.status == "invalid" and p.gate.verdict == "not aligned":
                 not_aligned.setdefault(p.phase, p.gate.reason)
     identity = {
-        "case_key": history.case_key(res.case), "vendor": res.vendor, "hardware_key": job.hardware_key,
+        "case_key": history.case_key(res.case),
+        "vendor": res.vendor,
+        "hardware_key": job.hardware_key,
         "config_key": history.config_key(res.config_name, res.settings),
-    }  # fmt: skip
+    }
     base_rows = history.baseline_runs(db, identity, night.runlist.baseline_runs)
     stats = history.round_stats(res)
     verdict = judge(
         f"{identity['case_key']} on {res.vendor} ({res.config_name})",
-        stats, job.entry.rounds, failed, not_aligned, first_error,
-        [history.stats_of(db, r["id"]) for r in base_rows], job.tolerances,
-    )  # fmt: skip
+        stats,
+        job.entry.rounds,
+        failed,
+        not_aligned,
+        first_error,
+        [history.stats_of(db, r["id"]) for r in base_rows],
+        job.tolerances,
+    )
     run_pk = history.record_run(
-        db, night_id, res, hardware=job.hardware_key, variant=job.entry.variant, rounds_requested=job.entry.rounds,
-        verdict=verdict.status, baseline_runs=verdict.baseline_runs, findings=verdict.findings, error=broke,
-        baseline=verdict.baseline, tolerances=job.tolerances.model_dump(),
-        run_dir=str(job.plan.run_dir), reference=_reference_curves(res),
-    )  # fmt: skip
-    lines = [f"  rounds ok {counts['ok']}, unjudged {counts['unjudged']}, invalid {counts['invalid']}, failed {failed} of {job.entry.rounds}"]
+        db,
+        night_id,
+        res,
+        hardware=job.hardware_key,
+        variant=job.entry.variant,
+        rounds_requested=job.entry.rounds,
+        verdict=verdict.status,
+        baseline_runs=verdict.baseline_runs,
+        findings=verdict.findings,
+        error=broke,
+        baseline=verdict.baseline,
+        tolerances=job.tolerances.model_dump(),
+        run_dir=str(job.plan.run_dir),
+        reference=_reference_curves(res),
+    )
+    lines = [
+        f"  rounds ok {counts['ok']}, unjudged {counts['unjudged']}, invalid {counts['invalid']}, failed {failed} of {job.entry.rounds}"
+    ]
     for ph, st in stats.items():
         tps, b = st["tokens_per_gpu_s"], verdict.baseline[ph].get("tokens_per_gpu_s")
         lines.append(
             f"  {ph}: tokens/p/s median {history.fmt_num(tps['median'])} (IQR {history.fmt_num(tps['q1'])}-{history.fmt_num(tps['q3'])},"
             f" over {tps['n']} clean round(s)); " + (f"baseline {b:.1f} from {verdict.baseline_runs} run(s)" if b else "baseline: none")
-        )  # fmt: skip
+        )
     lines.append(f"  verdict: {verdict.status}")
     if broke:
         lines.insert(0, f"  case broke off: {broke}")
@@ -304,8 +354,17 @@ def _reference_curves(res: RunResults) -> dict[str, dict[int, float]]:
 def summary_table(outcomes: list[dict[str, Any]]) -> Table:
     """A line per case and phase; the figures are over clean rounds only."""
     table = Table(title="nightly results")
-    for col in ("case", "phase", "rounds ok/unjudged/invalid/failed", "tokens/p/s median", "IQR", "olympic", "mem alloc (GiB)",
-                "baseline tokens/p/s", "verdict"):  # fmt: skip
+    for col in (
+        "case",
+        "phase",
+        "rounds ok/unjudged/invalid/failed",
+        "tokens/p/s median",
+        "IQR",
+        "olympic",
+        "mem alloc (GiB)",
+        "baseline tokens/p/s",
+        "verdict",
+    ):
         table.add_column(col, overflow="fold")
     for o in outcomes:
         v, c = o["verdict"], o["counts"]
@@ -313,11 +372,16 @@ def summary_table(outcomes: list[dict[str, Any]]) -> Table:
             tps, mem = st.get("tokens_per_gpu_s", {}), st.get("peak_mem_gib", {})
             b = v.baseline.get(ph, {}).get("tokens_per_gpu_s")
             table.add_row(
-                _label(o["job"]), ph, f"{c['ok']}/{c['unjudged']}/{c['invalid']}/{c['failed']}", history.fmt_num(tps.get("median")),
-                f"{history.fmt_num(tps.get('q1'))}-{history.fmt_num(tps.get('q3'))}", history.fmt_num(tps.get("olympic")),
-                history.fmt_num(mem.get("median"), ".3f"), "none" if not v.baseline_runs else f"{history.fmt_num(b)} ({v.baseline_runs} runs)",
+                _label(o["job"]),
+                ph,
+                f"{c['ok']}/{c['unjudged']}/{c['invalid']}/{c['failed']}",
+                history.fmt_num(tps.get("median")),
+                f"{history.fmt_num(tps.get('q1'))}-{history.fmt_num(tps.get('q3'))}",
+                history.fmt_num(tps.get("olympic")),
+                history.fmt_num(mem.get("median"), ".3f"),
+                "none" if not v.baseline_runs else f"{history.fmt_num(b)} ({v.baseline_runs} runs)",
                 v.status,
-            )  # fmt: skip
+            )
     return table
 
 
@@ -344,9 +408,13 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
     try:
         if unknown:
-            raise InputError(f"{' '.join(unknown)}: not a nightly option; the run list names the cases, vendors and overrides (docs/nightly.md)")
+            raise InputError(
+                f"{' '.join(unknown)}: not a nightly option; the run list names the cases, vendors and overrides (docs/nightly.md)"
+            )
         if bool(args.runlist) == bool(args.nightly):
-            raise InputError("give the run list once: start_task.py --nightly RUNLIST.yaml, or python -m run_benchmarks.nightly RUNLIST.yaml")
+            raise InputError(
+                "give the run list once: start_task.py --nightly RUNLIST.yaml, or python -m run_benchmarks.nightly RUNLIST.yaml"
+            )
         night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir)
         if args.check:
             for j in night.jobs:

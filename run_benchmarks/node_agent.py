@@ -23,8 +23,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from run_benchmarks import progress  # standard library only, as is everything here
 from run_benchmarks.launchers import NODE_ADDR
@@ -33,8 +34,9 @@ SPEC_VERSION = 1
 STOP_GRACE_S = 5.0  # SIGTERM to SIGKILL; below Slurm's KillWait (30 s by default)
 
 
-def agent_spec(round_dir: str, master_placeholder: str, monitor: dict[str, Any], container: dict[str, Any] | None,
-               nodes: list[Any], **extra: Any) -> dict[str, Any]:
+def agent_spec(
+    round_dir: str, master_placeholder: str, monitor: dict[str, Any], container: dict[str, Any] | None, nodes: list[Any], **extra: Any
+) -> dict[str, Any]:
     """What a node agent reads (``--spec``), built here for both runtimes that start one (SSH,
     Slurm): ``nodes`` are the planner's NodePlans (node_rank, command, env, cwd); ``extra`` the
     Slurm wrapper's rendezvous fields."""
@@ -44,8 +46,7 @@ def agent_spec(round_dir: str, master_placeholder: str, monitor: dict[str, Any],
         "master_placeholder": master_placeholder,
         "monitor": monitor,
         "container": container,
-        "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd, "leftovers": n.leftovers}
-                  for n in nodes],
+        "nodes": [{"node_rank": n.node_rank, "command": n.command, "env": n.env, "cwd": n.cwd, "leftovers": n.leftovers} for n in nodes],
         **extra,
     }
 
@@ -107,11 +108,23 @@ class Node:
         log = open(self.node_dir / "monitor.log", "ab")
         try:
             self.monitor = subprocess.Popen(
-                [mon["python"], "-m", "run_benchmarks.monitors", "--kind", mon["kind"],
-                 "--out", str(self.node_dir / "monitor.jsonl"), "--interval", str(mon["interval_s"])],
-                env={**os.environ, "PYTHONPATH": mon["pythonpath"]}, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+                [
+                    mon["python"],
+                    "-m",
+                    "run_benchmarks.monitors",
+                    "--kind",
+                    mon["kind"],
+                    "--out",
+                    str(self.node_dir / "monitor.jsonl"),
+                    "--interval",
+                    str(mon["interval_s"]),
+                ],
+                env={**os.environ, "PYTHONPATH": mon["pythonpath"]},
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         except OSError as exc:  # a monitor must never fail the round
             log.write(f"monitor not started: {exc}\n".encode())
         finally:
@@ -140,9 +153,14 @@ class Node:
             if self.stop_signal is not None:
                 return  # stopped before it started
             self.proc = subprocess.Popen(
-                argv, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                argv,
+                cwd=cwd,
+                env=full_env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     def on_signal(self, signum: int, _frame: object) -> None:
         """scancel, a time limit or a failed peer: stop the launcher's whole process group.
@@ -194,8 +212,9 @@ IMAGE_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/b
 def image_path(image: str) -> str:
     """The PATH an image's containers start with (its ``Config.Env``), else Debian's default."""
     try:
-        out = subprocess.run(["docker", "image", "inspect", "--format", "{{json .Config.Env}}", image],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            ["docker", "image", "inspect", "--format", "{{json .Config.Env}}", image], capture_output=True, text=True, timeout=60
+        )
         env = json.loads(out.stdout) if out.returncode == 0 else []
     except (OSError, ValueError, subprocess.TimeoutExpired):
         env = []
@@ -253,8 +272,15 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
     (runner.node_dir / "ranks").mkdir(parents=True, exist_ok=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, runner.on_signal)
-    report = {**report, "node_rank": rank, "hostname": socket.gethostname(), "master_addr": master, "command": cmd,
-              "image": (spec.get("container") or {}).get("image"), "started": time.time()}  # fmt: skip
+    report = {
+        **report,
+        "node_rank": rank,
+        "hostname": socket.gethostname(),
+        "master_addr": master,
+        "command": cmd,
+        "image": (spec.get("container") or {}).get("image"),
+        "started": time.time(),
+    }
     write_report(runner.node_dir, {**report, "returncode": None})
     runner.on_stop = lambda signum: write_report(
         runner.node_dir, {**report, "returncode": None, "stopped_by_signal": signal.Signals(signum).name}
@@ -275,10 +301,15 @@ def run_node(spec: dict[str, Any], rank: int, master: str, report: dict[str, Any
         report["leftovers_removed"] = remove_leftovers(node.get("leftovers", []))
     if rc < 0:  # killed by a signal: the shell convention
         rc = 128 - rc
-    write_report(runner.node_dir, {
-        **report, "returncode": rc, "finished": time.time(),
-        "stopped_by_signal": runner.stop_signal and signal.Signals(runner.stop_signal).name,
-    })  # fmt: skip
+    write_report(
+        runner.node_dir,
+        {
+            **report,
+            "returncode": rc,
+            "finished": time.time(),
+            "stopped_by_signal": runner.stop_signal and signal.Signals(runner.stop_signal).name,
+        },
+    )
     return rc
 
 

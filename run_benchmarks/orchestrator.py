@@ -12,8 +12,8 @@ from typing import Any
 
 from rich.console import Console
 
-from run_benchmarks import causes, metrics, plan as planning, progress, results, typed_results
-from run_benchmarks import datacheck
+from run_benchmarks import causes, datacheck, metrics, progress, results, typed_results
+from run_benchmarks import plan as planning
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import monitor_summary
 from run_benchmarks.plan import Plan
@@ -103,8 +103,11 @@ def _same_training(plan: Plan, path: Path, phase: str) -> None:
         theirs = planning.phase_value(run.settings.get("train") or {}, phase, "global_batch")
         ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
         if theirs != ours:
-            raise ValueError(f"{path}: global batch {theirs} there, {ours} here" + ("" if phase == "train" else f" (phase {phase})")
-                             + "; loss curves compare step by step only at the same global batch")  # fmt: skip
+            raise ValueError(
+                f"{path}: global batch {theirs} there, {ours} here"
+                + ("" if phase == "train" else f" (phase {phase})")
+                + "; loss curves compare step by step only at the same global batch"
+            )
         return
     # a curve file: it may name its model and phase
     if data.get("model") is not None and data["model"] != plan.case.model:
@@ -134,7 +137,9 @@ def round_status(errors: list[str], gates: dict[str, LossGate]) -> tuple[Status,
     (a phase not aligned), unjudged (a phase not judged), else ok; each phase's reason named."""
     lines = list(errors)
     lines += [f"phase {ph}: {g.reason}" for ph, g in gates.items() if g.nonfinite_step is not None]
-    lines += [f"phase {ph}: loss not aligned: {g.reason}" for ph, g in gates.items() if g.verdict == "not aligned" and g.nonfinite_step is None]
+    lines += [
+        f"phase {ph}: loss not aligned: {g.reason}" for ph, g in gates.items() if g.verdict == "not aligned" and g.nonfinite_step is None
+    ]
     lines += [f"phase {ph}: loss not judged: {g.reason}" for ph, g in gates.items() if g.verdict == "not judged"]
     verdicts = {g.verdict for g in gates.values()}
     if errors or any(g.nonfinite_step is not None for g in gates.values()):
@@ -144,8 +149,13 @@ def round_status(errors: list[str], gates: dict[str, LossGate]) -> tuple[Status,
     return ("unjudged" if "not judged" in verdicts else "ok"), lines
 
 
-def _phase_result(plan: Plan, parsed: ml.ParsedLog, phase: str, reference: Reference | None,
-                  monitor_nodes: list[tuple[list[dict[str, Any]], set[int] | None]]) -> PhaseResult:  # fmt: skip
+def _phase_result(
+    plan: Plan,
+    parsed: ml.ParsedLog,
+    phase: str,
+    reference: Reference | None,
+    monitor_nodes: list[tuple[list[dict[str, Any]], set[int] | None]],
+) -> PhaseResult:
     warmup = int(plan.settings["train"]["warmup_steps"])
     steps = metrics.step_records(parsed, phase)
     fig = metrics.figures(steps, warmup, plan.world_size, plan.counts[phase], plan.hardware["peak_flops"])
@@ -170,8 +180,14 @@ def _first_line(text: str | None) -> str:
     return next(iter((text or "").strip().splitlines()), "")
 
 
-def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, phases: list[PhaseResult], devices: list[str],
-                    monitors: dict[int, dict[str, Any] | None]) -> list[str]:  # fmt: skip
+def _process_errors(
+    plan: Plan,
+    outcomes: list[NodeOutcome],
+    parsed: ml.ParsedLog,
+    phases: list[PhaseResult],
+    devices: list[str],
+    monitors: dict[int, dict[str, Any] | None],
+) -> list[str]:
     """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device.
 
     The root cause first: the round deadline (the harness stopped the ranks: what they say
@@ -210,17 +226,20 @@ def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLo
                 errors.append(f"phase {p.phase}: no run_meta record")
     wrong = [d for d in devices if not any(re.search(pat, d, re.I) for pat in plan.hardware["device_names"])]
     if wrong:
-        errors.append(f"the case names {plan.case.hardware} but the ranks ran on {', '.join(wrong)} "
-                      f"(vendors/{plan.vendor.name}/vendor.yaml, chip {plan.case.hardware}, device_names "
-                      f"{plan.hardware['device_names']}): these are not {plan.case.hardware} figures; "
-                      "name the chip the cards are")  # fmt: skip
+        errors.append(
+            f"the case names {plan.case.hardware} but the ranks ran on {', '.join(wrong)} "
+            f"(vendors/{plan.vendor.name}/vendor.yaml, chip {plan.case.hardware}, device_names "
+            f"{plan.hardware['device_names']}): these are not {plan.case.hardware} figures; "
+            "name the chip the cards are"
+        )
     if parsed.errors:
         errors += [f"bad metric line {e.source}:{e.lineno}: {e.reason}" for e in parsed.errors[:3]]
     return errors
 
 
-def evaluate_round(plan: Plan, round_no: int, outcomes: list[NodeOutcome], started: float,
-                   references: dict[str, Reference | None] | None = None) -> RoundResult:  # fmt: skip
+def evaluate_round(
+    plan: Plan, round_no: int, outcomes: list[NodeOutcome], started: float, references: dict[str, Reference | None] | None = None
+) -> RoundResult:
     """A round's result from its logs: every phase's figures and loss gate, and the round's status."""
     parsed = ml.ParsedLog([], [])
     for o in outcomes:
@@ -411,8 +430,9 @@ PROGRESS_EVERY_S = 2.0
 PLAIN_EVERY_S = float(os.environ.get("FLAGBENCH_PROGRESS_EVERY_S", "60"))
 
 
-def _watched_round(plan: Plan, runtime: Runtime, console: Console, r: int, round_dir: Path,
-                   nodes: list[planning.NodePlan]) -> list[NodeOutcome]:
+def _watched_round(
+    plan: Plan, runtime: Runtime, console: Console, r: int, round_dir: Path, nodes: list[planning.NodePlan]
+) -> list[NodeOutcome]:
     """``runtime.run_round`` with a live line: the runtime's note (a Slurm job's id, state and
     pending reason), the newest step (k of n, tokens/p/s, loss) and the time so far."""
     title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"
@@ -422,13 +442,16 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, r: int, round
     startup = plan.cluster.startup_timeout_s
 
     with console.status(title) as status:
+
         def tick() -> None:
             note = runtime.note()
             snaps = runtime.progress(round_dir)
             since = runtime.running_since() or begun
             if not any(snaps) and time.time() - since > startup and not runtime.aborted:
-                runtime.abort(f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
-                              "that never joined the rendezvous, or a hang before the first record; stopped")  # fmt: skip
+                runtime.abort(
+                    f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
+                    "that never joined the rendezvous, or a hang before the first record; stopped"
+                )
             line = progress.line(snaps, steps, plan.world_size)
             text = ", ".join(filter(None, [note, line, progress.elapsed(t0)]))
             if console.is_terminal:

@@ -174,8 +174,11 @@ def memory_needs(model_fn: Any, counts: dict[str, dict[str, Any]], settings: dic
     out = {}
     for ph, c in counts.items():
         need = model_fn(c, registry.deep_merge(base, (par.get("phases") or {}).get(ph) or {}), cn.world_size, cn.nprocs)
-        out[ph] = {"device_gib": round(need["device_bytes"] / 2**30, 2),
-                   "host_gib_per_node": round(need["host_bytes_per_node"] / 2**30, 2), "basis": need["basis"]}  # fmt: skip
+        out[ph] = {
+            "device_gib": round(need["device_bytes"] / 2**30, 2),
+            "host_gib_per_node": round(need["host_bytes_per_node"] / 2**30, 2),
+            "basis": need["basis"],
+        }
     return out
 
 
@@ -242,8 +245,7 @@ class Resolved:
 def check_chip(vendor: VendorConfig, cn: CaseName) -> None:
     if cn.hardware not in vendor.chips:
         raise InputError(
-            f"vendor {vendor.name!r} has no chip {cn.hardware!r} in vendors/{vendor.name}/vendor.yaml "
-            f"(known: {', '.join(vendor.chips)})"
+            f"vendor {vendor.name!r} has no chip {cn.hardware!r} in vendors/{vendor.name}/vendor.yaml (known: {', '.join(vendor.chips)})"
         )
 
 
@@ -361,8 +363,18 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
             device=plan.vendor.device,
             rdzv_id=f"{plan.run_id}-{round_dir.name}",
         )
-        nodes.append(NodePlan(host.name, host.address, rank, launcher.command(spec), {**env, **launcher.env(spec)}, str(root),
-                              launcher.files(spec), launcher.leftovers(spec)))  # fmt: skip
+        nodes.append(
+            NodePlan(
+                host.name,
+                host.address,
+                rank,
+                launcher.command(spec),
+                {**env, **launcher.env(spec)},
+                str(root),
+                launcher.files(spec),
+                launcher.leftovers(spec),
+            )
+        )
     return nodes
 
 

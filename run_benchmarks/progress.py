@@ -14,8 +14,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from training import metriclog as ml
 
@@ -61,8 +62,15 @@ def latest(files: Iterable[Path]) -> dict[str, Any] | None:
     if best is None:
         return {"started": True} if started else None
     v = best.value
-    return {"started": True, "phase": v.get("phase", "train"), "step": int(v["step"]), "loss": float(v["loss"]),
-            "tokens": float(v["tokens"]), "step_time_s": float(v["step_time_s"]), "t": best.t}  # fmt: skip
+    return {
+        "started": True,
+        "phase": v.get("phase", "train"),
+        "step": int(v["step"]),
+        "loss": float(v["loss"]),
+        "tokens": float(v["tokens"]),
+        "step_time_s": float(v["step_time_s"]),
+        "t": best.t,
+    }
 
 
 def write(node_dir: Path) -> None:
@@ -90,7 +98,7 @@ def writer(node_dir: Path, every: float = WRITE_EVERY_S) -> Watch:
 
 
 def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_size: int) -> str | None:
-    """"pretrain step 12/30, 1,234 tokens/p/s, loss 5.432" from the newest node snapshot;
+    """ "pretrain step 12/30, 1,234 tokens/p/s, loss 5.432" from the newest node snapshot;
     ``steps`` holds each phase's planned step count."""
     found = [s for s in snaps if s and "step" in s]
     if not found:
@@ -120,7 +128,7 @@ class Watch(threading.Thread):
     def _tick(self) -> None:
         try:
             self.tick()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def run(self) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.config import CaseConfig, VendorCaseConfig, VendorConfig, load
@@ -36,8 +37,7 @@ def cases(cases_dir: Path = CASES_DIR) -> dict[str, CaseEntry]:
         cfg = load(CaseConfig, yml)
         if (cfg.family, cfg.framework) != (yml.parent.parent.name, yml.parent.name):
             raise InputError(
-                f"{yml}: family/framework {cfg.family}/{cfg.framework} do not match the folder "
-                f"{yml.parent.parent.name}/{yml.parent.name}"
+                f"{yml}: family/framework {cfg.family}/{cfg.framework} do not match the folder {yml.parent.parent.name}/{yml.parent.name}"
             )
         for model in cfg.models:
             if model in out and out[model].config.framework == cfg.framework:
@@ -147,8 +147,7 @@ def fairness_check(values: dict[str, Any], case: CaseConfig, standard: dict[str,
     for path, value in sorted(flatten(values).items()):
         if not allowed(path, case.vendor_may_change):
             raise InputError(
-                f"{source}: parameter '{path}' may not be changed by a vendor for this case "
-                f"(allowed: {', '.join(case.vendor_may_change)})"
+                f"{source}: parameter '{path}' may not be changed by a vendor for this case (allowed: {', '.join(case.vendor_may_change)})"
             )
         overrides.append({"param": path, "value": value, "standard": get_path(standard, path)})
     return overrides

@@ -15,9 +15,10 @@ import json
 import math
 import os
 import sqlite3
+from collections.abc import Iterable
 from pathlib import Path
 from string import Template
-from typing import Any, Iterable
+from typing import Any
 
 from matplotlib.figure import Figure
 
@@ -74,7 +75,7 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[str]], numeric: frozen
     """Cells are HTML already (callers escape text)."""
     head = "".join(f"<th>{e(h)}</th>" for h in header)
     body = "".join(
-        "<tr>" + "".join(f"<td class=\"num\">{c}</td>" if i in numeric else f"<td>{c}</td>" for i, c in enumerate(r)) + "</tr>" for r in rows
+        "<tr>" + "".join(f'<td class="num">{c}</td>' if i in numeric else f"<td>{c}</td>" for i, c in enumerate(r)) + "</tr>" for r in rows
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -95,8 +96,7 @@ def _png(fig: Figure) -> str:
 
 def _img(fig: Figure, alt: str, caption: str) -> str:
     return (
-        f'<figure><img class="plot" alt="{e(alt)}" src="data:image/png;base64,{_png(fig)}">'
-        f"<figcaption>{e(caption)}</figcaption></figure>"
+        f'<figure><img class="plot" alt="{e(alt)}" src="data:image/png;base64,{_png(fig)}"><figcaption>{e(caption)}</figcaption></figure>'
     )
 
 
@@ -136,10 +136,26 @@ def rounds_plot(phases: list[sqlite3.Row], baseline: dict[str, dict[str, float |
         tag = f" {name}" if len(names) > 1 else ""
         for x, p in zip(xs, rows):
             y = p["tokens_per_gpu_s"] if p["status"] in CLEAN else 0
-            ax.bar([x], [y or 0], width=width * 0.9, color=f"C{i}", hatch=None if p["status"] == "ok" else "//", alpha=1 if p["status"] == "ok" else 0.5)
+            ax.bar(
+                [x],
+                [y or 0],
+                width=width * 0.9,
+                color=f"C{i}",
+                hatch=None if p["status"] == "ok" else "//",
+                alpha=1 if p["status"] == "ok" else 0.5,
+            )
             top = max(top, y or 0)
             if p["status"] != "ok":
-                ax.annotate(p["status"], (x, y or 0), ha="center", va="bottom", color="#b00020", fontsize=8, xytext=(0, 3), textcoords="offset points")
+                ax.annotate(
+                    p["status"],
+                    (x, y or 0),
+                    ha="center",
+                    va="bottom",
+                    color="#b00020",
+                    fontsize=8,
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                )
         ax.bar([], [], color=f"C{i}", label=f"round{tag}")
         b = (baseline.get(name) or {}).get("tokens_per_gpu_s")
         if b:
@@ -152,8 +168,11 @@ def rounds_plot(phases: list[sqlite3.Row], baseline: dict[str, dict[str, float |
     ax.set(xlabel="round", ylabel="tokens per GPU per second", title=title)
     _legend(ax)
     ax.grid(axis="y", alpha=0.3)
-    return _img(fig, f"throughput per round: {title}", "tokens/p/s of each round and phase (a round not ok: hatched, its status written; "
-                "failed and invalid rounds are not drawn)")
+    return _img(
+        fig,
+        f"throughput per round: {title}",
+        "tokens/p/s of each round and phase (a round not ok: hatched, its status written; failed and invalid rounds are not drawn)",
+    )
 
 
 def trend_plot(db: sqlite3.Connection, runs: list[sqlite3.Row], title: str) -> str:
@@ -168,14 +187,29 @@ def trend_plot(db: sqlite3.Connection, runs: list[sqlite3.Row], title: str) -> s
         t = [st.get(name, {}).get("tokens_per_gpu_s", {}) for st in stats]
         have = [k for k, v in enumerate(t) if v.get("median") is not None]
         if have:
-            ax.errorbar([xs[k] for k in have], [t[k]["median"] for k in have],
-                        yerr=[[t[k]["median"] - t[k]["min"] for k in have], [t[k]["max"] - t[k]["median"] for k in have]],
-                        fmt="o-", capsize=3, color=f"C{i}", label=f"median (min-max){tag}")  # fmt: skip
+            ax.errorbar(
+                [xs[k] for k in have],
+                [t[k]["median"] for k in have],
+                yerr=[[t[k]["median"] - t[k]["min"] for k in have], [t[k]["max"] - t[k]["median"] for k in have]],
+                fmt="o-",
+                capsize=3,
+                color=f"C{i}",
+                label=f"median (min-max){tag}",
+            )
         mem = [st.get(name, {}).get("peak_mem_gib", {}).get("median") for st in stats]
         ax2.plot([xs[k] for k, v in enumerate(mem) if v is not None], [v for v in mem if v is not None], "s-", color=f"C{i}")
         bad = [k for k, r in enumerate(runs) if r["verdict"] == "regressed"]
         if bad and i == 0:
-            ax.plot([xs[k] for k in bad], [t[k].get("median") or 0 for k in bad], "x", color="#b00020", ms=10, mew=2, ls="none", label="regressed")
+            ax.plot(
+                [xs[k] for k in bad],
+                [t[k].get("median") or 0 for k in bad],
+                "x",
+                color="#b00020",
+                ms=10,
+                mew=2,
+                ls="none",
+                label="regressed",
+            )
     ax.set(ylabel="tokens/p/s", title=title)
     ax.grid(alpha=0.3)
     _legend(ax)
@@ -196,7 +230,11 @@ def _verdict_cell(v: str) -> str:
 
 
 def _loss_cell(flag: int | None) -> str:
-    return {None: '<span class="none">not judged</span>', 1: '<span class="ok">aligned</span>', 0: '<span class="failed">NOT aligned</span>'}[flag]
+    return {
+        None: '<span class="none">not judged</span>',
+        1: '<span class="ok">aligned</span>',
+        0: '<span class="failed">NOT aligned</span>',
+    }[flag]
 
 
 def _verdict_text(verdict: str, reason: str | None) -> str:
@@ -209,8 +247,10 @@ def _status(status: str) -> str:
 
 
 def _rounds_text(row: sqlite3.Row) -> str:
-    return (f"{row['rounds_ok']} of {row['rounds_requested']} round(s) ok, {row['rounds_unjudged']} unjudged, "
-            f"<b>{row['rounds_invalid']} invalid, {row['rounds_failed']} failed</b>")  # fmt: skip
+    return (
+        f"{row['rounds_ok']} of {row['rounds_requested']} round(s) ok, {row['rounds_unjudged']} unjudged, "
+        f"<b>{row['rounds_invalid']} invalid, {row['rounds_failed']} failed</b>"
+    )
 
 
 def _config_text(row: sqlite3.Row) -> str:
@@ -218,18 +258,36 @@ def _config_text(row: sqlite3.Row) -> str:
     return row["config_name"] + (" " + ", ".join(f"{o['param']}={o['value']}" for o in sets) if sets else "")
 
 
-AGGREGATES = (("tokens_per_gpu_s", "tokens/p/s", _f), ("mfu_6n", "MFU-6N", _pct), ("mfu_palm", "MFU-PaLM", _pct),
-              ("peak_mem_gib", "mem allocated (GiB)", lambda x: _f(x, ".3f")), ("device_mem_used_gib", "mem in use (GiB)", lambda x: _f(x, ".2f")))  # fmt: skip
+AGGREGATES = (
+    ("tokens_per_gpu_s", "tokens/p/s", _f),
+    ("mfu_6n", "MFU-6N", _pct),
+    ("mfu_palm", "MFU-PaLM", _pct),
+    ("peak_mem_gib", "mem allocated (GiB)", lambda x: _f(x, ".3f")),
+    ("device_mem_used_gib", "mem in use (GiB)", lambda x: _f(x, ".2f")),
+)
 
 
 def _phase_row(p: sqlite3.Row) -> list[str]:
     """One round's phase; the figures of a round that is not ok carry its status."""
-    fig = lambda text: e(figure(text, p["status"]))  # noqa: E731
-    used = "-" if p["device_mem_used_gib"] is None else (
-        f"{p['device_mem_used_gib']:.2f}" + (f"/{p['device_mem_total_gib']:.0f}" if p["device_mem_total_gib"] else ""))
-    return [str(p["round"]), e(p["phase"]), _status(p["status"]), fig(_f(p["tokens_per_gpu_s"])), fig(_pct(p["mfu_6n"])), fig(_pct(p["mfu_palm"])),
-            fig(_f(p["peak_mem_gib"], ".3f")), fig(used), "-" if p["loss_mre"] is None else f"{100 * p['loss_mre']:.2f}%",
-            _verdict_text(p["loss_verdict"], p["loss_reason"]), e((p["error"] or "").splitlines()[0] if p["error"] else "")]  # fmt: skip
+    fig = lambda text: e(figure(text, p["status"]))
+    used = (
+        "-"
+        if p["device_mem_used_gib"] is None
+        else (f"{p['device_mem_used_gib']:.2f}" + (f"/{p['device_mem_total_gib']:.0f}" if p["device_mem_total_gib"] else ""))
+    )
+    return [
+        str(p["round"]),
+        e(p["phase"]),
+        _status(p["status"]),
+        fig(_f(p["tokens_per_gpu_s"])),
+        fig(_pct(p["mfu_6n"])),
+        fig(_pct(p["mfu_palm"])),
+        fig(_f(p["peak_mem_gib"], ".3f")),
+        fig(used),
+        "-" if p["loss_mre"] is None else f"{100 * p['loss_mre']:.2f}%",
+        _verdict_text(p["loss_verdict"], p["loss_reason"]),
+        e((p["error"] or "").splitlines()[0] if p["error"] else ""),
+    ]
 
 
 def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
@@ -248,13 +306,41 @@ def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
         out.append(f'<p class="failed">the case broke off: {e(row["error"])}</p>')
     if findings:
         out.append('<ul class="findings">' + "".join(f"<li>{e(f['message'])}</li>" for f in findings) + "</ul>")
-    agg = [[e(ph), e(label), str(s.get(m, {}).get("n", 0)), *(fmt(s.get(m, {}).get(k)) for k in ("median", "min", "max")),
-            _range(fmt(s.get(m, {}).get("q1")), fmt(s.get(m, {}).get("q3"))), fmt(s.get(m, {}).get("olympic"))]
-           for ph, s in st.items() for m, label, fmt in AGGREGATES]  # fmt: skip
+    agg = [
+        [
+            e(ph),
+            e(label),
+            str(s.get(m, {}).get("n", 0)),
+            *(fmt(s.get(m, {}).get(k)) for k in ("median", "min", "max")),
+            _range(fmt(s.get(m, {}).get("q1")), fmt(s.get(m, {}).get("q3"))),
+            fmt(s.get(m, {}).get("olympic")),
+        ]
+        for ph, s in st.items()
+        for m, label, fmt in AGGREGATES
+    ]
     out.append(f"<p>{_rounds_text(row)}; loss {_loss_cell(row['loss_aligned'])}</p>")
-    out.append(_table(["phase", "metric", "clean rounds", "median", "min", "max", "IQR", "olympic mean (5+ rounds)"], agg, {2, 3, 4, 5, 6, 7}))
-    out.append(_table(["round", "phase", "status", "tokens/p/s", "MFU-6N", "MFU-PaLM", "mem allocated (GiB)", "mem in use (GiB)", "loss MRE", "loss",
-                       "error"], [_phase_row(p) for p in phases], {0, 3, 4, 5, 6, 7, 8}))  # fmt: skip
+    out.append(
+        _table(["phase", "metric", "clean rounds", "median", "min", "max", "IQR", "olympic mean (5+ rounds)"], agg, {2, 3, 4, 5, 6, 7})
+    )
+    out.append(
+        _table(
+            [
+                "round",
+                "phase",
+                "status",
+                "tokens/p/s",
+                "MFU-6N",
+                "MFU-PaLM",
+                "mem allocated (GiB)",
+                "mem in use (GiB)",
+                "loss MRE",
+                "loss",
+                "error",
+            ],
+            [_phase_row(p) for p in phases],
+            {0, 3, 4, 5, 6, 7, 8},
+        )
+    )
     trend = history.runs_of_identity(db, history.identity_of(row), up_to_run=row["id"])
     out.append(
         '<div class="plots">'
@@ -263,9 +349,13 @@ def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
         + trend_plot(db, trend, title)
         + "</div>"
     )
-    details = {"settings": json.loads(row["settings_json"]), "vendor overrides": json.loads(row["overrides_json"]),
-               "user overrides": json.loads(row["user_overrides_json"]), "hardware": json.loads(row["hardware_json"]),
-               "system": json.loads(row["system_json"])}  # fmt: skip
+    details = {
+        "settings": json.loads(row["settings_json"]),
+        "vendor overrides": json.loads(row["overrides_json"]),
+        "user overrides": json.loads(row["user_overrides_json"]),
+        "hardware": json.loads(row["hardware_json"]),
+        "system": json.loads(row["system_json"]),
+    }
     out.append(f"<details><summary>config and system</summary><pre>{e(json.dumps(details, indent=2))}</pre></details>")
     return "\n".join(out)
 
@@ -287,26 +377,63 @@ def write_night(db: sqlite3.Connection, night_id: int, out_dir: Path, exit_statu
         f"<h1>Nightly {e(night['started'])}: {_verdict_cell(status)}</h1>",
         (
             f'<p class="meta">run list <code>{e(night["runlist_path"])}</code> on {e(night["host"])}; exit status {e(exit_status)} '
-            f"({e(EXIT_MEANING.get(exit_status, '?'))}); <a href=\"index.html\">all nights</a></p>"
+            f'({e(EXIT_MEANING.get(exit_status, "?"))}); <a href="index.html">all nights</a></p>'
         ),
     ]
     body.append(
-        '<ul class="findings">' + "".join(f"<li>{e(f['message'])}</li>" for f in findings) + "</ul>" if findings else '<p class="pass">No regression.</p>'
+        '<ul class="findings">' + "".join(f"<li>{e(f['message'])}</li>" for f in findings) + "</ul>"
+        if findings
+        else '<p class="pass">No regression.</p>'
     )
     rows = []
     for r in runs:
         for ph, st in (history.stats_of(db, r["id"]) or {"-": {}}).items():
             tps, mem, used, mfu = (st.get(m, {}) for m in ("tokens_per_gpu_s", "peak_mem_gib", "device_mem_used_gib", "mfu_6n"))
-            rows.append([
-                f'<a href="#run-{r["id"]}">{e(r["case_key"])}</a>', e(r["vendor"]), e(_config_text(r)), e(ph), e(history.rounds_text(r)),
-                _f(tps.get("median")), _range(_f(tps.get("min")), _f(tps.get("max"))), _range(_f(tps.get("q1")), _f(tps.get("q3"))),
-                _f(tps.get("olympic")), _pct(mfu.get("median")), _f(mem.get("median"), ".3f"), _f(used.get("median"), ".2f"),
-                _loss_cell(r["loss_aligned"]), str(r["baseline_runs"]), _verdict_cell(r["verdict"]),
-            ])  # fmt: skip
-    body.append('<p class="meta">Figures are medians over each run\'s clean rounds (ok or unjudged); rounds ok/unjudged/invalid/failed.</p>')
-    body.append(_table(["case", "vendor", "config", "phase", "rounds ok/unjudged/invalid/failed", "tokens/p/s median", "min-max", "IQR", "olympic",
-                        "MFU-6N", "mem alloc (GiB)", "mem in use (GiB)", "loss", "baseline runs", "verdict"], rows,
-                       {5, 6, 7, 8, 9, 10, 11, 13}))  # fmt: skip
+            rows.append(
+                [
+                    f'<a href="#run-{r["id"]}">{e(r["case_key"])}</a>',
+                    e(r["vendor"]),
+                    e(_config_text(r)),
+                    e(ph),
+                    e(history.rounds_text(r)),
+                    _f(tps.get("median")),
+                    _range(_f(tps.get("min")), _f(tps.get("max"))),
+                    _range(_f(tps.get("q1")), _f(tps.get("q3"))),
+                    _f(tps.get("olympic")),
+                    _pct(mfu.get("median")),
+                    _f(mem.get("median"), ".3f"),
+                    _f(used.get("median"), ".2f"),
+                    _loss_cell(r["loss_aligned"]),
+                    str(r["baseline_runs"]),
+                    _verdict_cell(r["verdict"]),
+                ]
+            )
+    body.append(
+        '<p class="meta">Figures are medians over each run\'s clean rounds (ok or unjudged); rounds ok/unjudged/invalid/failed.</p>'
+    )
+    body.append(
+        _table(
+            [
+                "case",
+                "vendor",
+                "config",
+                "phase",
+                "rounds ok/unjudged/invalid/failed",
+                "tokens/p/s median",
+                "min-max",
+                "IQR",
+                "olympic",
+                "MFU-6N",
+                "mem alloc (GiB)",
+                "mem in use (GiB)",
+                "loss",
+                "baseline runs",
+                "verdict",
+            ],
+            rows,
+            {5, 6, 7, 8, 9, 10, 11, 13},
+        )
+    )
     body += [_case_section(db, r) for r in runs]
     page = night_path(db, night_id, out_dir)
     _write(page, PAGE.substitute(title=f"flagbench nightly {night['started']}", body="\n".join(body)))
@@ -324,8 +451,16 @@ def write_index(db: sqlite3.Connection, out_dir: Path) -> Path:
         if n["report_path"]:
             href = os.path.relpath(n["report_path"], out_dir)
             link = f'<a href="{e(href)}">{link}</a>'
-        rows.append([link, e(n["host"]), f"<code>{e(n['runlist_path'])}</code>", str(cnt["runs"]), str(cnt["bad"] or 0),
-                     f"{e(n['exit_status'])} ({e(EXIT_MEANING.get(n['exit_status'], '?'))})"])  # fmt: skip
+        rows.append(
+            [
+                link,
+                e(n["host"]),
+                f"<code>{e(n['runlist_path'])}</code>",
+                str(cnt["runs"]),
+                str(cnt["bad"] or 0),
+                f"{e(n['exit_status'])} ({e(EXIT_MEANING.get(n['exit_status'], '?'))})",
+            ]
+        )
     body = ["<h1>flagbench nightly history</h1>", _table(["night", "host", "run list", "cases", "regressed", "exit status"], rows, {3, 4})]
     body.append("<h2>Trends</h2>")
     plots = []

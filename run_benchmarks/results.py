@@ -15,8 +15,21 @@ from rich.text import Text
 
 from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults
 
-COLUMNS = ["config", "phase", "precision", "parallel", "fix_hp", "tokens/p/s", "loss", "mem allocated (GiB)", "mem in use (GiB)",
-           "MFU-6N", "MFU-PaLM", "of ceiling", "status"]  # fmt: skip
+COLUMNS = [
+    "config",
+    "phase",
+    "precision",
+    "parallel",
+    "fix_hp",
+    "tokens/p/s",
+    "loss",
+    "mem allocated (GiB)",
+    "mem in use (GiB)",
+    "MFU-6N",
+    "MFU-PaLM",
+    "of ceiling",
+    "status",
+]
 
 
 def system_info() -> dict[str, Any]:
@@ -84,12 +97,23 @@ def rows(res: RunResults) -> list[list[str]]:
         status = rnd.status + (f": {rnd.error.splitlines()[0][:60]}" if rnd.error and rnd.status != "ok" else "")
         for p in rnd.phases:
             fig = lambda text, status=rnd.status: figure(text, status)
-            out.append([
-                f"{res.config_name} r{rnd.round}", p.phase, str(res.settings["train"]["precision"]), p.layout or rnd.layout or "-", fix,
-                fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"), loss_cell(p.gate),
-                fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)), fig(device_mem(p.device_mem)),
-                fig(_pct(p.mfu_6n)), fig(_pct(p.mfu_palm)), fig(ceiling_cell(p.ceiling_efficiency, p.ceiling_tokens_per_gpu_s)), status,
-            ])  # fmt: skip
+            out.append(
+                [
+                    f"{res.config_name} r{rnd.round}",
+                    p.phase,
+                    str(res.settings["train"]["precision"]),
+                    p.layout or rnd.layout or "-",
+                    fix,
+                    fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"),
+                    loss_cell(p.gate),
+                    fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)),
+                    fig(device_mem(p.device_mem)),
+                    fig(_pct(p.mfu_6n)),
+                    fig(_pct(p.mfu_palm)),
+                    fig(ceiling_cell(p.ceiling_efficiency, p.ceiling_tokens_per_gpu_s)),
+                    status,
+                ]
+            )
     return out
 
 
@@ -106,15 +130,22 @@ def markdown(res: RunResults) -> str:
     )
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows(res)]
-    notes = ["", "Memory: allocated is the framework allocator's peak over ranks (peak RSS on a CPU), over the device total the "
-             "framework reports; in use is the busiest GPU the run used as the monitor saw it (NVML), over its total; "
-             "\"(round)\" where the monitor had no sample inside the phase. A round that is not ok shows its figures with its status.",
-             "", "Of ceiling: tokens/p/s over the kernel ceiling the case measured on its device before training (its own "
-             "GEMMs and attention alone, forward and backward, training/ceiling.py), with that ceiling in tokens/p/s."]  # fmt: skip
+    notes = [
+        "",
+        "Memory: allocated is the framework allocator's peak over ranks (peak RSS on a CPU), over the device total the "
+        "framework reports; in use is the busiest GPU the run used as the monitor saw it (NVML), over its total; "
+        '"(round)" where the monitor had no sample inside the phase. A round that is not ok shows its figures with its status.',
+        "",
+        "Of ceiling: tokens/p/s over the kernel ceiling the case measured on its device before training (its own "
+        "GEMMs and attention alone, forward and backward, training/ceiling.py), with that ceiling in tokens/p/s.",
+    ]
     ov = res.overrides
     notes += ["", "Vendor overrides: " + (", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in ov) or "none")]
     if res.user_overrides:
-        notes.append("User overrides (not a standard run): " + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides))
+        notes.append(
+            "User overrides (not a standard run): "
+            + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides)
+        )
     notes += breakdown_lines(res)
     return head + "\n".join(lines + notes) + "\n"
 
@@ -132,18 +163,25 @@ def breakdown_lines(res: RunResults) -> list[str]:
                         return f"| {name} | - | - | - |"
                     return f"| {name} | {t:.3f} | {_pct(t / wall if wall else None)} | {_pct(t / ref if ref and of_ref else None)} |"
 
-                out += ["", f"Step {b['step']} of round {rnd.round}, phase {p.phase}, rank {rank} "
-                        f"(pipeline stage {b.get('pp_rank', 0)}), profiled from {b['source']}: {wall:.3f} s under the profiler, "
-                        + (f"{ref:.3f} s for an ordinary step of the window" if ref else "no window step to compare"),
-                        "", "| part | time (s) | of the profiled step | of an ordinary step |", "|---|---|---|---|"]  # fmt: skip
+                out += [
+                    "",
+                    f"Step {b['step']} of round {rnd.round}, phase {p.phase}, rank {rank} "
+                    f"(pipeline stage {b.get('pp_rank', 0)}), profiled from {b['source']}: {wall:.3f} s under the profiler, "
+                    + (f"{ref:.3f} s for an ordinary step of the window" if ref else "no window step to compare"),
+                    "",
+                    "| part | time (s) | of the profiled step | of an ordinary step |",
+                    "|---|---|---|---|",
+                ]
                 for name, c in b["categories"].items():
                     out.append(row(name, c["kernel_s"]))
                 out.append(row("communication not overlapped", b["communication_exposed_s"]))
                 out.append(row("idle under the profiler", b["idle_s"], of_ref=False))
                 out.append(row("idle in an ordinary step (estimate)", b.get("idle_estimate_s")))
                 out.append(row("optimizer region (host included)", b["optimizer_wall_s"]))
-                out.append(f"\nTrace: `{b.get('trace')}` in the rank's output folder; the profiled step is left out of the "
-                           "throughput window. Kernels on several streams overlap, so the parts may add up to more than the step.")
+                out.append(
+                    f"\nTrace: `{b.get('trace')}` in the rank's output folder; the profiled step is left out of the "
+                    "throughput window. Kernels on several streams overlap, so the parts may add up to more than the step."
+                )
     return out
 
 

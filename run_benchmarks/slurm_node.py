@@ -56,9 +56,7 @@ def fail(code: int, message: str) -> int:
 
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list (``n[1-2]`` -> ``n1``), as scontrol expands it."""
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
-    ).stdout.split()
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True).stdout.split()
     if not out:
         raise ValueError(f"scontrol show hostnames {nodelist!r} printed nothing")
     return out[0]
@@ -75,8 +73,10 @@ def master_address(node: str) -> str:
         pass
     resolved = address_of(addr)
     if resolved == addr:
-        raise ValueError(f"the master node {node} (NodeAddr {addr}) has no address on {socket.gethostname()}: "
-                         "give it a NodeAddr in slurm.conf or make its name resolve on every node")  # fmt: skip
+        raise ValueError(
+            f"the master node {node} (NodeAddr {addr}) has no address on {socket.gethostname()}: "
+            "give it a NodeAddr in slurm.conf or make its name resolve on every node"
+        )
     return resolved
 
 
@@ -96,8 +96,11 @@ def rendezvous_port(spec: dict[str, Any], rank: int, job_id: str) -> int:
         try:
             info: dict[str, Any] = {"job_id": job_id, "port": free_port(spec.get("master_port") or 0)}
         except OSError as exc:
-            info = {"job_id": job_id, "error": f"master_port {spec.get('master_port')} of the cluster file is in use on "
-                                               f"{socket.gethostname()} ({exc.strerror}); leave it out to use a free port"}  # fmt: skip
+            info = {
+                "job_id": job_id,
+                "error": f"master_port {spec.get('master_port')} of the cluster file is in use on "
+                f"{socket.gethostname()} ({exc.strerror}); leave it out to use a free port",
+            }
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(info))
         os.replace(tmp, path)
@@ -120,9 +123,12 @@ def rendezvous_port(spec: dict[str, Any], rank: int, job_id: str) -> int:
 
 def fill_port(node: dict[str, Any], placeholder: str, port: int) -> dict[str, Any]:
     p = str(port)
-    return {**node, "command": [a.replace(placeholder, p) for a in node["command"]],
-            "env": {k: v.replace(placeholder, p) for k, v in node["env"].items()},
-            "leftovers": [g.replace(placeholder, p) for g in node.get("leftovers", [])]}  # fmt: skip
+    return {
+        **node,
+        "command": [a.replace(placeholder, p) for a in node["command"]],
+        "env": {k: v.replace(placeholder, p) for k, v in node["env"].items()},
+        "leftovers": [g.replace(placeholder, p) for g in node.get("leftovers", [])],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = json.loads(spec_path.read_text())
     except FileNotFoundError:
-        return fail(EXIT_NO_SPEC, f"{spec_path} is not visible on this node: the run directory must be on a "
-                                  "filesystem shared by the submit host and every node")  # fmt: skip
+        return fail(
+            EXIT_NO_SPEC,
+            f"{spec_path} is not visible on this node: the run directory must be on a filesystem shared by the submit host and every node",
+        )
     if spec.get("version") != SPEC_VERSION:
         return fail(EXIT_NO_SPEC, f"{spec_path}: spec version {spec.get('version')!r}, expected {SPEC_VERSION}")
 
@@ -146,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(EXIT_BAD_ALLOCATION, f"not inside a Slurm job step ({exc})")
     nodes = spec["nodes"]
     if nnodes != len(nodes) or rank != procid or not 0 <= rank < len(nodes):
-        return fail(EXIT_BAD_ALLOCATION, f"allocation of {nnodes} node(s), node id {rank}, task {procid}: "
-                                         f"the plan needs {len(nodes)} nodes with one task each")  # fmt: skip
+        return fail(
+            EXIT_BAD_ALLOCATION,
+            f"allocation of {nnodes} node(s), node id {rank}, task {procid}: the plan needs {len(nodes)} nodes with one task each",
+        )
     master_host = first_host(nodelist)
     job_id = env.get("SLURM_JOB_ID", "")
     try:
@@ -159,8 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, subprocess.SubprocessError) as exc:
         node_dir = Path(spec["round_dir"]) / f"node{rank}"
         node_dir.mkdir(parents=True, exist_ok=True)  # the report carries the reason to the harness
-        write_report(node_dir, {"node_rank": rank, "slurm_node": env.get("SLURMD_NODENAME") or socket.gethostname(),
-                                "job_id": job_id, "returncode": EXIT_NO_RENDEZVOUS, "error": str(exc)})  # fmt: skip
+        write_report(
+            node_dir,
+            {
+                "node_rank": rank,
+                "slurm_node": env.get("SLURMD_NODENAME") or socket.gethostname(),
+                "job_id": job_id,
+                "returncode": EXIT_NO_RENDEZVOUS,
+                "error": str(exc),
+            },
+        )
         return fail(EXIT_NO_RENDEZVOUS, str(exc))
     report: dict[str, Any] = {
         "slurm_node": env.get("SLURMD_NODENAME") or socket.gethostname(),

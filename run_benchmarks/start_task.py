@@ -49,13 +49,14 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rich.console import Console  # noqa: E402
+from rich.console import Console
 
-from run_benchmarks import plan as planning, results  # noqa: E402
-from run_benchmarks.casename import GRAMMAR, CaseName, check_name  # noqa: E402
-from run_benchmarks.config import ClusterConfig, cluster_with, load  # noqa: E402
-from run_benchmarks.errors import InputError  # noqa: E402
-from run_benchmarks.runtimes.base import stop_on_signals  # noqa: E402
+from run_benchmarks import plan as planning
+from run_benchmarks import results
+from run_benchmarks.casename import GRAMMAR, CaseName, check_name
+from run_benchmarks.config import ClusterConfig, cluster_with, load
+from run_benchmarks.errors import InputError
+from run_benchmarks.runtimes.base import stop_on_signals
 
 
 def parser() -> argparse.ArgumentParser:
@@ -69,17 +70,38 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--case_name", "--case-name", dest="case_name", required=True, help=f"{GRAMMAR}, e.g. llama3_8b:megatron:A100:1:8")
     ap.add_argument("--variant", help="layout variant of the size's config, e.g. PP4DP2TP1 -> config_A100x1x8_PP4DP2TP1.yaml")
     ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (default: this host, no SSH, no container)")
-    ap.add_argument("--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the cluster's log_dir, else ./logs)")
-    ap.add_argument("--data-dir", "--data_dir", dest="data_dir", metavar="DIR", help="dataset folder (default: the cluster's data_dir, else a synthetic corpus)")
+    ap.add_argument(
+        "--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the cluster's log_dir, else ./logs)"
+    )
+    ap.add_argument(
+        "--data-dir",
+        "--data_dir",
+        dest="data_dir",
+        metavar="DIR",
+        help="dataset folder (default: the cluster's data_dir, else a synthetic corpus)",
+    )
     ap.add_argument("--python", metavar="PATH", help="use this Python as is instead of building the framework environment")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a setting for a shorter run, e.g. train.steps=20 (listed in the results as a user override)")  # fmt: skip
-    ap.add_argument("--reference", metavar="FILE",
-                    help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
-                         "(e.g. another parallel layout of the same case) or a {steps, loss} file")
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a setting for a shorter run, e.g. train.steps=20 (listed in the results as a user override)",
+    )
+    ap.add_argument(
+        "--reference",
+        metavar="FILE",
+        help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
+        "(e.g. another parallel layout of the same case) or a {steps, loss} file",
+    )
     ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
-    ap.add_argument("--startup-timeout", type=float, metavar="S",
-                    help="seconds from launch to the first rank's report before the round is stopped (default 900)")
+    ap.add_argument(
+        "--startup-timeout",
+        type=float,
+        metavar="S",
+        help="seconds from launch to the first rank's report before the round is stopped (default 900)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
@@ -88,8 +110,9 @@ def parser() -> argparse.ArgumentParser:
 
 def load_cluster(args: argparse.Namespace) -> ClusterConfig:
     cluster = load(ClusterConfig, args.cluster) if args.cluster else ClusterConfig()
-    return cluster_with(cluster, "command line", python=args.python, round_timeout_s=args.round_timeout,
-                        startup_timeout_s=args.startup_timeout)  # fmt: skip
+    return cluster_with(
+        cluster, "command line", python=args.python, round_timeout_s=args.round_timeout, startup_timeout_s=args.startup_timeout
+    )
 
 
 def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]
@@ -131,11 +154,19 @@ def host_command(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="start_task.py", description=host_command.__doc__)
     ap.add_argument("--cluster", metavar="FILE", required=True, help="cluster YAML (backend ssh)")
     group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--load-images", nargs="?", const="", metavar="ARCHIVE",
-                       help="load the vendor's base images on every host that lacks them: from ARCHIVE "
-                            "(a docker save file), else from this machine's docker engine")
-    group.add_argument("--cleanup", action="store_true",
-                       help="remove what earlier runs left on the hosts (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm)")
+    group.add_argument(
+        "--load-images",
+        nargs="?",
+        const="",
+        metavar="ARCHIVE",
+        help="load the vendor's base images on every host that lacks them: from ARCHIVE "
+        "(a docker save file), else from this machine's docker engine",
+    )
+    group.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="remove what earlier runs left on the hosts (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm)",
+    )
     ap.add_argument("--vendor", help="vendor folder under vendors/ (for --load-images)")
     args = ap.parse_args(argv)
     try:
@@ -190,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir: list[Path] = []  # the run folder, once the plan names it
     try:
         return _main(argv, run_dir)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence
+    except Exception as exc:
         print(crash_report(exc, run_dir[0] if run_dir else None), file=sys.stderr)
         return 3
 

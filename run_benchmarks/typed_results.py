@@ -202,7 +202,7 @@ class RunResults(Strict):
     model_config = {"populate_by_name": True}
 
     @model_validator(mode="after")
-    def _known_schema(self) -> "RunResults":
+    def _known_schema(self) -> RunResults:
         if self.schema_ > SCHEMA_VERSION:
             raise ValueError(f"schema {self.schema_} is newer than this harness's ({SCHEMA_VERSION}); use a newer flagbench")
         return self

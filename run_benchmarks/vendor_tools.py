@@ -22,14 +22,18 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import yaml  # noqa: E402
+import yaml
 
-from run_benchmarks import plan as planning, registry  # noqa: E402
-from run_benchmarks.casename import CaseName, check_name  # noqa: E402
-from run_benchmarks.config import VendorConfig, load, problems as config_problems  # noqa: E402
-from run_benchmarks.errors import InputError  # noqa: E402
+from run_benchmarks import plan as planning
+from run_benchmarks import registry
+from run_benchmarks.casename import CaseName, check_name
+from run_benchmarks.config import VendorConfig, load
+from run_benchmarks.config import problems as config_problems
+from run_benchmarks.errors import InputError
 
-CONFIG_NAME = re.compile(r"^config_(?P<hw>[A-Za-z0-9][A-Za-z0-9.\-]*)x(?P<n>[0-9]+)x(?P<m>[0-9]+)(?:_(?P<variant>[A-Za-z0-9][A-Za-z0-9_.\-]*))?$")
+CONFIG_NAME = re.compile(
+    r"^config_(?P<hw>[A-Za-z0-9][A-Za-z0-9.\-]*)x(?P<n>[0-9]+)x(?P<m>[0-9]+)(?:_(?P<variant>[A-Za-z0-9][A-Za-z0-9_.\-]*))?$"
+)
 
 
 def _function_defined(spec: str, root: Path) -> str | None:
@@ -137,8 +141,10 @@ def image_problems(folder: Path, framework: str) -> list[str]:
         text = req.read_text().lower().replace("_", "-")
         for pkg in NEEDED.get(framework, ()):
             if pkg not in text:
-                out.append(f"{req}: does not name {pkg} (needed by {framework} cases and the node monitors; "
-                           "if the base image provides it, say so in a comment naming it)")  # fmt: skip
+                out.append(
+                    f"{req}: does not name {pkg} (needed by {framework} cases and the node monitors; "
+                    "if the base image provides it, say so in a comment naming it)"
+                )
     return out
 
 

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pydantic import BaseModel
 
-from run_benchmarks import metrics, typed_results as tr
+from run_benchmarks import metrics
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
 from run_benchmarks.orchestrator import round_status
 from training.flops import mfu
@@ -78,7 +80,9 @@ def _reference(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check
     if path is None:
         return True, None  # judged without a reference
     if not Path(path).is_file():
-        check.notes.append(f"{check.path}: round {rnd.round} phase {p.phase}: the loss verdict is not recomputed: its reference {path} is not here")
+        check.notes.append(
+            f"{check.path}: round {rnd.round} phase {p.phase}: the loss verdict is not recomputed: its reference {path} is not here"
+        )
         return False, None
     try:
         return True, metrics.read_reference(Path(path), p.phase)
@@ -86,7 +90,9 @@ def _reference(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check
         raise InputError(f"{check.path}: round {rnd.round} phase {p.phase}: its reference: {exc}") from None
 
 
-def _gate(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, loss: dict[int, float], check: Check, where: str) -> tr.LossGate | None:
+def _gate(
+    res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, loss: dict[int, float], check: Check, where: str
+) -> tr.LossGate | None:
     found, ref = _reference(res, rnd, p, check)
     if not found:
         return None
@@ -133,13 +139,18 @@ def verify_file(path: Path) -> Check:
     res = tr.load(path)
     check = Check(path)
     if res.schema_ < 2:
-        check.notes.append(f"{path}: schema {res.schema_} keeps no per-step records: the window, tokens/p/s, step time and "
-                           "loss curve cannot be recomputed; checked: MFU from tokens/p/s and the model counts, the loss verdict")  # fmt: skip
+        check.notes.append(
+            f"{path}: schema {res.schema_} keeps no per-step records: the window, tokens/p/s, step time and "
+            "loss curve cannot be recomputed; checked: MFU from tokens/p/s and the model counts, the loss verdict"
+        )
     for rnd in res.rounds:
         _round(res, rnd, check)
     if not check.mismatches:
-        check.notes.append(f"{path}: every figure of {len(res.rounds)} round(s) matches its records"
-                           if res.schema_ >= 2 else f"{path}: every figure that can be recomputed matches")  # fmt: skip
+        check.notes.append(
+            f"{path}: every figure of {len(res.rounds)} round(s) matches its records"
+            if res.schema_ >= 2
+            else f"{path}: every figure that can be recomputed matches"
+        )
     return check
 
 

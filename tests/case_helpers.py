@@ -36,14 +36,18 @@ def torch_extensions_dir() -> str:
     )
 
 
-def pytest_in(py: str, test_file: Path, *args: str, env: dict[str, str] | None = None,
-              timeout: int = 600) -> subprocess.CompletedProcess:
+def pytest_in(py: str, test_file: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run pytest on ``test_file`` under another Python (a framework environment's), from the
     repository root with it on ``PYTHONPATH`` and without building environments."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "FB_TEST_BUILD_ENVS": "0", **(env or {})}
     return subprocess.run(
         [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), *args],
-        cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False,
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 

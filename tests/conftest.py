@@ -83,4 +83,4 @@ paddle_python = _environment_fixture("paddle")
 
 
 # the real test cluster (network namespaces with sshd + dockerd): tests/cluster/
-from tests.cluster.fixtures import cluster, cluster_pool, torch_venv  # noqa: E402,F401
+from tests.cluster.fixtures import cluster, cluster_pool, torch_venv  # noqa: F401

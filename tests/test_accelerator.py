@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import units_in_env  # noqa: E402
+from tests.case_helpers import units_in_env
 
 try:
     import torch

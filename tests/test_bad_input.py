@@ -22,9 +22,21 @@ def _write(tmp: Path, name: str, text: str) -> str:
 
 CASES = [
     ("malformed case name", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:8"], "must have the form"),
-    ("shell metacharacters in model", ["--vendor", "nvidia", "--case_name", "llama3_8b;reboot:megatron:A100:1:8"], "model 'llama3_8b;reboot' is not a valid name"),
-    ("command substitution in framework", ["--vendor", "nvidia", "--case_name", "llama3_8b:$(id):A100:1:8"], "framework '$(id)' is not a valid name"),
-    ("path separator in hardware", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:../../etc:1:8"], "hardware '../../etc' is not a valid name"),
+    (
+        "shell metacharacters in model",
+        ["--vendor", "nvidia", "--case_name", "llama3_8b;reboot:megatron:A100:1:8"],
+        "model 'llama3_8b;reboot' is not a valid name",
+    ),
+    (
+        "command substitution in framework",
+        ["--vendor", "nvidia", "--case_name", "llama3_8b:$(id):A100:1:8"],
+        "framework '$(id)' is not a valid name",
+    ),
+    (
+        "path separator in hardware",
+        ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:../../etc:1:8"],
+        "hardware '../../etc' is not a valid name",
+    ),
     ("path in vendor", ["--vendor", "../nvidia", "--case_name", "llama3_8b:megatron:A100:1:8"], "vendor '../nvidia' is not a valid name"),
     ("unknown vendor", ["--vendor", "acme", "--case_name", "llama3_8b:megatron:A100:1:8"], "unknown vendor 'acme': known vendors are"),
     ("unknown model", ["--vendor", "nvidia", "--case_name", "llama9_1t:megatron:A100:1:8"], "unknown model 'llama9_1t'"),
@@ -55,7 +67,11 @@ def test_bad_argv(what, argv, fragment, tmp_path, capsys, monkeypatch):
 
 CLUSTER_CASES = [
     ("cluster YAML syntax error", "hosts: [a, b\n", "YAML syntax error"),
-    ("cluster wrong type", "master_port: abc\n", "field 'master_port': Input should be a valid integer, unable to parse string as an integer, got 'abc'"),
+    (
+        "cluster wrong type",
+        "master_port: abc\n",
+        "field 'master_port': Input should be a valid integer, unable to parse string as an integer, got 'abc'",
+    ),
     ("cluster unknown field", "hostz: []\n", "field 'hostz': unknown field; expected one of: backend, runtime, hosts,"),
     ("cluster host with metacharacters", "backend: ssh\nhosts:\n  - {name: 'n1;ls', address: 10.0.0.1}\n", "field 'hosts.0.name'"),
     ("cluster bad address", "backend: ssh\nhosts:\n  - {name: n1, address: 'a b'}\n", "field 'hosts.0.address'"),
@@ -89,10 +105,15 @@ def test_missing_cluster_file(tmp_path, capsys):
 def test_exit_status_2_from_the_command_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--vendor", "nvidia", "--case_name", "x:y"],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["error: case name 'x:y' must have the form model:framework:hardware:nnodes:nprocs[:repeat] (got 2 fields)"]
+    assert proc.stderr.strip().splitlines() == [
+        "error: case name 'x:y' must have the form model:framework:hardware:nnodes:nprocs[:repeat] (got 2 fields)"
+    ]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -114,6 +135,10 @@ def test_unknown_field_under_a_mapping_names_the_entry_model(tmp_path):
     from run_benchmarks.config import VendorConfig, load
 
     path = tmp_path / "vendor.yaml"
-    path.write_text("name: v\ndevice: cuda\ndist_backend: nccl\nchips:\n  X1:\n    peak_flops: {bf16: 1.0e+15}\n    source: s\n    device_namez: [X1]\n")
-    with pytest.raises(InputError, match=r"field 'chips.X1.device_namez': unknown field; expected one of: peak_flops, memory_gib, source, device_names$"):
+    path.write_text(
+        "name: v\ndevice: cuda\ndist_backend: nccl\nchips:\n  X1:\n    peak_flops: {bf16: 1.0e+15}\n    source: s\n    device_namez: [X1]\n"
+    )
+    with pytest.raises(
+        InputError, match=r"field 'chips.X1.device_namez': unknown field; expected one of: peak_flops, memory_gib, source, device_names$"
+    ):
         load(VendorConfig, path)

@@ -41,7 +41,7 @@ def test_real_corpus_found_and_windows_are_contiguous(tmp_path):
     assert batch.shape == (2, 17) and batch.dtype == np.int64
     for row in batch:  # a window of the token stream
         start = int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(tokens, 17) == row, axis=1))[0])
-        assert np.array_equal(tokens[start:start + 17], row)
+        assert np.array_equal(tokens[start : start + 17], row)
     if inp is not None:
         assert inp.shape == lab.shape == (2, 16) and (inp[:, 1:] == lab[:, :-1]).all()
 
@@ -102,8 +102,16 @@ def test_synthetic_corpus_written_to_cache_dir(tmp_path):
 
 
 def test_shape_flat_or_nested_and_checked():
-    flat = {"name": "m", "params_nominal": 1.0, "num_layers": 2, "hidden_size": 160, "ffn_hidden_size": 432,
-            "num_heads": 10, "seq_length": 128, "vocab_size": 2048}
+    flat = {
+        "name": "m",
+        "params_nominal": 1.0,
+        "num_layers": 2,
+        "hidden_size": 160,
+        "ffn_hidden_size": 432,
+        "num_heads": 10,
+        "seq_length": 128,
+        "vocab_size": 2048,
+    }
     s = settings_mod.shape({"model": flat})
     assert s["max_position_embeddings"] == 4096 and s["norm_eps"] == 1e-6
     assert settings_mod.shape({"model": {"shape": flat}}) == s

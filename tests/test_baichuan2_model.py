@@ -48,6 +48,7 @@ def tiny_shape(**over):
 
 def _reference_slopes(n: int) -> list[float]:
     """ALiBi slopes written out from the paper's closed form (independent of model.py)."""
+
     def pow2(m: int) -> list[float]:
         return [2.0 ** (-8.0 * k / m) for k in range(1, m + 1)]
 
@@ -69,9 +70,9 @@ def test_alibi_slopes_formula(M, n):
 @needs_torch
 def test_alibi_slopes_40_heads(M):
     s = M.alibi_slopes(40)
-    assert s[0] == pytest.approx(2 ** -0.25)
-    assert s[31] == pytest.approx(2 ** -8)
-    assert s[32] == pytest.approx(2 ** -0.125)  # first of the 64-head sequence's even positions
+    assert s[0] == pytest.approx(2**-0.25)
+    assert s[31] == pytest.approx(2**-8)
+    assert s[32] == pytest.approx(2**-0.125)  # first of the 64-head sequence's even positions
     assert s[39] == pytest.approx(2 ** (-0.125 * 15))
     assert all(a > b for a, b in zip(s[:32], s[1:32]))
 

@@ -108,7 +108,7 @@ def test_switches_match_the_plain_model():
     proc = subprocess.run([py, "-c", _CHECK, json.dumps(shape)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
 
     assert res["switches"]["default"] == {"attention": "sdpa", "fused_elementwise": "none", "recompute_num_layers": None}
     assert res["switches"]["set"] == {"attention": "flex", "fused_elementwise": "compile", "recompute_num_layers": 3}

@@ -46,37 +46,68 @@ def _python() -> str:
 def resolved(tmp: Path, **over) -> dict:
     """A resolved.json as the harness writes it for baichuan2_tiny:deepspeed:cpu:1:2 (config_cpux1x2)."""
     train = {
-        "steps": 30, "warmup_steps": 5, "global_batch": 16, "micro_batch": 4,
-        "gradient_accumulation_steps": None, "precision": "bf16", "lr": 1.0e-3, "min_lr": 1.0e-4,
-        "lr_warmup_steps": 3, "weight_decay": 0.1, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.95,
-        "adam_eps": 1.0e-8, "init_std": 0.02, "seed": 1234, "profile_step": 0,
-    }  # fmt: skip
+        "steps": 30,
+        "warmup_steps": 5,
+        "global_batch": 16,
+        "micro_batch": 4,
+        "gradient_accumulation_steps": None,
+        "precision": "bf16",
+        "lr": 1.0e-3,
+        "min_lr": 1.0e-4,
+        "lr_warmup_steps": 3,
+        "weight_decay": 0.1,
+        "clip_grad": 1.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.95,
+        "adam_eps": 1.0e-8,
+        "init_std": 0.02,
+        "seed": 1234,
+        "profile_step": 0,
+    }
     parallel = {
-        "tp": 1, "pp": 1, "recompute": "full", "recompute_num_layers": None, "attention": "sdpa", "fused_elementwise": "none",
+        "tp": 1,
+        "pp": 1,
+        "recompute": "full",
+        "recompute_num_layers": None,
+        "attention": "sdpa",
+        "fused_elementwise": "none",
         "zero": {
-            "stage": 3, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": None,
-            "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,
-            "stage3_max_live_parameters": 1000000000, "stage3_max_reuse_distance": 1000000000, "sub_group_size": 1000000000,
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": None,
+            "stage3_prefetch_bucket_size": None,
+            "stage3_param_persistence_threshold": None,
+            "stage3_max_live_parameters": 1000000000,
+            "stage3_max_reuse_distance": 1000000000,
+            "sub_group_size": 1000000000,
             "offload_optimizer": "none",
         },
-    }  # fmt: skip
+    }
     train.update(over.pop("train", {}))
     for k, v in over.pop("zero", {}).items():
         parallel["zero"][k] = v
     parallel.update(over.pop("parallel", {}))
     assert not over
     return {
-        "run_id": "test_baichuan2_tiny", "round": 1,
+        "run_id": "test_baichuan2_tiny",
+        "round": 1,
         "case": {"model": "baichuan2_tiny", "framework": "deepspeed", "hardware": "cpu", "nnodes": 1, "nprocs": 2},
         "config_name": "config_cpux1x2",
         "model": {"name": "baichuan2_tiny", "params_nominal": TINY["params_nominal"], **TINY["shape"]},
         "train": train,
         "parallel": parallel,
-        "data": {"format": "megatron", "prefix": None, "max_tokens": 100000000, "synthetic_tokens": 1048576, "data_dir": None,
-                 "cache_dir": str(tmp / "cache")},
+        "data": {
+            "format": "megatron",
+            "prefix": None,
+            "max_tokens": 100000000,
+            "synthetic_tokens": 1048576,
+            "data_dir": None,
+            "cache_dir": str(tmp / "cache"),
+        },
         "vendor": {"name": "cpu", "device": "cpu", "dist_backend": "gloo", "adapters": {}},
         "output_dir": str(tmp / "out"),
-    }  # fmt: skip
+    }
 
 
 def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
@@ -92,9 +123,19 @@ def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
         "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
     cmd = [
-        py, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(CASE_DIR / "train.py"), "--config", str(path),
-    ]  # fmt: skip
+        py,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(CASE_DIR / "train.py"),
+        "--config",
+        str(path),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     (tmp / "stdout.log").write_text(proc.stdout)
     (tmp / "stderr.log").write_text(proc.stderr)

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from run_benchmarks import results, typed_results as tr
+from run_benchmarks import results
+from run_benchmarks import typed_results as tr
 from run_benchmarks.registry import ROOT
 from training import ceiling, flops
 
@@ -21,8 +22,9 @@ LLAMA3_8B = dict(hidden=4096, ffn=14336, heads=32, groups=8, head_dim=128, vocab
 
 
 def test_decoder_gemms_are_the_models_linear_layers_per_tp_rank():
-    shape = flops.DecoderShape(num_layers=32, hidden_size=4096, num_heads=32, seq_length=8192, vocab_size=128256,
-                               ffn_hidden_size=14336, num_kv_groups=8)  # fmt: skip
+    shape = flops.DecoderShape(
+        num_layers=32, hidden_size=4096, num_heads=32, seq_length=8192, vocab_size=128256, ffn_hidden_size=14336, num_kv_groups=8
+    )
     counts = flops.param_counts(shape)
     linear_per_layer = counts["per_layer"] - 2 * 4096  # without the two norms' weights
     for tp in (1, 2, 4):
@@ -41,8 +43,14 @@ def test_efficiency_reads_the_ceiling_from_run_meta():
     meta = {"kernel_ceiling": {"tokens_per_gpu_s": 12000.0}}
     assert ceiling.efficiency(meta, 9000.0) == (12000.0, 0.75)
     assert ceiling.efficiency(meta, None) == (12000.0, None)
-    for bad in (None, {}, {"kernel_ceiling": None}, {"kernel_ceiling": {"tokens_per_gpu_s": 0}},
-                {"kernel_ceiling": {"tokens_per_gpu_s": "fast"}}, {"kernel_ceiling": {"tokens_per_gpu_s": True}}):  # fmt: skip
+    for bad in (
+        None,
+        {},
+        {"kernel_ceiling": None},
+        {"kernel_ceiling": {"tokens_per_gpu_s": 0}},
+        {"kernel_ceiling": {"tokens_per_gpu_s": "fast"}},
+        {"kernel_ceiling": {"tokens_per_gpu_s": True}},
+    ):
         assert ceiling.efficiency(bad, 9000.0) == (None, None)
 
 
@@ -78,7 +86,12 @@ def test_ceiling_alone_on_the_cpu(megatron_python):
     # llama3_tiny: hidden 64, 4 heads of 16, 2 KV groups, ffn 224, vocab 1024, 2 layers, seq 128; TP2 shards
     assert (c["tp"], c["micro_batch"], c["seq_length"], c["layers"], c["device"], c["attention"]) == (2, 1, 128, 2, "cpu", "sdpa")
     assert {k: (v["m"], v["n"], v["k"]) for k, v in c["parts"].items() if k != "attention"} == {
-        "qkv": (128, 64, 64), "attn_proj": (128, 64, 32), "fc1": (128, 224, 64), "fc2": (128, 64, 112), "output": (128, 512, 64)}
+        "qkv": (128, 64, 64),
+        "attn_proj": (128, 64, 32),
+        "fc1": (128, 224, 64),
+        "fc2": (128, 64, 112),
+        "output": (128, 512, 64),
+    }
     assert c["micro_batch_s"] == pytest.approx(c["gemm_s"] + c["attention_s"])
     assert c["tokens_per_gpu_s"] == pytest.approx(128 / (c["micro_batch_s"] * 2))
     assert all(v["fwd_ms"] > 0 and v["dgrad_ms"] > 0 and v["wgrad_ms"] > 0 for k, v in c["parts"].items() if k != "attention")
@@ -94,15 +107,27 @@ def test_ceiling_alone_on_the_cpu(megatron_python):
 
 @pytest.mark.framework("megatron")
 def test_a_run_records_the_ceiling_its_ranks_measured(megatron_python, tmp_path):
-    proc = start("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--python", megatron_python,
-                 "--log-dir", str(tmp_path), "--set", "train.steps=7")  # fmt: skip
+    proc = start(
+        "--vendor",
+        "cpu",
+        "--case_name",
+        "llama3_tiny:megatron:cpu:1:2",
+        "--python",
+        megatron_python,
+        "--log-dir",
+        str(tmp_path),
+        "--set",
+        "train.steps=7",
+    )
     (run_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     res = tr.load(run_dir / "results.json")
     (p,) = res.rounds[0].phases
     assert p.steps_run == 7, proc.stdout + proc.stderr
     c = p.meta["kernel_ceiling"]
     assert c["tp"] == 1 and c["device"] == "cpu" and c["tokens_per_gpu_s"] > 0
-    assert p.ceiling_tokens_per_gpu_s == c["tokens_per_gpu_s"] and p.ceiling_efficiency == pytest.approx(p.tokens_per_gpu_s / c["tokens_per_gpu_s"])
+    assert p.ceiling_tokens_per_gpu_s == c["tokens_per_gpu_s"] and p.ceiling_efficiency == pytest.approx(
+        p.tokens_per_gpu_s / c["tokens_per_gpu_s"]
+    )
     raw = json.loads((run_dir / "results.json").read_text())["rounds"][0]["phases"][0]
     assert raw["ceiling_efficiency"] == pytest.approx(p.ceiling_efficiency)  # written, not only derived on reading
     assert "of ceiling" in (run_dir / "results.md").read_text()

@@ -27,8 +27,12 @@ START = str(ROOT / "run_benchmarks" / "start_task.py")
 
 def start(case: str, log_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """A real start (not a dry run): the check must stop it before the run folder exists."""
-    return subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, START, "--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def refused(proc: subprocess.CompletedProcess, log_dir: Path) -> str:
@@ -37,15 +41,16 @@ def refused(proc: subprocess.CompletedProcess, log_dir: Path) -> str:
     assert not log_dir.exists()  # no run folder: nothing started
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    return lines[0][len("error: "):]
+    return lines[0][len("error: ") :]
 
 
 @pytest.fixture(scope="module")
 def megatron_corpus(tmp_path_factory, megatron_python) -> Path:
     """A uint16 corpus in Megatron's format, written by Megatron's builder."""
     d = tmp_path_factory.mktemp("megatron")
-    megatron_corpora(megatron_python, [{"prefix": str(d / "c_text_document"), "dtype": "uint16", "vocab": 1024,
-                                        "tokens": 30_000, "seed": 4}])
+    megatron_corpora(
+        megatron_python, [{"prefix": str(d / "c_text_document"), "dtype": "uint16", "vocab": 1024, "tokens": 30_000, "seed": 4}]
+    )
     return d / "c_text_document"
 
 
@@ -74,13 +79,15 @@ def test_megatron_corruptions_are_refused_before_launch(megatron_corpus, tmp_pat
     with open(str(p) + ".bin", "r+b") as fh:
         fh.truncate(size - 10)
     assert refused(start(LLAMA, logs, "--data-dir", str(p.parent)), logs) == (
-        f"{p}.bin: {size - 10} bytes, the index c_text_document.idx describes {size} (truncated)")
+        f"{p}.bin: {size - 10} bytes, the index c_text_document.idx describes {size} (truncated)"
+    )
     # float32 token ids
     d = tmp_path / "float"
     d.mkdir()
     write_indexed(str(d / "f"), [np.arange(500, dtype=np.float32)], np.float32)
     assert refused(start(LLAMA, logs, "--data-dir", str(d)), logs) == (
-        f"{d / 'f'}.idx: dtype float32 (code 7): token ids must be stored as integers")
+        f"{d / 'f'}.idx: dtype float32 (code 7): token ids must be stored as integers"
+    )
     # an id outside the vocabulary far into the corpus (the first sample is fine)
     d = tmp_path / "vocab"
     d.mkdir()
@@ -89,27 +96,50 @@ def test_megatron_corruptions_are_refused_before_launch(megatron_corpus, tmp_pat
     write_indexed(str(d / "v"), [tokens], np.uint16)
     assert refused(start(LLAMA, logs, "--data-dir", str(d)), logs) == (
         f"{d / 'v'}.bin: token id 1024 at position 25,000 is outside the model's vocabulary [0, 1024) "
-        "(model.vocab_size of llama3_tiny; largest id in the file 1024)")
+        "(model.vocab_size of llama3_tiny; largest id in the file 1024)"
+    )
     # the prefix: none there, the wrong one named, a blend that does not parse
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "set data.prefix to the corpus's prefix" in refused(start(LLAMA, logs, "--data-dir", str(empty)), logs)
     good = _copy(megatron_corpus, tmp_path / "good")
     msg = refused(start(LLAMA, logs, "--data-dir", str(good.parent), "--set", "data.prefix=wudao_llama3bpe_content_document"), logs)
-    assert msg == (f"data.prefix 'wudao_llama3bpe_content_document': {good.parent / 'wudao_llama3bpe_content_document'}.idx "
-                   f"does not exist (data.data_dir {good.parent}; corpora there: c_text_document)")
+    assert msg == (
+        f"data.prefix 'wudao_llama3bpe_content_document': {good.parent / 'wudao_llama3bpe_content_document'}.idx "
+        f"does not exist (data.data_dir {good.parent}; corpora there: c_text_document)"
+    )
     msg = refused(start(LLAMA, logs, "--data-dir", str(good.parent), "--set", "data.prefix=0.5 c_text_document 0.5"), logs)
     assert msg.startswith("data.prefix '0.5 c_text_document 0.5': a blend is 'weight prefix weight prefix ...'")
     # the good copy passes, and says what it read
-    ok = subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", LLAMA, "--data-dir", str(good.parent),
-                         "--dry-run", "--json"], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, START, "--vendor", "cpu", "--case_name", LLAMA, "--data-dir", str(good.parent), "--dry-run", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     ident = json.loads(ok.stdout)["data"]["train"]
     assert ident["corpora"][0]["tokens"] == 30_000 and ident["checked"] is True
     # the same corpus elsewhere has the same fingerprint; other tokens do not
-    again = json.loads(subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", LLAMA, "--data-dir",
-                                       str(_copy(megatron_corpus, tmp_path / "again").parent), "--dry-run", "--json"],
-                                      capture_output=True, text=True, timeout=120).stdout)["data"]["train"]
+    again = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                START,
+                "--vendor",
+                "cpu",
+                "--case_name",
+                LLAMA,
+                "--data-dir",
+                str(_copy(megatron_corpus, tmp_path / "again").parent),
+                "--dry-run",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )["data"]["train"]
     assert again["fingerprint"] == ident["fingerprint"]
 
 
@@ -180,7 +210,9 @@ def test_paddle_corruptions_are_refused_before_launch(tmp_path, paddle_python):
         shutil.copy(good / f, d / f)
     with open(d / "m.bin", "r+b") as fh:
         fh.truncate(1000)
-    assert refused(start(gpt, logs, "--data-dir", str(d)), logs) == f"{d / 'm'}.bin: 1000 bytes, the index m.idx describes 40000 (truncated)"
+    assert (
+        refused(start(gpt, logs, "--data-dir", str(d)), logs) == f"{d / 'm'}.bin: 1000 bytes, the index m.idx describes 40000 (truncated)"
+    )
 
 
 @pytest.mark.framework("deepspeed")
@@ -196,10 +228,12 @@ def test_llava_schema_images_and_tokenizer_are_checked_before_launch(tmp_path, d
     fine = data / "llava_v1_5_mix665k.json"
     assert refused(start(llava, logs, *base), logs).startswith("data.data_dir is set but no tokenizer is")
     assert refused(start(llava, logs, *base, "--set", f"data.tokenizer_path={big_tok}"), logs) == (
-        f"tokenizer {big_tok}: the tokenizer has 1100 ids, more than the model's vocab_size 1024")
+        f"tokenizer {big_tok}: the tokenizer has 1100 ids, more than the model's vocab_size 1024"
+    )
     assert refused(start(llava, logs, *base, "--set", f"data.tokenizer_path={clash_tok}"), logs) == (
         f"tokenizer {clash_tok}: the tokenizer's id 1000 is 'w972', which the model takes for its image token "
-        "(model.image_token_index 1000)")
+        "(model.image_token_index 1000)"
+    )
     args = [*base, "--set", f"data.tokenizer_path={tok}"]
     entries = json.loads(fine.read_text())
     # the finetune file, broken: found before the pretrain phase would have run
@@ -210,15 +244,21 @@ def test_llava_schema_images_and_tokenizer_are_checked_before_launch(tmp_path, d
     bad[3] = {"id": bad[3]["id"], "image": bad[3]["image"], "messages": bad[3]["conversations"]}
     fine.write_text(json.dumps(bad))
     assert refused(start(llava, logs, *args), logs) == (
-        f"phase finetune: {fine}: entry 3 (id '{bad[3]['id']}'): no 'conversations' list (keys: id, image, messages)")
+        f"phase finetune: {fine}: entry 3 (id '{bad[3]['id']}'): no 'conversations' list (keys: id, image, messages)"
+    )
     bad = [dict(e) for e in entries]
     bad[5] = {**bad[5], "conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "hi"}]}
     fine.write_text(json.dumps(bad))
     assert refused(start(llava, logs, *args), logs) == (
-        f"phase finetune: {fine}: entry 5 (id '{bad[5]['id']}'): conversations[0] is from 'gpt'; turns alternate human, gpt, human, ...")
+        f"phase finetune: {fine}: entry 5 (id '{bad[5]['id']}'): conversations[0] is from 'gpt'; turns alternate human, gpt, human, ..."
+    )
     fine.write_text(json.dumps(entries))
-    ok = subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", llava, *args, "--dry-run", "--json"],
-                        capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [sys.executable, START, "--vendor", "cpu", "--case_name", llava, *args, "--dry-run", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert ok.returncode == 0, ok.stderr
     ident = json.loads(ok.stdout)["data"]
     assert ident["pretrain"]["entries"] == 40 and ident["finetune"]["entries"] == 49

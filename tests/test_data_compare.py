@@ -11,7 +11,7 @@ from pathlib import Path
 
 from run_benchmarks.registry import ROOT
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
-from tests.test_results_models import fake_phase, fake_round, fake_run
+from tests.test_results_models import fake_phase, fake_run
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 LLAVA = "llava_tiny:deepspeed:cpu:1:2"
@@ -21,13 +21,25 @@ def start(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=120)
 
 
-def two_phase_run(path: Path, vendor: str, hardware_tps: tuple[float, float], loss_scale: float, *, tp: int = 1,
-                  data: dict | None = None, mem: float = 0.4, status: str = "ok") -> Path:
-    phases = [fake_phase("pretrain", tps=hardware_tps[0], loss_scale=loss_scale, mem=mem),
-              fake_phase("finetune", tps=hardware_tps[1], loss_scale=loss_scale, mem=mem)]
+def two_phase_run(
+    path: Path,
+    vendor: str,
+    hardware_tps: tuple[float, float],
+    loss_scale: float,
+    *,
+    tp: int = 1,
+    data: dict | None = None,
+    mem: float = 0.4,
+    status: str = "ok",
+) -> Path:
+    phases = [
+        fake_phase("pretrain", tps=hardware_tps[0], loss_scale=loss_scale, mem=mem),
+        fake_phase("finetune", tps=hardware_tps[1], loss_scale=loss_scale, mem=mem),
+    ]
     run = fake_run([{"status": status, "phases": phases}], run_id=f"llava_tiny_{vendor}", vendor=vendor, case=LLAVA)
-    run = run.model_copy(update={"model": "llava_tiny", "data": data,
-                                 "settings": {**run.settings, "parallel": {"tp": tp, "zero": {"stage": 2}}}})
+    run = run.model_copy(
+        update={"model": "llava_tiny", "data": data, "settings": {**run.settings, "parallel": {"tp": tp, "zero": {"stage": 2}}}}
+    )
     path.write_text(json.dumps(run.dump()))
     return path
 
@@ -63,12 +75,15 @@ def test_compare_other_data_and_bad_input(tmp_path):
     proc = start("--compare", str(vendor), str(nvidia), "--out", str(tmp_path / "cmp"))
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "cmp" / "compare.md").read_text()
-    assert "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | 1.500 | 1.5% | 1.2% | 0.40 | - | - | " \
-           "other data (pretrain01234567 vs synthetic): loss not compared |" in md  # no MRE across data sets
+    assert (
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | 1.500 | 1.5% | 1.2% | 0.40 | - | - | "
+        "other data (pretrain01234567 vs synthetic): loss not compared |" in md
+    )  # no MRE across data sets
     failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="failed")
     bad = start("--compare", str(vendor), str(failed), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        f"error: {failed}: no round ran clean (ok or unjudged): round 1 failed; its figures are no results")
+        f"error: {failed}: no round ran clean (ok or unjudged): round 1 failed; its figures are no results"
+    )
     one = start("--compare", str(vendor))
     assert one.returncode == 2 and "--compare needs at least two results.json files" in one.stderr
     other_model = fake_run()
@@ -82,13 +97,15 @@ def test_record_reference_refuses_what_cannot_judge(tmp_path):
     failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="invalid")
     proc = start("--record-reference", str(failed))
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"error: {failed}: no round ran clean (ok or unjudged): round 1 invalid; an invalid or failed round is no reference")
+        f"error: {failed}: no round ran clean (ok or unjudged): round 1 invalid; an invalid or failed round is no reference"
+    )
     short = fake_run([{"phases": [fake_phase(steps=20)]}])
     (tmp_path / "short.json").write_text(json.dumps(short.dump()))
     proc = start("--record-reference", str(tmp_path / "short.json"))
     assert proc.returncode == 2 and "0 step(s) from step 21 on (none); the loss gate compares at least 5" in proc.stderr
-    unchecked = fake_run().model_copy(update={"data": {"train": {"kind": "real", "checked": False, "fingerprint": None,
-                                                                 "reason": "data_dir is not on this machine"}}})
+    unchecked = fake_run().model_copy(
+        update={"data": {"train": {"kind": "real", "checked": False, "fingerprint": None, "reason": "data_dir is not on this machine"}}}
+    )
     (tmp_path / "unchecked.json").write_text(json.dumps(unchecked.dump()))
     proc = start("--record-reference", str(tmp_path / "unchecked.json"))
     assert proc.returncode == 2 and "its data has no fingerprint (data_dir is not on this machine)" in proc.stderr
@@ -97,4 +114,7 @@ def test_record_reference_refuses_what_cannot_judge(tmp_path):
     (tmp_path / "synthetic.json").write_text(json.dumps(synthetic.dump()))
     proc = start("--record-reference", str(tmp_path / "synthetic.json"))
     target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.json"
-    assert proc.returncode == 2 and proc.stderr.strip() == f"error: {target}: a reference for this config and data exists; --replace replaces it"
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == f"error: {target}: a reference for this config and data exists; --replace replaces it"
+    )

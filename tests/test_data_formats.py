@@ -111,8 +111,9 @@ LLAVA_WRITER = textwrap.dedent("""
 
 def framework_run(py: str, script: str, *args: str, timeout: int = 300) -> None:
     """Run ``script`` with the framework's Python, the repository on PYTHONPATH."""
-    proc = subprocess.run([py, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [py, "-c", script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -145,8 +146,9 @@ NO_REFERENCE = "loss not judged: no reference for this data (fingerprint "
 @pytest.mark.framework("megatron")
 def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatron_python):
     data = tmp_path / "data"
-    megatron_corpora(megatron_python, [{"prefix": str(data / "my-corpus_text_document"), "dtype": "uint16", "vocab": 1024,
-                                        "tokens": 60_000, "seed": 11}])
+    megatron_corpora(
+        megatron_python, [{"prefix": str(data / "my-corpus_text_document"), "dtype": "uint16", "vocab": 1024, "tokens": 60_000, "seed": 11}]
+    )
     proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "first", "--data-dir", str(data), "--set", "train.steps=25")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (rnd,) = res.rounds
@@ -171,7 +173,10 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
         doc = json.loads(ref_file.read_text())
         assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 26)]
         again = start("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
-        assert again.returncode == 2 and again.stderr.strip() == f"error: {ref_file}: a reference for this config and data exists; --replace replaces it"
+        assert (
+            again.returncode == 2
+            and again.stderr.strip() == f"error: {ref_file}: a reference for this config and data exists; --replace replaces it"
+        )
         # the second run on the same data aligns against it
         proc2, res2 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "second", "--data-dir", str(data), "--set", "train.steps=25")
         assert proc2.returncode == 0, proc2.stdout + proc2.stderr
@@ -188,20 +193,33 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
 @pytest.mark.framework("megatron")
 def test_llama3_on_a_blend_of_two_corpora(tmp_path, megatron_python):
     data = tmp_path / "data"
-    megatron_corpora(megatron_python, [
-        {"prefix": str(data / "wudao_a"), "dtype": "uint16", "vocab": 1024, "tokens": 40_000, "seed": 1},
-        {"prefix": str(data / "wudao_b"), "dtype": "int32", "vocab": 1024, "tokens": 40_000, "seed": 2},
-    ])
+    megatron_corpora(
+        megatron_python,
+        [
+            {"prefix": str(data / "wudao_a"), "dtype": "uint16", "vocab": 1024, "tokens": 40_000, "seed": 1},
+            {"prefix": str(data / "wudao_b"), "dtype": "int32", "vocab": 1024, "tokens": 40_000, "seed": 2},
+        ],
+    )
     dry = start("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--data-dir", str(data), "--dry-run", "--json")
     assert dry.returncode == 2 and "holds 2 Megatron corpora" in dry.stderr and "name one with data.prefix" in dry.stderr
-    proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "logs", "--data-dir", str(data),
-                         "--set", "data.prefix=0.3 wudao_a 0.7 wudao_b", "--set", "train.steps=8")
+    proc, res = run_case(
+        "llama3_tiny:megatron:cpu:1:1",
+        tmp_path / "logs",
+        "--data-dir",
+        str(data),
+        "--set",
+        "data.prefix=0.3 wudao_a 0.7 wudao_b",
+        "--set",
+        "train.steps=8",
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr  # unjudged: no reference for this data
     (p,) = res.rounds[0].phases
     assert res.rounds[0].status == "unjudged" and p.steps_run == 8
     assert p.meta["data"] == f"blend:0.3 {data / 'wudao_a'} 0.7 {data / 'wudao_b'}"
     assert [(c["prefix"], c["weight"], c["dtype"]) for c in res.data["train"]["corpora"]] == [
-        ("wudao_a", 0.3, "uint16"), ("wudao_b", 0.7, "int32")]
+        ("wudao_a", 0.3, "uint16"),
+        ("wudao_b", 0.7, "int32"),
+    ]
 
 
 @pytest.mark.framework("paddle")
@@ -226,8 +244,9 @@ def test_gpt3_on_paddlenlp_data(tmp_path, paddle_python, layout):
 @pytest.mark.framework("megatron")
 def test_baichuan2_on_megatron_builder_data(tmp_path, megatron_python, deepspeed_python):
     data = tmp_path / "data"
-    megatron_corpora(megatron_python, [{"prefix": str(data / "owt_text_document"), "dtype": "uint16", "vocab": 2048,
-                                        "tokens": 50_000, "seed": 3}])
+    megatron_corpora(
+        megatron_python, [{"prefix": str(data / "owt_text_document"), "dtype": "uint16", "vocab": 2048, "tokens": 50_000, "seed": 3}]
+    )
     proc, res = run_case("baichuan2_tiny:deepspeed:cpu:1:1", tmp_path / "logs", "--data-dir", str(data), "--set", "train.steps=7")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (p,) = res.rounds[0].phases
@@ -243,7 +262,9 @@ def test_llava_on_llava_json_both_stages(tmp_path, deepspeed_python):
     failed = start("--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--log-dir", str(tmp_path / "no"), *args)
     missing = data / "ocr_vqa/images/missing.jpg"
     assert failed.returncode == 2 and not (tmp_path / "no").exists(), failed.stdout + failed.stderr
-    assert failed.stderr.startswith(f"error: {missing}: image of entry 48 of {data / 'llava_v1_5_mix665k.json'} (phase finetune) is missing")
+    assert failed.stderr.startswith(
+        f"error: {missing}: image of entry 48 of {data / 'llava_v1_5_mix665k.json'} (phase finetune) is missing"
+    )
     proc, res = run_case("llava_tiny:deepspeed:cpu:1:2", tmp_path / "logs", *args, "--set", "data.missing_images=skip")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     pre, fine = res.rounds[0].phases

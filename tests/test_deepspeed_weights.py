@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import framework_python, free_port, units_in_env  # noqa: E402
+from tests.case_helpers import framework_python, free_port, units_in_env
 
 try:
     import torch
@@ -117,8 +117,18 @@ def test_units_in_framework_env():
 def test_zero3_gathered_weights_equal_the_unpartitioned_model(tmp_path):
     py = framework_python("FB_TEST_DEEPSPEED_PYTHON", "no deepspeed environment")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FB_TEST_OUT": str(tmp_path)}
-    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(Path(__file__))]
+    cmd = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "3",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(Path(__file__)),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "zero3.json").read_text())
@@ -136,12 +146,14 @@ def _zero3_vs_plain(build, rule_of, seed: int, device) -> dict:
     every partitioned parameter gathered and compared with the plain one (cast to bf16)."""
     from training import deepspeed_loop as dsl
     from training import deepspeed_weights as W
-
     from training import settings
 
-    cfg = {"case": {"model": "zero3_check"}, "model": {"params_nominal": 1.0},
-           "train": {"steps": 1, "global_batch": 3, "micro_batch": 1, "precision": "bf16", "lr": 1e-3},
-           "parallel": {"zero": {"stage": 3}}}
+    cfg = {
+        "case": {"model": "zero3_check"},
+        "model": {"params_nominal": 1.0},
+        "train": {"steps": 1, "global_batch": 3, "micro_batch": 1, "precision": "bf16", "lr": 1e-3},
+        "parallel": {"zero": {"stage": 3}},
+    }
     c = settings.from_config(cfg, torch.distributed.get_world_size())
     zero3 = build(dsl.model_init_context(dsl.build_ds_config(c, 64)))
     plain = build(None)
@@ -157,8 +169,14 @@ def _zero3_vs_plain(build, rule_of, seed: int, device) -> dict:
         dtypes.add(str(full.dtype))
         if not torch.equal(full, plain_params[name].detach().to(full.dtype)):
             mismatched.append(name)
-    return {"parameters": len(plain_params), "compared": len(plain_params), "mismatched": mismatched,
-            "padded": padded, "dtype": ",".join(sorted(dtypes)), "init_s": info["seconds"]}
+    return {
+        "parameters": len(plain_params),
+        "compared": len(plain_params),
+        "mismatched": mismatched,
+        "padded": padded,
+        "dtype": ",".join(sorted(dtypes)),
+        "init_s": info["seconds"],
+    }
 
 
 def _within(context, build):
@@ -176,11 +194,11 @@ def main() -> None:
     B, L = baichuan2_model(), llava_model()
     report = {
         "baichuan2_tiny": _zero3_vs_plain(
-            lambda context: _within(context, lambda: B.build_model(BAICHUAN2, init_std=0.02)), B.init_rule, 1234,
-            device),
+            lambda context: _within(context, lambda: B.build_model(BAICHUAN2, init_std=0.02)), B.init_rule, 1234, device
+        ),
         "llava_tiny": _zero3_vs_plain(
-            lambda context: L.build_model(LLAVA, torch.bfloat16, device, context), lambda m: L.init_rule(LLAVA),
-            1234, device),
+            lambda context: L.build_model(LLAVA, torch.bfloat16, device, context), lambda m: L.init_rule(LLAVA), 1234, device
+        ),
     }
     if torch.distributed.get_rank() == 0:
         Path(os.environ["FB_TEST_OUT"], "zero3.json").write_text(json.dumps(report, indent=1))

@@ -19,11 +19,28 @@ import pytest
 
 from run_benchmarks.registry import ROOT
 
-FRAMEWORKS = {"torch", "deepspeed", "megatron", "paddle", "paddlenlp", "transformers", "numpy", "triton", "liger_kernel", "apex",
-              "transformer_engine", "PIL"}  # fmt: skip
+FRAMEWORKS = {
+    "torch",
+    "deepspeed",
+    "megatron",
+    "paddle",
+    "paddlenlp",
+    "transformers",
+    "numpy",
+    "triton",
+    "liger_kernel",
+    "apex",
+    "transformer_engine",
+    "PIL",
+}
 STDLIB = set(sys.stdlib_module_names)
-NODE_SIDE = ["run_benchmarks/node_agent.py", "run_benchmarks/slurm_node.py", "run_benchmarks/launchers.py",
-             "run_benchmarks/progress.py", "training/metriclog.py"]  # fmt: skip
+NODE_SIDE = [
+    "run_benchmarks/node_agent.py",
+    "run_benchmarks/slurm_node.py",
+    "run_benchmarks/launchers.py",
+    "run_benchmarks/progress.py",
+    "training/metriclog.py",
+]
 
 
 def imported(path: Path, module_level: bool) -> set[str]:

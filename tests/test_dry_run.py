@@ -39,16 +39,46 @@ def test_llama3_8b_plan(hw, peak, tmp_path):
 def test_seed_layouts_are_named(tmp_path):
     base = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8", "--python", sys.executable, cwd=tmp_path)
     assert {o["param"]: o["value"] for o in base["overrides"]}["parallel.pp"] == 2
-    variant = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8", "--variant", "PP4DP2TP1",
-                  "--python", sys.executable, cwd=tmp_path)  # fmt: skip
+    variant = dry(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llama3_8b:megatron:A100:1:8",
+        "--variant",
+        "PP4DP2TP1",
+        "--python",
+        sys.executable,
+        cwd=tmp_path,
+    )
     assert variant["config_name"] == "config_A100x1x8_PP4DP2TP1"
     assert variant["settings"]["parallel"]["pp"] == 4 and variant["settings"]["parallel"]["tp"] == 1
 
 
 def test_human_plan_lists_everything(tmp_path):
-    proc = subprocess.run([sys.executable, START, "--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:8", "--dry-run",
-                           "--python", sys.executable], capture_output=True, text=True, cwd=tmp_path, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            START,
+            "--vendor",
+            "nvidia",
+            "--case_name",
+            "llama3_8b:megatron:H100:1:8",
+            "--dry-run",
+            "--python",
+            sys.executable,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for fragment in ("params exact 8,030,261,248", "PaLM 5.791e+10", "peak 9.89e+14 FLOP/s", "torch.distributed.run", "hosts       localhost=127.0.0.1"):
+    for fragment in (
+        "params exact 8,030,261,248",
+        "PaLM 5.791e+10",
+        "peak 9.89e+14 FLOP/s",
+        "torch.distributed.run",
+        "hosts       localhost=127.0.0.1",
+    ):
         assert fragment in out, out

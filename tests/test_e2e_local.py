@@ -52,7 +52,14 @@ def base(tmp_path_factory, megatron_python):
 def test_tiny_llama3_two_processes(base, tmp_path):
     proc, res, run_dir = base
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (res.case, res.vendor, res.hardware, res.nnodes, res.nprocs, res.schema_) == ("llama3_tiny:megatron:cpu:1:2:1", "cpu", "cpu", 1, 2, 2)
+    assert (res.case, res.vendor, res.hardware, res.nnodes, res.nprocs, res.schema_) == (
+        "llama3_tiny:megatron:cpu:1:2:1",
+        "cpu",
+        "cpu",
+        1,
+        2,
+        2,
+    )
     assert res.config_name == "config_cpux1x2" and res.system["host"]
     (rnd,) = res.rounds
     (p,) = rnd.phases
@@ -74,13 +81,19 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     assert len(list((run_dir / "round1" / "node0" / "ranks").rglob("stdout.log"))) == 2
     assert json.loads((run_dir / "round1" / "resolved.json").read_text())["case"]["nprocs"] == 2
     md = (run_dir / "results.md").read_text()
-    assert "| config | phase | precision | parallel |" in md and "config_cpux1x2 r1" in md and "| mem allocated (GiB) | mem in use (GiB) |" in md
+    assert (
+        "| config | phase | precision | parallel |" in md
+        and "config_cpux1x2 r1" in md
+        and "| mem allocated (GiB) | mem in use (GiB) |" in md
+    )
     assert "config_cpux1x2 r1" in proc.stdout and "aligned (" in proc.stdout  # the same table in the terminal
     # while it ran: the step it was at, read from the ranks' logs
     assert re.search(r"round 1: step \d+/30, [\d,]+ tokens/p/s, loss [\d.]+ \(\d+:\d\d\)", proc.stderr), proc.stderr
 
     # another parallel layout of the same case on the same data, gated against this run's curve
-    proc2, res2 = run_case(tmp_path / "tp2", "--variant", "TP2", "--reference", str(run_dir / "results.json"), "--set", "train.profile_step=8")
+    proc2, res2 = run_case(
+        tmp_path / "tp2", "--variant", "TP2", "--reference", str(run_dir / "results.json"), "--set", "train.profile_step=8"
+    )
     assert proc2.returncode == 0, proc2.stdout + proc2.stderr
     (rnd2,) = res2.rounds
     (p2,) = rnd2.phases
@@ -100,7 +113,10 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     assert 0 < b["busy_s"] <= b["step_time_s"] and b["idle_s"] >= 0 and b["optimizer_wall_s"] > 0
     assert sum(c["kernel_s"] for n, c in parts.items() if n != "communication") <= b["step_time_s"]
     run2 = tmp_path / "tp2" / res2.run_id
-    assert sorted(p.name for p in run2.rglob("profile_rank*_step8.json.gz")) == ["profile_rank0_step8.json.gz", "profile_rank1_step8.json.gz"]
+    assert sorted(p.name for p in run2.rglob("profile_rank*_step8.json.gz")) == [
+        "profile_rank0_step8.json.gz",
+        "profile_rank1_step8.json.gz",
+    ]
     assert "| gemm |" in (run2 / "results.md").read_text()
 
 
@@ -157,11 +173,17 @@ def test_two_phases_each_judged(tmp_path, deepspeed_python):
     assert proc.returncode == 1, proc.stdout + proc.stderr  # 25 of the committed curves' 30 steps: not judged
     (rnd,) = first.rounds
     assert rnd.status == "unjudged" and [p.phase for p in rnd.phases] == ["pretrain", "finetune"]
-    assert rnd.error.splitlines() == [f"phase {ph}: loss not judged: steps 26-30 missing (reference to step 30)" for ph in ("pretrain", "finetune")]
+    assert rnd.error.splitlines() == [
+        f"phase {ph}: loss not judged: steps 26-30 missing (reference to step 30)" for ph in ("pretrain", "finetune")
+    ]
     # a clean first run is a reference: its finetune curve 5 % off
     finetune = rnd.phases[1]
-    off = finetune.model_copy(update={"loss": {s: v * 1.05 for s, v in finetune.loss.items()},
-                                      "steps": [s.model_copy(update={"loss": s.loss * 1.05}) for s in finetune.steps]})  # fmt: skip
+    off = finetune.model_copy(
+        update={
+            "loss": {s: v * 1.05 for s, v in finetune.loss.items()},
+            "steps": [s.model_copy(update={"loss": s.loss * 1.05}) for s in finetune.steps],
+        }
+    )
     ref = first.model_copy(update={"rounds": [rnd.model_copy(update={"phases": [rnd.phases[0], off]})]})
     (tmp_path / "ref.json").write_text(json.dumps(ref.dump()))
     proc, res = run_case(tmp_path / "second", "--set", "train.steps=25", "--reference", str(tmp_path / "ref.json"), case=llava)
@@ -192,8 +214,10 @@ def test_verify_a_fresh_file_and_an_edited_one(base, tmp_path):
 def _dry(*extra):
     return subprocess.run(
         [sys.executable, START, "--vendor", "cpu", "--case_name", LLAMA, "--dry-run", "--json", *extra],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_reference_file_is_checked_before_anything_runs(tmp_path):
@@ -202,7 +226,9 @@ def test_reference_file_is_checked_before_anything_runs(tmp_path):
 
     def results_file(name, status="ok", model="llama3_tiny", global_batch=8):
         run = fake_run([{"status": status}])
-        run = run.model_copy(update={"model": model, "settings": {**run.settings, "train": {**run.settings["train"], "global_batch": global_batch}}})
+        run = run.model_copy(
+            update={"model": model, "settings": {**run.settings, "train": {**run.settings["train"], "global_batch": global_batch}}}
+        )
         (tmp_path / name).write_text(json.dumps(run.dump()))
         return tmp_path / name
 

@@ -20,8 +20,14 @@ CPU_CASES = registry.VENDORS_DIR / "cpu" / "cases"
 
 def _smallest(model: str) -> str | None:
     """The cpu config of one node with the fewest processes (no layout variant), as its size."""
-    sizes = sorted(((int(p.stem.split("x")[2]), p.stem.removeprefix("config_")) for p in (CPU_CASES / model).glob("config_cpux1x*.yaml")
-                    if "_" not in p.stem.removeprefix("config_")), key=lambda t: t[0])  # fmt: skip
+    sizes = sorted(
+        (
+            (int(p.stem.split("x")[2]), p.stem.removeprefix("config_"))
+            for p in (CPU_CASES / model).glob("config_cpux1x*.yaml")
+            if "_" not in p.stem.removeprefix("config_")
+        ),
+        key=lambda t: t[0],
+    )
     return sizes[0][1] if sizes else None
 
 
@@ -52,9 +58,23 @@ def test_every_case_family_has_a_cpu_config():
 def test_the_case_runs_end_to_end(model, framework, size, request, tmp_path):
     request.getfixturevalue(f"{framework}_python")  # its environment, built once (skips where it cannot be)
     n = size.split("x")[2]
-    proc = subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", f"{model}:{framework}:cpu:1:{n}",
-                           "--log-dir", str(tmp_path), "--set", "train.steps=7"],
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            START,
+            "--vendor",
+            "cpu",
+            "--case_name",
+            f"{model}:{framework}:cpu:1:{n}",
+            "--log-dir",
+            str(tmp_path),
+            "--set",
+            "train.steps=7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     (run_dir,) = tmp_path.iterdir()
     res = json.loads((run_dir / "results.json").read_text())
     (rnd,) = res["rounds"]

@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import yaml
@@ -31,6 +31,8 @@ from tests.test_ssh_runtime import CASE, START, cluster_file, leftovers, only_ru
 
 pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
 LONG = "train.steps=100000"
+
+
 @pytest.fixture(scope="module")
 def fc() -> Iterator[netns.Cluster]:
     reason = cluster_skip_reason()
@@ -46,8 +48,13 @@ def fc() -> Iterator[netns.Cluster]:
 
 
 def start(cfile: Path, log_dir: Path, *extra: str, case: str = CASE) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=START.rsplit("/run_benchmarks", 1)[0])  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, START, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=START.rsplit("/run_benchmarks", 1)[0],
+    )
 
 
 def wait_training_on(host: netns.HostInfo, log_dir: Path, p: subprocess.Popen[str], timeout: float = 300) -> str:
@@ -159,10 +166,19 @@ def test_host_lost_then_next_run_cleans_up_refuses_a_second_run_and_stops_on_sig
 
 def test_master_port_in_use_on_the_master(fc, megatron_python, tmp_path):
     h1 = fc.host("h1")
-    holder = subprocess.Popen(["ip", "netns", "exec", h1.netns, sys.executable, "-c",
-                               "import socket, time; s = socket.socket(); s.bind(('', 0)); s.listen(); "
-                               "print(s.getsockname()[1], flush=True); time.sleep(600)"],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            h1.netns,
+            sys.executable,
+            "-c",
+            "import socket, time; s = socket.socket(); s.bind(('', 0)); s.listen(); print(s.getsockname()[1], flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(holder.stdout.readline())
         cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process", master_port=port)
@@ -171,8 +187,10 @@ def test_master_port_in_use_on_the_master(fc, megatron_python, tmp_path):
         holder.kill()
         holder.wait()
     assert p.returncode == 2, p.stdout + p.stderr
-    assert one_line(p.stderr) == (f"error: host h1: master_port {port} of the cluster file is in use there (Address already in use); "
-                                  "free it, or leave master_port out to use a free port")  # fmt: skip
+    assert one_line(p.stderr) == (
+        f"error: host h1: master_port {port} of the cluster file is in use there (Address already in use); "
+        "free it, or leave master_port out to use a free port"
+    )
     _, res = only_run(tmp_path / "logs")
     assert leftovers(fc, res["run_id"]) == []
 
@@ -186,12 +204,17 @@ def test_full_log_disk_is_named(fc, megatron_python, tmp_path):
     cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
     argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(full / "logs")]
     script = 'mount -t tmpfs -o size=128k tmpfs "$1" && shift && exec "$@"'
-    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(full), *argv],
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(full), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2, p.stdout + p.stderr
     line = one_line(p.stderr)
     assert line.startswith(f"error: {full}/logs/llama3_tiny_megatron_cpux2x1_") and line.endswith(
-        ": cannot write the code archive in the run's log folder: No space left on device"), line
+        ": cannot write the code archive in the run's log folder: No space left on device"
+    ), line
     for h in fc.hosts:  # nothing of the run reached the hosts
         assert set(Path(h.workdir, "fb", "runs").glob("*")) == runs[h.name]
     assert leftovers(fc, "llama3_tiny_megatron_cpux2x1_") == []
@@ -216,7 +239,8 @@ def test_missing_base_image_is_named_then_loaded_over_ssh(fc, megatron_python, t
     assert p.returncode == 2, p.stdout + p.stderr
     line = one_line(p.stderr)
     assert line.startswith(f"error: host h2: base image {base} of flagbench/cpu-megatron:") and line.endswith(
-        "is not on the engine; images are never pulled: load it there (start_task.py --cluster FILE --load-images, docs/clusters.md)"), line
+        "is not on the engine; images are never pulled: load it there (start_task.py --cluster FILE --load-images, docs/clusters.md)"
+    ), line
 
     here = connect_engine(fc.host("h1").docker_socket)  # stands for this machine's engine
     t0 = time.monotonic()
@@ -224,7 +248,10 @@ def test_missing_base_image_is_named_then_loaded_over_ssh(fc, megatron_python, t
     took = time.monotonic() - t0
     assert lines[0] == f"host h1: has {base}" and lines[1].startswith(f"host h2: loaded {base} ("), lines
     assert h2.images.get(base).id == here.images.get(base).id
-    assert load_base_images(load(ClusterConfig, cfile), "cpu", ["megatron"], source=here) == [f"host h1: has {base}", f"host h2: has {base}"]
+    assert load_base_images(load(ClusterConfig, cfile), "cpu", ["megatron"], source=here) == [
+        f"host h1: has {base}",
+        f"host h2: has {base}",
+    ]
     print(f"base image loaded over SSH in {took:.1f} s")
     here.close()
     h2.close()
@@ -244,9 +271,11 @@ def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_
     line = one_line(p.stderr)
     env = Path(fc.dir) / "hosts" / "h2" / "envs" / envs.env_dir("cpu", "megatron").name
     log = env.with_name(env.name + ".build.log")
-    assert line.startswith(f"error: host h2: the megatron environment for vendor cpu is not built at {env} and pip cannot get torch "
-                           f"from its package index here (no network?; see {log}): copy an environment built from requirements.txt "
-                           f"with Python 3.11 to that path, or set python: in the cluster file"), line  # fmt: skip
+    assert line.startswith(
+        f"error: host h2: the megatron environment for vendor cpu is not built at {env} and pip cannot get torch "
+        f"from its package index here (no network?; see {log}): copy an environment built from requirements.txt "
+        f"with Python 3.11 to that path, or set python: in the cluster file"
+    ), line
     assert "index versions torch" in log.read_text()  # pip's own output is kept
     assert took < 90, f"{took:.0f} s to say so"
     assert not env.exists()

@@ -20,25 +20,48 @@ START = str(ROOT / "run_benchmarks" / "start_task.py")
 
 def dry_run(tmp_path: Path, doc: dict) -> subprocess.CompletedProcess[str]:
     cfile = tmp_path / "cluster.yaml"
-    cfile.write_text(yaml.safe_dump({"backend": "ssh", "hosts": [{"name": "h1", "address": "10.0.0.1"}, {"name": "h2", "address": "10.0.0.2"}],
-                                     **doc}))  # fmt: skip
-    return subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:2:1",
-                           "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"), "--dry-run"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)  # fmt: skip
+    cfile.write_text(
+        yaml.safe_dump({"backend": "ssh", "hosts": [{"name": "h1", "address": "10.0.0.1"}, {"name": "h2", "address": "10.0.0.2"}], **doc})
+    )
+    return subprocess.run(
+        [
+            sys.executable,
+            START,
+            "--vendor",
+            "cpu",
+            "--case_name",
+            "llama3_tiny:megatron:cpu:2:1",
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(
     "doc, field, value",
     [
-        ({"hosts": [{"name": "h1", "address": "10.0.0.1", "work_dir": "/h1;touch "}, {"name": "h2", "address": "10.0.0.2"}]},
-         "hosts.0.work_dir", "/h1;touch "),
+        (
+            {"hosts": [{"name": "h1", "address": "10.0.0.1", "work_dir": "/h1;touch "}, {"name": "h2", "address": "10.0.0.2"}]},
+            "hosts.0.work_dir",
+            "/h1;touch ",
+        ),
         ({"work_dir": "flagbench"}, "work_dir", "flagbench"),
         ({"work_dir": "/scratch/../etc"}, "work_dir", "/scratch/../etc"),
         ({"ssh": {"user": "root; rm -rf ~"}}, "ssh.user", "root; rm -rf ~"),
-        ({"hosts": [{"name": "h1", "address": "10.0.0.1"}, {"name": "h2", "address": "10.0.0.2", "user": "-oProxyCommand=x"}]},
-         "hosts.1.user", "-oProxyCommand=x"),
+        (
+            {"hosts": [{"name": "h1", "address": "10.0.0.1"}, {"name": "h2", "address": "10.0.0.2", "user": "-oProxyCommand=x"}]},
+            "hosts.1.user",
+            "-oProxyCommand=x",
+        ),
     ],
-)  # fmt: skip
+)
 def test_remote_user_and_work_dir_are_validated(tmp_path: Path, doc: dict, field: str, value: str) -> None:
     proc = dry_run(tmp_path, doc)
     assert proc.returncode == 2, proc.stdout + proc.stderr

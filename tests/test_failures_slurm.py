@@ -25,8 +25,20 @@ from tests.test_slurm_backend import CASE, LONG, START, assert_nothing_left, clu
 
 def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-            "--log-dir", str(tmp_path / "logs"), "--python", sys.executable]  # fmt: skip
+    argv = [
+        sys.executable,
+        START,
+        "--vendor",
+        "cpu",
+        "--case_name",
+        CASE,
+        "--cluster",
+        str(cfile),
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--python",
+        sys.executable,
+    ]
     slurm_cluster.kill_node("n2")  # the controller still counts it as idle (SlurmdTimeout is 60 s)
     try:
         t0 = time.monotonic()
@@ -39,7 +51,8 @@ def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path,
     (rnd,) = res["rounds"]
     first = rnd["error"].splitlines()[0]
     assert first.startswith("node0 (n1): Slurm job ") and first.endswith(
-        "could not start its step: srun could not launch on node n2 (Communication connection failure): is slurmd running there?"), first
+        "could not start its step: srun could not launch on node n2 (Communication connection failure): is slurmd running there?"
+    ), first
     assert [n["host"] for n in rnd["nodes"]] == ["n1", "n2"]
     (job,) = res["runtime_info"]["slurm"]["jobs"]
     assert job["cancelled_by_harness"] == "launch failed"
@@ -50,9 +63,28 @@ def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path,
 @pytest.mark.framework("megatron")
 def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-                             "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--set", LONG],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=START.rsplit("/run_benchmarks", 1)[0])  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            START,
+            "--vendor",
+            "cpu",
+            "--case_name",
+            CASE,
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--python",
+            megatron_python,
+            "--set",
+            LONG,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=START.rsplit("/run_benchmarks", 1)[0],
+    )
 
     def launched() -> str | None:  # the job runs and both node wrappers started their launcher
         jid, rd = job_id(tmp_path), run_dir(tmp_path)
@@ -75,14 +107,38 @@ def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: Sl
         assert report["stopped_by_signal"] in ("SIGTERM", "SIGINT"), report
 
 
-def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(
+    tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str
+) -> None:
     """SIGKILL leaves start_task.py no chance to cancel its job; the job's comment names the
     dead submitter, and ``--cleanup`` (as the next run's prepare) cancels it, naming it."""
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-                             "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--set", LONG],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    jid = wait_for("the job to run", lambda: job_id(tmp_path) if job_id(tmp_path) and show_job(slurm_cluster, job_id(tmp_path))["JobState"] == "RUNNING" else None, proc)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            START,
+            "--vendor",
+            "cpu",
+            "--case_name",
+            CASE,
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--python",
+            megatron_python,
+            "--set",
+            LONG,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    jid = wait_for(
+        "the job to run",
+        lambda: job_id(tmp_path) if job_id(tmp_path) and show_job(slurm_cluster, job_id(tmp_path))["JobState"] == "RUNNING" else None,
+        proc,
+    )
     proc.kill()
     proc.communicate(timeout=30)
     time.sleep(2)
@@ -99,7 +155,9 @@ def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(tmp_path: Path, 
     assert again.returncode == 0 and again.stdout.strip() == "no Slurm job of a run whose start_task.py is gone"
 
 
-def test_a_node_that_never_joins_is_found_at_the_startup_timeout(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
+    tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str
+) -> None:
     """n2 (127.0.0.3) cannot reach the rendezvous port on n1 (127.0.0.2): the job runs, no rank
     ever reports, and the round is stopped at the startup timeout (counted from when the job
     runs), the job cancelled, long before the round deadline."""
@@ -109,9 +167,27 @@ def test_a_node_that_never_joins_is_found_at_the_startup_timeout(tmp_path: Path,
     subprocess.run(["iptables", "-I", *rule], check=True)
     try:
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-                               "--log-dir", str(tmp_path / "logs"), "--python", megatron_python, "--startup-timeout", "15"],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        proc = subprocess.run(
+            [
+                sys.executable,
+                START,
+                "--vendor",
+                "cpu",
+                "--case_name",
+                CASE,
+                "--cluster",
+                str(cfile),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--python",
+                megatron_python,
+                "--startup-timeout",
+                "15",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         took = time.monotonic() - t0
     finally:
         subprocess.run(["iptables", "-D", *rule], check=True)

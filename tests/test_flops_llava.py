@@ -70,8 +70,7 @@ def test_palm_orders_phases_and_parts():
     attn = 12 * 32 * 4096 * (602.4 - 598.0)  # the attention term follows each phase's mean length
     assert fine["language_model"] - pre["language_model"] == pytest.approx(2 * 6_607_605_760 + attn, rel=1e-12)
     # the vision tower runs forward only in both phases; same cost per image
-    assert pre["vision"] / 1.0 == pytest.approx(
-        fine["vision"] / 0.9 * 602.4 / 598.0, rel=1e-12)
+    assert pre["vision"] / 1.0 == pytest.approx(fine["vision"] / 0.9 * 602.4 / 598.0, rel=1e-12)
     for p in (pre, fine):
         assert p["total"] == pytest.approx(p["language_model"] + p["vision"] + p["projector"], rel=1e-12)
 

@@ -27,8 +27,6 @@ CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 
 
-
-
 def _hand_count(L: int, h: int, V: int, T: int) -> int:
     """GPT-3 by hand: token + position tables, per layer QKVO and 2 MLP matrices with
     biases and two LayerNorms, a final LayerNorm, output tied to the token table."""
@@ -105,11 +103,15 @@ def test_seed_layouts(model, variant):
     assert lay.sharding_stage == (sh if sp > 1 else 0)
     assert lay.micro_batch * lay.grad_accum * lay.dp == 1024 and s.global_batch * s.shape.seq_length == 2 * 1024 * 1024
     seed = {  # (per-device batch, accumulation) from seed 001's table
-        ("gpt3_6.7B", "TP1PP1SH2SP8"): (4, 32), ("gpt3_6.7B", "TP2PP1SH1SP4"): (4, 64),
-        ("gpt3_6.7B", "TP2PP1SH2SP4"): (4, 64), ("gpt3_6.7B", "TP2PP4SH1SP1"): (4, 256),
-        ("gpt3_13B", "TP1PP1SH2SP8"): (2, 64), ("gpt3_13B", "TP2PP1SH1SP4"): (2, 128),
-        ("gpt3_13B", "TP2PP1SH2SP4"): (2, 128), ("gpt3_13B", "TP2PP4SH1SP1"): (4, 256),
-    }  # fmt: skip
+        ("gpt3_6.7B", "TP1PP1SH2SP8"): (4, 32),
+        ("gpt3_6.7B", "TP2PP1SH1SP4"): (4, 64),
+        ("gpt3_6.7B", "TP2PP1SH2SP4"): (4, 64),
+        ("gpt3_6.7B", "TP2PP4SH1SP1"): (4, 256),
+        ("gpt3_13B", "TP1PP1SH2SP8"): (2, 64),
+        ("gpt3_13B", "TP2PP1SH1SP4"): (2, 128),
+        ("gpt3_13B", "TP2PP1SH2SP4"): (2, 128),
+        ("gpt3_13B", "TP2PP4SH1SP1"): (4, 256),
+    }
     assert (lay.micro_batch, lay.grad_accum) == seed[(model, name)]
     assert lay.recompute == ("full" if model == "gpt3_13B" else "none")
     assert s.precision == "fp16" and s.amp_level == "O2" and lay.use_flash_attention

@@ -55,8 +55,19 @@ def _rank_logs(directory: Path) -> ParsedLog:
 
 def start_task(log_dir: Path, nprocs: int, *extra: str) -> tuple[dict, ParsedLog, float]:
     """Run gpt3_tiny:paddle:cpu:1:<nprocs> through start_task.py; (its one round, rank logs, seconds)."""
-    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", f"gpt3_tiny:paddle:cpu:1:{nprocs}",
-            "--python", _python(), "--log-dir", str(log_dir), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        START,
+        "--vendor",
+        "cpu",
+        "--case_name",
+        f"gpt3_tiny:paddle:cpu:1:{nprocs}",
+        "--python",
+        _python(),
+        "--log-dir",
+        str(log_dir),
+        *extra,
+    ]
     t0 = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     seconds = time.monotonic() - t0
@@ -145,9 +156,10 @@ def test_two_processes_data_parallel_with_recompute(data_parallel_recompute):
 def test_layouts_give_one_curve(one_process, sharding_stage1, data_parallel_recompute):
     """Same starting weights, same sequences per step: within 0.5 % at every step, of each
     other and of the committed reference."""
-    curves = {name: [r.value["loss"] for r in run[1].of("step", "train_step")]
-              for name, run in (("1 process", one_process), ("sharding stage 1", sharding_stage1),
-                                ("DP2 + recompute", data_parallel_recompute))}  # fmt: skip
+    curves = {
+        name: [r.value["loss"] for r in run[1].of("step", "train_step")]
+        for name, run in (("1 process", one_process), ("sharding stage 1", sharding_stage1), ("DP2 + recompute", data_parallel_recompute))
+    }
     curves["reference"] = REFERENCE["loss"]
     base = curves["1 process"]
     for name, curve in curves.items():
@@ -164,7 +176,8 @@ def resolved(tmp: Path, nprocs: int, train: dict | None = None, parallel: dict |
     t = {**CASE["standard"]["train"], **TINY["train"], **(train or {})}
     p = {**CASE["standard"]["parallel"], **(parallel or {})}
     return {
-        "run_id": f"test_gpt3_tiny_{nprocs}", "round": 1,
+        "run_id": f"test_gpt3_tiny_{nprocs}",
+        "round": 1,
         "case": {"model": "gpt3_tiny", "framework": "paddle", "hardware": "cpu", "nnodes": 1, "nprocs": nprocs},
         "config_name": f"config_cpux1x{nprocs}",
         "model": {"name": "gpt3_tiny", "params_nominal": TINY["params_nominal"], **TINY["shape"]},
@@ -173,7 +186,7 @@ def resolved(tmp: Path, nprocs: int, train: dict | None = None, parallel: dict |
         "data": {"data_dir": None, "prefix": None, "cache_dir": str(tmp / "cache")},
         "vendor": {"name": "cpu", "device": "cpu", "dist_backend": "gloo", "adapters": {}},
         "output_dir": str(tmp / "out"),
-    }  # fmt: skip
+    }
 
 
 def launch(tmp: Path, cfg: dict, timeout: int = 600):
@@ -183,8 +196,18 @@ def launch(tmp: Path, cfg: dict, timeout: int = 600):
     cfg_path.write_text(json.dumps(cfg))
     log_dir = tmp / "ranks"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "FB_RUN_ID": cfg["run_id"]}
-    argv = [_python(), "-m", "paddle.distributed.launch", "--log_dir", str(log_dir), "--nproc_per_node", str(nprocs),
-            str(CASE_DIR / "train.py"), "--config", str(cfg_path)]  # fmt: skip
+    argv = [
+        _python(),
+        "-m",
+        "paddle.distributed.launch",
+        "--log_dir",
+        str(log_dir),
+        "--nproc_per_node",
+        str(nprocs),
+        str(CASE_DIR / "train.py"),
+        "--config",
+        str(cfg_path),
+    ]
     proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return proc, _rank_logs(log_dir)
 

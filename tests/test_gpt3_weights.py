@@ -33,8 +33,12 @@ TINY = CASE["models"]["gpt3_tiny"]
 
 SHAPE = W.Shape(**{k: v for k, v in TINY["shape"].items() if k in W.Shape.__dataclass_fields__})
 #: GPTForCausalLMPipe.get_sequential_name_prefixes() of the 4-layer model
-PIPE_PREFIXES = {"0": "gpt.embeddings", **{str(i + 1): f"gpt.decoder.layers.{i}" for i in range(4)},
-                 "5": "gpt.decoder.norm", "6": "gpt.embeddings.word_embeddings"}  # fmt: skip
+PIPE_PREFIXES = {
+    "0": "gpt.embeddings",
+    **{str(i + 1): f"gpt.decoder.layers.{i}" for i in range(4)},
+    "5": "gpt.decoder.norm",
+    "6": "gpt.embeddings.word_embeddings",
+}
 
 
 def test_pipeline_names_are_single_model_names_with_global_layer_index():
@@ -204,8 +208,19 @@ def sharded_weights(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     for tp, pp in ((2, 1), (1, 2)):
         logs = out / f"logs_tp{tp}pp{pp}"
-        argv = [py, "-m", "paddle.distributed.launch", "--log_dir", str(logs), "--nproc_per_node", "2",
-                str(probe), str(out), str(tp), str(pp)]  # fmt: skip
+        argv = [
+            py,
+            "-m",
+            "paddle.distributed.launch",
+            "--log_dir",
+            str(logs),
+            "--nproc_per_node",
+            "2",
+            str(probe),
+            str(out),
+            str(tp),
+            str(pp),
+        ]
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         ranks = "".join(p.read_text(errors="replace")[-3000:] for p in sorted(logs.glob("workerlog.*")))
         assert proc.returncode == 0, ranks
@@ -218,7 +233,7 @@ def _assemble(out: Path, layout: str) -> dict[str, np.ndarray]:
     single = dict(np.load(out / ("single_fused_qkv.npz" if "fused" in layout else "single.npz")))
     by_stage: dict[tuple[str, int], dict[int, np.ndarray]] = {}
     for f in sorted(out.glob(f"{layout}.tp*.pp*.npz")):
-        tp_rank, stage = (int(x[2:]) for x in f.name[len(layout) + 1:-4].split("."))
+        tp_rank, stage = (int(x[2:]) for x in f.name[len(layout) + 1 : -4].split("."))
         for name, value in np.load(f).items():
             by_stage.setdefault((name, stage), {})[tp_rank] = value
     full: dict[str, np.ndarray] = {}

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from run_benchmarks import orchestrator, plan as planning
+from run_benchmarks import orchestrator
+from run_benchmarks import plan as planning
 from run_benchmarks.casename import CaseName
 from run_benchmarks.config import ClusterConfig
 from run_benchmarks.runtimes.base import NodeOutcome
@@ -12,15 +13,36 @@ from training.metriclog import MetricLogger
 
 
 def _round(tmp_path, device_name, hardware="H100"):
-    plan = planning.build(CaseName.parse(f"llama3_8b:megatron:{hardware}:1:2"), "nvidia", ClusterConfig(), tmp_path,
-                          sets=["train.steps=2", "train.warmup_steps=0"])  # fmt: skip
+    plan = planning.build(
+        CaseName.parse(f"llama3_8b:megatron:{hardware}:1:2"),
+        "nvidia",
+        ClusterConfig(),
+        tmp_path,
+        sets=["train.steps=2", "train.warmup_steps=0"],
+    )
     node = tmp_path / "round1" / "node0"
     (node / "ranks").mkdir(parents=True)
     with open(node / "ranks" / "stdout.log", "w") as fh:
         log = MetricLogger(run="r", rank=0, stream=fh)
-        meta = {k: 1 for k in ("model", "framework", "framework_version", "params_exact", "params_nominal", "num_layers",
-                               "hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size", "global_batch",
-                               "precision", "world_size")}  # fmt: skip
+        meta = {
+            k: 1
+            for k in (
+                "model",
+                "framework",
+                "framework_version",
+                "params_exact",
+                "params_nominal",
+                "num_layers",
+                "hidden_size",
+                "num_heads",
+                "num_kv_groups",
+                "seq_length",
+                "vocab_size",
+                "global_batch",
+                "precision",
+                "world_size",
+            )
+        }
         log.meta(**meta, parallel={"tp": 2})
         for s in (1, 2):
             log.step(s, 10.0, 65536, 3.0, 1e-5)
@@ -30,7 +52,9 @@ def _round(tmp_path, device_name, hardware="H100"):
     return orchestrator.evaluate_round(plan, 1, [out], time.monotonic())
 
 
-@pytest.mark.parametrize("device,ok", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H100 PCIe", False), ("NVIDIA H200", False), ("NVIDIA A100-SXM4-80GB", False)])
+@pytest.mark.parametrize(
+    "device,ok", [("NVIDIA H100 80GB HBM3", True), ("NVIDIA H100 PCIe", False), ("NVIDIA H200", False), ("NVIDIA A100-SXM4-80GB", False)]
+)
 def test_device_must_be_the_named_chip(tmp_path, device, ok):
     rnd = _round(tmp_path, device)
     assert rnd.devices == [device]

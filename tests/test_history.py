@@ -39,19 +39,36 @@ def fake_results(
     rounds = []
     for t in tps:
         if t is None:
-            rounds.append({"status": "failed", "error": "node0 (localhost): exit status 1; boom",
-                           "phases": [fake_phase(ph, tps=None, verdict="not judged", steps=steps, mem=None) for ph in phases]})  # fmt: skip
+            rounds.append(
+                {
+                    "status": "failed",
+                    "error": "node0 (localhost): exit status 1; boom",
+                    "phases": [fake_phase(ph, tps=None, verdict="not judged", steps=steps, mem=None) for ph in phases],
+                }
+            )
         else:
-            rounds.append({"status": status, "phases": [fake_phase(ph, tps=t, verdict=verdict, mre=0.01 if aligned else 0.2, steps=steps, mem=mem)
-                                                        for ph in phases]})  # fmt: skip
+            rounds.append(
+                {
+                    "status": status,
+                    "phases": [fake_phase(ph, tps=t, verdict=verdict, mre=0.01 if aligned else 0.2, steps=steps, mem=mem) for ph in phases],
+                }
+            )
     return fake_run(rounds, run_id, started=started, vendor=vendor, config_name=config_name, steps=steps)
 
 
 def store(db, res: RunResults, requested: int | None = None, verdict: str = "pass", night: int | None = None, **kw) -> int:
     return history.record_run(
-        db, night, res, hardware=HW, variant=None, rounds_requested=requested or len(res.rounds),
-        verdict=verdict, baseline_runs=0, findings=[], **kw,
-    )  # fmt: skip
+        db,
+        night,
+        res,
+        hardware=HW,
+        variant=None,
+        rounds_requested=requested or len(res.rounds),
+        verdict=verdict,
+        baseline_runs=0,
+        findings=[],
+        **kw,
+    )
 
 
 def test_summary_median_iqr_and_olympic_mean():
@@ -109,7 +126,9 @@ def test_stores_config_system_and_loss_curves(tmp_path):
     assert json.loads(row["system_json"])["host"] == "testhost"
     phases = history.phases_of(db, run)
     assert [(p["round"], p["phase"], p["status"], p["loss_verdict"], p["tokens_per_gpu_s"]) for p in phases] == [
-        (1, "train", "ok", "aligned", 100.0), (2, "train", "ok", "aligned", 101.0)]
+        (1, "train", "ok", "aligned", 100.0),
+        (2, "train", "ok", "aligned", 101.0),
+    ]
     curves = history.losses_of(db, run)
     assert set(curves) == {(0, "train"), (1, "train"), (2, "train")}  # round 0: the reference
     assert curves[(1, "train")][30] == pytest.approx(4.0)
@@ -121,7 +140,12 @@ def test_each_phase_and_status_is_kept(tmp_path):
     run = store(db, two, requested=3)
     st = history.stats_of(db, run)
     assert list(st) == ["pretrain", "finetune"] and st["finetune"]["tokens_per_gpu_s"]["median"] == 105.0
-    assert [(p["round"], p["phase"]) for p in history.phases_of(db, run)] == [(1, "pretrain"), (1, "finetune"), (2, "pretrain"), (2, "finetune")]
+    assert [(p["round"], p["phase"]) for p in history.phases_of(db, run)] == [
+        (1, "pretrain"),
+        (1, "finetune"),
+        (2, "pretrain"),
+        (2, "finetune"),
+    ]
     row = db.execute("SELECT * FROM runs WHERE id = ?", (run,)).fetchone()
     assert history.rounds_text(row) == "2/0/0/1" and row["good"] == 0  # the round that never ran counts as failed
     # unjudged rounds are clean: their figures count, the loss says not judged; invalid ones are not
@@ -161,9 +185,15 @@ def test_a_schema1_database_is_migrated(tmp_path):
     path = tmp_path / "old.sqlite"
     old = sqlite3.connect(path)
     old.executescript(SCHEMA_1)
-    for run, case, phases in ((1, "llama3_tiny:megatron:cpu:1:2", ["train"]), (2, "llava_tiny:deepspeed:cpu:1:2", ["finetune", "pretrain"])):
-        old.execute("INSERT INTO runs VALUES (?, NULL, ?, ?, 'cpu', 'hw', 'cfg', 'config_cpux1x2', NULL, '2026-01-01', NULL, NULL, 1, 1, 0,"
-                    " 1, 1, 'pass', 0, '{}', '{}', NULL, '{}', '{}', '[]', '[]', '{}')", (run, f"run{run}", case))  # fmt: skip
+    for run, case, phases in (
+        (1, "llama3_tiny:megatron:cpu:1:2", ["train"]),
+        (2, "llava_tiny:deepspeed:cpu:1:2", ["finetune", "pretrain"]),
+    ):
+        old.execute(
+            "INSERT INTO runs VALUES (?, NULL, ?, ?, 'cpu', 'hw', 'cfg', 'config_cpux1x2', NULL, '2026-01-01', NULL, NULL, 1, 1, 0,"
+            " 1, 1, 'pass', 0, '{}', '{}', NULL, '{}', '{}', '[]', '[]', '{}')",
+            (run, f"run{run}", case),
+        )
         old.execute("INSERT INTO rounds VALUES (?, 1, 'ok', NULL, 10.0, ?, 0.1, 0.2, 0.4, 0.01, 1)", (run, 100.0 * run))
         old.execute("INSERT INTO run_stats VALUES (?, 'tokens_per_gpu_s', 1, ?, ?, ?, ?, ?, NULL)", (run, *[100.0 * run] * 5))
         old.executemany("INSERT INTO losses VALUES (?, 1, ?, 1, 5.0)", [(run, ph) for ph in phases])
@@ -173,9 +203,25 @@ def test_a_schema1_database_is_migrated(tmp_path):
     assert db.execute("PRAGMA user_version").fetchone()[0] == history.SCHEMA_VERSION == 2
     # the round figures were the first phase's: llava's is pretrain (its case's order, not the alphabet)
     assert [(p["run"], p["phase"], p["tokens_per_gpu_s"], p["loss_verdict"]) for p in db.execute("SELECT * FROM phases ORDER BY run")] == [
-        (1, "train", 100.0, "aligned"), (2, "pretrain", 200.0, "aligned")]
-    assert history.stats_of(db, 2) == {"pretrain": {"tokens_per_gpu_s": {"run": 2, "phase": "pretrain", "metric": "tokens_per_gpu_s", "n": 1,
-                                       "median": 200.0, "min": 200.0, "max": 200.0, "q1": 200.0, "q3": 200.0, "olympic": None}}}  # fmt: skip
+        (1, "train", 100.0, "aligned"),
+        (2, "pretrain", 200.0, "aligned"),
+    ]
+    assert history.stats_of(db, 2) == {
+        "pretrain": {
+            "tokens_per_gpu_s": {
+                "run": 2,
+                "phase": "pretrain",
+                "metric": "tokens_per_gpu_s",
+                "n": 1,
+                "median": 200.0,
+                "min": 200.0,
+                "max": 200.0,
+                "q1": 200.0,
+                "q3": 200.0,
+                "olympic": None,
+            }
+        }
+    }
     assert {r[1] for r in db.execute("PRAGMA table_info(rounds)")} == {"run", "round", "status", "error", "duration_s"}
     assert history.rounds_text(db.execute("SELECT * FROM runs WHERE id = 1").fetchone()) == "1/0/0/0"
     store(db, fake_results("new", [100.0]))  # and it takes new runs as a fresh one does

@@ -12,8 +12,8 @@ import pytest
 
 np = pytest.importorskip("numpy")
 
-from training.data import synthetic  # noqa: E402
-from training.data.indexed import (  # noqa: E402
+from training.data import synthetic
+from training.data.indexed import (
     INDEX_HEADER,
     IndexedReader,
     IndexedWriter,

@@ -124,9 +124,16 @@ def test_case_yaml_models():
     assert (case["family"], case["framework"], case["launcher"], case["entry"]) == ("llama3", "megatron", "torchrun", "train.py")
     big = case["models"]["llama3_8b"]
     assert big["shape"] == {
-        "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 14336, "num_heads": 32, "num_kv_groups": 8,
-        "seq_length": 8192, "vocab_size": 128256, "norm_eps": 1e-5, "rope_base": 500000,
-    }  # fmt: skip
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "ffn_hidden_size": 14336,
+        "num_heads": 32,
+        "num_kv_groups": 8,
+        "seq_length": 8192,
+        "vocab_size": 128256,
+        "norm_eps": 1e-5,
+        "rope_base": 500000,
+    }
     assert big["params_nominal"] == 8.0e9 and big["train"]["global_batch"] == 512
     assert big["train"]["lr_decay_steps"] == 300  # FlagPerf decays the cosine over 300 steps
     std = case["standard"]["train"]
@@ -144,11 +151,26 @@ def test_vendor_configs_change_only_allowed_keys():
     files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b").glob("config_*.yaml"))
     files += sorted((ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny").glob("config_*.yaml"))
     names = {f.stem for f in files}
-    for n in ("config_A100x1x8", "config_A100x1x8_PP4DP2TP1", "config_A100x1x8_PP1DP8TP1", "config_A100x1x8_PP2DP2TP2",
-              "config_A100x1x8_PP2DP1TP4", "config_A100x1x8_PP8DP1TP1", "config_A100x1x8_PP1DP1TP8",
-              "config_A100x1x8_PP4DP1TP2", "config_H100x1x8", "config_H100x2x8", "config_cpux1x1", "config_cpux1x2",
-              "config_cpux1x2_TP2", "config_cpux1x2_PP2", "config_H200x1x2", "config_H200x1x4", "config_H200x1x4_PP1DP1TP4",
-              "config_H200x1x4_PP2DP2TP1"):  # fmt: skip
+    for n in (
+        "config_A100x1x8",
+        "config_A100x1x8_PP4DP2TP1",
+        "config_A100x1x8_PP1DP8TP1",
+        "config_A100x1x8_PP2DP2TP2",
+        "config_A100x1x8_PP2DP1TP4",
+        "config_A100x1x8_PP8DP1TP1",
+        "config_A100x1x8_PP1DP1TP8",
+        "config_A100x1x8_PP4DP1TP2",
+        "config_H100x1x8",
+        "config_H100x2x8",
+        "config_cpux1x1",
+        "config_cpux1x2",
+        "config_cpux1x2_TP2",
+        "config_cpux1x2_PP2",
+        "config_H200x1x2",
+        "config_H200x1x4",
+        "config_H200x1x4_PP1DP1TP4",
+        "config_H200x1x4_PP2DP2TP1",
+    ):
         assert n in names
     for f in files:
         cfg = yaml.safe_load(f.read_text())
@@ -156,7 +178,7 @@ def test_vendor_configs_change_only_allowed_keys():
             for key in cfg.get(section, {}):
                 assert f"{section}.{key}" in allowed, f"{f.name}: {section}.{key} may not be changed by a vendor"
         assert set(cfg) <= {"description", "validated", "train", "parallel"}, f.name
-        size, _, variant = f.stem[len("config_"):].partition("_")
+        size, _, variant = f.stem[len("config_") :].partition("_")
         gpus = int(size.split("x")[-2]) * int(size.split("x")[-1])
         if m := re.fullmatch(r"PP(\d+)DP(\d+)TP(\d+)", variant):  # the variant names its layout
             pp, dp, tp = (int(x) for x in m.groups())
@@ -177,10 +199,22 @@ def run_case_script(tmp_path: Path, cfg: dict, nprocs: int, script: str = "train
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", FB_RUN_ID=cfg["run_id"])
     cmd = [
-        py, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nprocs),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        f"cases/llama3/megatron/{script}", "--config", str(path), *args,
-    ]  # fmt: skip
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nprocs),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        f"cases/llama3/megatron/{script}",
+        "--config",
+        str(path),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -200,10 +234,21 @@ def layout_runs(tmp_path_factory, megatron_python) -> dict[str, tuple[dict, Pars
     for name, (nprocs, variant, _) in LAYOUTS.items():
         log_dir = tmp_path_factory.mktemp(f"llama3_{name}")
         proc = subprocess.run(
-            [sys.executable, START, "--vendor", "cpu", "--case_name", f"llama3_tiny:megatron:cpu:1:{nprocs}",
-             "--log-dir", str(log_dir), *(["--variant", variant] if variant else [])],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                START,
+                "--vendor",
+                "cpu",
+                "--case_name",
+                f"llama3_tiny:megatron:cpu:1:{nprocs}",
+                "--log-dir",
+                str(log_dir),
+                *(["--variant", variant] if variant else []),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         (run_dir,) = [d for d in log_dir.iterdir() if d.is_dir()]
         parsed = ParsedLog([], [])

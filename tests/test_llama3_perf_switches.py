@@ -53,8 +53,10 @@ def test_switch_values_are_read_and_checked(tmp_path):
         "(this vendor's device is cpu); use parallel.attention: sdpa": ({"attention": "cudnn"}, False),
         "parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
         "(this vendor's device is cpu); use none or compile": ({"fused_elementwise": "liger"}, False),
-        "parallel.fused_elementwise: compile replaces megatron's local RMSNorm and SwiGLU; TransformerEngine brings "
-        "its own": ({"fused_elementwise": "compile", "transformer_impl": "transformer_engine"}, True),
+        "parallel.fused_elementwise: compile replaces megatron's local RMSNorm and SwiGLU; TransformerEngine brings its own": (
+            {"fused_elementwise": "compile", "transformer_impl": "transformer_engine"},
+            True,
+        ),
     }
     for message, (parallel, on_cuda) in refused.items():
         cfg = resolved_config(tmp_path, 1, "x", parallel=parallel)
@@ -142,12 +144,19 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     proc = subprocess.run([py, "-c", _MODEL_CHECK, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
     plain, fused = res["none"], res["compile"]
 
     assert plain["modules"] == ["RMSNorm"] * 4 + ["function"]  # torch's RMSNorm, F.silu inside megatron's glu
@@ -225,12 +234,19 @@ def test_fused_linear_loss_and_rope_match_the_plain_model(tmp_path):
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))  # fmt: skip
+    env.update(
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     proc = subprocess.run([py, "-c", _LOSS_ROPE_CHECK, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    res = json.loads(line[len("RESULT "):])
+    res = json.loads(line[len("RESULT ") :])
     # float64 inputs, the softmax in float32 as on the GPU: loss, dx and dW equal logits + cross_entropy to float32's precision
     assert max(res["fn"]) < 1e-5
     assert res["rope"] < 1e-6

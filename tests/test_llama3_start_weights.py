@@ -41,8 +41,9 @@ def test_layouts_start_from_the_tp1_pp1_model(tmp_path):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         files.append(str(out))
 
-    cmp = subprocess.run([py, "cases/llama3/megatron/weights_check.py", "--compare", *files],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    cmp = subprocess.run(
+        [py, "cases/llama3/megatron/weights_check.py", "--compare", *files], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert cmp.returncode == 0, cmp.stdout + cmp.stderr
     assert "15 tensors equal in 3 files" in cmp.stdout  # 2 layers x 6, embedding, final norm, output layer
 

@@ -55,8 +55,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable 
 
 @pytest.fixture(scope="module")
 def case_modules():
-    from cases.llava.deepspeed import mmmu
-    from cases.llava.deepspeed import model
+    from cases.llava.deepspeed import mmmu, model
 
     return model, mmmu
 
@@ -94,8 +93,12 @@ def test_templates_mask_and_expand_images():
     assert kept and ids == [tok.bos_id] + [1000] * 16 + caption  # plain: the human text is dropped
     assert labels == [-100] * 17 + caption
 
-    conv = [{"from": "human", "value": "<image>\nWhat color is the circle?"}, {"from": "gpt", "value": "Red."},
-            {"from": "human", "value": "Where is it?"}, {"from": "gpt", "value": "Top."}]
+    conv = [
+        {"from": "human", "value": "<image>\nWhat color is the circle?"},
+        {"from": "gpt", "value": "Red."},
+        {"from": "human", "value": "Where is it?"},
+        {"from": "gpt", "value": "Top."},
+    ]
     ids, labels, kept = L.encode_conversation(conv, tok, "vicuna_v1", True, 1000, 16, 512)
     assert kept and ids.count(1000) == 16 and len(ids) == len(labels)
     trained = [i for i in labels if i != -100]
@@ -143,8 +146,10 @@ def test_synthetic_set_is_deterministic_and_matches_its_text(tmp_path):
 def test_collator_counts_real_lengths_and_batches_split_ranks():
     from training.data import llava as L
 
-    samples = [{"input_ids": torch.arange(5), "labels": torch.arange(5), "pixel_values": torch.zeros(3, 4, 4)},
-               {"input_ids": torch.arange(11), "labels": torch.arange(11), "pixel_values": None}]
+    samples = [
+        {"input_ids": torch.arange(5), "labels": torch.arange(5), "pixel_values": torch.zeros(3, 4, 4)},
+        {"input_ids": torch.arange(11), "labels": torch.arange(11), "pixel_values": None},
+    ]
     b = L.Collator(pad_id=0)(samples)
     assert b["input_ids"].shape == (2, 16) and b["num_tokens"] == 16 and b["num_images"] == 1
     assert b["attention_mask"].sum() == 16 and (b["labels"][0, 5:] == -100).all()
@@ -154,7 +159,7 @@ def test_collator_counts_real_lengths_and_batches_split_ranks():
     r0, r1 = (list(L.rank_batches(32, dp_rank=r, **kw)) for r in (0, 1))
     assert len(r0) == len(r1) == 10 and all(len(m) == 4 for m in r0 + r1)
     for step in range(5):  # one step's 16 samples: distinct, shared out between the ranks
-        got = sum(r0[2 * step: 2 * step + 2] + r1[2 * step: 2 * step + 2], [])
+        got = sum(r0[2 * step : 2 * step + 2] + r1[2 * step : 2 * step + 2], [])
         assert len(set(got)) == 16
 
 
@@ -217,9 +222,13 @@ def test_weights_load_from_llava_and_from_separate_clip_and_llama(case_modules, 
     src = M.build_model(TINY["shape"], torch.float32, torch.device("cpu"))
     sd = {k: v.contiguous() for k, v in src.state_dict().items()}
     # llava-hf's first key layout
-    old = {k.replace("model.language_model.", "language_model.model.").replace("model.vision_tower.", "vision_tower.vision_model.")
-           .replace("model.multi_modal_projector.", "multi_modal_projector.").replace("lm_head.", "language_model.lm_head."): v
-           for k, v in sd.items()}
+    old = {
+        k.replace("model.language_model.", "language_model.model.")
+        .replace("model.vision_tower.", "vision_tower.vision_model.")
+        .replace("model.multi_modal_projector.", "multi_modal_projector.")
+        .replace("lm_head.", "language_model.lm_head."): v
+        for k, v in sd.items()
+    }
     (tmp_path / "llava").mkdir()
     save_file(old, str(tmp_path / "llava" / "model.safetensors"))
     torch.manual_seed(2)
@@ -230,9 +239,9 @@ def test_weights_load_from_llava_and_from_separate_clip_and_llama(case_modules, 
 
     # the LLaVA recipe: CLIP + a LLaMA with a smaller vocabulary (rows filled), projector left as built
     vocab = TINY["shape"]["vocab_size"] - 24
-    clip = {"vision_model." + k[len("model.vision_tower."):]: v for k, v in sd.items() if k.startswith("model.vision_tower.")}
+    clip = {"vision_model." + k[len("model.vision_tower.") :]: v for k, v in sd.items() if k.startswith("model.vision_tower.")}
     clip["text_model.embeddings.token_embedding.weight"] = torch.zeros(3, 3)
-    llama = {"model." + k[len("model.language_model."):]: v for k, v in sd.items() if k.startswith("model.language_model.")}
+    llama = {"model." + k[len("model.language_model.") :]: v for k, v in sd.items() if k.startswith("model.language_model.")}
     llama["model.embed_tokens.weight"] = llama["model.embed_tokens.weight"][:vocab].clone()
     llama["lm_head.weight"] = sd["lm_head.weight"][:vocab].clone()
     for name, part in (("clip", clip), ("llama", llama)):
@@ -240,10 +249,13 @@ def test_weights_load_from_llava_and_from_separate_clip_and_llama(case_modules, 
         torch.save(part, tmp_path / name / "pytorch_model.bin")
     torch.manual_seed(3)
     dst = M.build_model(TINY["shape"], torch.float32, torch.device("cpu"))
-    info = M.load_pretrained(dst, {"vision_tower_path": str(tmp_path / "clip"),
-                                   "language_model_path": str(tmp_path / "llama")}, as_built)
-    assert info["not_loaded"] == ["projector/linear_1.bias", "projector/linear_1.weight",
-                                  "projector/linear_2.bias", "projector/linear_2.weight"]
+    info = M.load_pretrained(dst, {"vision_tower_path": str(tmp_path / "clip"), "language_model_path": str(tmp_path / "llama")}, as_built)
+    assert info["not_loaded"] == [
+        "projector/linear_1.bias",
+        "projector/linear_1.weight",
+        "projector/linear_2.bias",
+        "projector/linear_2.weight",
+    ]
     got = dict(dst.named_parameters())
     assert torch.equal(got["lm_head.weight"][:vocab], sd["lm_head.weight"][:vocab])
     assert not torch.equal(got["lm_head.weight"][vocab:], sd["lm_head.weight"][vocab:])
@@ -279,14 +291,23 @@ def test_mmmu_not_run_without_paths_and_scores_records(case_modules, tmp_path):
 
     buf = io.BytesIO()
     Image.fromarray(np.full((40, 60, 3), 200, np.uint8)).save(buf, format="PNG")
-    recs = [{"id": "a", "subject": "Art", "question": "<image 1> Which?", "options": ["red", "blue", "green"],
-             "answer": "B", "type": "multiple-choice", "image": buf.getvalue()},
-            {"id": "b", "subject": "Math", "question": "How many?", "options": [], "answer": "3",
-             "type": "open", "image": None}]
+    recs = [
+        {
+            "id": "a",
+            "subject": "Art",
+            "question": "<image 1> Which?",
+            "options": ["red", "blue", "green"],
+            "answer": "B",
+            "type": "multiple-choice",
+            "image": buf.getvalue(),
+        },
+        {"id": "b", "subject": "Math", "question": "How many?", "options": [], "answer": "3", "type": "open", "image": None},
+    ]
     model = M.build_model(TINY["shape"], torch.float32, torch.device("cpu"))
     tok = L.WordTokenizer(S.vocabulary_words(), 1024, reserved=[1000])
-    out = MM.evaluate(model, tok, recs, image_token_id=1000, num_image_tokens=16, image_size=56,
-                      device=torch.device("cpu"), dtype=torch.float32)
+    out = MM.evaluate(
+        model, tok, recs, image_token_id=1000, num_image_tokens=16, image_size=56, device=torch.device("cpu"), dtype=torch.float32
+    )
     assert out["status"] == "ok" and out["n"] == 2 and 0.0 <= out["accuracy"] <= 1.0
     assert set(out["by_subject"]) == {"Art", "Math"}
     assert MM.open_match("The answer is 3.", "3") and MM.open_match("Paris", "paris")
@@ -306,45 +327,87 @@ def test_units_in_framework_env():
 def resolved(tmp: Path) -> dict:
     """resolved.json as the harness writes it for llava_tiny:deepspeed:cpu:1:2 (config_cpux1x2)."""
     train = {
-        "steps": 30, "warmup_steps": 5, "global_batch": 16, "micro_batch": 8, "precision": "bf16", "lr": 1.0e-3,
-        "min_lr": 0.0, "weight_decay": 0.0, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1.0e-8,
-        "seed": 1234, "profile_step": 0,
+        "steps": 30,
+        "warmup_steps": 5,
+        "global_batch": 16,
+        "micro_batch": 8,
+        "precision": "bf16",
+        "lr": 1.0e-3,
+        "min_lr": 0.0,
+        "weight_decay": 0.0,
+        "clip_grad": 1.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_eps": 1.0e-8,
+        "seed": 1234,
+        "profile_step": 0,
         "phases": {
             "pretrain": {"global_batch": 16, "micro_batch": 8, "lr": 1.0e-2, "min_lr": 1.0e-3, "lr_warmup_steps": 3, "lr_decay_steps": 30},
             "finetune": {"global_batch": 16, "micro_batch": 8, "lr": 2.0e-3, "min_lr": 2.0e-4, "lr_warmup_steps": 3, "lr_decay_steps": 30},
         },
-    }  # fmt: skip
+    }
     parallel = {
-        "tp": 1, "pp": 1, "recompute": "none",
-        "zero": {"overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1.0e9, "reduce_bucket_size": None,
-                 "offload_optimizer": "none"},
+        "tp": 1,
+        "pp": 1,
+        "recompute": "none",
+        "zero": {
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 1.0e9,
+            "reduce_bucket_size": None,
+            "offload_optimizer": "none",
+        },
         "phases": {
             "pretrain": {"zero": {"stage": 2}},
-            "finetune": {"zero": {"stage": 3, "stage3_prefetch_bucket_size": None, "stage3_param_persistence_threshold": None,
-                                  "stage3_max_live_parameters": 1.0e9, "stage3_max_reuse_distance": 1.0e9, "offload_param": "none"}},
+            "finetune": {
+                "zero": {
+                    "stage": 3,
+                    "stage3_prefetch_bucket_size": None,
+                    "stage3_param_persistence_threshold": None,
+                    "stage3_max_live_parameters": 1.0e9,
+                    "stage3_max_reuse_distance": 1.0e9,
+                    "offload_param": "none",
+                }
+            },
         },
-    }  # fmt: skip
+    }
     data = {
-        "format": "llava", "missing_images": "fail",
-        "data_dir": None, "cache_dir": str(tmp / "cache"), "synthetic_seed": 1234, "num_workers": 0,
-        "model_path": None, "vision_tower_path": None, "language_model_path": None, "tokenizer_path": None,
-        "mmmu_dir": None, "mmmu_checkpoint": None, "synthetic_images": 512, "synthetic_image_size": 56,
+        "format": "llava",
+        "missing_images": "fail",
+        "data_dir": None,
+        "cache_dir": str(tmp / "cache"),
+        "synthetic_seed": 1234,
+        "num_workers": 0,
+        "model_path": None,
+        "vision_tower_path": None,
+        "language_model_path": None,
+        "tokenizer_path": None,
+        "mmmu_dir": None,
+        "mmmu_checkpoint": None,
+        "synthetic_images": 512,
+        "synthetic_image_size": 56,
         "phases": {
-            "pretrain": {"template": "plain", "json": "LLaVA-Pretrain/blip_laion_cc_sbu_558k.json",
-                         "image_folder": "LLaVA-Pretrain/images", "image_aspect_ratio": "square"},
-            "finetune": {"template": "vicuna_v1", "json": "llava_v1_5_mix665k.json", "image_folder": ".",
-                         "image_aspect_ratio": "pad"},
+            "pretrain": {
+                "template": "plain",
+                "json": "LLaVA-Pretrain/blip_laion_cc_sbu_558k.json",
+                "image_folder": "LLaVA-Pretrain/images",
+                "image_aspect_ratio": "square",
+            },
+            "finetune": {"template": "vicuna_v1", "json": "llava_v1_5_mix665k.json", "image_folder": ".", "image_aspect_ratio": "pad"},
         },
-    }  # fmt: skip
+    }
     return {
-        "run_id": "test_llava_tiny", "round": 1,
+        "run_id": "test_llava_tiny",
+        "round": 1,
         "case": {"model": "llava_tiny", "framework": "deepspeed", "hardware": "cpu", "nnodes": 1, "nprocs": 2},
         "config_name": "config_cpux1x2",
         "model": {"name": "llava_tiny", "params_nominal": TINY["params_nominal"], **TINY["shape"]},
-        "train": train, "parallel": parallel, "data": data,
+        "train": train,
+        "parallel": parallel,
+        "data": data,
         "vendor": {"name": "cpu", "device": "cpu", "dist_backend": "gloo", "adapters": {}},
         "output_dir": str(tmp / "out"),
-    }  # fmt: skip
+    }
 
 
 def launch(tmp: Path, cfg: dict, timeout: int = 900):
@@ -352,12 +415,30 @@ def launch(tmp: Path, cfg: dict, timeout: int = 900):
     path = tmp / "resolved.json"
     path.write_text(json.dumps(cfg, indent=1))
     env = {
-        **os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1", "FB_RUN_ID": cfg["run_id"], "OMP_NUM_THREADS": "1",
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "FB_RUN_ID": cfg["run_id"],
+        "OMP_NUM_THREADS": "1",
         # DeepSpeed JIT-builds its CPU shared-memory comm op once (about a minute); keep it in a cache
         "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
-    }  # fmt: skip
-    cmd = [py, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(CASE_DIR / "train.py"), "--config", str(path)]  # fmt: skip
+    }
+    cmd = [
+        py,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(CASE_DIR / "train.py"),
+        "--config",
+        str(path),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     (tmp / "stdout.log").write_text(proc.stdout)
     (tmp / "stderr.log").write_text(proc.stderr)
@@ -392,8 +473,10 @@ def test_tiny_both_phases_two_processes(standard):
         assert m["image_tokens"] == 16 and m["precision"] == "bf16" and m["data"] == "synthetic"
         trainable = 24_832 if phase == "pretrain" else 24_832 + llava_params(TINY["shape"])["language_model"]
         assert m["params_trainable"] == trainable  # projector; projector + language model
-        assert sum(g["num_params"] for g in json.loads(Path(m["ds_config_path"]).read_text())["optimizer"][
-            "trainable_params_per_group"]) == trainable
+        assert (
+            sum(g["num_params"] for g in json.loads(Path(m["ds_config_path"]).read_text())["optimizer"]["trainable_params_per_group"])
+            == trainable
+        )
         ds = json.loads(Path(m["ds_config_path"]).read_text())
         assert Path(m["ds_config_path"]) == out / f"ds_config_{phase}.json"
         assert ds["zero_optimization"]["stage"] == ds["zero_optimization_stage"] == stage
@@ -450,8 +533,7 @@ def test_pretrain_under_zero3_follows_the_zero2_curve(standard, tmp_path):
     """The pretrain phase under ZeRO-3 (built under zero.Init, its partitions written directly)
     starts from the ZeRO-2 run's weights and follows its curve; both runs time their batch
     fetch inside the step. Its finetune copies the partitioned pretrain model (gathered)."""
-    zero3 = start_task(tmp_path, "llava_tiny:deepspeed:cpu:1:2", f"train.steps={SHORT}",
-                       "parallel.phases.pretrain.zero.stage=3")
+    zero3 = start_task(tmp_path, "llava_tiny:deepspeed:cpu:1:2", f"train.steps={SHORT}", "parallel.phases.pretrain.zero.stage=3")
     assert_short_run_unjudged(zero3)
     assert [p["meta"]["zero_stage"] for p in zero3.round["phases"]] == [3, 3]
     assert_same_curve(standard.loss("pretrain", SHORT), zero3.loss("pretrain", SHORT), "pretrain ZeRO-3")
@@ -466,8 +548,7 @@ def test_vendor_overrides_reach_the_effective_config(tmp_path):
     cfg = resolved(tmp_path)
     cfg["train"]["steps"] = 3
     cfg["train"]["phases"]["finetune"]["micro_batch"] = 4
-    cfg["parallel"]["phases"]["finetune"]["zero"].update(overlap_comm=False, reduce_bucket_size=4096,
-                                                         stage3_max_live_parameters=123456)
+    cfg["parallel"]["phases"]["finetune"]["zero"].update(overlap_comm=False, reduce_bucket_size=4096, stage3_max_live_parameters=123456)
     cfg["parallel"]["phases"]["pretrain"]["zero"]["contiguous_gradients"] = False
     log = launch(tmp_path, cfg)
     pre = json.loads((tmp_path / "out" / "ds_config_pretrain.json").read_text())
@@ -506,8 +587,14 @@ def test_nvidia_configs_fit_the_case():
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     std = registry.standard_settings(case, "llava1.5_7b")
     files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llava1.5_7b").glob("config_*.yaml"))
-    assert {f.stem for f in files} >= {"config_A800x1x8", "config_A100x1x8", "config_H100x1x8",
-                                       "config_H100x1x2", "config_H100x1x4", "config_H200x1x4"}
+    assert {f.stem for f in files} >= {
+        "config_A800x1x8",
+        "config_A100x1x8",
+        "config_H100x1x8",
+        "config_H100x1x2",
+        "config_H100x1x4",
+        "config_H200x1x4",
+    }
     for f in files:
         vcfg = registry.load_vendor_case(f)
         registry.fairness_check(vcfg.values(), case, std, f.name)

@@ -5,7 +5,6 @@ run is killed."""
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -25,8 +24,9 @@ def start(log_dir: Path, python: str, *extra: str) -> list[str]:
 
 @pytest.mark.framework("megatron")
 def test_a_second_local_run_is_refused_while_one_runs(tmp_path, megatron_python):
-    first = subprocess.Popen(start(tmp_path / "a", megatron_python, "--set", "train.steps=100000"),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        start(tmp_path / "a", megatron_python, "--set", "train.steps=100000"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         end = time.monotonic() + 120
         while not list((tmp_path / "a").glob("*/round1/node0")) and time.monotonic() < end:

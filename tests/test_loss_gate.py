@@ -72,7 +72,9 @@ def test_too_few_compared_steps_judge_nothing():
     few = Reference(path="/refs/few.json", loss={s: 4.0 for s in range(1, 25)})  # 21-24: four steps
     g = metrics.judge_loss(curve(), few, warmup_steps=5)
     assert g.verdict == "not judged" and g.reason == "4 step(s) compared, at least 5 needed"
-    with pytest.raises(metrics.BadReference, match=r"^/refs/few.json: 4 step\(s\) from step 21 on \(steps 21-24\); the loss gate compares at least 5$"):
+    with pytest.raises(
+        metrics.BadReference, match=r"^/refs/few.json: 4 step\(s\) from step 21 on \(steps 21-24\); the loss gate compares at least 5$"
+    ):
         metrics.check_curve(few)
     with pytest.raises(metrics.BadReference, match=r"0 step\(s\) from step 21 on \(none\)"):
         metrics.check_curve(Reference(path="/refs/early.json", loss=curve(last=20)))
@@ -98,10 +100,16 @@ def gate(verdict: str, reason: str = "why") -> LossGate:
 
 def test_round_statuses():
     assert round_status([], {"train": gate("aligned")}) == ("ok", [])
-    assert round_status([], {"train": gate("not judged", "no reference curve")}) == ("unjudged", ["phase train: loss not judged: no reference curve"])
+    assert round_status([], {"train": gate("not judged", "no reference curve")}) == (
+        "unjudged",
+        ["phase train: loss not judged: no reference curve"],
+    )
     # a phase not aligned outweighs one not judged; both are named
     status, why = round_status([], {"pretrain": gate("not judged", "steps 26-30 missing"), "finetune": gate("not aligned", "MRE 5.00%")})
-    assert status == "invalid" and why == ["phase finetune: loss not aligned: MRE 5.00%", "phase pretrain: loss not judged: steps 26-30 missing"]
+    assert status == "invalid" and why == [
+        "phase finetune: loss not aligned: MRE 5.00%",
+        "phase pretrain: loss not judged: steps 26-30 missing",
+    ]
     # every phase is judged: the second phase alone off makes the round invalid
     assert round_status([], {"pretrain": gate("aligned"), "finetune": gate("not aligned", "MRE 3.00%")})[0] == "invalid"
     status, why = round_status(["node0 (localhost): exit status 1"], {"train": gate("aligned")})

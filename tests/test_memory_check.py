@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import psutil
 import pytest
@@ -45,8 +44,19 @@ def test_megatron_states_by_layout_and_offload():
 
 def test_a_layout_that_cannot_fit_the_card_is_refused_before_anything(tmp_path):
     """llama3_8b on two H100 without tensor parallelism or offload: 89.8 GiB of states per card."""
-    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:2", "--set", "parallel.tp=1",
-                 "--set", "parallel.optimizer_cpu_offload=false", "--log-dir", str(tmp_path), "--dry-run")  # fmt: skip
+    proc = start(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llama3_8b:megatron:H100:1:2",
+        "--set",
+        "parallel.tp=1",
+        "--set",
+        "parallel.optimizer_cpu_offload=false",
+        "--log-dir",
+        str(tmp_path),
+        "--dry-run",
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "config_H100x1x2.yaml: weights, gradients and optimizer states alone need 89.8 GiB per H100 (TP1 PP1 DP2" in line
@@ -63,8 +73,18 @@ def test_offloaded_states_larger_than_this_host_are_refused(tmp_path):
     total = psutil.virtual_memory().total / GiB
     if total > 59.83 / 0.75:
         pytest.skip(f"this host has {total:.0f} GiB: the 8-rank offload fits")
-    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:1:8", "--set", "parallel.optimizer_cpu_offload=true",
-                 "--python", sys.executable, "--log-dir", str(tmp_path))  # fmt: skip
+    proc = start(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llama3_8b:megatron:H100:1:8",
+        "--set",
+        "parallel.optimizer_cpu_offload=true",
+        "--python",
+        sys.executable,
+        "--log-dir",
+        str(tmp_path),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     (line,) = proc.stderr.strip().splitlines()
     assert "the optimizer states offloaded to host memory alone need 59.8 GiB per node" in line
@@ -84,8 +104,18 @@ def test_each_ssh_host_is_checked_by_name(cluster, tmp_path):
     if total > 29.92 / 0.75:
         pytest.skip(f"this host has {total:.0f} GiB: the offload fits")
     cfile = cluster_file(cluster, tmp_path, sys.executable, runtime="process")
-    proc = start("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H100:2:8", "--set", "parallel.optimizer_cpu_offload=true",
-                 "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"))  # fmt: skip
+    proc = start(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llama3_8b:megatron:H100:2:8",
+        "--set",
+        "parallel.optimizer_cpu_offload=true",
+        "--cluster",
+        str(cfile),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "need 29.9 GiB per node" in line and "more than 75% of h1's" in line, proc.stderr

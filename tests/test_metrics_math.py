@@ -3,10 +3,10 @@
 import pytest
 
 from run_benchmarks import metrics
-from training import flops, metriclog as ml
+from training import flops
+from training import metriclog as ml
 
-LLAMA3_8B = dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_heads=32, num_kv_groups=8,
-                 seq_length=8192, vocab_size=128256)  # fmt: skip
+LLAMA3_8B = dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_heads=32, num_kv_groups=8, seq_length=8192, vocab_size=128256)
 A100, H100, H100_FP8 = 312e12, 989e12, 1979e12
 
 # seed 000 (llama3_8b, megatron): token/p/s and the MFU column as printed.
@@ -63,8 +63,10 @@ def _rec(event, key, value, rank=0):
 
 
 def test_window_excludes_warmup_and_divides_by_world():
-    recs = [_rec(ml.EV_STEP, ml.K_TRAIN_STEP, {"step": i, "loss": 1.0, "tokens": 8192, "step_time_s": 10.0 if i <= 2 else 1.0, "lr": 0})
-            for i in range(1, 7)]  # fmt: skip
+    recs = [
+        _rec(ml.EV_STEP, ml.K_TRAIN_STEP, {"step": i, "loss": 1.0, "tokens": 8192, "step_time_s": 10.0 if i <= 2 else 1.0, "lr": 0})
+        for i in range(1, 7)
+    ]
     recs += [r for r in recs]  # duplicates from another log are ignored
     recs.append(_rec(ml.EV_STEP, ml.K_TRAIN_STEP, {"step": 7, "loss": 1.0, "tokens": 8192, "step_time_s": 9.0, "lr": 0, "profiled": True}))
     steps = metrics.step_records(ml.ParsedLog(recs, []), "train")
@@ -78,9 +80,12 @@ def test_window_excludes_warmup_and_divides_by_world():
 
 
 def test_memory_takes_peak_over_ranks():
-    parsed = ml.ParsedLog([
-        _rec(ml.EV_MEMORY, ml.K_PEAK_MEMORY, {"peak_bytes": 2 * metrics.GIB, "total_bytes": 80 * metrics.GIB, "device": "cuda:0"}, 0),
-        _rec(ml.EV_MEMORY, ml.K_PEAK_MEMORY, {"peak_bytes": 3 * metrics.GIB, "total_bytes": 80 * metrics.GIB, "device": "cuda:1"}, 1),
-    ], [])  # fmt: skip
+    parsed = ml.ParsedLog(
+        [
+            _rec(ml.EV_MEMORY, ml.K_PEAK_MEMORY, {"peak_bytes": 2 * metrics.GIB, "total_bytes": 80 * metrics.GIB, "device": "cuda:0"}, 0),
+            _rec(ml.EV_MEMORY, ml.K_PEAK_MEMORY, {"peak_bytes": 3 * metrics.GIB, "total_bytes": 80 * metrics.GIB, "device": "cuda:1"}, 1),
+        ],
+        [],
+    )
     mem = metrics.memory_summary(parsed)
     assert mem["peak_mem_gib"] == 3 and mem["total_mem_gib"] == 80

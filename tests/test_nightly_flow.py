@@ -94,7 +94,10 @@ def test_baseline_none_then_pass_then_regressed(tmp_path, scripted, capsys):
     assert [r["baseline_runs"] for r in runs] == [0, 1, 2]
     assert json.loads(runs[2]["baseline_json"])["train"]["tokens_per_gpu_s"] == 995.0
     f = db.execute("SELECT * FROM findings").fetchall()
-    assert [(x["metric"], x["baseline"], x["now"]) for x in f] == [("tokens/p/s", 995.0, 700.0), ("MFU-6N", pytest.approx(995.0 / 1e5), pytest.approx(700.0 / 1e5))]
+    assert [(x["metric"], x["baseline"], x["now"]) for x in f] == [
+        ("tokens/p/s", 995.0, 700.0),
+        ("MFU-6N", pytest.approx(995.0 / 1e5), pytest.approx(700.0 / 1e5)),
+    ]
     # a regressed run completed: it is good and rolls into later baselines (median, so one night does not move it)
     assert runs[2]["good"] == 1
     index = (tmp_path / "logs" / "reports" / "index.html").read_text()
@@ -108,7 +111,10 @@ def test_failed_round_and_unaligned_loss_fail_the_night(tmp_path, scripted, caps
     scripted["config_cpux1x2"] = [1000.0, None, 1000.0]
     rc, out, _ = night(path, capsys)
     assert rc == 1
-    assert f"REGRESSION {CASE} on cpu (config_cpux1x2): 1 of 3 round(s) failed (baseline: no failed round in the last 1 good runs): node0 (localhost): exit status 1; boom" in out
+    assert (
+        f"REGRESSION {CASE} on cpu (config_cpux1x2): 1 of 3 round(s) failed (baseline: no failed round in the last 1 good runs): node0 (localhost): exit status 1; boom"
+        in out
+    )
     assert "2/0/0/1" in out  # ok/unjudged/invalid/failed shown in the summary
     scripted["config_cpux1x2"] = [1000.0, 1000.0, 1000.0]
     scripted["aligned"] = False

@@ -23,8 +23,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -53,8 +53,13 @@ def nightly(runlist: Path, setup: Callable[[], None] | None = None) -> subproces
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "run_benchmarks.nightly", str(runlist)],
-        capture_output=True, text=True, timeout=600, cwd=runlist.parent, env=env, preexec_fn=setup,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=runlist.parent,
+        env=env,
+        preexec_fn=setup,
+    )
 
 
 @contextlib.contextmanager
@@ -79,7 +84,7 @@ def less_cpu() -> Iterator[Callable[[], None]]:
                 group.rmdir()
         return
     cpu = min(os.sched_getaffinity(0))
-    pin = lambda: os.sched_setaffinity(0, {cpu})  # noqa: E731
+    pin = lambda: os.sched_setaffinity(0, {cpu})
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin) for _ in range(NEIGHBOURS)]
     try:
         yield pin

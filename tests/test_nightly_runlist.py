@@ -20,42 +20,96 @@ BAD = [
     ("top level is a list", "- 1\n", "expected a mapping with a 'cases' list at the top level, got list"),
     ("no cases", HEAD, "field 'cases': Field required"),
     ("empty cases", HEAD + "cases: []\n", "field 'cases': at least one case is needed, got []"),
-    ("unknown top-level field", "log_dri: x\ncases:\n" + GOOD_CASE, "field 'log_dri': unknown field; expected one of: cases, cluster, log_dir"),
-    ("unknown case field", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, round: 3}\n",
-     "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, set, tolerances"),
-    ("rounds not a number", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: three}\n",
-     "field 'cases.0.rounds': Input should be a valid integer, unable to parse string as an integer, got 'three'"),
-    ("zero rounds", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 0}\n",
-     "field 'cases.0.rounds': Input should be greater than or equal to 1, got 0"),
+    (
+        "unknown top-level field",
+        "log_dri: x\ncases:\n" + GOOD_CASE,
+        "field 'log_dri': unknown field; expected one of: cases, cluster, log_dir",
+    ),
+    (
+        "unknown case field",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, round: 3}\n",
+        "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, set, tolerances",
+    ),
+    (
+        "rounds not a number",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: three}\n",
+        "field 'cases.0.rounds': Input should be a valid integer, unable to parse string as an integer, got 'three'",
+    ),
+    (
+        "zero rounds",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 0}\n",
+        "field 'cases.0.rounds': Input should be greater than or equal to 1, got 0",
+    ),
     ("missing vendor", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2'}\n", "field 'cases.0.vendor': Field required"),
-    ("malformed case name", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu', vendor: cpu}\n",
-     "field 'cases.0.case': case name 'llama3_tiny:megatron:cpu' must have the form"),
-    ("repeat field in the case name", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2:3', vendor: cpu}\n",
-     "field 'cases.0.case': give the round count as 'rounds:'"),
-    ("vendor with a path", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: ../cpu}\n",
-     "field 'cases.0.vendor': name '../cpu' is not a valid name"),
-    ("override without a value", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.steps]}\n",
-     "field 'cases.0.set': set 'train.steps': expected KEY=VALUE"),
-    ("override outside the allowed sections", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [model.hidden_size=8]}\n",
-     "only train.*, parallel.* and data.* may be set"),
-    ("negative tolerance", HEAD + "tolerances: {throughput_drop_pct: -5}\ncases:\n" + GOOD_CASE,
-     "field 'tolerances.throughput_drop_pct': Input should be greater than 0, got -5"),
-    ("tolerance as a fraction word", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, tolerances: {memory_rise_pct: lots}}\n",
-     "field 'cases.0.tolerances.memory_rise_pct': Input should be a valid number"),
-    ("baseline window zero", HEAD + "baseline_runs: 0\ncases:\n" + GOOD_CASE, "field 'baseline_runs': Input should be greater than or equal to 1"),
+    (
+        "malformed case name",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu', vendor: cpu}\n",
+        "field 'cases.0.case': case name 'llama3_tiny:megatron:cpu' must have the form",
+    ),
+    (
+        "repeat field in the case name",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2:3', vendor: cpu}\n",
+        "field 'cases.0.case': give the round count as 'rounds:'",
+    ),
+    (
+        "vendor with a path",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: ../cpu}\n",
+        "field 'cases.0.vendor': name '../cpu' is not a valid name",
+    ),
+    (
+        "override without a value",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.steps]}\n",
+        "field 'cases.0.set': set 'train.steps': expected KEY=VALUE",
+    ),
+    (
+        "override outside the allowed sections",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [model.hidden_size=8]}\n",
+        "only train.*, parallel.* and data.* may be set",
+    ),
+    (
+        "negative tolerance",
+        HEAD + "tolerances: {throughput_drop_pct: -5}\ncases:\n" + GOOD_CASE,
+        "field 'tolerances.throughput_drop_pct': Input should be greater than 0, got -5",
+    ),
+    (
+        "tolerance as a fraction word",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, tolerances: {memory_rise_pct: lots}}\n",
+        "field 'cases.0.tolerances.memory_rise_pct': Input should be a valid number",
+    ),
+    (
+        "baseline window zero",
+        HEAD + "baseline_runs: 0\ncases:\n" + GOOD_CASE,
+        "field 'baseline_runs': Input should be greater than or equal to 1",
+    ),
     ("duplicate case", HEAD + "cases:\n" + GOOD_CASE + GOOD_CASE, "field 'cases': cases.1 repeats cases.0"),
-    ("unknown vendor", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: acme}\n",
-     "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on acme): unknown vendor 'acme'"),
-    ("no config for the size", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:3', vendor: cpu}\n",
-     "field 'cases.0' (llama3_tiny:megatron:cpu:1:3 on cpu): vendor 'cpu' has no config_cpux1x3"),
+    (
+        "unknown vendor",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: acme}\n",
+        "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on acme): unknown vendor 'acme'",
+    ),
+    (
+        "no config for the size",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:3', vendor: cpu}\n",
+        "field 'cases.0' (llama3_tiny:megatron:cpu:1:3 on cpu): vendor 'cpu' has no config_cpux1x3",
+    ),
     ("unknown variant", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, variant: PP9}\n", "no config_cpux1x2_PP9"),
-    ("batch not divisible", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.global_batch=3]}\n",
-     "global batch 3 is not a multiple"),
-    ("data without a corpus", HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [data.data_dir=/]}\n",
-     "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on cpu): data.data_dir / holds 0 Megatron corpora"),
+    (
+        "batch not divisible",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.global_batch=3]}\n",
+        "global batch 3 is not a multiple",
+    ),
+    (
+        "data without a corpus",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [data.data_dir=/]}\n",
+        "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on cpu): data.data_dir / holds 0 Megatron corpora",
+    ),
     ("missing cluster file", HEAD + "cluster: nope.yaml\ncases:\n" + GOOD_CASE, "nope.yaml: file not found"),
-    ("bad cluster file", HEAD + "cluster: cluster.yaml\ncases:\n" + GOOD_CASE, "cluster.yaml: field 'master_port': Input should be a valid integer"),
-]  # fmt: skip
+    (
+        "bad cluster file",
+        HEAD + "cluster: cluster.yaml\ncases:\n" + GOOD_CASE,
+        "cluster.yaml: field 'master_port': Input should be a valid integer",
+    ),
+]
 
 
 @pytest.mark.parametrize("what, text, fragment", BAD, ids=[b[0] for b in BAD])
@@ -135,12 +189,19 @@ def test_exit_status_2_from_start_task_and_module(tmp_path):
     path = tmp_path / "nightly.yaml"
     path.write_text("cases: []\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "run_benchmarks.nightly", str(path)], capture_output=True, text=True, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "run_benchmarks.nightly", str(path)], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {path}: field 'cases': at least one case is needed, got []"]
     start = (ROOT / "run_benchmarks" / "start_task.py").read_text()
     if "nightly" not in start:
         pytest.skip("start_task.py does not dispatch --nightly yet")
-    proc = subprocess.run([sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--nightly", str(path)],
-                          capture_output=True, text=True, cwd=tmp_path, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--nightly", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 2 and "field 'cases'" in proc.stderr

@@ -65,8 +65,10 @@ def test_loss_newly_failing_and_failed_rounds():
     base = [stats(1000.0)]
     v = verdict(stats(1000.0), base, not_aligned={"train": "MRE 3.00% over steps 21-30 (at least 2%)"})
     assert [f["metric"] for f in v.findings] == ["loss alignment"]
-    assert v.findings[0]["message"] == ("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2): loss no longer aligns with the reference: "
-                                        "MRE 3.00% over steps 21-30 (at least 2%) (baseline: aligned or not judged in the last 1 good runs)")
+    assert v.findings[0]["message"] == (
+        "llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2): loss no longer aligns with the reference: "
+        "MRE 3.00% over steps 21-30 (at least 2%) (baseline: aligned or not judged in the last 1 good runs)"
+    )
     v = verdict(stats(1000.0), base, failed=1, error="node0 (localhost): exit status 1; Traceback\nmore")
     assert [f["metric"] for f in v.findings] == ["rounds failed"]
     assert "1 of 3 round(s) failed" in v.findings[0]["message"] and "exit status 1; Traceback" in v.findings[0]["message"]
@@ -95,10 +97,13 @@ def test_baseline_takes_the_last_good_runs_of_the_same_identity(tmp_path):
 
 def test_each_phase_has_its_own_baseline_and_findings():
     """llava: the finetune phase alone slows down; the finding names it, the pretrain phase passes."""
+
     def two(pre: float, fine: float) -> dict:
         return {**stats(pre, phase="pretrain"), **stats(fine, phase="finetune")}
 
     v = verdict(two(1000.0, 500.0), [two(1000.0, 1000.0), two(1010.0, 990.0)], not_aligned={"finetune": "MRE 5.00%"})
     assert v.baseline["finetune"]["tokens_per_gpu_s"] == 995.0 and v.baseline["pretrain"]["tokens_per_gpu_s"] == 1005.0
     assert [(f["metric"], f.get("phase")) for f in v.findings] == [("loss alignment", "finetune"), ("tokens/p/s", "finetune")]
-    assert v.findings[1]["message"].startswith("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2) phase finetune: tokens/p/s median 500 vs baseline 995")
+    assert v.findings[1]["message"].startswith(
+        "llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2) phase finetune: tokens/p/s median 500 vs baseline 995"
+    )

@@ -29,9 +29,13 @@ def test_the_image_path_comes_from_the_image(cluster, monkeypatch):
     try:
         monkeypatch.setenv("DOCKER_HOST", f"unix://{host.docker_socket}")
         assert node_agent.image_path("flagbench/test-path:1") == "/opt/tools/bin:/usr/bin:/bin"
-        argv = node_agent.container_argv({"image": "flagbench/test-path:1", "options": []}, "n0",
-                                         {"PATH": os.pathsep.join(["/env/bin", node_agent.image_path("flagbench/test-path:1")])},
-                                         "/", ["/env/bin/python", "-V"])  # fmt: skip
+        argv = node_agent.container_argv(
+            {"image": "flagbench/test-path:1", "options": []},
+            "n0",
+            {"PATH": os.pathsep.join(["/env/bin", node_agent.image_path("flagbench/test-path:1")])},
+            "/",
+            ["/env/bin/python", "-V"],
+        )
         assert argv[argv.index("--env") + 1] == "PATH=/env/bin:/opt/tools/bin:/usr/bin:/bin"
     finally:
         client.images.remove(image.id, force=True)

@@ -9,19 +9,22 @@ def k(name, ts, dur, stream=7):
     return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "ph": "X"}
 
 
-@pytest.mark.parametrize("name,cat", [
-    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
-    ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
-    ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
-    ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "attention"),
-    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
-    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"),
-    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "gemm"),
-    ("aten::mm", "gemm"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
-    ("triton_red_fused_rms_norm_0", "other"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,cat",
+    [
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
+        ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "communication"),
+        ("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("fmha_cutlassB_bf16_aligned_64x64_k128_sm80", "attention"),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+        ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>", "gemm"),
+        ("aten::mm", "gemm"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
+        ("triton_red_fused_rms_norm_0", "other"),
+    ],
+)
 def test_classify(name, cat):
     assert classify(name) == cat
 

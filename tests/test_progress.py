@@ -92,8 +92,20 @@ def test_a_crash_during_the_run_leaves_its_traceback_in_the_run_folder(tmp_path,
         raise RuntimeError("the table could not be made")
 
     monkeypatch.setattr(orchestrator, "evaluate_round", broken)
-    rc = start_task.main(["--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--log-dir", str(tmp_path / "logs"),
-                          "--python", megatron_python, "--set", "train.steps=3"])  # fmt: skip
+    rc = start_task.main(
+        [
+            "--vendor",
+            "cpu",
+            "--case_name",
+            "llama3_tiny:megatron:cpu:1:1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--python",
+            megatron_python,
+            "--set",
+            "train.steps=3",
+        ]
+    )
     err = capsys.readouterr().err
     (run_dir,) = (tmp_path / "logs").iterdir()
     log = run_dir / "harness-error.log"
@@ -111,9 +123,25 @@ def test_ranks_that_do_not_report_in_time_stop_the_local_round(tmp_path, megatro
     import sys
 
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(Path(start_task.__file__)), "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2",
-                           "--log-dir", str(tmp_path), "--python", megatron_python, "--startup-timeout", "1"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(Path(start_task.__file__)),
+            "--vendor",
+            "cpu",
+            "--case_name",
+            "llama3_tiny:megatron:cpu:1:2",
+            "--log-dir",
+            str(tmp_path),
+            "--python",
+            megatron_python,
+            "--startup-timeout",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1 and time.monotonic() - t0 < 60, proc.stdout + proc.stderr
     (run_dir,) = tmp_path.iterdir()
     res = json.loads((run_dir / "results.json").read_text())

@@ -31,8 +31,7 @@ def _workdir(cluster, host: str) -> str:
 def _no_group(pool: SSHPool, host: str, pgid: int) -> bool:
     """True when no process of group pgid is left, as ps inside the host sees it."""
     res = pool.run(host, ["ps", "-e", "-o", "pgid=,pid=,stat="], timeout=10).check()
-    return not [line for line in res.stdout.splitlines()
-                if line.split()[0] == str(pgid) and not line.split()[2].startswith("Z")]
+    return not [line for line in res.stdout.splitlines() if line.split()[0] == str(pgid) and not line.split()[2].startswith("Z")]
 
 
 def test_remote_command_quotes_argv_once():
@@ -52,14 +51,14 @@ def test_parallel_connect_two_hosts(cluster):
         pool.connect()
         elapsed = time.monotonic() - start
         results = pool.run_all(["hostname"], timeout=10)
-    assert {name: r.stdout.strip() for name, r in results.items()} == {
-        h.name: h.hostname for h in cluster.hosts}
+    assert {name: r.stdout.strip() for name, r in results.items()} == {h.name: h.hostname for h in cluster.hosts}
     assert elapsed < 5.0
     # Two silent addresses on the cluster's bridge, 1.5 s connect timeout each: one after
     # the other would take 3 s, in parallel 1.5 s.
-    silent = [HostSpec(name=f"silent{k}", address=f"10.210.{cluster.index}.{200 + k}",
-                       key_file=cluster.key_file, known_hosts=cluster.known_hosts)
-              for k in range(2)]
+    silent = [
+        HostSpec(name=f"silent{k}", address=f"10.210.{cluster.index}.{200 + k}", key_file=cluster.key_file, known_hosts=cluster.known_hosts)
+        for k in range(2)
+    ]
     with SSHPool(silent, connect_timeout=1.5) as pool:
         start = time.monotonic()
         with pytest.raises(HostUnreachable) as info:
@@ -76,8 +75,12 @@ def test_exec_env_cwd_and_exact_argv(cluster, cluster_pool):
     res = cluster_pool.run("h1", ["printf", "%s|", *tricky], timeout=10, cwd=cwd)
     assert res.rc == 0 and res.stdout == "|".join(tricky) + "|"
     res = cluster_pool.run(
-        "h1", ["sh", "-c", 'pwd; echo "$FB_A/$FB_B"; echo oops >&2; exit 3'], timeout=10,
-        env={"FB_A": "x y", "FB_B": "$(touch /tmp/never)"}, cwd=cwd)
+        "h1",
+        ["sh", "-c", 'pwd; echo "$FB_A/$FB_B"; echo oops >&2; exit 3'],
+        timeout=10,
+        env={"FB_A": "x y", "FB_B": "$(touch /tmp/never)"},
+        cwd=cwd,
+    )
     assert (res.rc, res.stdout, res.stderr) == (3, f"{cwd}\nx y/$(touch /tmp/never)\n", "oops\n")
     assert PGID_MARK not in res.stderr and res.host == "h1" and res.duration > 0
     with pytest.raises(RemoteCommandFailed, match="h1: .*exited 3"):
@@ -101,8 +104,10 @@ def test_fifty_sequential_execs_are_fast(cluster, cluster_pool):
     took = [round(t, 2) for t in trials]
     load = os.getloadavg()[0]
     if min(trials) >= 1.0 and load > 2 * (os.cpu_count() or 1):
-        pytest.skip(f"machine overloaded (load {load:.1f} on {os.cpu_count()} cores): "
-                    f"50 execs took {took} s, a timing that says nothing about TCP_NODELAY")
+        pytest.skip(
+            f"machine overloaded (load {load:.1f} on {os.cpu_count()} cores): "
+            f"50 execs took {took} s, a timing that says nothing about TCP_NODELAY"
+        )
     assert min(trials) < 1.0, f"50 execs took {took} s"
 
 
@@ -120,8 +125,7 @@ def test_timeout_names_host_and_kills_command(cluster, cluster_pool):
 @pytest.mark.cluster
 def test_wrong_key_is_auth_failed(cluster, tmp_path):
     other = tmp_path / "other_key"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)],
-                   check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
     with SSHPool(cluster.host_specs(key_file=str(other))) as pool:
         with pytest.raises(AuthFailed, match="^h1: root@"):
             pool.run("h1", ["true"], timeout=10)
@@ -142,8 +146,7 @@ def test_unknown_host_key_rejected_unless_opted_in(cluster, tmp_path):
     with SSHPool(specs, accept_new_host_keys=True) as pool:
         pool.connect()
     recorded = known.read_text().splitlines()
-    assert sorted(line.split()[0] for line in recorded) == sorted(h.address for h in
-                                                                  cluster.hosts)
+    assert sorted(line.split()[0] for line in recorded) == sorted(h.address for h in cluster.hosts)
     with SSHPool(specs) as pool:  # now known: no opt-in needed
         assert pool.run("h2", ["true"], timeout=10).rc == 0
 
@@ -151,14 +154,12 @@ def test_unknown_host_key_rejected_unless_opted_in(cluster, tmp_path):
 @pytest.mark.cluster
 def test_changed_host_key_is_mismatch(cluster, tmp_path):
     fake = tmp_path / "fake_host_key"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(fake)],
-                   check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(fake)], check=True)
     kind, blob = (fake.with_suffix(".pub")).read_text().split()[:2]
     known = tmp_path / "known_hosts"
     known.write_text(f"{cluster.host('h1').address} {kind} {blob}\n")
     for accept in (False, True):  # the opt-in never overrides a changed key
-        with SSHPool(cluster.host_specs(known_hosts=str(known)),
-                     accept_new_host_keys=accept) as pool:
+        with SSHPool(cluster.host_specs(known_hosts=str(known)), accept_new_host_keys=accept) as pool:
             with pytest.raises(HostKeyMismatch, match="^h1: .*CHANGED") as info:
                 pool.connect(["h1"])
             assert info.value.fingerprint != info.value.expected
@@ -168,11 +169,9 @@ def test_changed_host_key_is_mismatch(cluster, tmp_path):
 @pytest.mark.cluster
 def test_host_down_is_unreachable(cluster):
     h1 = cluster.host("h1")
-    closed = HostSpec(name="closed", address=h1.address, port=2999,
-                      key_file=cluster.key_file, known_hosts=cluster.known_hosts)
+    closed = HostSpec(name="closed", address=h1.address, port=2999, key_file=cluster.key_file, known_hosts=cluster.known_hosts)
     # An address on the cluster's own bridge where no namespace answers.
-    absent = HostSpec(name="absent", address=f"10.210.{cluster.index}.200",
-                      key_file=cluster.key_file, known_hosts=cluster.known_hosts)
+    absent = HostSpec(name="absent", address=f"10.210.{cluster.index}.200", key_file=cluster.key_file, known_hosts=cluster.known_hosts)
     with SSHPool([closed, absent], connect_timeout=1.5) as pool:
         with pytest.raises(HostUnreachable, match="^closed: cannot connect"):
             pool.run("closed", ["true"], timeout=5)
@@ -188,8 +187,7 @@ def test_host_down_is_unreachable(cluster):
 @pytest.mark.cluster
 def test_start_wait_returns_real_exit_code(cluster, cluster_pool, tmp_path):
     out = tmp_path / "out.log"
-    proc = cluster_pool.start("h1", ["sh", "-c", "echo one; echo two >&2; sleep 0.3; exit 7"],
-                              out)
+    proc = cluster_pool.start("h1", ["sh", "-c", "echo one; echo two >&2; sleep 0.3; exit 7"], out)
     assert proc.pgid is not None and proc.pgid > 1
     assert proc.wait(timeout=20) == 7
     assert out.read_text().splitlines() == ["one", "two"]
@@ -204,8 +202,7 @@ def test_start_wait_returns_real_exit_code(cluster, cluster_pool, tmp_path):
 @pytest.mark.cluster
 def test_kill_ends_the_whole_process_group(cluster, cluster_pool, tmp_path):
     out = tmp_path / "tree.log"
-    proc = cluster_pool.start("h2", ["sh", "-c", "sleep 300 & sleep 300 & echo started; wait"],
-                              out)
+    proc = cluster_pool.start("h2", ["sh", "-c", "sleep 300 & sleep 300 & echo started; wait"], out)
     deadline = time.monotonic() + 10
     while "started" not in out.read_text() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -240,10 +237,19 @@ def test_put_tree_and_get_tree(cluster, cluster_pool, tmp_path):
     excl = ["__pycache__", "*.pyc"]
     stats = cluster_pool.put_tree("h1", src, remote, exclude=excl)
     assert (stats.copied, stats.skipped) == (5, 0)
-    res = cluster_pool.run("h1", ["sh", "-c", "find . | sort; ./run.sh; cat link"], timeout=10,
-                           cwd=remote).check()
-    assert res.stdout.split() == [".", "./link", "./pkg", "./pkg/mod.py", "./pkg/sub",
-                                  "./pkg/sub/data.bin", "./run.sh", "./top.txt", "ran", "top"]
+    res = cluster_pool.run("h1", ["sh", "-c", "find . | sort; ./run.sh; cat link"], timeout=10, cwd=remote).check()
+    assert res.stdout.split() == [
+        ".",
+        "./link",
+        "./pkg",
+        "./pkg/mod.py",
+        "./pkg/sub",
+        "./pkg/sub/data.bin",
+        "./run.sh",
+        "./top.txt",
+        "ran",
+        "top",
+    ]
     assert cluster_pool.put_tree("h1", src, remote, exclude=excl).copied == 0
     (src / "pkg" / "mod.py").write_text("x = 22\n")
     os.utime(src / "pkg" / "mod.py", (time.time() + 5, time.time() + 5))

@@ -23,9 +23,16 @@ from run_benchmarks import history, report
 from tests.test_history import HW, fake_results
 
 FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-default-apps", "--remote-debugging-pipe",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-default-apps",
+    "--remote-debugging-pipe",
+]
 
 PROBE = """JSON.stringify({
   title: document.title,
@@ -56,9 +63,12 @@ class Chromium:
 
         self.proc = subprocess.Popen(
             [exe, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=fds, pass_fds=(3, 4),
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=fds,
+            pass_fds=(3, 4),
+        )
         os.close(to_chrome_r)
         os.close(from_chrome_w)
         self._buf, self._id, self.events = b"", 0, []
@@ -74,7 +84,9 @@ class Chromium:
                 raise TimeoutError("no answer from chromium")
             chunk = os.read(self._from_chrome, 1 << 20)
             if not chunk:
-                raise RuntimeError(f"chromium exited: {self.proc.stderr.read().decode(errors='replace')[-2000:] if self.proc.stderr else ''}")
+                raise RuntimeError(
+                    f"chromium exited: {self.proc.stderr.read().decode(errors='replace')[-2000:] if self.proc.stderr else ''}"
+                )
             self._buf += chunk
         msg, _, self._buf = self._buf.partition(b"\0")
         return json.loads(msg)
@@ -126,7 +138,9 @@ def load_page(page: Path, profile: Path) -> dict[str, Any]:
     for ev in chrome.events:
         method, p = ev.get("method"), ev.get("params", {})
         if method == "Runtime.exceptionThrown":
-            errors.append("Uncaught " + p["exceptionDetails"].get("exception", {}).get("description", p["exceptionDetails"].get("text", "")))
+            errors.append(
+                "Uncaught " + p["exceptionDetails"].get("exception", {}).get("description", p["exceptionDetails"].get("text", ""))
+            )
         elif method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
             errors.append("console.error " + " ".join(str(a.get("value", a.get("description"))) for a in p.get("args", [])))
         elif method == "Log.entryAdded" and p["entry"]["level"] == "error":
@@ -155,17 +169,41 @@ def pages(tmp_path_factory) -> dict[str, Path]:
     db = history.connect(tmp / "h.sqlite")
     out = tmp / "reports"
     paths = {}
-    for n, (tps, verdict) in enumerate([([1000.0, 1010.0, 990.0, 1005.0, 995.0], "baseline: none"), ([600.0, None, 610.0], "regressed")], 1):
+    for n, (tps, verdict) in enumerate(
+        [([1000.0, 1010.0, 990.0, 1005.0, 995.0], "baseline: none"), ([600.0, None, 610.0], "regressed")], 1
+    ):
         started = f"2026-01-0{n}T02:00:00+00:00"
         night = history.start_night(db, started, "/ci/nightly.yaml", "cases: []\n", "ci-host")
         res = fake_results(f"llama3_tiny_megatron_cpux1x2_2026010{n}-020000-000000", tps, started=started, aligned=True)
-        findings = [] if n == 1 else [{"metric": "tokens/p/s", "baseline": 1000.0, "now": 605.0, "change": -0.395, "tolerance": -0.1,
-                                       "message": "llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2): tokens/p/s median 605 vs baseline 1000 <&>"}]  # fmt: skip
+        findings = (
+            []
+            if n == 1
+            else [
+                {
+                    "metric": "tokens/p/s",
+                    "baseline": 1000.0,
+                    "now": 605.0,
+                    "change": -0.395,
+                    "tolerance": -0.1,
+                    "message": "llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2): tokens/p/s median 605 vs baseline 1000 <&>",
+                }
+            ]
+        )
         history.record_run(
-            db, night, res, hardware=HW, variant=None, rounds_requested=len(tps), verdict=verdict, baseline_runs=n - 1,
-            findings=findings, baseline={"train": {"tokens_per_gpu_s": 1000.0}} if n > 1 else {}, tolerances={"throughput_drop_pct": 10.0},
-            reference={"train": {s: 7.0 - 0.1 * s for s in range(1, 31)}}, run_dir=f"/logs/{res.run_id}",
-        )  # fmt: skip
+            db,
+            night,
+            res,
+            hardware=HW,
+            variant=None,
+            rounds_requested=len(tps),
+            verdict=verdict,
+            baseline_runs=n - 1,
+            findings=findings,
+            baseline={"train": {"tokens_per_gpu_s": 1000.0}} if n > 1 else {},
+            tolerances={"throughput_drop_pct": 10.0},
+            reference={"train": {s: 7.0 - 0.1 * s for s in range(1, 31)}},
+            run_dir=f"/logs/{res.run_id}",
+        )
         page = report.write_night(db, night, out, 1 if findings else 0)
         history.finish_night(db, night, started, 1 if findings else 0, str(page))
         paths[f"night{n}"] = page
@@ -196,7 +234,7 @@ def test_the_checker_sees_errors_and_broken_images(tmp_path):
     """The browser check itself: a page with an uncaught error and a broken image fails it."""
     bad = tmp_path / "bad.html"
     bad.write_text(
-        '<!DOCTYPE html><html><head><title>t</title></head><body>'
+        "<!DOCTYPE html><html><head><title>t</title></head><body>"
         '<img src="data:image/png;base64,AAAA" alt="broken"><script>console.error("boom"); null.x;</script></body></html>'
     )
     r = load_page(bad, tmp_path / "profile")
@@ -210,9 +248,20 @@ def test_a_two_phase_run_with_invalid_rounds(tmp_path):
     """Every phase gets its rows; the figures of rounds that are not ok carry their status (HTML, no browser)."""
     db = history.connect(tmp_path / "h.sqlite")
     night = history.start_night(db, "2026-01-03T02:00:00+00:00", "/ci/nightly.yaml", "cases: []\n", "ci-host")
-    res = fake_results("llava_tiny_deepspeed_cpux1x2_20260103-020000-000000", [600.0, 610.0], aligned=False, phases=("pretrain", "finetune"))
-    history.record_run(db, night, res, hardware=HW, variant=None, rounds_requested=2, verdict="regressed", baseline_runs=0,
-                       findings=[{"metric": "loss alignment", "phase": "finetune", "message": "finetune no longer aligns"}])  # fmt: skip
+    res = fake_results(
+        "llava_tiny_deepspeed_cpux1x2_20260103-020000-000000", [600.0, 610.0], aligned=False, phases=("pretrain", "finetune")
+    )
+    history.record_run(
+        db,
+        night,
+        res,
+        hardware=HW,
+        variant=None,
+        rounds_requested=2,
+        verdict="regressed",
+        baseline_runs=0,
+        findings=[{"metric": "loss alignment", "phase": "finetune", "message": "finetune no longer aligns"}],
+    )
     page = report.write_night(db, night, tmp_path / "reports", 1).read_text()
     assert page.count("invalid: 600.0") == 2 and page.count("invalid: 610.0") == 2  # both phases of both rounds
     assert "<td>pretrain</td>" in page and "<td>finetune</td>" in page and "finetune no longer aligns" in page

@@ -9,55 +9,102 @@ from typing import Any
 
 import pytest
 
-from run_benchmarks import results, typed_results as tr
+from run_benchmarks import results
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
 from run_benchmarks.registry import ROOT
 
 RUNS = sorted((ROOT / "docs" / "results" / "runs").glob("*.json"))
 
 
-def fake_phase(phase: str = "train", tps: float | None = 1000.0, verdict: str = "aligned", mre: float | None = 0.01, steps: int = 30,
-               mem: float | None = 0.4, loss_scale: float = 1.0) -> tr.PhaseResult:  # fmt: skip
+def fake_phase(
+    phase: str = "train",
+    tps: float | None = 1000.0,
+    verdict: str = "aligned",
+    mre: float | None = 0.01,
+    steps: int = 30,
+    mem: float | None = 0.4,
+    loss_scale: float = 1.0,
+) -> tr.PhaseResult:
     """A phase as the orchestrator writes it, with ``steps`` step records."""
-    recs = [tr.Step(step=s, t=1000.0 + s, loss=(7.0 - 0.1 * s) * loss_scale, tokens=1024, step_time_s=1024 / 2 / tps if tps else 1.0, lr=1e-3)
-            for s in range(1, steps + 1)]  # fmt: skip
+    recs = [
+        tr.Step(step=s, t=1000.0 + s, loss=(7.0 - 0.1 * s) * loss_scale, tokens=1024, step_time_s=1024 / 2 / tps if tps else 1.0, lr=1e-3)
+        for s in range(1, steps + 1)
+    ]
     return tr.PhaseResult(
-        phase=phase, steps_run=steps,
+        phase=phase,
+        steps_run=steps,
         window=tr.Window(first_step=6, last_step=steps, steps=steps - 5, warmup_steps=5),
-        tokens_per_gpu_s=tps, mfu_6n=None if tps is None else tps / 1e5, mfu_palm=None if tps is None else tps / 1.2e5,
-        step_time_s=None if tps is None else 1024 / 2 / tps, loss_final=recs[-1].loss, loss={r.step: r.loss for r in recs},
-        gate=tr.LossGate(verdict=verdict, mre=mre if verdict != "not judged" else None, reason="MRE" if verdict != "not judged" else "no reference curve"),
-        layout="PP1DP2TP1", peak_mem_gib=mem, steps=recs,
-    )  # fmt: skip
+        tokens_per_gpu_s=tps,
+        mfu_6n=None if tps is None else tps / 1e5,
+        mfu_palm=None if tps is None else tps / 1.2e5,
+        step_time_s=None if tps is None else 1024 / 2 / tps,
+        loss_final=recs[-1].loss,
+        loss={r.step: r.loss for r in recs},
+        gate=tr.LossGate(
+            verdict=verdict, mre=mre if verdict != "not judged" else None, reason="MRE" if verdict != "not judged" else "no reference curve"
+        ),
+        layout="PP1DP2TP1",
+        peak_mem_gib=mem,
+        steps=recs,
+    )
 
 
 def fake_round(n: int = 1, status: str = "ok", phases: list[tr.PhaseResult] | None = None, error: str | None = None) -> tr.RoundResult:
     phases = phases or [fake_phase()]
     one = phases[0] if len(phases) == 1 else None
     return tr.RoundResult(
-        round=n, status=status, error=error if error is not None else (None if status == "ok" else f"round {n} was {status}"),
-        duration_s=12.0, layout="PP1DP2TP1", tokens_per_gpu_s=one.tokens_per_gpu_s if one else None,
-        peak_mem_gib=max((p.peak_mem_gib for p in phases if p.peak_mem_gib is not None), default=None), phases=phases,
+        round=n,
+        status=status,
+        error=error if error is not None else (None if status == "ok" else f"round {n} was {status}"),
+        duration_s=12.0,
+        layout="PP1DP2TP1",
+        tokens_per_gpu_s=one.tokens_per_gpu_s if one else None,
+        peak_mem_gib=max((p.peak_mem_gib for p in phases if p.peak_mem_gib is not None), default=None),
+        phases=phases,
         reference={p.phase: None for p in phases},
-    )  # fmt: skip
+    )
 
 
-def fake_run(rounds: list[dict[str, Any]] | None = None, run_id: str = "llama3_tiny_megatron_cpux1x2_20260101-000000-000001", *,
-             started: str = "2026-01-01T00:00:00+00:00", vendor: str = "cpu", config_name: str = "config_cpux1x2",
-             steps: int = 30, case: str = "llama3_tiny:megatron:cpu:1:2") -> tr.RunResults:  # fmt: skip
+def fake_run(
+    rounds: list[dict[str, Any]] | None = None,
+    run_id: str = "llama3_tiny_megatron_cpux1x2_20260101-000000-000001",
+    *,
+    started: str = "2026-01-01T00:00:00+00:00",
+    vendor: str = "cpu",
+    config_name: str = "config_cpux1x2",
+    steps: int = 30,
+    case: str = "llama3_tiny:megatron:cpu:1:2",
+) -> tr.RunResults:
     """A results.json as the orchestrator writes it; each dict gives fake_round's arguments."""
     rnds = [fake_round(i, **r) for i, r in enumerate(rounds or [{}], 1)]
     phases = [p.phase for p in rnds[0].phases]
     return tr.RunResults(
-        run_id=run_id, case=f"{case}:{len(rnds)}", model=case.split(":")[0], framework=case.split(":")[1], vendor=vendor,
-        hardware="cpu", nnodes=1, nprocs=2, world_size=2, config_name=config_name, config_file=f"vendors/{vendor}/{config_name}.yaml",
-        validated=True, launcher="torchrun", backend="local", runtime="local", started=started, finished=started,
+        run_id=run_id,
+        case=f"{case}:{len(rnds)}",
+        model=case.split(":")[0],
+        framework=case.split(":")[1],
+        vendor=vendor,
+        hardware="cpu",
+        nnodes=1,
+        nprocs=2,
+        world_size=2,
+        config_name=config_name,
+        config_file=f"vendors/{vendor}/{config_name}.yaml",
+        validated=True,
+        launcher="torchrun",
+        backend="local",
+        runtime="local",
+        started=started,
+        finished=started,
         system={"host": "testhost", "cpu_count": 2},
         settings={"train": {"steps": steps, "warmup_steps": 5, "precision": "fp32", "global_batch": 8}, "parallel": {"tp": 1}, "data": {}},
-        overrides=[], user_overrides=[{"param": "train.steps", "value": steps, "standard": 30}],
+        overrides=[],
+        user_overrides=[{"param": "train.steps", "value": steps, "standard": 30}],
         model_counts={ph: {"flops_per_token_6n": 1e9, "flops_per_token_palm": 1.2e9} for ph in phases},
-        hardware_info={"chip": "cpu", "precision": "fp32", "peak_flops": None}, rounds=rnds,
-    )  # fmt: skip
+        hardware_info={"chip": "cpu", "precision": "fp32", "peak_flops": None},
+        rounds=rnds,
+    )
 
 
 def test_schema2_round_trip_keeps_every_record_and_nan(tmp_path):
@@ -124,8 +171,13 @@ def test_what_is_not_a_results_file_is_named(tmp_path):
 
 
 def test_tables_mark_rounds_that_are_not_ok():
-    run = fake_run([{}, {"status": "unjudged", "phases": [fake_phase(verdict="not judged")]},
-                    {"status": "invalid", "phases": [fake_phase(verdict="not aligned", mre=0.021)]}])  # fmt: skip
+    run = fake_run(
+        [
+            {},
+            {"status": "unjudged", "phases": [fake_phase(verdict="not judged")]},
+            {"status": "invalid", "phases": [fake_phase(verdict="not aligned", mre=0.021)]},
+        ]
+    )
     rows = results.rows(run)
     tps, loss, status = results.COLUMNS.index("tokens/p/s"), results.COLUMNS.index("loss"), results.COLUMNS.index("status")
     assert [r[tps] for r in rows] == ["1000.0", "unjudged: 1000.0", "invalid: 1000.0"]
@@ -151,23 +203,33 @@ def test_device_memory_per_phase_from_the_monitor():
     assert metrics.device_memory([([{"t": 1.0, "gpus": []}], {0})], None) is None  # a CPU run
 
 
-
 def test_the_run_itself_has_a_status_and_a_cause_also_when_no_round_ran():
     from run_benchmarks.errors import InputError
 
-    rounds = fake_run([{"status": "ok"}, {"status": "invalid", "error": "phase train: loss not aligned: MRE 2.10%\nmore"},
-                       {"status": "unjudged", "error": "phase train: loss not judged: no reference curve"}]).rounds
+    rounds = fake_run(
+        [
+            {"status": "ok"},
+            {"status": "invalid", "error": "phase train: loss not aligned: MRE 2.10%\nmore"},
+            {"status": "unjudged", "error": "phase train: loss not judged: no reference curve"},
+        ]
+    ).rounds
     assert tr.run_outcome(rounds[:1], None, 1) == {"status": "ok", "error": None}
     assert tr.run_outcome(rounds, None, 3) == {  # the worst round, each not-ok round's first line
         "status": "invalid",
-        "error": "round 2 invalid: phase train: loss not aligned: MRE 2.10%; round 3 unjudged: phase train: loss not judged: no reference curve"}
+        "error": "round 2 invalid: phase train: loss not aligned: MRE 2.10%; round 3 unjudged: phase train: loss not judged: no reference curve",
+    }
     assert tr.run_outcome([], None, 2) == {"status": "failed", "error": "no round ran"}
     assert tr.run_outcome([], InputError("host h2: docker engine not answering"), 2) == {
-        "status": "failed", "error": "stopped after 0 of 2 round(s): host h2: docker engine not answering"}
+        "status": "failed",
+        "error": "stopped after 0 of 2 round(s): host h2: docker engine not answering",
+    }
     assert tr.run_outcome(rounds[:1], OSError(28, "No space left on device"), 2)["error"] == (
-        "stopped after 1 of 2 round(s): OSError: [Errno 28] No space left on device")
+        "stopped after 1 of 2 round(s): OSError: [Errno 28] No space left on device"
+    )
     assert tr.run_outcome(rounds[:1], KeyboardInterrupt("SIGTERM"), 3) == {
-        "status": "interrupted", "error": "interrupted by SIGTERM after 1 of 3 round(s)"}
+        "status": "interrupted",
+        "error": "interrupted by SIGTERM after 1 of 3 round(s)",
+    }
     # a file written before the run ends says so, and an old file without the fields still loads
     assert fake_run().status == "running"
 

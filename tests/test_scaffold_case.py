@@ -64,8 +64,9 @@ def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, deeps
     reference = repo / "cases" / "gpt2" / "deepspeed" / "reference" / "gpt2_tiny" / "config_cpux1x2.json"
 
     logs = tmp_path / "logs"
-    first = _run(repo, "run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", "gpt2_tiny:deepspeed:cpu:1:2",
-                 "--log-dir", str(logs))
+    first = _run(
+        repo, "run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", "gpt2_tiny:deepspeed:cpu:1:2", "--log-dir", str(logs)
+    )
     (run,) = list(logs.iterdir())
     (rnd,) = json.loads((run / "results.json").read_text())["rounds"]
     assert (first.returncode, rnd["status"]) == (1, "unjudged"), first.stdout[-4000:] + first.stderr[-2000:]

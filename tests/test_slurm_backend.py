@@ -16,8 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -59,8 +60,21 @@ def cluster_file(tmp: Path, conf: Path | None, port: bool = True, **slurm: Any) 
 
 
 def start(tmp: Path, cfile: Path, python: str, *extra: str) -> subprocess.Popen[str]:
-    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-            "--log-dir", str(tmp / "logs"), "--python", python, *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        START,
+        "--vendor",
+        "cpu",
+        "--case_name",
+        CASE,
+        "--cluster",
+        str(cfile),
+        "--log-dir",
+        str(tmp / "logs"),
+        "--python",
+        python,
+        *extra,
+    ]
     env = {**os.environ, "FLAGBENCH_PROGRESS_EVERY_S": "1"}  # the plain progress line every second
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
@@ -147,8 +161,18 @@ def test_dry_run_details_show_the_batch_script(tmp_path: Path) -> None:
     plan = planning.build(CaseName.parse(CASE), "cpu", cluster, tmp_path / "logs")
     details = SlurmRuntime(cluster).dry_run_details(plan)
     sb = details["sbatch"]
-    for opt in ("--nodes=2", "--ntasks-per-node=1", "--time=00:10:00", "--partition=batch", "--account=bench",
-                "--gres=gpu:8", "--exclusive", "--no-requeue", "--nodelist=n1,n2", "--parsable"):  # fmt: skip
+    for opt in (
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--time=00:10:00",
+        "--partition=batch",
+        "--account=bench",
+        "--gres=gpu:8",
+        "--exclusive",
+        "--no-requeue",
+        "--nodelist=n1,n2",
+        "--parsable",
+    ):
         assert opt in sb
     script = details["script"]
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
@@ -191,8 +215,12 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
 
 
 def test_node_wrapper_says_the_run_dir_is_not_shared(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "run_benchmarks.slurm_node", "--spec", str(tmp_path / "gone" / "spec.json")],
-                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "run_benchmarks.slurm_node", "--spec", str(tmp_path / "gone" / "spec.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == EXIT_NO_SPEC
     assert "filesystem shared by the submit host and every node" in proc.stderr
 
@@ -320,11 +348,27 @@ def test_a_run_dir_the_nodes_cannot_see_fails_clearly(tmp_path: Path, slurm_clus
     private = tmp_path / "private"
     private.mkdir()
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-            "--log-dir", str(private / "logs"), "--python", sys.executable]  # fmt: skip
+    argv = [
+        sys.executable,
+        START,
+        "--vendor",
+        "cpu",
+        "--case_name",
+        CASE,
+        "--cluster",
+        str(cfile),
+        "--log-dir",
+        str(private / "logs"),
+        "--python",
+        sys.executable,
+    ]
     script = 'mount -t tmpfs tmpfs "$1" && shift && exec "$@"'
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(private), *argv],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(private), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "no report from node 0" in out and "must be on a filesystem shared" in out, out
@@ -333,12 +377,31 @@ def test_a_run_dir_the_nodes_cannot_see_fails_clearly(tmp_path: Path, slurm_clus
 
 def test_a_job_still_pending_at_the_round_deadline_is_cancelled(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
     env = slurm_cluster.env()
-    hold = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300"],
-                          env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    hold = subprocess.run(
+        ["sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     try:
         cfile = cluster_file(tmp_path, slurm_cluster.conf)
-        argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-                "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, "--round-timeout", "4"]  # fmt: skip
+        argv = [
+            sys.executable,
+            START,
+            "--vendor",
+            "cpu",
+            "--case_name",
+            CASE,
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--python",
+            sys.executable,
+            "--round-timeout",
+            "4",
+        ]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 1, proc.stdout + proc.stderr
     finally:
@@ -361,10 +424,18 @@ def test_one_translation_of_the_vendors_container_options() -> None:
     from run_benchmarks.remote.containers import Mount, docker_run_args, vendor_container
 
     nv = load_vendor("nvidia").container
-    spec = vendor_container(nv, image="img", command=["python3", "-V"], run_id="r", name=None, env={"A": "1"},
-                            mounts=[Mount("/data", "/data", True)], workdir="/w")  # fmt: skip
+    spec = vendor_container(
+        nv,
+        image="img",
+        command=["python3", "-V"],
+        run_id="r",
+        name=None,
+        env={"A": "1"},
+        mounts=[Mount("/data", "/data", True)],
+        workdir="/w",
+    )
     assert spec.ipc_mode == "host" and spec.device_requests and spec.shm_size == nv.shm_size and spec.init
     args = docker_run_args(spec)
     assert args[:5] == ["--network", "host", "--init", "--ipc", "host"]
-    assert ["--gpus", "all"] == args[args.index("--gpus"):args.index("--gpus") + 2]
+    assert ["--gpus", "all"] == args[args.index("--gpus") : args.index("--gpus") + 2]
     assert "memlock=-1:-1" in args and "A=1" in args and "/data:/data:ro" in args and args[-2:] == ["--workdir", "/w"]

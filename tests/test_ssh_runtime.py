@@ -67,8 +67,10 @@ def only_run(log_dir: Path) -> tuple[Path, dict]:
 def test_two_nodes_in_containers(cluster, megatron_python, tmp_path):
     cfile = cluster_file(cluster, tmp_path, megatron_python)
     t0 = time.monotonic()
-    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")],
-               FLAGBENCH_PROGRESS_EVERY_S="1")  # fmt: skip
+    proc = run(
+        ["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")],
+        FLAGBENCH_PROGRESS_EVERY_S="1",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
@@ -92,8 +94,9 @@ def test_crashing_rank_fails_the_round_with_its_log(cluster, megatron_python, tm
     cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="process")
     empty = tmp_path / "empty_data"  # exists on every host (they share this filesystem) but holds no corpus
     empty.mkdir()
-    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
-                "--data-dir", str(empty)])  # fmt: skip
+    proc = run(
+        ["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"), "--data-dir", str(empty)]
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
@@ -105,8 +108,22 @@ def test_crashing_rank_fails_the_round_with_its_log(cluster, megatron_python, tm
 
 def test_round_deadline_then_next_round_runs(cluster, megatron_python, tmp_path):
     cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
-    proc = run(["--vendor", "cpu", "--case_name", CASE + ":2", "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
-                "--set", "train.steps=100000", "--round-timeout", "20"])  # fmt: skip
+    proc = run(
+        [
+            "--vendor",
+            "cpu",
+            "--case_name",
+            CASE + ":2",
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--set",
+            "train.steps=100000",
+            "--round-timeout",
+            "20",
+        ]
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     assert [r["status"] for r in res["rounds"]] == ["failed", "failed"]  # round 2 still ran
@@ -117,9 +134,25 @@ def test_round_deadline_then_next_round_runs(cluster, megatron_python, tmp_path)
 def test_ctrl_c_tears_everything_down(cluster, megatron_python, tmp_path):
     cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
     log_dir = tmp_path / "logs"
-    p = subprocess.Popen([sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile),
-                          "--log-dir", str(log_dir), "--set", "train.steps=100000"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            START,
+            "--vendor",
+            "cpu",
+            "--case_name",
+            CASE,
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(log_dir),
+            "--set",
+            "train.steps=100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not any(log_dir.rglob("*/ranks")):
         time.sleep(0.5)
@@ -186,17 +219,35 @@ def test_host_down(cluster, megatron_python, tmp_path):
     [
         # the deepspeed launcher: hostfile + --no_ssh, node ranks from the harness, ZeRO-3; in the
         # vendor image, where its CPU comm op is JIT-built with ninja from the environment's bin/
-        pytest.param("deepspeed", "baichuan2_tiny:deepspeed:cpu:2:1", "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json",
-                     "container", marks=pytest.mark.framework("deepspeed"), id="deepspeed-container"),
+        pytest.param(
+            "deepspeed",
+            "baichuan2_tiny:deepspeed:cpu:2:1",
+            "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json",
+            "container",
+            marks=pytest.mark.framework("deepspeed"),
+            id="deepspeed-container",
+        ),
         # both llava phases (ZeRO-2 then ZeRO-3) in the vendor image, gated against its committed
         # 2-node curves, and each phase within the gate of the 1 node x 2 processes curves too
-        pytest.param("deepspeed", "llava_tiny:deepspeed:cpu:2:1", "cases/llava/deepspeed/reference/llava_tiny/config_cpux1x2.{phase}.json",
-                     "container", marks=pytest.mark.framework("deepspeed"), id="llava-container"),
+        pytest.param(
+            "deepspeed",
+            "llava_tiny:deepspeed:cpu:2:1",
+            "cases/llava/deepspeed/reference/llava_tiny/config_cpux1x2.{phase}.json",
+            "container",
+            marks=pytest.mark.framework("deepspeed"),
+            id="llava-container",
+        ),
         # paddle.distributed.launch: --master on the first host, --rank from the harness
-        pytest.param("paddle", "gpt3_tiny:paddle:cpu:2:1", "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json",
-                     "process", marks=pytest.mark.framework("paddle"), id="paddle"),
+        pytest.param(
+            "paddle",
+            "gpt3_tiny:paddle:cpu:2:1",
+            "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json",
+            "process",
+            marks=pytest.mark.framework("paddle"),
+            id="paddle",
+        ),
     ],
-)  # fmt: skip
+)
 def test_launcher_across_two_hosts(cluster, request, framework, case, reference, runtime, tmp_path):
     from run_benchmarks import metrics
 
@@ -227,8 +278,20 @@ def test_a_node_that_never_joins_stops_the_round_at_the_startup_timeout(cluster,
     subprocess.run(["ip", "netns", "exec", h2.netns, "iptables", "-I", *rule], check=True)
     try:
         t0 = time.monotonic()
-        proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"),
-                    "--startup-timeout", "20"])  # fmt: skip
+        proc = run(
+            [
+                "--vendor",
+                "cpu",
+                "--case_name",
+                CASE,
+                "--cluster",
+                str(cfile),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--startup-timeout",
+                "20",
+            ]
+        )
         took = time.monotonic() - t0
     finally:
         subprocess.run(["ip", "netns", "exec", h2.netns, "iptables", "-D", *rule], check=True)

@@ -9,8 +9,12 @@ from training import runtime
 
 
 def _cfg(hooks):
-    return {"case": {"framework": "megatron"}, "train": {"lr": 1e-5, "global_batch": 512},
-            "model": {"hidden_size": 4096}, "vendor": {"adapters": {}, "hooks": hooks}}  # fmt: skip
+    return {
+        "case": {"framework": "megatron"},
+        "train": {"lr": 1e-5, "global_batch": 512},
+        "model": {"hidden_size": 4096},
+        "vendor": {"adapters": {}, "hooks": hooks},
+    }
 
 
 @pytest.fixture

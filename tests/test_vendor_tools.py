@@ -63,8 +63,13 @@ def test_fairness_guard_both_ways():
     ok = registry.fairness_check({"parallel": {"tp": 2, "recompute": "full"}, "train": {"micro_batch": 2}}, case, std, "f.yaml")
     assert {"param": "parallel.tp", "value": 2, "standard": 1} in ok
     assert {"param": "train.micro_batch", "value": 2, "standard": 1} in ok
-    for bad in ({"train": {"global_batch": 256}}, {"train": {"lr": 1e-4}}, {"model": {"num_layers": 16}},
-                {"train": {"steps": 5}}, {"data": {"data_dir": "/x"}}):  # fmt: skip
+    for bad in (
+        {"train": {"global_batch": 256}},
+        {"train": {"lr": 1e-4}},
+        {"model": {"num_layers": 16}},
+        {"train": {"steps": 5}},
+        {"data": {"data_dir": "/x"}},
+    ):
         with pytest.raises(InputError, match="may not be changed by a vendor"):
             registry.fairness_check(bad, case, std, "f.yaml")
 
@@ -84,8 +89,12 @@ def test_scaffolded_vendor_and_config_pass_check(tmp_path, monkeypatch):
         "does not name psutil (needed by megatron cases and the node monitors; if the base image provides it, say so in a comment naming it)",
     ], problems
     v = vendors / "acme"
-    (v / "vendor.yaml").write_text((v / "vendor.yaml").read_text().replace("fill in the datasheet the peak comes from", "Acme X1 datasheet"))
-    (v / "megatron" / "Dockerfile").write_text((v / "megatron" / "Dockerfile").read_text().replace("fill-in/base-image:tag", "acme/torch:2.6"))
+    (v / "vendor.yaml").write_text(
+        (v / "vendor.yaml").read_text().replace("fill in the datasheet the peak comes from", "Acme X1 datasheet")
+    )
+    (v / "megatron" / "Dockerfile").write_text(
+        (v / "megatron" / "Dockerfile").read_text().replace("fill-in/base-image:tag", "acme/torch:2.6")
+    )
     (v / "megatron" / "requirements.txt").write_text("megatron-core==0.16.1\npsutil>=5.9\npyyaml\n")
     assert vendor_tools.check_vendor("acme", vendors_dir=vendors) == []
     with pytest.raises(InputError, match="exists already"):
@@ -104,5 +113,7 @@ def test_every_field_problem_of_vendor_yaml_at_once(tmp_path):
     del vy["colour"]
     (v / "vendor.yaml").write_text(yaml.safe_dump(vy))
     problems = vendor_tools.check_vendor("cpu", vendors_dir=vendors)
-    assert problems == [f"{v / 'vendor.yaml'}: field 'monitor': module vendors.cpu.monitor not found",
-                        f"{v / 'vendor.yaml'}: field 'memory_query': module vendors.cpu.memory not found"], problems
+    assert problems == [
+        f"{v / 'vendor.yaml'}: field 'monitor': module vendors.cpu.monitor not found",
+        f"{v / 'vendor.yaml'}: field 'memory_query': module vendors.cpu.memory not found",
+    ], problems

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from run_benchmarks import metrics, typed_results as tr, verify
+from run_benchmarks import metrics, verify
+from run_benchmarks import typed_results as tr
 from run_benchmarks.orchestrator import round_status
 from run_benchmarks.registry import ROOT
 from tests.test_results_models import RUNS, fake_phase, fake_run
@@ -31,7 +32,9 @@ def test_every_committed_results_file_verifies():
     for path in RUNS:
         mine = [ln for ln in lines if ln.startswith(f"{path}: ")]
         if schemas[path] == 1:  # said once what cannot be recomputed, then checked what can
-            assert mine[0].startswith(f"{path}: schema 1 keeps no per-step records: the window, tokens/p/s, step time and loss curve cannot be recomputed")
+            assert mine[0].startswith(
+                f"{path}: schema 1 keeps no per-step records: the window, tokens/p/s, step time and loss curve cannot be recomputed"
+            )
             assert mine[-1] == f"{path}: every figure that can be recomputed matches"
         else:  # every figure recomputed from the step records
             assert mine == [f"{path}: every figure of {len(json.loads(path.read_text())['rounds'])} round(s) matches its records"]
@@ -47,9 +50,18 @@ def consistent(off: float = 0.0, **step_changes: float) -> tr.RunResults:
     gate = metrics.judge_loss(fig["loss"], ref, 5)
     phase = p.model_copy(update={**fig, "steps": steps, "gate": gate, "reference": ref})
     status = round_status([], {"train": gate})[0]
-    rnd = run.rounds[0].model_copy(update={"phases": [phase], "status": status, "tokens_per_gpu_s": phase.tokens_per_gpu_s,
-                                           "mfu_6n": phase.mfu_6n, "mfu_palm": phase.mfu_palm, "window": phase.window,
-                                           "loss_mre": gate.mre, "loss_aligned": gate.aligned})  # fmt: skip
+    rnd = run.rounds[0].model_copy(
+        update={
+            "phases": [phase],
+            "status": status,
+            "tokens_per_gpu_s": phase.tokens_per_gpu_s,
+            "mfu_6n": phase.mfu_6n,
+            "mfu_palm": phase.mfu_palm,
+            "window": phase.window,
+            "loss_mre": gate.mre,
+            "loss_aligned": gate.aligned,
+        }
+    )
     return run.model_copy(update={"rounds": [rnd]})
 
 
@@ -70,14 +82,26 @@ def test_a_consistent_file_matches(tmp_path):
 
 
 EDITS = [
-    ("throughput", lambda d: d["rounds"][0]["phases"][0].update(tokens_per_gpu_s=1.0), "round 1 phase train: tokens_per_gpu_s recorded 1.0, recomputed"),
+    (
+        "throughput",
+        lambda d: d["rounds"][0]["phases"][0].update(tokens_per_gpu_s=1.0),
+        "round 1 phase train: tokens_per_gpu_s recorded 1.0, recomputed",
+    ),
     ("window", lambda d: d["rounds"][0]["phases"][0]["window"].update(first_step=5), "round 1 phase train: window recorded"),
-    ("a step's time", lambda d: d["rounds"][0]["phases"][0]["steps"][10].update(step_time_s=9.0), "round 1 phase train: tokens_per_gpu_s recorded"),
-    ("MRE", lambda d: d["rounds"][0]["phases"][0]["gate"].update(mre=0.001), "round 1 phase train: loss gate mre recorded 0.001, recomputed"),
+    (
+        "a step's time",
+        lambda d: d["rounds"][0]["phases"][0]["steps"][10].update(step_time_s=9.0),
+        "round 1 phase train: tokens_per_gpu_s recorded",
+    ),
+    (
+        "MRE",
+        lambda d: d["rounds"][0]["phases"][0]["gate"].update(mre=0.001),
+        "round 1 phase train: loss gate mre recorded 0.001, recomputed",
+    ),
     ("round figure", lambda d: d["rounds"][0].update(tokens_per_gpu_s=2.0), "round 1: tokens_per_gpu_s recorded 2.0, recomputed"),
     ("status", lambda d: d["rounds"][0].update(status="unjudged"), "round 1: status recorded 'unjudged', recomputed 'ok'"),
     ("reference", lambda d: d["rounds"][0]["phases"][0]["reference"]["loss"].update({"25": 99.0}), "round 1 phase train: loss gate mre"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("what, edit, fragment", EDITS, ids=[e[0] for e in EDITS])
@@ -107,7 +131,9 @@ def test_schema1_mfu_edit_and_unreadable_files(tmp_path):
     code, lines = findings(path)
     assert code == 1 and any(ln.startswith(f"{path}: round 1 phase train: mfu_6n recorded 0.5, recomputed 0.31") for ln in lines), lines
     (tmp_path / "junk.json").write_text("{")
-    proc = subprocess.run([sys.executable, START, "--verify", str(path), str(tmp_path / "junk.json")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, START, "--verify", str(path), str(tmp_path / "junk.json")], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and f"error: {tmp_path / 'junk.json'}: not JSON" in proc.stderr
     assert f"{path}: round 1 phase train: mfu_6n recorded 0.5" in proc.stdout  # the other file is still checked
 

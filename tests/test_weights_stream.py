@@ -38,8 +38,16 @@ def element(seed: int, name: str, i: int, std: float, mean: float = 0.0) -> floa
 def test_stream_seed_depends_on_the_seed_and_the_name_only():
     a = weights.stream_seed(1234, "decoder.layers.3.mlp.linear_fc1.weight")
     assert a == weights.stream_seed(1234, "decoder.layers.3.mlp.linear_fc1.weight") and 0 <= a < 1 << 63
-    assert len({a, weights.stream_seed(1235, "decoder.layers.3.mlp.linear_fc1.weight"),
-                weights.stream_seed(1234, "decoder.layers.2.mlp.linear_fc1.weight")}) == 3
+    assert (
+        len(
+            {
+                a,
+                weights.stream_seed(1235, "decoder.layers.3.mlp.linear_fc1.weight"),
+                weights.stream_seed(1234, "decoder.layers.2.mlp.linear_fc1.weight"),
+            }
+        )
+        == 3
+    )
 
 
 _DRAW = """
@@ -60,10 +68,23 @@ print(json.dumps({"dtype": str(x.dtype), "shape": list(x.shape), "same_chunked":
 def test_full_normal_is_the_written_algorithm_whatever_the_chunking(megatron_python):
     from run_benchmarks.registry import ROOT
 
-    spec = {"seed": 1234, "name": "decoder.layers.0.self_attention.linear_qkv.weight", "shape": [384, 1024],
-            "std": 0.02, "mean": 0.5, "picked": [0, 1, 2, 4095, 200_001, 384 * 1024 - 1]}
-    proc = subprocess.run([megatron_python, "-c", _DRAW, json.dumps(spec)], cwd=ROOT, env={"PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300, check=False)
+    spec = {
+        "seed": 1234,
+        "name": "decoder.layers.0.self_attention.linear_qkv.weight",
+        "shape": [384, 1024],
+        "std": 0.02,
+        "mean": 0.5,
+        "picked": [0, 1, 2, 4095, 200_001, 384 * 1024 - 1],
+    }
+    proc = subprocess.run(
+        [megatron_python, "-c", _DRAW, json.dumps(spec)],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     assert got["dtype"] == "torch.float32" and got["shape"] == spec["shape"] and got["same_chunked"]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 import os
 import resource
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,8 +28,10 @@ class Accelerator:
         self.type = str(vendor.get("device") or "cpu")
         self.module = None if self.type == "cpu" else getattr(torch, self.type, None)
         if self.type != "cpu" and self.module is None:
-            raise RuntimeError(f"vendor.device {self.type!r}: torch has no torch.{self.type} module here "
-                               "(the vendor's torch extension must be installed, and imported by its adapter)")  # fmt: skip
+            raise RuntimeError(
+                f"vendor.device {self.type!r}: torch has no torch.{self.type} module here "
+                "(the vendor's torch extension must be installed, and imported by its adapter)"
+            )
         self.query: Callable[[torch.device], tuple[int, int | None, str]] | None = None
         if vendor.get("memory_query"):
             module, _, func = str(vendor["memory_query"]).partition(":")

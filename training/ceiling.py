@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from training.metriclog import K_KERNEL_CEILING  # run_meta key and info-record key
 
@@ -52,8 +53,9 @@ class Gemm:
         return 3 * 2.0 * self.m * self.n * self.k
 
 
-def decoder_gemms(hidden: int, ffn: int, heads: int, groups: int, head_dim: int, vocab: int, tp: int, tokens: int,
-                  gated: bool = True) -> list[Gemm]:  # fmt: skip
+def decoder_gemms(
+    hidden: int, ffn: int, heads: int, groups: int, head_dim: int, vocab: int, tp: int, tokens: int, gated: bool = True
+) -> list[Gemm]:
     """A decoder layer's linear layers and the output layer, one tensor-parallel rank's shard
     (column-parallel: QKV, fc1, output; row-parallel: the attention projection, fc2)."""
     return [
@@ -126,8 +128,9 @@ def time_gemm(g: Gemm, dtype: Any, device: Any, **kw: Any) -> dict[str, float]:
     return out  # the tensors go with this frame
 
 
-def time_attention(attend: Callable[[Any, Any, Any], Any], batch: int, heads: int, groups: int, seq: int, head_dim: int,
-                   dtype: Any, device: Any, **kw: Any) -> float:  # fmt: skip
+def time_attention(
+    attend: Callable[[Any, Any, Any], Any], batch: int, heads: int, groups: int, seq: int, head_dim: int, dtype: Any, device: Any, **kw: Any
+) -> float:
     """Forward + backward of ``attend`` on query ``[b, heads, s, d]`` and key/value
     ``[b, groups, s, d]``, handed as permuted views of ``[s, b, ., d]`` tensors (the layout a
     megatron layer hands its core attention)."""
@@ -149,9 +152,22 @@ def time_attention(attend: Callable[[Any, Any, Any], Any], batch: int, heads: in
     return time_op(step, device, **kw)
 
 
-def measure(gemms: list[Gemm], num_layers: int, attend: Callable[[Any, Any, Any], Any], attention: str, *, batch: int,
-            heads: int, groups: int, seq: int, head_dim: int, tp: int, dtype: Any, device: Any,
-            repeat: int = 5) -> dict[str, Any]:  # fmt: skip
+def measure(
+    gemms: list[Gemm],
+    num_layers: int,
+    attend: Callable[[Any, Any, Any], Any],
+    attention: str,
+    *,
+    batch: int,
+    heads: int,
+    groups: int,
+    seq: int,
+    head_dim: int,
+    tp: int,
+    dtype: Any,
+    device: Any,
+    repeat: int = 5,
+) -> dict[str, Any]:
     """Time the GEMMs and the attention of one micro batch on one GPU; the ceiling as a dict
     (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time and its parts."""
     import torch
@@ -165,8 +181,14 @@ def measure(gemms: list[Gemm], num_layers: int, attend: Callable[[Any, Any, Any]
         times = num_layers if g.per_layer else 1
         gemm_s += times * total
         gemm_flops += times * g.flops
-        parts[g.name] = {**{k: round(v * 1e3, 4) for k, v in ((k.replace("_s", "_ms"), v) for k, v in t.items())},
-                         "m": g.m, "n": g.n, "k": g.k, "per_layer": g.per_layer, "tflops": round(g.flops / total / 1e12, 2)}  # fmt: skip
+        parts[g.name] = {
+            **{k: round(v * 1e3, 4) for k, v in ((k.replace("_s", "_ms"), v) for k, v in t.items())},
+            "m": g.m,
+            "n": g.n,
+            "k": g.k,
+            "per_layer": g.per_layer,
+            "tflops": round(g.flops / total / 1e12, 2),
+        }
     att = time_attention(attend, batch, heads, groups, seq, head_dim, dtype, device, **kw)
     att_flops = causal_attention_flops(batch, heads, seq, head_dim)
     parts["attention"] = {"fwd_bwd_ms": round(att * 1e3, 4), "tflops": round(att_flops / att / 1e12, 2)}

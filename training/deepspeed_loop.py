@@ -56,16 +56,17 @@ import json
 import math
 import os
 import resource
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger
 from training.profiling import StepProfiler
+from training.runtime import dist_info
 from training.settings import Common, Train
 from training.steptimer import StepClock
-from training.runtime import dist_info
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -95,9 +96,20 @@ def init_distributed(cfg: dict) -> torch.device:
     return torch.device(acc.device_name(local))
 
 
-ZERO_KEYS = ("stage", "overlap_comm", "contiguous_gradients", "reduce_bucket_size", "allgather_bucket_size",
-             "sub_group_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-             "stage3_max_live_parameters", "stage3_max_reuse_distance", "offload_optimizer", "offload_param")
+ZERO_KEYS = (
+    "stage",
+    "overlap_comm",
+    "contiguous_gradients",
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "offload_optimizer",
+    "offload_param",
+)
 
 
 def zero_section(zero: dict, hidden_size: int) -> dict:
@@ -114,9 +126,11 @@ def zero_section(zero: dict, hidden_size: int) -> dict:
     stage = int(zero.get("stage", 0))
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero.stage must be 0..3, got {stage}")
-    derived = {"reduce_bucket_size": hidden_size * hidden_size,
-               "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-               "stage3_param_persistence_threshold": 10 * hidden_size}
+    derived = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+    }
     out: dict[str, Any] = {"stage": stage}
     for key in ZERO_KEYS[1:]:
         if key.startswith("stage3_") and stage != 3 or (key not in zero and key not in derived):
@@ -165,9 +179,17 @@ def build_ds_config(c: Common, hidden_size: int) -> dict:
         "bf16": {"enabled": tr.precision == "bf16"},
         "fp16": {"enabled": tr.precision == "fp16", "initial_scale_power": 16},
         "zero_optimization": zero,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": tr.lr, "betas": [tr.adam_beta1, tr.adam_beta2], "eps": tr.adam_eps,
-            "weight_decay": tr.weight_decay, "torch_adam": True, "fused": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": tr.lr,
+                "betas": [tr.adam_beta1, tr.adam_beta2],
+                "eps": tr.adam_eps,
+                "weight_decay": tr.weight_decay,
+                "torch_adam": True,
+                "fused": True,
+            },
+        },
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
         **extra,
@@ -199,25 +221,32 @@ def _numel(p: torch.Tensor) -> int:
 def effective_ds_config(engine: Any, requested: dict) -> dict:
     """The config as the engine resolved it: values read back from the engine."""
     eff = copy.deepcopy(requested)
-    eff.update({
-        "train_batch_size": engine.train_batch_size(),
-        "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "gradient_clipping": engine.gradient_clipping(),
-        "bf16": {"enabled": bool(engine.bfloat16_enabled())},
-        "fp16": {"enabled": bool(engine.fp16_enabled())},
-        "zero_optimization": json.loads(engine._config.zero_config.model_dump_json(by_alias=True)),
-        "optimizer": {"type": engine.optimizer_name(), "params": engine.optimizer_params(),
-                      "class": f"{type(engine.basic_optimizer).__module__}.{type(engine.basic_optimizer).__name__}",
-                      "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in engine.basic_optimizer.param_groups]},
-        "scheduler": {"type": engine.scheduler_name(), "params": engine.scheduler_params(),
-                      "class": type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None,
-                      "lr_now": [g["lr"] for g in engine.basic_optimizer.param_groups]},
-        "zero_optimization_stage": engine.zero_optimization_stage(),
-        "dp_world_size": engine.dp_world_size,
-        "wrapper_optimizer": type(engine.optimizer).__name__,
-    })
+    eff.update(
+        {
+            "train_batch_size": engine.train_batch_size(),
+            "train_micro_batch_size_per_gpu": engine.train_micro_batch_size_per_gpu(),
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "gradient_clipping": engine.gradient_clipping(),
+            "bf16": {"enabled": bool(engine.bfloat16_enabled())},
+            "fp16": {"enabled": bool(engine.fp16_enabled())},
+            "zero_optimization": json.loads(engine._config.zero_config.model_dump_json(by_alias=True)),
+            "optimizer": {
+                "type": engine.optimizer_name(),
+                "params": engine.optimizer_params(),
+                "class": f"{type(engine.basic_optimizer).__module__}.{type(engine.basic_optimizer).__name__}",
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.basic_optimizer.param_groups],
+            },
+            "scheduler": {
+                "type": engine.scheduler_name(),
+                "params": engine.scheduler_params(),
+                "class": type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None,
+                "lr_now": [g["lr"] for g in engine.basic_optimizer.param_groups],
+            },
+            "zero_optimization_stage": engine.zero_optimization_stage(),
+            "dp_world_size": engine.dp_world_size,
+            "wrapper_optimizer": type(engine.optimizer).__name__,
+        }
+    )
     eff["zero_optimization"]["stage"] = engine.zero_optimization_stage()
     return eff
 
@@ -273,8 +302,9 @@ def _next_batch(it: Iterator[dict], step: int) -> dict:
     try:
         return next(it)
     except StopIteration:
-        raise RuntimeError(f"the micro-batches ran out in step {step}: the case's iterator must yield "
-                           "steps x gradient_accumulation_steps of them") from None
+        raise RuntimeError(
+            f"the micro-batches ran out in step {step}: the case's iterator must yield steps x gradient_accumulation_steps of them"
+        ) from None
 
 
 @dataclasses.dataclass
@@ -318,37 +348,45 @@ def _prepare_model(model: torch.nn.Module, recompute: str, trainable: Callable[[
         raise ValueError(f"parallel.recompute {recompute!r} is not one of none, full")
 
 
-def _initialize(model: torch.nn.Module, train: Train, ds_config: dict,
-                optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None) -> tuple[Any, list[dict], bool]:
+def _initialize(
+    model: torch.nn.Module, train: Train, ds_config: dict, optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None
+) -> tuple[Any, list[dict], bool]:
     """The DeepSpeed engine; the trainable parameter counts of its groups; whether the
     client schedule (:func:`lr_at`) drives the learning rate."""
     import deepspeed
 
     groups = _param_groups(model)
-    group_sizes = [{"weight_decay": g.get("weight_decay"), "num_params": sum(_numel(p) for p in g["params"])}
-                   for g in groups]  # before DeepSpeed takes the groups over
+    group_sizes = [
+        {"weight_decay": g.get("weight_decay"), "num_params": sum(_numel(p) for p in g["params"])} for g in groups
+    ]  # before DeepSpeed takes the groups over
     if ("optimizer" in ds_config) == (optimizer is not None):
         raise ValueError("give the optimizer either in ds_config or as the optimizer factory, exactly once")
-    schedule = None if "scheduler" in ds_config else (
-        lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(train, s) / train.lr))
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=None if optimizer else groups,
-                                           optimizer=optimizer(groups) if optimizer else None,
-                                           lr_scheduler=schedule, config=ds_config)
+    schedule = (
+        None if "scheduler" in ds_config else (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(train, s) / train.lr))
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=None if optimizer else groups,
+        optimizer=optimizer(groups) if optimizer else None,
+        lr_scheduler=schedule,
+        config=ds_config,
+    )
     return engine, group_sizes, schedule is not None
 
 
-def _write_effective_config(c: Common, engine: Any, ds_config: dict, group_sizes: list[dict],
-                            client_schedule: bool) -> tuple[dict, str]:
+def _write_effective_config(c: Common, engine: Any, ds_config: dict, group_sizes: list[dict], client_schedule: bool) -> tuple[dict, str]:
     """The config as the engine resolved it, written (by rank 0) to ``ds_config_<phase>.json``."""
     eff = effective_ds_config(engine, ds_config) | {"activation_checkpointing": c.parallel.recompute}
     default_wd = (eff["optimizer"]["params"] or {}).get("weight_decay")
     eff["optimizer"]["trainable_params_per_group"] = [
-        {**g, "weight_decay": default_wd if g["weight_decay"] is None else g["weight_decay"]} for g in group_sizes]
+        {**g, "weight_decay": default_wd if g["weight_decay"] is None else g["weight_decay"]} for g in group_sizes
+    ]
     if client_schedule:
         given = c.sections["train"]
-        eff["scheduler"] |= {"type": "client: training.deepspeed_loop.lr_at (linear warmup, cosine decay)",
-                             "params": {k: given.get(k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps",
-                                                                 "steps")}}
+        eff["scheduler"] |= {
+            "type": "client: training.deepspeed_loop.lr_at (linear warmup, cosine decay)",
+            "params": {k: given.get(k) for k in ("lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "steps")},
+        }
     path = os.path.join(c.output_dir, f"ds_config_{c.phase}.json")
     if dist.get_rank() == 0:
         os.makedirs(c.output_dir, exist_ok=True)
@@ -361,13 +399,19 @@ def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Modul
     import deepspeed
 
     return {
-        "framework": "deepspeed", "framework_version": deepspeed.__version__,
-        "world_size": dist.get_world_size(), "precision": c.train.precision,
+        "framework": "deepspeed",
+        "framework_version": deepspeed.__version__,
+        "world_size": dist.get_world_size(),
+        "precision": c.train.precision,
         "global_batch": eff["train_batch_size"],
         **meta,
-        "phase": c.phase, "micro_batch": eff["train_micro_batch_size_per_gpu"],
-        "grad_accum": eff["gradient_accumulation_steps"], "zero_stage": eff["zero_optimization_stage"],
-        "recompute": eff["activation_checkpointing"], "ds_config_path": path, "steps": c.train.steps,
+        "phase": c.phase,
+        "micro_batch": eff["train_micro_batch_size_per_gpu"],
+        "grad_accum": eff["gradient_accumulation_steps"],
+        "zero_stage": eff["zero_optimization_stage"],
+        "recompute": eff["activation_checkpointing"],
+        "ds_config_path": path,
+        "steps": c.train.steps,
         "params_trainable": sum(_numel(p) for p in model.parameters() if p.requires_grad),
         "parallel": {"dp": engine.dp_world_size, "tp": 1, "pp": 1, "zero_stage": eff["zero_optimization_stage"]},
     }
@@ -387,12 +431,21 @@ class DeepSpeedPhase:
     :func:`lr_at` of the phase's settings unless ``ds_config`` has a ``scheduler`` section.
     """
 
-    def __init__(self, cfg: dict, c: Common, model: torch.nn.Module, micro_batches: Iterable[dict], *,
-                 ds_config: dict, logger: MetricLogger, meta: dict,
-                 trainable: Callable[[str], bool] | None = None,
-                 loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,
-                 count_tokens: Callable[[dict], int] | None = None,
-                 optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None):
+    def __init__(
+        self,
+        cfg: dict,
+        c: Common,
+        model: torch.nn.Module,
+        micro_batches: Iterable[dict],
+        *,
+        ds_config: dict,
+        logger: MetricLogger,
+        meta: dict,
+        trainable: Callable[[str], bool] | None = None,
+        loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,
+        count_tokens: Callable[[dict], int] | None = None,
+        optimizer: Callable[[list[dict]], torch.optim.Optimizer] | None = None,
+    ):
         self.cfg, self.c, self.model, self.micro_batches = cfg, c, model, micro_batches
         self.ds_config, self.logger, self.meta = ds_config, logger, meta
         self.trainable, self.optimizer = trainable, optimizer
@@ -416,9 +469,16 @@ class DeepSpeedPhase:
 
             get_accelerator().reset_peak_memory_stats(self.device.index)
         self.result = PhaseResult(c.phase, 0, [], [], [], path if self.rank == 0 else None, engine)
-        self.stepper = _Stepper(engine, iter(self.micro_batches), self.loss_fn, self.count_tokens, self.device,
-                                DTYPES[c.train.precision], StepClock(lambda: _sync(self.device)),
-                                _profiler(self.cfg, c, self.device))
+        self.stepper = _Stepper(
+            engine,
+            iter(self.micro_batches),
+            self.loss_fn,
+            self.count_tokens,
+            self.device,
+            DTYPES[c.train.precision],
+            StepClock(lambda: _sync(self.device)),
+            _profiler(self.cfg, c, self.device),
+        )
         engine.train()
 
     def step(self, step: int) -> None:
@@ -440,9 +500,17 @@ class DeepSpeedPhase:
         result.losses.append(value), result.tokens.append(int(tokens)), result.step_times.append(dt)
         if self.rank == 0:
             norm = engine.get_global_grad_norm()
-            self.logger.step(step, value, int(tokens), dt, lr, phase=phase, data_s=stepper.clock.data_s,
-                             grad_norm=None if norm is None else float(norm),
-                             **({"profiled": True} if step == self.c.train.profile_step else {}))
+            self.logger.step(
+                step,
+                value,
+                int(tokens),
+                dt,
+                lr,
+                phase=phase,
+                data_s=stepper.clock.data_s,
+                grad_norm=None if norm is None else float(norm),
+                **({"profiled": True} if step == self.c.train.profile_step else {}),
+            )
 
     def finish(self) -> None:
         """Every rank's ``peak_memory``."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -80,8 +80,10 @@ def write_full(p: torch.Tensor, full: torch.Tensor, name: str = "parameter") -> 
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
         if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            raise RuntimeError(f"{name}: a ZeRO-3 parameter is written while gathered ({p.ds_status.name}); "
-                               "write starting weights before deepspeed.initialize")
+            raise RuntimeError(
+                f"{name}: a ZeRO-3 parameter is written while gathered ({p.ds_status.name}); "
+                "write starting weights before deepspeed.initialize"
+            )
         part = p.ds_tensor
         size = int(part.ds_numel)
         start = size * _partition_rank(p)
@@ -132,5 +134,4 @@ def starting_weights(model: torch.nn.Module, seed: int, rule: Rule, device: torc
         write_full(p, initial_value(seed, name, full_shape(p), rule(name), device), name)
         count += 1
     _synchronize(device)
-    return {"seed": int(seed), "parameters": count, "device": device.type,
-            "seconds": round(time.perf_counter() - t0, 6)}
+    return {"seed": int(seed), "parameters": count, "device": device.type, "seconds": round(time.perf_counter() - t0, 6)}

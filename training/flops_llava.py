@@ -53,10 +53,15 @@ PHASES = ("pretrain", "finetune")
 
 def _lm_shape(shape: dict) -> DecoderShape:
     return DecoderShape(
-        num_layers=int(shape["num_layers"]), hidden_size=int(shape["hidden_size"]),
-        num_heads=int(shape["num_heads"]), seq_length=int(shape["seq_length"]),
-        vocab_size=int(shape["vocab_size"]), ffn_hidden_size=int(shape["ffn_hidden_size"]),
-        num_kv_groups=shape.get("num_kv_groups"), gated_mlp=True, tied_embeddings=False,
+        num_layers=int(shape["num_layers"]),
+        hidden_size=int(shape["hidden_size"]),
+        num_heads=int(shape["num_heads"]),
+        seq_length=int(shape["seq_length"]),
+        vocab_size=int(shape["vocab_size"]),
+        ffn_hidden_size=int(shape["ffn_hidden_size"]),
+        num_kv_groups=shape.get("num_kv_groups"),
+        gated_mlp=True,
+        tied_embeddings=False,
     )
 
 
@@ -82,8 +87,7 @@ def projector_params(shape: dict) -> dict[str, int]:
 def llava_params(shape: dict) -> dict[str, int]:
     lm = param_counts(_lm_shape(shape))
     v, pr = vision_params(shape), projector_params(shape)
-    return {"vision": v["total"], "projector": pr["total"], "language_model": lm["total"],
-            "total": v["total"] + pr["total"] + lm["total"]}
+    return {"vision": v["total"], "projector": pr["total"], "language_model": lm["total"], "total": v["total"] + pr["total"] + lm["total"]}
 
 
 def palm_flops_per_token(model: dict, phase: str) -> dict[str, float]:
@@ -107,8 +111,12 @@ def palm_flops_per_token(model: dict, phase: str) -> dict[str, float]:
     pr = projector_params(shape)
     projector = 4.0 * (pr["linear_1"] + pr["linear_2"]) + 2.0 * pr["linear_2"]  # per image token
     per_image = vision + v["patches"] * projector
-    return {"language_model": lm, "vision": images * vision / t,
-            "projector": images * v["patches"] * projector / t, "total": lm + images * per_image / t}
+    return {
+        "language_model": lm,
+        "vision": images * vision / t,
+        "projector": images * v["patches"] * projector / t,
+        "total": lm + images * per_image / t,
+    }
 
 
 def llava_flops(model: dict, phase: str) -> dict:

@@ -25,7 +25,8 @@ import os
 import socket
 import sys
 import time
-from typing import IO, Any, Iterable
+from collections.abc import Iterable
+from typing import IO, Any
 
 PREFIX = ":::FBLOG"
 VERSION = 1
@@ -106,7 +107,7 @@ class ParsedLog:
     def of(self, event: str, key: str | None = None) -> list[Record]:
         return [r for r in self.records if r.event == event and (key is None or r.key == key)]
 
-    def extend(self, other: "ParsedLog") -> None:
+    def extend(self, other: ParsedLog) -> None:
         self.records.extend(other.records)
         self.errors.extend(other.errors)
 
@@ -145,7 +146,7 @@ def parse_lines(lines: Iterable[str], source: str = "") -> ParsedLog:
         pos = raw.find(PREFIX)
         if pos < 0:
             continue
-        body = raw[pos + len(PREFIX):].strip()
+        body = raw[pos + len(PREFIX) :].strip()
         try:
             obj = json.loads(body)
         except ValueError as exc:
@@ -225,8 +226,7 @@ class MetricLogger:
             raise ValueError(f"run_meta lacks {', '.join(missing)}")
         self.emit(EV_META, K_RUN_META, _phased(value, phase))
 
-    def step(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, phase: str | None = None,
-             **extra: Any) -> None:
+    def step(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, phase: str | None = None, **extra: Any) -> None:
         value = {"step": step, "loss": loss, "tokens": tokens, "step_time_s": step_time_s, "lr": lr}
         self.emit(EV_STEP, K_TRAIN_STEP, {**_phased(value, phase), **extra})
 

@@ -34,7 +34,8 @@ import re
 import shutil
 import time
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 OPTIMIZER_RANGE = "fb_optimizer"
 CATEGORIES = ("attention", "gemm", "communication", "optimizer", "other")
@@ -144,9 +145,13 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
         for cat, own in pieces:
             sums[cat] += own
         spans["communication"] = [
-            (e["ts"], e["ts"] + e["dur"]) for e in events
-            if e.get("cat") in ("user_annotation", "cpu_op") and "dur" in e and e.get("tid") != main_tid and _COMM.search(str(e.get("name", "")))
-        ]  # fmt: skip
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e.get("cat") in ("user_annotation", "cpu_op")
+            and "dur" in e
+            and e.get("tid") != main_tid
+            and _COMM.search(str(e.get("name", "")))
+        ]
         sums["communication"] += sum(b - a for a, b in spans["communication"])
         compute = _union(top)
         every = _union(top + spans["communication"])

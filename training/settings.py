@@ -105,8 +105,6 @@ def divides(what: str, a: int, b: int, fix: str) -> None:
         raise SettingsError(f"{what}: {b} is not divisible by {a}; {fix}")
 
 
-
-
 # -- the layout arithmetic, one wording (the host's plan checks say the same) -----------
 
 
@@ -120,9 +118,7 @@ def data_parallel(world_size: int, tp: int, pp: int) -> int:
 def grad_accum(global_batch: int, micro_batch: int, dp: int) -> int:
     """``global_batch / (micro_batch * dp)``, exactly."""
     if micro_batch < 1 or global_batch % (micro_batch * dp) != 0:
-        raise SettingsError(
-            f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x data-parallel size {dp}"
-        )
+        raise SettingsError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x data-parallel size {dp}")
     return global_batch // (micro_batch * dp)
 
 
@@ -253,8 +249,10 @@ def read_train(train: dict, dp: int) -> Train:
     accum = grad_accum(gb, mb, dp)
     for key in ("gradient_accumulation_steps", "grad_accum"):
         if train.get(key) is not None and integer(train[key], f"train.{key}", 1) != accum:
-            raise SettingsError(f"train.{key} is {train[key]} but global batch {gb} / (micro batch {mb} x "
-                                f"data-parallel size {dp}) = {accum}: the global batch is fixed")
+            raise SettingsError(
+                f"train.{key} is {train[key]} but global batch {gb} / (micro batch {mb} x "
+                f"data-parallel size {dp}) = {accum}: the global batch is fixed"
+            )
     warmup = integer(get(train, "lr_warmup_steps", "train", 0), "train.lr_warmup_steps")
     decay = integer(train.get("lr_decay_steps") or steps, "train.lr_decay_steps", 1)
     profile = integer(get(train, "profile_step", "train", 0), "train.profile_step", 0)
@@ -306,8 +304,7 @@ def read_data(data: dict) -> Data:
     )
 
 
-def from_config(cfg: dict, world_size: int, phase: str = "train",
-                recompute: tuple[str, ...] = ("none", "full")) -> Common:
+def from_config(cfg: dict, world_size: int, phase: str = "train", recompute: tuple[str, ...] = ("none", "full")) -> Common:
     """The common settings of ``phase`` for a run of ``world_size`` ranks."""
     for section in ("model", "train"):
         if not isinstance(cfg.get(section), dict):
@@ -318,8 +315,10 @@ def from_config(cfg: dict, world_size: int, phase: str = "train",
     for key in ("gradient_accumulation_steps", "grad_accum"):
         given = sections["parallel"].get(key)
         if given is not None and integer(given, f"parallel.{key}", 1) != tr.grad_accum:
-            raise SettingsError(f"parallel.{key} is {given} but global batch {tr.global_batch} / (micro batch "
-                                f"{tr.micro_batch} x data-parallel size {par.dp}) = {tr.grad_accum}: the global batch is fixed")
+            raise SettingsError(
+                f"parallel.{key} is {given} but global batch {tr.global_batch} / (micro batch "
+                f"{tr.micro_batch} x data-parallel size {par.dp}) = {tr.grad_accum}: the global batch is fixed"
+            )
     vendor = cfg.get("vendor") or {}
     device = str(get(vendor, "device", "vendor", "cpu"))
     model = cfg["model"]
@@ -343,10 +342,18 @@ def flat(c: Common) -> dict[str, Any]:
     """The common values under the flat names the cases' settings dataclasses use
     (``steps``, ``lr``, ``data_prefix`` ...); a case keeps the ones it has fields for."""
     return {
-        "model_name": c.model_name, "config_name": c.config_name, "params_nominal": c.params_nominal,
-        "world_size": c.world_size, **{f.name: getattr(c.train, f.name) for f in dataclasses.fields(Train)},
-        "device": c.device, "dist_backend": c.dist_backend, "data_dir": c.data.data_dir, "data_prefix": c.data.prefix,
-        "cache_dir": c.data.cache_dir, "synthetic_tokens": c.data.synthetic_tokens, "output_dir": c.output_dir,
+        "model_name": c.model_name,
+        "config_name": c.config_name,
+        "params_nominal": c.params_nominal,
+        "world_size": c.world_size,
+        **{f.name: getattr(c.train, f.name) for f in dataclasses.fields(Train)},
+        "device": c.device,
+        "dist_backend": c.dist_backend,
+        "data_dir": c.data.data_dir,
+        "data_prefix": c.data.prefix,
+        "cache_dir": c.data.cache_dir,
+        "synthetic_tokens": c.data.synthetic_tokens,
+        "output_dir": c.output_dir,
     }
 
 

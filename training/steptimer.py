@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -35,7 +36,7 @@ class StepClock:
         self.data_s = 0.0
 
     @contextlib.contextmanager
-    def step(self) -> Iterator["StepClock"]:
+    def step(self) -> Iterator[StepClock]:
         """Time one step, synchronized at both ends. On an exception nothing is synchronized
         (a collective on a failing rank could hang) and the exception goes on up."""
         self._sync()
@@ -51,8 +52,7 @@ class StepClock:
     def fetch(self, get: Callable[[], T]) -> T:
         """``get()`` (a batch fetch) inside the current step, its time added to ``data_s``."""
         if self._t0 is None:
-            raise RuntimeError("a batch was fetched outside a timed step: the step time must include the fetch "
-                               "(training/steptimer.py)")
+            raise RuntimeError("a batch was fetched outside a timed step: the step time must include the fetch (training/steptimer.py)")
         t = time.perf_counter()
         try:
             return get()

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 CHUNK = 1 << 24  # elements drawn at a time: bounds the transient memory (about 0.5 GiB)
 
@@ -84,7 +85,7 @@ def full_normal(seed: int, name: str, shape: Sequence[int], std: float, device: 
     out = torch.empty(n, dtype=torch.float32, device=device)
     for start in range(0, n, CHUNK):
         count = min(CHUNK, n - start)
-        out[start:start + count] = _standard_normal(key, start, count, device) * std + mean
+        out[start : start + count] = _standard_normal(key, start, count, device) * std + mean
     return out.view(dims)
 
 

@@ -18,9 +18,10 @@ import re
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import docker
 import docker.errors
@@ -29,7 +30,8 @@ import requests
 from docker.transport import SSHHTTPAdapter, UnixHTTPAdapter
 from docker.transport.basehttpadapter import BaseHTTPAdapter
 from docker.transport.sshconn import SSHConnectionPool
-from docker.types import DeviceRequest, Mount as DockerMount, Ulimit
+from docker.types import DeviceRequest, Ulimit
+from docker.types import Mount as DockerMount
 
 from .errors import ContainerError, ContainerTimeout, EngineUnreachable, ImageBuildFailed, RemoteError
 from .ssh import HostSpec, SSHPool
@@ -59,8 +61,7 @@ def engine_errors(engine: str, doing: str) -> Iterator[None]:
         raise
     except docker.errors.APIError as e:
         raise ContainerError(engine, f"{doing}: {brief(e.explanation or e)}") from e
-    except (docker.errors.DockerException, requests.exceptions.RequestException,
-            paramiko.SSHException, OSError, EOFError) as e:
+    except (docker.errors.DockerException, requests.exceptions.RequestException, paramiko.SSHException, OSError, EOFError) as e:
         raise EngineUnreachable(engine, f"docker engine not answering ({doing}): {brief(e)}") from e
 
 
@@ -77,8 +78,7 @@ class _TransportHolder:
 class _PoolDialAdapter(BaseHTTPAdapter):
     """HTTP over ``docker system dial-stdio`` channels of an ``SSHPool`` connection."""
 
-    def __init__(self, ssh: SSHPool, host: str, timeout: float, owns_pool: bool,
-                 max_pool_size: int = 10) -> None:
+    def __init__(self, ssh: SSHPool, host: str, timeout: float, owns_pool: bool, max_pool_size: int = 10) -> None:
         super().__init__()
         self.ssh, self.host, self.timeout = ssh, host, timeout
         self._owns_pool = owns_pool
@@ -93,7 +93,8 @@ class _PoolDialAdapter(BaseHTTPAdapter):
                 if self._cpool is not None:
                     self._cpool.close()
                 self._cpool = SSHConnectionPool(
-                    ssh_client=_TransportHolder(transport), timeout=self.timeout,
+                    ssh_client=_TransportHolder(transport),
+                    timeout=self.timeout,
                     maxsize=self._max_pool_size,
                 )
             return self._cpool
@@ -130,12 +131,12 @@ def connect_engine(
         user, port = url.username or "root", url.port or 22
         owns = pool is None
         if pool is None:
-            spec = HostSpec(name=f"{user}@{url.hostname}:{port}", address=url.hostname,
-                            port=port, user=user, key_file=key_file, known_hosts=known_hosts)
+            spec = HostSpec(
+                name=f"{user}@{url.hostname}:{port}", address=url.hostname, port=port, user=user, key_file=key_file, known_hosts=known_hosts
+            )
             pool = SSHPool([spec], accept_new_host_keys=accept_new_host_keys)
         else:
-            matches = [s for s in pool.hosts.values()
-                       if (s.address, s.port, s.user) == (url.hostname, port, user)]
+            matches = [s for s in pool.hosts.values() if (s.address, s.port, s.user) == (url.hostname, port, user)]
             if not matches:
                 raise ValueError(f"{target}: no host in the pool with that user/address/port")
             spec = matches[0]
@@ -145,7 +146,7 @@ def connect_engine(
         except BaseException:
             adapter.close()
             raise
-    path = target[len("unix://"):] if target.startswith("unix://") else target
+    path = target[len("unix://") :] if target.startswith("unix://") else target
     if not path.startswith("/"):
         raise ValueError(f"engine target must be ssh://..., unix:///... or a path: {target!r}")
     try:
@@ -181,8 +182,7 @@ def engine_name(client: docker.DockerClient) -> str:
 
 
 # -- images -------------------------------------------------------------------------------
-def context_digest(context_dir: str | os.PathLike[str],
-                   buildargs: Mapping[str, str] | None = None) -> str:
+def context_digest(context_dir: str | os.PathLike[str], buildargs: Mapping[str, str] | None = None) -> str:
     """sha256 over the context's files (sorted relative paths, exec bits, contents) and args."""
     root = Path(context_dir)
     h = hashlib.sha256()
@@ -205,8 +205,7 @@ def context_digest(context_dir: str | os.PathLike[str],
     return h.hexdigest()
 
 
-def image_tag(context_dir: str | os.PathLike[str], name: str,
-              buildargs: Mapping[str, str] | None = None) -> str:
+def image_tag(context_dir: str | os.PathLike[str], name: str, buildargs: Mapping[str, str] | None = None) -> str:
     """``name:<first 16 hex of the context digest>``: a changed context gives a new tag."""
     return f"{name}:{context_digest(context_dir, buildargs)[:16]}"
 
@@ -223,8 +222,7 @@ def base_images(dockerfile_text: str, buildargs: Mapping[str, str] | None = None
     args.update(buildargs or {})
 
     def expand(ref: str) -> str:
-        return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: args.get(m.group(1), ""),
-                      ref)
+        return re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: args.get(m.group(1), ""), ref)
 
     stages: set[str] = set()
     out: list[str] = []
@@ -237,9 +235,15 @@ def base_images(dockerfile_text: str, buildargs: Mapping[str, str] | None = None
     return out
 
 
-def ensure_image(client: docker.DockerClient, context_dir: str | os.PathLike[str], name: str,
-                 buildargs: Mapping[str, str] | None = None, *,
-                 dockerfile: str = "Dockerfile", timeout: float = 3600.0) -> str:
+def ensure_image(
+    client: docker.DockerClient,
+    context_dir: str | os.PathLike[str],
+    name: str,
+    buildargs: Mapping[str, str] | None = None,
+    *,
+    dockerfile: str = "Dockerfile",
+    timeout: float = 3600.0,
+) -> str:
     """Build ``image_tag(context_dir, name, buildargs)`` unless present; the image id.
 
     Never pulls: every ``FROM`` image must already be on the engine.
@@ -255,22 +259,28 @@ def ensure_image(client: docker.DockerClient, context_dir: str | os.PathLike[str
     missing = [ref for ref in base_images(text, buildargs) if not has_image(client, ref)]
     if missing:
         raise ImageBuildFailed(
-            engine, f"base image {', '.join(missing)} of {tag} is not on the engine; images are "
-            "never pulled: load it there (start_task.py --cluster FILE --load-images, docs/clusters.md)")
+            engine,
+            f"base image {', '.join(missing)} of {tag} is not on the engine; images are "
+            "never pulled: load it there (start_task.py --cluster FILE --load-images, docs/clusters.md)",
+        )
     try:
         image, _ = client.images.build(
-            path=str(context_dir), dockerfile=dockerfile, tag=tag, buildargs=dict(buildargs or {}),
-            pull=False, rm=True, forcerm=True, timeout=int(timeout),
+            path=str(context_dir),
+            dockerfile=dockerfile,
+            tag=tag,
+            buildargs=dict(buildargs or {}),
+            pull=False,
+            rm=True,
+            forcerm=True,
+            timeout=int(timeout),
             labels={LABEL_CONTEXT: context_digest(context_dir, buildargs)},
         )
     except docker.errors.BuildError as e:
-        log = "".join(str(chunk.get("stream") or chunk.get("error") or "")
-                      for chunk in e.build_log)
+        log = "".join(str(chunk.get("stream") or chunk.get("error") or "") for chunk in e.build_log)
         raise ImageBuildFailed(engine, f"building {tag} failed: {e.msg}", log=log) from e
     except docker.errors.APIError as e:
         raise ImageBuildFailed(engine, f"building {tag} failed: {brief(e)}") from e
-    except (docker.errors.DockerException, requests.exceptions.RequestException,
-            paramiko.SSHException, OSError, EOFError) as e:
+    except (docker.errors.DockerException, requests.exceptions.RequestException, paramiko.SSHException, OSError, EOFError) as e:
         raise EngineUnreachable(engine, f"docker engine not answering (building {tag}): {brief(e)}") from e
     return image.id
 
@@ -295,9 +305,9 @@ class Mount:
 
 def nvidia_gpus(count: int = -1, device_ids: Sequence[str] | None = None) -> DeviceRequest:
     """A device request for NVIDIA GPUs (all by default), as ``--gpus`` makes."""
-    return DeviceRequest(driver="nvidia", count=None if device_ids else count,
-                         device_ids=list(device_ids) if device_ids else None,
-                         capabilities=[["gpu"]])
+    return DeviceRequest(
+        driver="nvidia", count=None if device_ids else count, device_ids=list(device_ids) if device_ids else None, capabilities=[["gpu"]]
+    )
 
 
 @dataclass
@@ -331,8 +341,17 @@ class ContainerSpec:
             raise ValueError("ContainerSpec.run_id is empty")
 
 
-def vendor_container(opts: Any, *, image: str, command: list[str], run_id: str, name: str | None, env: Mapping[str, str],
-                     mounts: Sequence[Mount], workdir: str | None) -> ContainerSpec:
+def vendor_container(
+    opts: Any,
+    *,
+    image: str,
+    command: list[str],
+    run_id: str,
+    name: str | None,
+    env: Mapping[str, str],
+    mounts: Sequence[Mount],
+    workdir: str | None,
+) -> ContainerSpec:
     """The one translation of a vendor's ``container`` options (config.ContainerOptions) into a
     container: the SSH runtime starts it through the engine, the Slurm node wrapper renders it
     with ``docker_run_args``. Host network, the vendor's env, device nodes and mounts; NVIDIA's
@@ -342,12 +361,21 @@ def vendor_container(opts: Any, *, image: str, command: list[str], run_id: str, 
         src, dst, *mode = m.split(":")
         extra.append(Mount(src, dst, mode == ["ro"]))
     return ContainerSpec(
-        image=image, command=list(command), run_id=run_id, name=name, env={**opts.extra_env, **env},
-        mounts=[*mounts, *extra], devices=[f"{d}:{d}:rwm" if ":" not in d else d for d in opts.devices],
-        device_requests=[nvidia_gpus()] if opts.gpus else [], shm_size=opts.shm_size,
-        ulimits=[(n, v, v) for n, v in opts.ulimits.items()], network_mode="host",
-        ipc_mode="host" if opts.gpus else None, privileged=opts.privileged, workdir=workdir,
-    )  # fmt: skip
+        image=image,
+        command=list(command),
+        run_id=run_id,
+        name=name,
+        env={**opts.extra_env, **env},
+        mounts=[*mounts, *extra],
+        devices=[f"{d}:{d}:rwm" if ":" not in d else d for d in opts.devices],
+        device_requests=[nvidia_gpus()] if opts.gpus else [],
+        shm_size=opts.shm_size,
+        ulimits=[(n, v, v) for n, v in opts.ulimits.items()],
+        network_mode="host",
+        ipc_mode="host" if opts.gpus else None,
+        privileged=opts.privileged,
+        workdir=workdir,
+    )
 
 
 def docker_run_args(spec: ContainerSpec) -> list[str]:
@@ -397,8 +425,7 @@ class ContainerHandle:
             return int(self.container.wait(timeout=timeout)["StatusCode"])
         except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError) as e:
             if time.monotonic() - start >= timeout * 0.95:
-                raise ContainerTimeout(self.engine, f"container {self.name} still running "
-                                       f"after {timeout}s", timeout=timeout) from None
+                raise ContainerTimeout(self.engine, f"container {self.name} still running after {timeout}s", timeout=timeout) from None
             raise EngineUnreachable(self.engine, f"waiting for {self.name}: {e}") from e
 
     def logs(self, tail: int | None = None) -> str:
@@ -421,7 +448,7 @@ class ContainerHandle:
             except docker.errors.NotFound:
                 pass
 
-    def __enter__(self) -> "ContainerHandle":
+    def __enter__(self) -> ContainerHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -437,24 +464,28 @@ def run_container(client: docker.DockerClient, spec: ContainerSpec) -> Container
         detach=True,
         environment=dict(spec.env),
         labels={**spec.labels, LABEL_RUN_ID: spec.run_id},
-        mounts=[DockerMount(target=m.target, source=m.source, type="bind",
-                            read_only=m.read_only) for m in spec.mounts],
+        mounts=[DockerMount(target=m.target, source=m.source, type="bind", read_only=m.read_only) for m in spec.mounts],
         network_mode=spec.network_mode,
         privileged=spec.privileged,
         init=spec.init,
     )
-    optional = dict(name=spec.name, ipc_mode=spec.ipc_mode, shm_size=spec.shm_size,
-                    working_dir=spec.workdir, user=spec.user, cap_add=spec.cap_add or None,
-                    devices=spec.devices or None,
-                    device_requests=spec.device_requests or None,
-                    ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits] or None)
+    optional = dict(
+        name=spec.name,
+        ipc_mode=spec.ipc_mode,
+        shm_size=spec.shm_size,
+        working_dir=spec.workdir,
+        user=spec.user,
+        cap_add=spec.cap_add or None,
+        devices=spec.devices or None,
+        device_requests=spec.device_requests or None,
+        ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits] or None,
+    )
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     with engine_errors(engine, f"creating a container of {spec.image}"):
         try:
             container = client.containers.create(**kwargs)  # create() never pulls; run() would
         except docker.errors.ImageNotFound as e:
-            raise ImageBuildFailed(engine, f"image {spec.image} is not on the engine "
-                                   "(images are never pulled)") from e
+            raise ImageBuildFailed(engine, f"image {spec.image} is not on the engine (images are never pulled)") from e
     handle = ContainerHandle(container, engine, spec)
     try:
         with engine_errors(engine, f"starting {handle.name}"):

@@ -32,9 +32,7 @@ class HostKeyUnknown(RemoteError):
 class HostKeyMismatch(RemoteError):
     """The host presented a key that differs from the one recorded in known_hosts."""
 
-    def __init__(
-        self, host: str, message: str, *, key_type: str, fingerprint: str, expected: str
-    ) -> None:
+    def __init__(self, host: str, message: str, *, key_type: str, fingerprint: str, expected: str) -> None:
         super().__init__(host, message)
         self.key_type = key_type
         self.fingerprint = fingerprint
@@ -52,9 +50,7 @@ class CommandTimeout(RemoteError):
 class RemoteCommandFailed(RemoteError):
     """A remote command exited non-zero where success was required, or a transfer failed."""
 
-    def __init__(
-        self, host: str, message: str, *, rc: int | None = None, stderr: str = ""
-    ) -> None:
+    def __init__(self, host: str, message: str, *, rc: int | None = None, stderr: str = "") -> None:
         super().__init__(host, message)
         self.rc = rc
         self.stderr = stderr

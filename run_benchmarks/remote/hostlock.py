@@ -53,10 +53,14 @@ poller.poll()
 
 def holder_info(run_id: str) -> str:
     """What a run records in the lock: who to ask about it."""
-    return json.dumps({
-        "run_id": run_id, "by": f"{getpass.getuser()}@{socket.gethostname()}", "pid": os.getpid(),
-        "since": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-    })  # fmt: skip
+    return json.dumps(
+        {
+            "run_id": run_id,
+            "by": f"{getpass.getuser()}@{socket.gethostname()}",
+            "pid": os.getpid(),
+            "since": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+    )
 
 
 def describe_holder(text: str) -> str:
@@ -75,8 +79,7 @@ class HostLock:
         fd, out = tempfile.mkstemp(prefix=f"flagbench-lock-{host}-")
         os.close(fd)
         self._out = Path(out)
-        self._proc = pool.start(host, ["python3", "-c", HOLDER, holder_info(run_id), *LOCK_DIRS], self._out,
-                                start_timeout=timeout)  # fmt: skip
+        self._proc = pool.start(host, ["python3", "-c", HOLDER, holder_info(run_id), *LOCK_DIRS], self._out, start_timeout=timeout)
         try:
             self._wait_answer(timeout)
         except BaseException:
@@ -93,8 +96,11 @@ class HostLock:
                     self.path = rest
                     return
                 if word == "BUSY":
-                    raise HostBusy(self.host, f"in use by {describe_holder(rest)}: one run at a time per host; "
-                                              "wait for it to end, or stop it first", holder=rest)  # fmt: skip
+                    raise HostBusy(
+                        self.host,
+                        f"in use by {describe_holder(rest)}: one run at a time per host; wait for it to end, or stop it first",
+                        holder=rest,
+                    )
                 break
             if self._proc.poll() is not None:
                 break
@@ -107,7 +113,7 @@ class HostLock:
         try:
             if self._proc.poll() is None:
                 self._proc.kill(grace=2.0)
-        except Exception:  # noqa: BLE001 - a lost connection frees the lock by itself
+        except Exception:
             pass
         self._out.unlink(missing_ok=True)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .containers import base_images, engine_errors, engine_name, has_image
 from .errors import ContainerError
@@ -33,8 +34,10 @@ def save_image(source: Any, ref: str, directory: Path) -> Path:
     path = directory / (ref.replace("/", "_").replace(":", "_") + ".tar")
     with engine_errors(engine_name(source), f"saving {ref}"):
         if not has_image(source, ref):
-            raise ContainerError(engine_name(source), f"image {ref} is not here to be loaded onto the hosts: "
-                                                      "build or import it on this machine first, or give its archive")  # fmt: skip
+            raise ContainerError(
+                engine_name(source),
+                f"image {ref} is not here to be loaded onto the hosts: build or import it on this machine first, or give its archive",
+            )
         with open(path, "wb") as out:
             for chunk in source.images.get(ref).save(named=True):
                 out.write(chunk)
@@ -63,8 +66,9 @@ def load_images(engines: dict[str, Any], refs: list[str], source: Any = None, ar
                 load_archive(engines[host], archive_file)
             still = [r for r in wanted if not has_image(engines[host], r)]
             if still:
-                raise ContainerError(host, f"{', '.join(still)} not there after loading {archive_file.name}: "
-                                           "the archive does not hold it under that name")  # fmt: skip
+                raise ContainerError(
+                    host, f"{', '.join(still)} not there after loading {archive_file.name}: the archive does not hold it under that name"
+                )
             size = sum(os.path.getsize(f) for f in dict.fromkeys(files[r] for r in wanted)) / 1e6
             lines.append(f"host {host}: loaded {', '.join(wanted)} ({size:.0f} MB)")
     return lines

@@ -12,8 +12,9 @@ import select
 import shlex
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import paramiko
 
@@ -97,13 +98,19 @@ def _pump(
             select.select([chan], [], [], wait_for)
 
 
-
 class RemoteProcess:
     """A long-running remote command whose combined output streams into a local file."""
 
-    def __init__(self, pool: "SSHPool", spec: HostSpec, argv: Sequence[str],
-                 chan: paramiko.Channel, output_path: Path, append: bool,
-                 start_timeout: float) -> None:
+    def __init__(
+        self,
+        pool: SSHPool,
+        spec: HostSpec,
+        argv: Sequence[str],
+        chan: paramiko.Channel,
+        output_path: Path,
+        append: bool,
+        start_timeout: float,
+    ) -> None:
         self.host = spec.name
         self.argv = tuple(argv)
         self.output_path = output_path
@@ -115,14 +122,13 @@ class RemoteProcess:
         self._file = open(output_path, "ab" if append else "wb")
         self._err = bytearray()
         self._marker_done = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"remote-output-{spec.name}", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, name=f"remote-output-{spec.name}", daemon=True)
         self._thread.start()
         if not self._marker_done.wait(start_timeout):
             self.kill()
             raise CommandTimeout(
-                self.host, f"{shlex.join(self.argv)} did not start within {start_timeout}s",
+                self.host,
+                f"{shlex.join(self.argv)} did not start within {start_timeout}s",
                 timeout=start_timeout,
             )
 
@@ -163,7 +169,8 @@ class RemoteProcess:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise CommandTimeout(
-                self.host, f"{shlex.join(self.argv)} still running after {timeout}s",
+                self.host,
+                f"{shlex.join(self.argv)} still running after {timeout}s",
                 timeout=timeout,
             )
         self._chan.status_event.wait(1.0)
@@ -180,7 +187,7 @@ class RemoteProcess:
         self._thread.join(grace + 5.0)
         return self._chan.exit_status if self._chan.exit_status_ready() else None
 
-    def __enter__(self) -> "RemoteProcess":
+    def __enter__(self) -> RemoteProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,10 +23,10 @@ import shlex
 import socket
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import paramiko
 
@@ -74,7 +74,7 @@ class Result:
     def ok(self) -> bool:
         return self.rc == 0
 
-    def check(self) -> "Result":
+    def check(self) -> Result:
         """Return self, or raise ``RemoteCommandFailed`` if the command exited non-zero."""
         if self.rc != 0:
             raise RemoteCommandFailed(
@@ -90,7 +90,6 @@ def fingerprint(key: paramiko.PKey) -> str:
     """OpenSSH-style SHA256 fingerprint of a public key."""
     digest = hashlib.sha256(key.asbytes()).digest()
     return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
-
 
 
 class SSHPool(TransferMixin):
@@ -160,14 +159,10 @@ class SSHPool(TransferMixin):
         timeout = self.connect_timeout
         try:
             sock = socket.create_connection((spec.address, spec.port), timeout=timeout)
-        except socket.timeout:
-            raise HostUnreachable(
-                spec.name, f"connecting to {spec.address}:{spec.port} timed out after {timeout}s"
-            ) from None
+        except TimeoutError:
+            raise HostUnreachable(spec.name, f"connecting to {spec.address}:{spec.port} timed out after {timeout}s") from None
         except OSError as e:
-            raise HostUnreachable(
-                spec.name, f"cannot connect to {spec.address}:{spec.port}: {e.strerror or e}"
-            ) from e
+            raise HostUnreachable(spec.name, f"cannot connect to {spec.address}:{spec.port}: {e.strerror or e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         transport = paramiko.Transport(sock)
@@ -179,8 +174,7 @@ class SSHPool(TransferMixin):
             recorded = known.lookup(spec.known_hosts_name)
             if recorded:
                 opts = transport.get_security_options()
-                preferred = [k for k in opts.key_types if k in recorded or
-                             (k.startswith("rsa-sha2") and "ssh-rsa" in recorded)]
+                preferred = [k for k in opts.key_types if k in recorded or (k.startswith("rsa-sha2") and "ssh-rsa" in recorded)]
                 opts.key_types = preferred + [k for k in opts.key_types if k not in preferred]
             try:
                 transport.start_client(timeout=timeout)
@@ -201,8 +195,7 @@ class SSHPool(TransferMixin):
             keys.load(path)
         return keys
 
-    def _check_host_key(self, spec: HostSpec, key: paramiko.PKey,
-                        known: paramiko.HostKeys) -> None:
+    def _check_host_key(self, spec: HostSpec, key: paramiko.PKey, known: paramiko.HostKeys) -> None:
         name = spec.known_hosts_name
         path = os.path.expanduser(spec.known_hosts)
         recorded = known.lookup(name)
@@ -215,7 +208,8 @@ class SSHPool(TransferMixin):
                     f"{fingerprint(key)}, {path} has {fingerprint(expected)}. "
                     "Refusing to connect; if the host was reinstalled, remove its old "
                     "entry from the known_hosts file.",
-                    key_type=key.get_name(), fingerprint=fingerprint(key),
+                    key_type=key.get_name(),
+                    fingerprint=fingerprint(key),
                     expected=fingerprint(expected),
                 )
             return
@@ -225,7 +219,8 @@ class SSHPool(TransferMixin):
                 f"host key for {name} ({key.get_name()} {fingerprint(key)}) is not in "
                 f"{path}; verify it and add it, or connect once with "
                 "accept_new_host_keys=True to record it",
-                key_type=key.get_name(), fingerprint=fingerprint(key),
+                key_type=key.get_name(),
+                fingerprint=fingerprint(key),
             )
         line = f"{name} {key.get_name()} {key.get_base64()}\n"
         with self._known_hosts_lock:
@@ -311,9 +306,7 @@ class SSHPool(TransferMixin):
             if pgid is not None:
                 self._kill_group(spec, pgid, chan, kill_grace)
             chan.close()
-            raise CommandTimeout(
-                spec.name, f"{shlex.join(argv)} timed out after {timeout}s", timeout=timeout
-            )
+            raise CommandTimeout(spec.name, f"{shlex.join(argv)} timed out after {timeout}s", timeout=timeout)
         chan.status_event.wait(1.0)
         rc = chan.exit_status
         chan.close()
@@ -329,9 +322,9 @@ class SSHPool(TransferMixin):
         )
         return result.check() if check else result
 
-    def run_all(self, argv: Sequence[str], timeout: float,
-                hosts: Iterable[str | HostSpec] | None = None, **kwargs: object
-                ) -> dict[str, Result]:
+    def run_all(
+        self, argv: Sequence[str], timeout: float, hosts: Iterable[str | HostSpec] | None = None, **kwargs: object
+    ) -> dict[str, Result]:
         """``run`` on several hosts in parallel; results by host name."""
         specs = [self._spec(h) for h in (hosts if hosts is not None else self.hosts)]
         with ThreadPoolExecutor(max_workers=max(1, min(32, len(specs)))) as ex:
@@ -358,11 +351,9 @@ class SSHPool(TransferMixin):
         except (paramiko.SSHException, OSError, EOFError) as e:
             chan.close()
             raise HostUnreachable(spec.name, f"connection lost starting {argv[0]}: {e}") from e
-        return RemoteProcess(self, spec, argv, chan, Path(stdout_path_local), append,
-                             start_timeout)
+        return RemoteProcess(self, spec, argv, chan, Path(stdout_path_local), append, start_timeout)
 
-    def _kill_group(self, spec: HostSpec, pgid: int, chan: paramiko.Channel,
-                    grace: float) -> None:
+    def _kill_group(self, spec: HostSpec, pgid: int, chan: paramiko.Channel, grace: float) -> None:
         """TERM the group, wait up to ``grace`` for the command's exit, then KILL the rest."""
         if pgid <= 1:
             raise ValueError(f"refusing to signal process group {pgid}")
@@ -390,7 +381,7 @@ class SSHPool(TransferMixin):
                 if t is not None:
                     t.close()
 
-    def __enter__(self) -> "SSHPool":
+    def __enter__(self) -> SSHPool:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import socket
 import stat
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import paramiko
 
@@ -27,7 +27,6 @@ class TransferStats:
     skipped: int = 0
     bytes: int = 0
     dirs: int = 0
-
 
 
 class TransferMixin:
@@ -73,15 +72,12 @@ class TransferMixin:
                 remote = {a.filename: a for a in sftp.listdir_attr(rdir)}
                 for fname in sorted(filenames):
                     if time.monotonic() > deadline:
-                        raise CommandTimeout(spec.name, f"put_tree to {remote_dir} timed out "
-                                             f"after {timeout}s", timeout=timeout)
+                        raise CommandTimeout(spec.name, f"put_tree to {remote_dir} timed out after {timeout}s", timeout=timeout)
                     if excluded(rel / fname, exclude):
                         continue
-                    _put_one(sftp, Path(dirpath, fname), f"{rdir}/{fname}",
-                             remote.get(fname), stats)
-        except socket.timeout:
-            raise CommandTimeout(spec.name, f"put_tree to {remote_dir} stalled",
-                                 timeout=timeout) from None
+                    _put_one(sftp, Path(dirpath, fname), f"{rdir}/{fname}", remote.get(fname), stats)
+        except TimeoutError:
+            raise CommandTimeout(spec.name, f"put_tree to {remote_dir} stalled", timeout=timeout) from None
         except (OSError, paramiko.SSHException) as e:
             raise RemoteCommandFailed(spec.name, f"put_tree to {remote_dir}: {e}") from e
         finally:
@@ -109,8 +105,7 @@ class TransferMixin:
                 stats.dirs += 1
                 for attr in sorted(sftp.listdir_attr(rdir), key=lambda a: a.filename):
                     if time.monotonic() > deadline:
-                        raise CommandTimeout(spec.name, f"get_tree from {remote_dir} timed "
-                                             f"out after {timeout}s", timeout=timeout)
+                        raise CommandTimeout(spec.name, f"get_tree from {remote_dir} timed out after {timeout}s", timeout=timeout)
                     rpath, lpath = f"{rdir}/{attr.filename}", ldir / attr.filename
                     mode = attr.st_mode or 0
                     if stat.S_ISDIR(mode):
@@ -126,9 +121,8 @@ class TransferMixin:
                         stats.copied += 1
                     elif stat.S_ISREG(mode):
                         _get_one(sftp, rpath, lpath, attr, stats)
-        except socket.timeout:
-            raise CommandTimeout(spec.name, f"get_tree from {remote_dir} stalled",
-                                 timeout=timeout) from None
+        except TimeoutError:
+            raise CommandTimeout(spec.name, f"get_tree from {remote_dir} stalled", timeout=timeout) from None
         except (OSError, paramiko.SSHException) as e:
             raise RemoteCommandFailed(spec.name, f"get_tree from {remote_dir}: {e}") from e
         finally:
@@ -143,7 +137,7 @@ class TransferMixin:
                 return fh.read(limit)
         except FileNotFoundError:
             return None
-        except (OSError, paramiko.SSHException, EOFError, socket.timeout) as e:
+        except (TimeoutError, OSError, paramiko.SSHException, EOFError) as e:
             raise RemoteCommandFailed(self._spec(host).name, f"cannot read {remote_path}: {e}") from e
         finally:
             sftp.close()
@@ -166,8 +160,7 @@ def _sftp_mkdir(sftp: paramiko.SFTPClient, path: str) -> None:
     sftp.mkdir(path)
 
 
-def _put_one(sftp: paramiko.SFTPClient, local: Path, remote: str,
-             rattr: paramiko.SFTPAttributes | None, stats: TransferStats) -> None:
+def _put_one(sftp: paramiko.SFTPClient, local: Path, remote: str, rattr: paramiko.SFTPAttributes | None, stats: TransferStats) -> None:
     st = local.lstat()
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(local)
@@ -181,8 +174,7 @@ def _put_one(sftp: paramiko.SFTPClient, local: Path, remote: str,
         return
     if not stat.S_ISREG(st.st_mode):
         return
-    if (rattr is not None and rattr.st_size == st.st_size
-            and int(rattr.st_mtime or -1) == int(st.st_mtime)):
+    if rattr is not None and rattr.st_size == st.st_size and int(rattr.st_mtime or -1) == int(st.st_mtime):
         stats.skipped += 1
         return
     sftp.put(str(local), remote, confirm=True)
@@ -192,8 +184,7 @@ def _put_one(sftp: paramiko.SFTPClient, local: Path, remote: str,
     stats.bytes += st.st_size
 
 
-def _get_one(sftp: paramiko.SFTPClient, remote: str, local: Path,
-             rattr: paramiko.SFTPAttributes, stats: TransferStats) -> None:
+def _get_one(sftp: paramiko.SFTPClient, remote: str, local: Path, rattr: paramiko.SFTPAttributes, stats: TransferStats) -> None:
     try:
         st = local.stat()
         if st.st_size == rattr.st_size and int(st.st_mtime) == int(rattr.st_mtime or -1):

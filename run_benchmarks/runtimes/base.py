@@ -6,8 +6,9 @@ import contextlib
 import dataclasses
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from run_benchmarks.plan import NodePlan, Plan
@@ -41,24 +42,24 @@ class Runtime:
         a Slurm job counts from when it runs, not while it waits in the queue)."""
         return None
 
-    def dry_prepare(self, plan: "Plan") -> tuple[str, Path]:
+    def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
         """What ``prepare`` would return, without touching anything (for --dry-run)."""
         raise NotImplementedError
 
-    def prepare(self, plan: "Plan", log: Path) -> tuple[str, Path]:
+    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
         """Make nodes ready; return (python on the nodes, code root on the nodes)."""
         raise NotImplementedError
 
-    def node_plans(self, plan: "Plan", python: str, root: Path, round_dir: Path) -> list["NodePlan"]:
+    def node_plans(self, plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
         """Each node's launcher command for a round (``round_dir`` is the local one)."""
         from run_benchmarks.plan import plan_nodes
 
         return plan_nodes(plan, python, root, round_dir)
 
-    def run_round(self, plan: "Plan", round_dir: Path, nodes: list["NodePlan"], timeout_s: float) -> list[NodeOutcome]:
+    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
         raise NotImplementedError
 
-    def dry_run_details(self, plan: "Plan") -> dict[str, Any]:
+    def dry_run_details(self, plan: Plan) -> dict[str, Any]:
         """What --dry-run shows beyond the node commands (a batch script, submit lines); runs nothing."""
         return {}
 

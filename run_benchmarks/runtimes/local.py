@@ -26,6 +26,7 @@ from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 
 KILL_GRACE_S = 10.0
 
+
 def lock_file() -> Path:
     """This host's run lock; FLAGBENCH_LOCK_DIR moves it (a test session's runs lock among
     themselves, not against a benchmark running on the same machine)."""
@@ -73,8 +74,9 @@ class LocalRuntime(Runtime):
             fh.seek(0)
             holder = fh.read().strip() or "another run"
             fh.close()
-            raise InputError(f"this host is busy: {holder} holds {path}; one run at a time per host "
-                             "(wait for it to finish, or stop it)") from None  # fmt: skip
+            raise InputError(
+                f"this host is busy: {holder} holds {path}; one run at a time per host (wait for it to finish, or stop it)"
+            ) from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"run {plan.run_id} (pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
@@ -109,9 +111,14 @@ class LocalRuntime(Runtime):
                 if os.environ.get("PYTHONPATH"):  # keep what this host's Python needs (e.g. carried packages)
                     env["PYTHONPATH"] = f"{node.env['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
                 proc = subprocess.Popen(
-                    node.command, cwd=node.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                )  # fmt: skip
+                    node.command,
+                    cwd=node.cwd,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
                 self.procs.append(proc)
                 launched.append(time.time())
                 mon = MonitorThread(plan.vendor.monitor, node_dir / "monitor.jsonl")
@@ -141,10 +148,16 @@ class LocalRuntime(Runtime):
             for i, node in enumerate(nodes):
                 stopped = rcs.get(i) is None
                 outcomes.append(
-                    NodeOutcome(node.host, node.node_rank, rcs.get(i), timed_out and stopped,
-                                round_dir / f"node{node.node_rank}", error=self.aborted if stopped else None,
-                                extra={"launched_at": launched[i], "exited_at": exited.get(i)})
-                )  # fmt: skip
+                    NodeOutcome(
+                        node.host,
+                        node.node_rank,
+                        rcs.get(i),
+                        timed_out and stopped,
+                        round_dir / f"node{node.node_rank}",
+                        error=self.aborted if stopped else None,
+                        extra={"launched_at": launched[i], "exited_at": exited.get(i)},
+                    )
+                )
         finally:
             for proc in self.procs:
                 kill_group(proc)

@@ -32,10 +32,10 @@ from typing import Any
 from run_benchmarks.config import ClusterConfig, HostConfig, SlurmConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
 from run_benchmarks.errors import InputError
+from run_benchmarks.node_agent import agent_spec
 from run_benchmarks.plan import NodePlan, Plan, plan_nodes
 from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
-from run_benchmarks.node_agent import agent_spec
 from run_benchmarks.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC
 from training import metriclog as ml
 
@@ -99,10 +99,17 @@ class Job:
             return round(b - a, 3) if a is not None and b is not None else None
 
         return {
-            "job_id": self.job_id, "name": self.name, "round": self.round, "state": self.state,
-            "reason": self.reason, "exit_code": self.exit_code, "nodelist": self.nodelist,
-            "batch_host": self.batch_host, "time_limit": self.time_limit,
-            "cancelled_by_harness": self.cancelled_by_harness, "state_at_cancel": self.state_at_cancel or None,
+            "job_id": self.job_id,
+            "name": self.name,
+            "round": self.round,
+            "state": self.state,
+            "reason": self.reason,
+            "exit_code": self.exit_code,
+            "nodelist": self.nodelist,
+            "batch_host": self.batch_host,
+            "time_limit": self.time_limit,
+            "cancelled_by_harness": self.cancelled_by_harness,
+            "state_at_cancel": self.state_at_cancel or None,
             "launch_failure": self.launch_failure,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
@@ -110,7 +117,7 @@ class Job:
             "nodes_running_s": span(self.nodes_started_at, self.nodes_finished_at),
             # from the last launcher's exit until Slurm has nothing left of the job
             "teardown_s": span(self.nodes_finished_at or self.ended_at, self.gone_at),
-        }  # fmt: skip
+        }
 
 
 class SlurmRuntime(Runtime):
@@ -221,8 +228,9 @@ class SlurmRuntime(Runtime):
             mounts.append(Mount(data["cache_dir"], data["cache_dir"]))
         if data.get("data_dir"):
             mounts.append(Mount(data["data_dir"], data["data_dir"], True))
-        spec = vendor_container(plan.vendor.container, image="-", command=["-"], run_id=plan.run_id, name=None, env={},
-                                mounts=mounts, workdir=None)  # fmt: skip
+        spec = vendor_container(
+            plan.vendor.container, image="-", command=["-"], run_id=plan.run_id, name=None, env={}, mounts=mounts, workdir=None
+        )
         return docker_run_args(spec)
 
     def spec(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], python: str) -> dict[str, Any]:
@@ -234,10 +242,16 @@ class SlurmRuntime(Runtime):
             container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, python, data)}
         monitor = {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)}
         return agent_spec(
-            str(round_dir), MASTER_PLACEHOLDER, monitor, container, nodes, run_id=plan.run_id, port_placeholder=PORT_PLACEHOLDER,
+            str(round_dir),
+            MASTER_PLACEHOLDER,
+            monitor,
+            container,
+            nodes,
+            run_id=plan.run_id,
+            port_placeholder=PORT_PLACEHOLDER,
             # the cluster file's port, checked free on node 0; None: node 0 picks a free one
             master_port=self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
-        )  # fmt: skip
+        )
 
     def job_name(self, plan: Plan, round_dir: Path) -> str:
         return f"fb-{plan.run_id}-{round_dir.name}"
@@ -245,11 +259,17 @@ class SlurmRuntime(Runtime):
     def sbatch_argv(self, plan: Plan, round_dir: Path) -> list[str]:
         c, n = self.conf, plan.case.nnodes
         argv = [
-            "sbatch", "--parsable", f"--job-name={self.job_name(plan, round_dir)}",
-            f"--nodes={n}", "--ntasks-per-node=1", f"--time={c.time_limit}", "--no-requeue",
-            f"--chdir={round_dir}", f"--output={round_dir / 'slurm' / 'job-%j.out'}",
+            "sbatch",
+            "--parsable",
+            f"--job-name={self.job_name(plan, round_dir)}",
+            f"--nodes={n}",
+            "--ntasks-per-node=1",
+            f"--time={c.time_limit}",
+            "--no-requeue",
+            f"--chdir={round_dir}",
+            f"--output={round_dir / 'slurm' / 'job-%j.out'}",
             f"--comment={submitter_comment(plan.run_id)}",
-        ]  # fmt: skip
+        ]
         if c.exclusive:
             argv.append("--exclusive")
         if c.partition:
@@ -263,10 +283,18 @@ class SlurmRuntime(Runtime):
     def srun_argv(self, plan: Plan, round_dir: Path) -> list[str]:
         n = plan.case.nnodes
         return [
-            "srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            "srun",
+            f"--nodes={n}",
+            f"--ntasks={n}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
             *self.conf.srun_extra,
-            self.node_python, "-m", "run_benchmarks.slurm_node", "--spec", str(round_dir / "slurm" / "spec.json"),
-        ]  # fmt: skip
+            self.node_python,
+            "-m",
+            "run_benchmarks.slurm_node",
+            "--spec",
+            str(round_dir / "slurm" / "spec.json"),
+        ]
 
     def batch_script(self, plan: Plan, round_dir: Path) -> str:
         q = shlex.quote
@@ -274,20 +302,24 @@ class SlurmRuntime(Runtime):
         spec = round_dir / "slurm" / "spec.json"
         # every CPU the job has on a node goes to that node's one task (the launcher's ranks)
         srun_line = f'{shlex.join(srun[:5])} --cpus-per-task="$SLURM_CPUS_ON_NODE" {shlex.join(srun[5:])}'
-        return "\n".join([
-            "#!/bin/bash",
-            f"# flagbench {plan.run_id} {round_dir.name}: {plan.case} on {plan.case.nnodes} node(s), one task per node",
-            f"# submitted as: {shlex.join(self.sbatch_argv(plan, round_dir))}",
-            "set -u",
-            f"if [ ! -r {q(str(spec))} ]; then",
-            (f"  echo \"flagbench: {q(str(spec))} is not readable on $(hostname): the run directory must be on a"
-             " filesystem shared by the submit host and every node\" >&2"),
-            f"  exit {EXIT_NO_SPEC}",
-            "fi",
-            f'export PYTHONPATH={q(str(ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
-            f"exec {srun_line}",
-            "",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                "#!/bin/bash",
+                f"# flagbench {plan.run_id} {round_dir.name}: {plan.case} on {plan.case.nnodes} node(s), one task per node",
+                f"# submitted as: {shlex.join(self.sbatch_argv(plan, round_dir))}",
+                "set -u",
+                f"if [ ! -r {q(str(spec))} ]; then",
+                (
+                    f'  echo "flagbench: {q(str(spec))} is not readable on $(hostname): the run directory must be on a'
+                    ' filesystem shared by the submit host and every node" >&2'
+                ),
+                f"  exit {EXIT_NO_SPEC}",
+                "fi",
+                f'export PYTHONPATH={q(str(ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+                f"exec {srun_line}",
+                "",
+            ]
+        )
 
     def dry_run_details(self, plan: Plan) -> dict[str, Any]:
         round_dir = plan.run_dir / "round1"
@@ -298,8 +330,10 @@ class SlurmRuntime(Runtime):
             "sbatch": self.sbatch_argv(plan, round_dir),
             "script": self.batch_script(plan, round_dir),
             "srun": self.srun_argv(plan, round_dir),
-            "master": (f"address of the allocation's first node (Slurm's NodeAddr), in place of {MASTER_PLACEHOLDER!r}; "
-                       f"port chosen on it, in place of {PORT_PLACEHOLDER!r}; node rank = SLURM_NODEID"),
+            "master": (
+                f"address of the allocation's first node (Slurm's NodeAddr), in place of {MASTER_PLACEHOLDER!r}; "
+                f"port chosen on it, in place of {PORT_PLACEHOLDER!r}; node rank = SLURM_NODEID"
+            ),
             "spec": self.spec(plan, round_dir, nodes, python),
         }
 
@@ -417,8 +451,13 @@ class SlurmRuntime(Runtime):
             rep = reports.get(k)
             host = (rep or {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
             rc = rep.get("returncode") if rep else None
-            extra = {"slurm_job_id": job.job_id, "slurm_state": job.state, "slurm_reason": job.reason,
-                     "slurm_exit_code": job.exit_code, "slurm_node": host}  # fmt: skip
+            extra = {
+                "slurm_job_id": job.job_id,
+                "slurm_state": job.state,
+                "slurm_reason": job.reason,
+                "slurm_exit_code": job.exit_code,
+                "slurm_node": host,
+            }
             error, timed_out = None, False
             if job.launch_failure:
                 error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"
@@ -456,12 +495,17 @@ class SlurmRuntime(Runtime):
         c = self.conf
         return {
             "slurm": {
-                "partition": c.partition, "account": c.account, "time_limit": c.time_limit,
-                "container_runtime": c.container_runtime, "image": c.image, "exclusive": c.exclusive,
-                "node_python": self.node_python, "jobs": [j.summary() for j in self.jobs if j.job_id],
+                "partition": c.partition,
+                "account": c.account,
+                "time_limit": c.time_limit,
+                "container_runtime": c.container_runtime,
+                "image": c.image,
+                "exclusive": c.exclusive,
+                "node_python": self.node_python,
+                "jobs": [j.summary() for j in self.jobs if j.job_id],
             },
             "leftovers_removed": list(self.notes),
-        }  # fmt: skip
+        }
 
     def host_memory(self) -> dict[str, int]:
         return {}  # the nodes are known once the job runs: not checked before
@@ -556,8 +600,10 @@ def _no_report(job: Job, k: int, host: str, run_dir: Path, batch_out: Path) -> s
     lines = batch_out.read_text(errors="replace").splitlines()[-TAIL:] if batch_out.is_file() else []
     text = "\n".join(lines)
     if not batch_out.is_file() or job.exit_code.startswith(f"{EXIT_NO_SPEC}:") or "filesystem shared by" in text:
-        hint = (f"; nothing came back from {host}: the run directory {run_dir} must be on a filesystem "
-                "shared by this host and every node (docs/slurm.md)")  # fmt: skip
+        hint = (
+            f"; nothing came back from {host}: the run directory {run_dir} must be on a filesystem "
+            "shared by this host and every node (docs/slurm.md)"
+        )
     elif job.exit_code.startswith(f"{EXIT_BAD_ALLOCATION}:"):
         hint = "; the allocation did not match the plan (one task per node)"
     else:

@@ -148,9 +148,13 @@ class SSHRuntime(Runtime):
         ssh = self.cluster.ssh
         return [
             HostSpec(
-                name=h.name, address=h.address, port=h.port or ssh.port, user=h.user or ssh.user,
-                key_file=_expand(h.key_file or ssh.key_file), known_hosts=_expand(ssh.known_hosts) or os.path.expanduser("~/.ssh/known_hosts"),
-            )  # fmt: skip
+                name=h.name,
+                address=h.address,
+                port=h.port or ssh.port,
+                user=h.user or ssh.user,
+                key_file=_expand(h.key_file or ssh.key_file),
+                known_hosts=_expand(ssh.known_hosts) or os.path.expanduser("~/.ssh/known_hosts"),
+            )
             for h in self.hosts
         ]
 
@@ -168,8 +172,11 @@ class SSHRuntime(Runtime):
         from run_benchmarks.remote.ssh import SSHPool
 
         self.hosts = hosts
-        self.pool = SSHPool(self._host_specs(), accept_new_host_keys=self.cluster.ssh.accept_new_host_keys,
-                            connect_timeout=self.cluster.ssh.connect_timeout_s)  # fmt: skip
+        self.pool = SSHPool(
+            self._host_specs(),
+            accept_new_host_keys=self.cluster.ssh.accept_new_host_keys,
+            connect_timeout=self.cluster.ssh.connect_timeout_s,
+        )
         self.pool.connect()
         if run_id:
             self.locks = lock_hosts(self.pool, [h.name for h in hosts], run_id, self.cluster.ssh.command_timeout_s)
@@ -224,8 +231,10 @@ class SSHRuntime(Runtime):
         res = self.pool.run(master.name, ["python3", "-c", PORT_PROBE, str(port)], timeout=self.cluster.ssh.command_timeout_s)
         if res.rc != 0:
             why = (res.stderr.strip().splitlines() or ["bind failed"])[-1]
-            raise InputError(f"host {master.name}: master_port {port} of the cluster file is in use there ({why}); "
-                             "free it, or leave master_port out to use a free port")  # fmt: skip
+            raise InputError(
+                f"host {master.name}: master_port {port} of the cluster file is in use there ({why}); "
+                "free it, or leave master_port out to use a free port"
+            )
         return int(res.stdout.split()[-1])
 
     def _each(self, fn: Any) -> list[Any]:
@@ -239,8 +248,9 @@ class SSHRuntime(Runtime):
                 self._archive = self._write_archive(staging / "archive")
             except OSError as exc:
                 shutil.rmtree(staging, ignore_errors=True)
-                raise InputError(f"{staging.parent}: cannot write the code archive in the run's log folder: "
-                                 f"{exc.strerror or exc}") from None  # fmt: skip
+                raise InputError(
+                    f"{staging.parent}: cannot write the code archive in the run's log folder: {exc.strerror or exc}"
+                ) from None
         return self._archive
 
     def _write_archive(self, staging: Path) -> tuple[Path, str]:
@@ -275,8 +285,9 @@ class SSHRuntime(Runtime):
             return
         self.pool.run(host.name, ["mkdir", "-p", work], timeout=t, check=True)
         self.pool.put_tree(host.name, archive.parent, work)  # the folder holds the archive alone
-        script = ('set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; '
-                  'mv "$1.new" "$1"; touch "$3"; rm -f "$2"')  # fmt: skip
+        script = (
+            'set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; mv "$1.new" "$1"; touch "$3"; rm -f "$2"'
+        )
         self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
 
     def _check_dir(self, host: HostConfig, path: str) -> None:
@@ -370,8 +381,17 @@ class SSHRuntime(Runtime):
 
     def _agent_argv(self, plan: Plan, host: HostConfig, round_dir: Path, k: int, python: str) -> list[str]:
         rd = self.node_round_dir(plan, host, round_dir)
-        return [python, "-m", "run_benchmarks.node_agent", "--spec", str(rd / "agent.json"), "--node-rank", str(k),
-                "--master", self.hosts[0].address]  # fmt: skip
+        return [
+            python,
+            "-m",
+            "run_benchmarks.node_agent",
+            "--spec",
+            str(rd / "agent.json"),
+            "--node-rank",
+            str(k),
+            "--master",
+            self.hosts[0].address,
+        ]
 
     def _start(self, plan: Plan, k: int, host: HostConfig, round_dir: Path, node: NodePlan) -> None:
         """Start node k and track it in ``self.live`` at once (a stop signal may come meanwhile)."""
@@ -384,8 +404,14 @@ class SSHRuntime(Runtime):
         # the run's mark, inherited by everything the agent starts: a later run finds leftovers by it
         mark = {RUN_MARK: plan.run_id}
         if not self.containerized:
-            proc = self.pool.start(host.name, argv, local_node / "agent.log", env={"PYTHONPATH": str(self.code_root(host)), **mark},
-                                   cwd=str(self.code_root(host)), start_timeout=self.cluster.ssh.command_timeout_s)  # fmt: skip
+            proc = self.pool.start(
+                host.name,
+                argv,
+                local_node / "agent.log",
+                env={"PYTHONPATH": str(self.code_root(host)), **mark},
+                cwd=str(self.code_root(host)),
+                start_timeout=self.cluster.ssh.command_timeout_s,
+            )
             self.live.append(_Node(k, host, proc=proc))
             return
         from run_benchmarks.remote.containers import Mount, run_container, vendor_container
@@ -393,27 +419,37 @@ class SSHRuntime(Runtime):
         opts = plan.vendor.container
         code, rd = str(self.code_root(host)), str(self.node_round_dir(plan, host, round_dir))
         user_cache = self._caches(host)
-        mounts = [Mount(code, code, True), Mount(rd, rd, False), Mount(str(self.cache_dir(host)), str(self.cache_dir(host)), False),
-                  Mount(user_cache, user_cache, False)]  # fmt: skip
+        mounts = [
+            Mount(code, code, True),
+            Mount(rd, rd, False),
+            Mount(str(self.cache_dir(host)), str(self.cache_dir(host)), False),
+            Mount(user_cache, user_cache, False),
+        ]
         data_dir = plan.settings["data"].get("data_dir")
         if data_dir:
             mounts.append(Mount(data_dir, data_dir, True))
         if opts.mount_framework_env:
             mounts += [Mount(p, p, True) for p in self.prefixes]
         spec = vendor_container(
-            opts, image=self.images[host.name].split()[0], command=argv, run_id=plan.run_id,
+            opts,
+            image=self.images[host.name].split()[0],
+            command=argv,
+            run_id=plan.run_id,
             name=f"fb-{plan.run_id[-26:]}-{round_dir.name}-n{k}".replace(":", "-"),
             # XDG_CACHE_HOME: what frameworks build or fetch once (DeepSpeed's JIT ops, hub files)
             # is the host user's, shared with process runs there and kept across containers
             env={"PYTHONPATH": code, "PYTHONUNBUFFERED": "1", "XDG_CACHE_HOME": user_cache, **mark},
-            mounts=mounts, workdir=code,
-        )  # fmt: skip
+            mounts=mounts,
+            workdir=code,
+        )
         self.live.append(_Node(k, host, container=run_container(self._engine(host), spec)))
 
     def _caches(self, host: HostConfig) -> str:
         """Make the run's data cache on the host; the host user's cache folder (~/.cache)."""
         script = "import os, sys; os.makedirs(sys.argv[1], exist_ok=True); c = os.path.expanduser('~/.cache'); os.makedirs(c, exist_ok=True); print(c)"
-        res = self.pool.run(host.name, ["python3", "-c", script, str(self.cache_dir(host))], timeout=self.cluster.ssh.command_timeout_s, check=True)
+        res = self.pool.run(
+            host.name, ["python3", "-c", script, str(self.cache_dir(host))], timeout=self.cluster.ssh.command_timeout_s, check=True
+        )
         return res.stdout.strip().splitlines()[-1]
 
     def _start_all(self, plan: Plan, round_dir: Path, nodes: list[NodePlan]) -> None:
@@ -477,11 +513,11 @@ class SSHRuntime(Runtime):
         if n.container is not None:
             try:
                 (local / "container.log").write_text(n.container.logs())
-            except Exception as exc:  # noqa: BLE001 - the engine may be gone with the host
+            except Exception as exc:
                 n.error = n.error or f"container logs unavailable: {exc}"
             try:
                 n.container.stop_and_remove()
-            except Exception as exc:  # noqa: BLE001 - cleanup() removes it by label later
+            except Exception as exc:
                 n.error = n.error or f"container not removed: {exc}"
         if n.proc is not None and n.rc == -1:
             n.error = n.error or "the SSH connection to the host was lost during the round"
@@ -542,8 +578,13 @@ class SSHRuntime(Runtime):
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {"hosts": [h.name for h in self.hosts], "images": dict(self.images), "timings_s": dict(self.timings),
-                "master_port": self.master_port, "leftovers_removed": list(self.notes)}  # fmt: skip
+        return {
+            "hosts": [h.name for h in self.hosts],
+            "images": dict(self.images),
+            "timings_s": dict(self.timings),
+            "master_port": self.master_port,
+            "leftovers_removed": list(self.notes),
+        }
 
     def cleanup(self) -> None:
         """Stop this run's nodes, remove its containers, free the hosts' locks, close the connections.
@@ -566,7 +607,7 @@ class SSHRuntime(Runtime):
                 if self.run_id:
                     cleanup_by_label(client, self.run_id)
                 client.close()
-            except Exception:  # noqa: BLE001 - an engine gone with its host
+            except Exception:
                 pass
         self.engines.clear()
         for lock in self.locks:
@@ -595,8 +636,9 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
     return [ln for ln in lines if ln]
 
 
-def load_base_images(cluster: ClusterConfig, vendor: str, frameworks: list[str] | None = None,
-                     archive: Path | None = None, source: Any = None) -> list[str]:
+def load_base_images(
+    cluster: ClusterConfig, vendor: str, frameworks: list[str] | None = None, archive: Path | None = None, source: Any = None
+) -> list[str]:
     """Put the base images of the vendor's Dockerfiles (with the cluster's ``image_build_args``)
     on every host that lacks them: from ``archive`` (a ``docker save`` file), else from the
     engine ``source``, else from this machine's docker engine. One line per host.
@@ -633,5 +675,6 @@ def _local_engine(refs: list[str]) -> Any:
     try:
         return docker.from_env()
     except docker.errors.DockerException as exc:
-        raise InputError(f"no docker engine on this machine to save {', '.join(refs)} from ({exc}); "
-                         "give a docker save archive of it instead") from None
+        raise InputError(
+            f"no docker engine on this machine to save {', '.join(refs)} from ({exc}); give a docker save archive of it instead"
+        ) from None

@@ -39,13 +39,18 @@ PACKAGES = (
     "zlib1g",
 )
 # Trimmed from the rootfs after debootstrap (documentation, translations, apt caches).
-_TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale",
-         "var/cache/apt", "var/lib/apt/lists", "var/log")
+_TRIM = ("usr/share/doc", "usr/share/man", "usr/share/info", "usr/share/locale", "var/cache/apt", "var/lib/apt/lists", "var/log")
 # Parts of the compiler a JIT build of C++ ops never runs (LTO, sanitizers, profilers).
-_TRIM_FILES = ("usr/lib/gcc/x86_64-linux-gnu/12/lto1", "usr/bin/x86_64-linux-gnu-lto-dump-12",
-               "usr/lib/gcc/x86_64-linux-gnu/12/lib*san*.a", "usr/lib/x86_64-linux-gnu/lib*san.so*",
-               "usr/lib/x86_64-linux-gnu/libgprofng.so*", "usr/bin/x86_64-linux-gnu-gp-*",
-               "usr/bin/x86_64-linux-gnu-dwp", "usr/bin/x86_64-linux-gnu-ld.gold")
+_TRIM_FILES = (
+    "usr/lib/gcc/x86_64-linux-gnu/12/lto1",
+    "usr/bin/x86_64-linux-gnu-lto-dump-12",
+    "usr/lib/gcc/x86_64-linux-gnu/12/lib*san*.a",
+    "usr/lib/x86_64-linux-gnu/lib*san.so*",
+    "usr/lib/x86_64-linux-gnu/libgprofng.so*",
+    "usr/bin/x86_64-linux-gnu-gp-*",
+    "usr/bin/x86_64-linux-gnu-dwp",
+    "usr/bin/x86_64-linux-gnu-ld.gold",
+)
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 
 
@@ -85,15 +90,13 @@ def build_tarball(*, mirror: str | None = None, log=print) -> Path:
         log(f"building base image rootfs with debootstrap from {mirror} (about 2 min)")
         try:
             proc = subprocess.run(
-                ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}",
-                 SUITE, str(root), mirror],
-                capture_output=True, text=True, timeout=1200,
+                ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE, str(root), mirror],
+                capture_output=True,
+                text=True,
+                timeout=1200,
             )
             if proc.returncode != 0:
-                raise RuntimeError(
-                    f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-                    f"\n{proc.stderr[-3000:]}"
-                )
+                raise RuntimeError(f"debootstrap failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             for rel in _TRIM:
                 target = root / rel
                 if target.is_dir():
@@ -104,8 +107,7 @@ def build_tarball(*, mirror: str | None = None, log=print) -> Path:
                     path.unlink()
             tmp = work / "rootfs.tar.gz"
             with open(tmp, "wb") as out:
-                tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(root), "-cf", "-", "."],
-                                       stdout=subprocess.PIPE)
+                tar = subprocess.Popen(["tar", "--numeric-owner", "-C", str(root), "-cf", "-", "."], stdout=subprocess.PIPE)
                 gz = subprocess.run(["gzip", "-1"], stdin=tar.stdout, stdout=out, timeout=600)
                 tar.stdout.close()
                 if tar.wait(timeout=600) != 0 or gz.returncode != 0:

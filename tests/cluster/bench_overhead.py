@@ -40,18 +40,36 @@ def main(argv: list[str] | None = None) -> int:
             work = Path(directory) / f"bench{n}"
             work.mkdir()
             doc = {
-                "backend": "ssh", "runtime": args.runtime, "python": python, "master_port": 29811,
+                "backend": "ssh",
+                "runtime": args.runtime,
+                "python": python,
+                "master_port": 29811,
                 "hosts": [{"name": h.name, "address": h.address, "work_dir": f"{h.workdir}/bench"} for h in cluster.hosts[:n]],
                 "ssh": {"key_file": cluster.key_file, "known_hosts": cluster.known_hosts},
                 "image_build_args": {"BASE_IMAGE": cluster.image},
-            }  # fmt: skip
+            }
             (work / "cluster.yaml").write_text(yaml.safe_dump(doc))
             proc = subprocess.run(
-                [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--vendor", "cpu",
-                 "--case_name", f"llama3_tiny:megatron:cpu:{n}:1:{args.rounds}", "--cluster", str(work / "cluster.yaml"),
-                 "--log-dir", str(work / "logs"), "--set", "train.steps=10", "--set", "train.warmup_steps=2"],
-                capture_output=True, text=True, timeout=1800,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    str(ROOT / "run_benchmarks" / "start_task.py"),
+                    "--vendor",
+                    "cpu",
+                    "--case_name",
+                    f"llama3_tiny:megatron:cpu:{n}:1:{args.rounds}",
+                    "--cluster",
+                    str(work / "cluster.yaml"),
+                    "--log-dir",
+                    str(work / "logs"),
+                    "--set",
+                    "train.steps=10",
+                    "--set",
+                    "train.warmup_steps=2",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             if proc.returncode != 0:
                 print(proc.stdout, proc.stderr, file=sys.stderr)
                 return 1
@@ -61,11 +79,15 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((n, rnd["round"], rnd["orchestration"], res["runtime_info"]["timings_s"]))
     finally:
         netns.down(directory)
-    print("| hosts | round | round start -> last launcher | framework start-up | framework shut-down | launcher exit -> results | overhead |")
+    print(
+        "| hosts | round | round start -> last launcher | framework start-up | framework shut-down | launcher exit -> results | overhead |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n, r, o, _ in rows:
-        print(f"| {n} | {r} | {o['to_launch_s']:.2f} s | {o['framework_startup_s']:.2f} s | {o['framework_shutdown_s']:.2f} s "
-              f"| {o['after_exit_s']:.2f} s | {o['overhead_s']:.2f} s |")
+        print(
+            f"| {n} | {r} | {o['to_launch_s']:.2f} s | {o['framework_startup_s']:.2f} s | {o['framework_shutdown_s']:.2f} s "
+            f"| {o['after_exit_s']:.2f} s | {o['overhead_s']:.2f} s |"
+        )
     return 0
 
 

@@ -17,8 +17,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -35,8 +35,7 @@ def cluster_skip_reason() -> str | None:
         return None
     missing = netns.missing_requirements()
     if missing:
-        return ("the test cluster needs root and these tools (tests/install_system_deps.sh "
-                f"installs them): missing {', '.join(missing)}")
+        return f"the test cluster needs root and these tools (tests/install_system_deps.sh installs them): missing {', '.join(missing)}"
     return None
 
 
@@ -49,7 +48,7 @@ def cluster() -> Iterator[netns.Cluster]:
     reason = cluster_skip_reason()
     if reason:
         pytest.skip(reason)
-    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr)
     netns.sweep_stale("/tmp/fbc-*", log=log)  # clusters of test runs that were killed
     # A short directory: dockerd and containerd put unix sockets (108-byte limit) under it.
     directory = tempfile.mkdtemp(prefix="fbc-", dir="/tmp")
@@ -81,8 +80,9 @@ def _build_torch_venv(target: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         python = HOST_PYTHON_PREFIX / "bin" / "python3"
         subprocess.run([str(python), "-m", "venv", str(tmp)], check=True, timeout=300)
-        subprocess.run([str(tmp / "bin" / "python"), "-m", "pip", "install", "-q",
-                        f"torch=={TORCH_VERSION}", "numpy"], check=True, timeout=1200)
+        subprocess.run(
+            [str(tmp / "bin" / "python"), "-m", "pip", "install", "-q", f"torch=={TORCH_VERSION}", "numpy"], check=True, timeout=1200
+        )
         os.replace(tmp, target)  # bin/python and site-packages do not depend on the path
         return target
 
@@ -99,11 +99,9 @@ def _framework_venv_with_torch() -> Path | None:
             cfg = (venv / "pyvenv.cfg").read_text()
         except OSError:
             continue
-        home = [line.split("=", 1)[1].strip() for line in cfg.splitlines()
-                if line.split("=", 1)[0].strip() == "home"]
+        home = [line.split("=", 1)[1].strip() for line in cfg.splitlines() if line.split("=", 1)[0].strip() == "home"]
         ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
-        if (home and Path(home[0]) == HOST_PYTHON_PREFIX / "bin"
-                and (venv / "lib" / ver / "site-packages" / "torch").is_dir()):
+        if home and Path(home[0]) == HOST_PYTHON_PREFIX / "bin" and (venv / "lib" / ver / "site-packages" / "torch").is_dir():
             return venv
     return None
 
@@ -123,5 +121,4 @@ def torch_venv() -> Path:
     return _build_torch_venv(cache / "venvs" / f"torch-{TORCH_VERSION}-cpu-{ver}")
 
 
-__all__ = ["cluster", "cluster_pool", "cluster_skip_reason", "torch_venv",
-           "HOST_PYTHON_PREFIX", "TORCH_VERSION"]
+__all__ = ["cluster", "cluster_pool", "cluster_skip_reason", "torch_venv", "HOST_PYTHON_PREFIX", "TORCH_VERSION"]

@@ -35,8 +35,7 @@ from pathlib import Path
 
 from .baseimage import IMAGE_REF, build_tarball
 
-REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "umount", "ssh-keygen", "dockerd",
-                  "containerd", "runc", "docker", "setsid")
+REQUIRED_TOOLS = ("ip", "nsenter", "unshare", "mount", "umount", "ssh-keygen", "dockerd", "containerd", "runc", "docker", "setsid")
 SSHD = "/usr/sbin/sshd"
 MAX_CLUSTERS = 32
 
@@ -96,7 +95,7 @@ class Cluster:
             os.replace(tmp, self.json_path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "Cluster":
+    def load(cls, path: str | os.PathLike[str]) -> Cluster:
         path = Path(path)
         data = json.loads((path / "cluster.json" if path.is_dir() else path).read_text())
         data["hosts"] = [HostInfo(**h) for h in data["hosts"]]
@@ -114,8 +113,7 @@ class Cluster:
 
         base = dict(key_file=self.key_file, known_hosts=self.known_hosts)
         base.update(overrides)
-        return [HostSpec(name=h.name, address=h.address, port=h.port, user=h.user, **base)
-                for h in self.hosts]
+        return [HostSpec(name=h.name, address=h.address, port=h.port, user=h.user, **base) for h in self.hosts]
 
 
 def missing_requirements() -> list[str]:
@@ -130,8 +128,7 @@ def missing_requirements() -> list[str]:
 
 
 def _sh(*argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if check and proc.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
     return proc
@@ -147,8 +144,7 @@ def _claim_index() -> int:
     raise ClusterError("no free cluster index (fbbr0..fbbr31 all exist)")
 
 
-def _wait(what: str, ready, timeout: float, proc: subprocess.Popen | None = None,
-          log: Path | None = None) -> None:
+def _wait(what: str, ready, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout
     delay = 0.01
     while not ready():
@@ -206,28 +202,34 @@ Subsystem sftp internal-sftp
 def _start_sshd(c: Cluster, h: HostInfo, hdir: Path, env: dict[str, str] | None = None) -> None:
     cfg = hdir / "sshd_config"
     if env is not None or not cfg.exists():  # a restart keeps the config (and its SetEnv)
-        cfg.write_text(SSHD_CONFIG.format(port=h.port, address=h.address, host_key=h.host_key,
-                                          authorized_keys=Path(c.dir) / "authorized_keys")
-                       # one SetEnv line: sshd takes the first line of a keyword
-                       + (f"SetEnv {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else ""))
+        cfg.write_text(
+            SSHD_CONFIG.format(port=h.port, address=h.address, host_key=h.host_key, authorized_keys=Path(c.dir) / "authorized_keys")
+            # one SetEnv line: sshd takes the first line of a keyword
+            + (f"SetEnv {' '.join(f'{k}={v}' for k, v in env.items())}\n" if env else "")
+        )
     empty = hdir / "empty_bashrc"
     empty.write_text("")
-    q = lambda s: "'" + str(s).replace("'", "'\\''") + "'"  # noqa: E731 (paths are ours)
+    q = lambda s: "'" + str(s).replace("'", "'\\''") + "'"
     bashrc = os.path.expanduser("~/.bashrc")
-    script = "; ".join([
-        f"hostname {h.hostname}",
-        "mount -t tmpfs -o mode=755 tmpfs /run",
-        "mkdir -p /run/sshd /run/lock",  # /run/lock: where runs take the host's lock
-        f"ln -s {q(h.docker_socket)} /run/docker.sock",
-        *([f"mount --bind {q(empty)} {q(bashrc)}"] if os.path.exists(bashrc) else []),
-        f"exec {SSHD} -D -e -f {q(cfg)}",
-    ])
+    script = "; ".join(
+        [
+            f"hostname {h.hostname}",
+            "mount -t tmpfs -o mode=755 tmpfs /run",
+            "mkdir -p /run/sshd /run/lock",  # /run/lock: where runs take the host's lock
+            f"ln -s {q(h.docker_socket)} /run/docker.sock",
+            *([f"mount --bind {q(empty)} {q(bashrc)}"] if os.path.exists(bashrc) else []),
+            f"exec {SSHD} -D -e -f {q(cfg)}",
+        ]
+    )
     log = hdir / "sshd.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--mount", "--uts",
-             "--propagation", "private", "sh", "-c", script],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            ["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", script],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     h.sshd_pid = proc.pid
     c.save()
     _wait(f"sshd of {h.name}", lambda: _tcp_open(h.address, h.port), 15, proc, log)
@@ -236,21 +238,38 @@ def _start_sshd(c: Cluster, h: HostInfo, hdir: Path, env: dict[str, str] | None 
 def _start_dockerd(c: Cluster, h: HostInfo, hdir: Path) -> None:
     (hdir / "daemon.json").write_text("{}\n")
     log = hdir / "dockerd.log"
-    argv = ["nsenter", f"--net=/run/netns/{h.netns}", "dockerd",
-            "--config-file", str(hdir / "daemon.json"),
-            "--data-root", str(hdir / "docker"), "--exec-root", str(hdir / "docker-exec"),
-            "--pidfile", str(hdir / "dockerd.pid"), "--host", f"unix://{h.docker_socket}",
-            "--storage-driver", c.storage_driver, "--iptables=false", "--ip6tables=false",
-            "--bridge=none", "--ip-masq=false", "--userland-proxy=false",
-            "--shutdown-timeout", "3", "--log-level", "warn"]
+    argv = [
+        "nsenter",
+        f"--net=/run/netns/{h.netns}",
+        "dockerd",
+        "--config-file",
+        str(hdir / "daemon.json"),
+        "--data-root",
+        str(hdir / "docker"),
+        "--exec-root",
+        str(hdir / "docker-exec"),
+        "--pidfile",
+        str(hdir / "dockerd.pid"),
+        "--host",
+        f"unix://{h.docker_socket}",
+        "--storage-driver",
+        c.storage_driver,
+        "--iptables=false",
+        "--ip6tables=false",
+        "--bridge=none",
+        "--ip-masq=false",
+        "--userland-proxy=false",
+        "--shutdown-timeout",
+        "3",
+        "--log-level",
+        "warn",
+    ]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
     h.dockerd_pid = proc.pid
     c.save()
     _wait(f"dockerd of {h.name}", lambda: _docker_ready(h.docker_socket), 60, proc, log)
-    h.containerd_pid = next((p for p in _children(proc.pid) if "containerd" in _cmdline(p)),
-                            None)
+    h.containerd_pid = next((p for p in _children(proc.pid) if "containerd" in _cmdline(p)), None)
     c.save()
 
 
@@ -266,9 +285,17 @@ def _import_image(h: HostInfo, tarball: Path, ref: str) -> None:
         client.close()
 
 
-def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
-       storage_driver: str = "overlay2", user: str = "root", owner_pid: int | None = None,
-       ssh_env: dict[str, dict[str, str]] | None = None, log=print) -> Cluster:
+def up(
+    n: int,
+    directory: str | os.PathLike[str],
+    *,
+    image: bool = True,
+    storage_driver: str = "overlay2",
+    user: str = "root",
+    owner_pid: int | None = None,
+    ssh_env: dict[str, dict[str, str]] | None = None,
+    log=print,
+) -> Cluster:
     """Build an n-host cluster recorded in ``<directory>/cluster.json``; undone on failure.
 
     ``owner_pid``: the process whose lifetime bounds the cluster's (``sweep_stale`` tears
@@ -291,17 +318,24 @@ def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
     for old in [root / "client_key", root / "client_key.pub", *root.glob("hosts/*/ssh_host_*")]:
         old.unlink(missing_ok=True)
     i = _claim_index()
-    c = Cluster(dir=str(root), index=i, bridge=f"fbbr{i}", bridge_address=f"10.210.{i}.254",
-                subnet=f"10.210.{i}.0/24", key_file=str(root / "client_key"),
-                public_key_file=str(root / "client_key.pub"),
-                known_hosts=str(root / "known_hosts"), ssh_config=str(root / "ssh_config"),
-                storage_driver=storage_driver, owner_pid=owner_pid)
+    c = Cluster(
+        dir=str(root),
+        index=i,
+        bridge=f"fbbr{i}",
+        bridge_address=f"10.210.{i}.254",
+        subnet=f"10.210.{i}.0/24",
+        key_file=str(root / "client_key"),
+        public_key_file=str(root / "client_key.pub"),
+        known_hosts=str(root / "known_hosts"),
+        ssh_config=str(root / "ssh_config"),
+        storage_driver=storage_driver,
+        owner_pid=owner_pid,
+    )
     c.save()
     try:
         _sh("ip", "addr", "add", f"{c.bridge_address}/24", "dev", c.bridge)
         _sh("ip", "link", "set", c.bridge, "up")
-        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "flagbench-cluster",
-            "-f", c.key_file)
+        _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "flagbench-cluster", "-f", c.key_file)
         (root / "authorized_keys").write_text(Path(c.public_key_file).read_text())
         for j in range(1, n + 1):
             hdir = root / "hosts" / f"h{j}"
@@ -309,15 +343,23 @@ def up(n: int, directory: str | os.PathLike[str], *, image: bool = True,
             key = hdir / "ssh_host_ed25519_key"
             _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"h{j}", "-f", str(key))
             address = f"10.210.{i}.{j}"
-            h = HostInfo(name=f"h{j}", address=address, port=22, user=user,
-                         netns=f"fb{i}h{j}", veth=f"fb{i}v{j}", hostname=f"fb{i}-h{j}",
-                         workdir=str(hdir / "work"), docker_socket=str(hdir / "docker.sock"),
-                         docker_url=f"ssh://{user}@{address}:22", host_key=str(key))
+            h = HostInfo(
+                name=f"h{j}",
+                address=address,
+                port=22,
+                user=user,
+                netns=f"fb{i}h{j}",
+                veth=f"fb{i}v{j}",
+                hostname=f"fb{i}-h{j}",
+                workdir=str(hdir / "work"),
+                docker_socket=str(hdir / "docker.sock"),
+                docker_url=f"ssh://{user}@{address}:22",
+                host_key=str(key),
+            )
             c.hosts.append(h)
             c.save()
             _sh("ip", "netns", "add", h.netns)
-            _sh("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0",
-                "netns", h.netns)
+            _sh("ip", "link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
             _sh("ip", "link", "set", h.veth, "master", c.bridge, "up")
             _sh("ip", "-n", h.netns, "addr", "add", f"{address}/24", "dev", "eth0")
             _sh("ip", "-n", h.netns, "link", "set", "eth0", "up")
@@ -441,7 +483,7 @@ def _remove_containers(h: HostInfo) -> None:
     try:
         for ctr in client.containers.list(all=True):
             ctr.remove(force=True)
-    except Exception:  # noqa: BLE001 (teardown goes on; the daemon is killed next)
+    except Exception:
         pass
     finally:
         client.close()
@@ -488,8 +530,7 @@ def down(directory: str | os.PathLike[str], *, log=print) -> None:
         list(ex.map(lambda d: shutil.rmtree(d, ignore_errors=True), dirs))
     c.state = "down"
     now = time.monotonic()
-    c.timings.update(down_s=round(now - t0, 2), down_stop_s=round(t1 - t0, 2),
-                     down_net_s=round(t2 - t1, 2), down_rm_s=round(now - t2, 2))
+    c.timings.update(down_s=round(now - t0, 2), down_stop_s=round(t1 - t0, 2), down_net_s=round(t2 - t1, 2), down_rm_s=round(now - t2, 2))
     c.save()
 
 
@@ -510,8 +551,9 @@ def sweep_stale(pattern: str = "/tmp/fbc-*", *, log=print) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.cluster.netns", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.cluster.netns", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="build a cluster of N hosts in DIR")
     p_up.add_argument("n", type=int)
@@ -521,10 +563,9 @@ def main(argv: list[str] | None = None) -> int:
     p_down = sub.add_parser("down", help="tear down the cluster in DIR")
     p_down.add_argument("dir")
     args = ap.parse_args(argv)
-    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr)
     if args.cmd == "up":
-        c = up(args.n, args.dir, image=not args.no_image, storage_driver=args.storage_driver,
-               log=log)
+        c = up(args.n, args.dir, image=not args.no_image, storage_driver=args.storage_driver, log=log)
         print(c.json_path)
     else:
         down(args.dir, log=log)

@@ -116,7 +116,7 @@ MinJobAge=600
 InactiveLimit=0
 SlurmdTimeout=60
 {nodes}
-PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """
         )
         for node in self.nodes:
@@ -129,9 +129,13 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         log = open(self.base / "log" / f"{name}.out", "ab")
         try:
             self.procs[name] = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=self.env(), start_new_session=True,
-            )  # fmt: skip
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                start_new_session=True,
+            )
         finally:
             log.close()
 
@@ -160,7 +164,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         states = dict(zip(out[::2], out[1::2]))
         return all(states.get(n) == "idle" for n in self.nodes)
 
-    def start(self) -> "SlurmTestCluster":
+    def start(self) -> SlurmTestCluster:
         missing = missing_programs()
         if missing:
             raise ClusterError(f"missing {', '.join(missing)}: run tests/install_system_deps.sh")
@@ -169,11 +173,19 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         key = self.base / "munge" / "munge.key"
         subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
         os.chmod(key, 0o600)
-        self._spawn("munged", [
-            "munged", "--foreground", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-            f"--pid-file={self.base / 'run' / 'munged.pid'}", f"--seed-file={self.base / 'munge' / 'seed'}",
-            f"--log-file={self.base / 'log' / 'munged.log'}",
-        ])  # fmt: skip
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={self.base / 'run' / 'munged.pid'}",
+                f"--seed-file={self.base / 'munge' / 'seed'}",
+                f"--log-file={self.base / 'log' / 'munged.log'}",
+            ],
+        )
         self._wait("munged", self.munge_socket.exists)
         self.timings["munge_s"] = time.monotonic() - t0
         try:
@@ -196,10 +208,23 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
     def _spawn_node(self, name: str) -> None:
         hosts = self.base / "etc" / f"hosts-{name}"
         script = 'mount --bind "$1" /etc/hosts && hostname "$2" && exec slurmd -D -N "$2" -f "$3"'
-        self._spawn(f"slurmd-{name}", [
-            "unshare", "--uts", "--mount", "--propagation", "private",
-            "sh", "-c", script, "slurmd-node", str(hosts), name, str(self.conf),
-        ])  # fmt: skip
+        self._spawn(
+            f"slurmd-{name}",
+            [
+                "unshare",
+                "--uts",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                "slurmd-node",
+                str(hosts),
+                name,
+                str(self.conf),
+            ],
+        )
 
     def _note_namespaces(self) -> None:
         """Each node's UTS namespace, read once its slurmd runs (before, unshare may not have made it)."""
@@ -222,15 +247,15 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         """Start a killed node's slurmd again and wait until every node is idle."""
         self._spawn_node(name)
         pid, own = self.procs[f"slurmd-{name}"].pid, os.readlink("/proc/self/ns/uts")
-        self._wait(f"slurmd of {name}", lambda: os.readlink(f"/proc/{pid}/ns/uts") != own and "slurmd" in Path(f"/proc/{pid}/comm").read_text())
+        self._wait(
+            f"slurmd of {name}", lambda: os.readlink(f"/proc/{pid}/ns/uts") != own and "slurmd" in Path(f"/proc/{pid}/comm").read_text()
+        )
         self._wait("nodes idle", self._nodes_idle, timeout=90)
         self._note_namespaces()
 
     def jobs(self) -> list[str]:
         """Job ids the controller still lists as pending or running."""
-        out = subprocess.run(
-            ["squeue", "-h", "-o", "%i %T"], env=self.env(), capture_output=True, text=True, timeout=20
-        ).stdout
+        out = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env(), capture_output=True, text=True, timeout=20).stdout
         return [ln.split()[0] for ln in out.splitlines() if ln.strip()]
 
     def node_processes(self, node: str | None = None) -> list[int]:
@@ -280,7 +305,7 @@ PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE St
         if self._own_base and os.environ.get("FB_KEEP_SLURM_DIR") != "1":
             shutil.rmtree(self.base, ignore_errors=True)
 
-    def __enter__(self) -> "SlurmTestCluster":
+    def __enter__(self) -> SlurmTestCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +59,10 @@ def parse_blend(spec: Any) -> list[tuple[float, str]] | None:
             return None
 
     if len(items) % 2 or any(number(w) is None for w in items[0::2]) or any(number(p) is not None for p in items[1::2]):
-        raise DataError(f"data.prefix {' '.join(items)!r}: a blend is 'weight prefix weight prefix ...' "
-                        "(Megatron's --data-path), e.g. '0.3 wudao_a 0.7 wudao_b'")
+        raise DataError(
+            f"data.prefix {' '.join(items)!r}: a blend is 'weight prefix weight prefix ...' "
+            "(Megatron's --data-path), e.g. '0.3 wudao_a 0.7 wudao_b'"
+        )
     weights = [float(w) for w in items[0::2]]
     if any(not np.isfinite(w) or w <= 0 for w in weights):
         raise DataError(f"data.prefix {' '.join(items)!r}: blend weights must be positive numbers")
@@ -85,8 +88,12 @@ def megatron_prefixes(data_dir: str, spec: Any) -> list[tuple[float, str]]:
             names = ", ".join(os.path.basename(p) for p in found)
             raise FileNotFoundError(
                 f"data.data_dir {data_dir} holds {len(found)} Megatron corpora (<name>.bin + <name>.idx)"
-                + (f": {names}; name one with data.prefix (or blend them: 'weight prefix weight prefix')" if found
-                   else "; set data.prefix to the corpus's prefix (e.g. my-gpt2_text_document for my-gpt2_text_document.bin/.idx)"))
+                + (
+                    f": {names}; name one with data.prefix (or blend them: 'weight prefix weight prefix')"
+                    if found
+                    else "; set data.prefix to the corpus's prefix (e.g. my-gpt2_text_document for my-gpt2_text_document.bin/.idx)"
+                )
+            )
         return [(1.0, found[0])]
     out = []
     for weight, name in blend:
@@ -94,8 +101,7 @@ def megatron_prefixes(data_dir: str, spec: Any) -> list[tuple[float, str]]:
         missing = [p for p in (idx_path(path), bin_path(path)) if not os.path.isfile(p)]
         if missing:
             have = ", ".join(os.path.basename(p) for p in _found(data_dir, "*.idx", ".idx", ".bin")) or "none"
-            raise FileNotFoundError(f"data.prefix {name!r}: {missing[0]} does not exist (data.data_dir {data_dir}; "
-                                    f"corpora there: {have})")
+            raise FileNotFoundError(f"data.prefix {name!r}: {missing[0]} does not exist (data.data_dir {data_dir}; corpora there: {have})")
         out.append((weight, path))
     return out
 
@@ -106,7 +112,7 @@ def scan_tokens(tokens: np.ndarray, vocab_size: int, chunk: int = SCAN_CHUNK) ->
     lo, hi, bad = None, None, None
     n = int(tokens.shape[0])
     for start in range(0, n, chunk):
-        part = np.asarray(tokens[start:start + chunk])
+        part = np.asarray(tokens[start : start + chunk])
         cmin, cmax = int(part.min()), int(part.max())
         lo = cmin if lo is None else min(lo, cmin)
         hi = cmax if hi is None else max(hi, cmax)

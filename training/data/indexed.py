@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -118,7 +118,7 @@ class IndexedWriter:
             fh.write(pointers.tobytes(order="C"))
             fh.write(np.asarray(self._doc_indices, dtype=np.int64).tobytes(order="C"))
 
-    def __enter__(self) -> "IndexedWriter":
+    def __enter__(self) -> IndexedWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -154,7 +154,7 @@ class IndexedReader:
         with open(ipath, "rb") as fh:
             head = fh.read(HEADER_BYTES)
         if head[: len(INDEX_HEADER)] != INDEX_HEADER:
-            raise ValueError(f"{ipath}: not a Megatron indexed dataset index (bad magic {head[:len(INDEX_HEADER)]!r})")
+            raise ValueError(f"{ipath}: not a Megatron indexed dataset index (bad magic {head[: len(INDEX_HEADER)]!r})")
         if len(head) < HEADER_BYTES:
             raise ValueError(f"{ipath}: truncated: {idx_size} bytes, shorter than the {HEADER_BYTES}-byte header")
         at = len(INDEX_HEADER)
@@ -171,8 +171,9 @@ class IndexedReader:
         n, d = self.sequence_count, self.document_count
         need = HEADER_BYTES + 4 * n + 8 * n + 8 * d
         if idx_size < need:
-            raise ValueError(f"{ipath}: truncated: {idx_size} bytes, its header describes {n} sequences and "
-                             f"{d} document indices ({need} bytes)")
+            raise ValueError(
+                f"{ipath}: truncated: {idx_size} bytes, its header describes {n} sequences and {d} document indices ({need} bytes)"
+            )
         offset = HEADER_BYTES
         idx = np.memmap(ipath, mode="r", dtype=np.uint8)
         self.sequence_lengths = np.frombuffer(idx, dtype=np.int32, count=n, offset=offset)
@@ -185,8 +186,10 @@ class IndexedReader:
         size = os.path.getsize(bpath)
         expected = int(self.sequence_lengths.astype(np.int64).sum()) * self.dtype.itemsize
         if size != expected:
-            raise ValueError(f"{bpath}: {size} bytes, the index {os.path.basename(ipath)} describes {expected} "
-                             f"({'truncated' if size < expected else 'longer than its index'})")
+            raise ValueError(
+                f"{bpath}: {size} bytes, the index {os.path.basename(ipath)} describes {expected} "
+                f"({'truncated' if size < expected else 'longer than its index'})"
+            )
         self._tokens = np.memmap(bpath, mode="r", dtype=self.dtype) if size else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
@@ -205,7 +208,7 @@ class IndexedReader:
         """Tokens of sequence ``idx`` (optionally a slice of it)."""
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
         n = int(self.sequence_lengths[idx]) - offset if length is None else length
-        return np.asarray(self._tokens[start:start + n])
+        return np.asarray(self._tokens[start : start + n])
 
     def __getitem__(self, idx: int) -> np.ndarray:
         return self.get(idx)
@@ -240,7 +243,7 @@ class TokenWindows:
         epoch, pos = divmod(int(k), self.num_windows)
         w = int(self._perm(epoch)[pos])
         start = w * self.seq_length
-        return np.asarray(self.tokens[start:start + self.seq_length + 1], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64)
 
     def batch(self, first: int, count: int) -> np.ndarray:
         """Samples ``first .. first+count-1`` as an int64 array ``[count, seq_length+1]``."""

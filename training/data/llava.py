@@ -26,16 +26,23 @@ Standard library + numpy + torch; PIL is imported where images are read.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from training.data.llava_schema import (  # noqa: F401  (re-exported: the schema is part of the format)
-    MISSING_IMAGES, ROLES, check_records, check_tokenizer, entry_problem, find_missing_images, read_records)
+    MISSING_IMAGES,
+    ROLES,
+    check_records,
+    check_tokenizer,
+    entry_problem,
+    find_missing_images,
+    read_records,
+)
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
@@ -73,7 +80,8 @@ class WordTokenizer:
         if top > vocab_size or any(self.first_word <= r < top for r in reserved):
             raise ValueError(
                 f"word tokenizer needs ids < {top} free of {sorted(reserved)} within vocab {vocab_size}: "
-                "raise vocab_size or move image_token_index above the word ids")
+                "raise vocab_size or move image_token_index above the word ids"
+            )
         self.pieces = {i: p for p, i in self.ids.items()}
 
     def encode(self, text: str) -> list[int]:
@@ -126,13 +134,18 @@ def encode_with_images(text: str, tok: Tokenizer, image_token_id: int, num_image
 
 
 def encode_conversation(
-    conversations: list[dict[str, str]], tok: Tokenizer, template: str, has_image: bool,
-    image_token_id: int, num_image_tokens: int, max_len: int,
+    conversations: list[dict[str, str]],
+    tok: Tokenizer,
+    template: str,
+    has_image: bool,
+    image_token_id: int,
+    num_image_tokens: int,
+    max_len: int,
 ) -> tuple[list[int], list[int], bool]:
     """(input_ids, labels, image_kept) of one record, truncated to ``max_len``."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown template {template!r}; one of {TEMPLATES}")
-    enc = lambda s: encode_with_images(s, tok, image_token_id, num_image_tokens)  # noqa: E731
+    enc = lambda s: encode_with_images(s, tok, image_token_id, num_image_tokens)
     ids, labels = [tok.bos_id], [IGNORE_INDEX]
 
     def add(piece: list[int], train: bool) -> None:
@@ -195,9 +208,20 @@ class LlavaDataset(torch.utils.data.Dataset):
     left out and counted in ``skipped`` (``"skip"``).
     """
 
-    def __init__(self, json_path: str, image_folder: str, tok: Tokenizer, *, template: str, image_token_id: int,
-                 num_image_tokens: int, image_size: int, max_len: int, aspect: str = "square",
-                 missing_images: str = "fail"):
+    def __init__(
+        self,
+        json_path: str,
+        image_folder: str,
+        tok: Tokenizer,
+        *,
+        template: str,
+        image_token_id: int,
+        num_image_tokens: int,
+        image_size: int,
+        max_len: int,
+        aspect: str = "square",
+        missing_images: str = "fail",
+    ):
         if missing_images not in MISSING_IMAGES:
             raise ValueError(f"data.missing_images {missing_images!r}: one of {', '.join(MISSING_IMAGES)}")
         records = read_records(json_path)
@@ -205,9 +229,11 @@ class LlavaDataset(torch.utils.data.Dataset):
         gone = find_missing_images(records, image_folder)
         if gone and missing_images == "fail":
             first = os.path.normpath(os.path.join(image_folder, records[gone[0]]["image"]))
-            raise FileNotFoundError(f"{first}: image of entry {gone[0]} of {json_path} is missing ({len(gone)} of the "
-                                    f"{sum(1 for r in records if 'image' in r)} images are; data.missing_images: skip "
-                                    "leaves their entries out)")
+            raise FileNotFoundError(
+                f"{first}: image of entry {gone[0]} of {json_path} is missing ({len(gone)} of the "
+                f"{sum(1 for r in records if 'image' in r)} images are; data.missing_images: skip "
+                "leaves their entries out)"
+            )
         dropped = set(gone)
         self.records: list[dict[str, Any]] = [r for i, r in enumerate(records) if i not in dropped]
         self.skipped = len(gone)
@@ -222,17 +248,19 @@ class LlavaDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         rec = self.records[i]
         has_image = "image" in rec
-        ids, labels, kept = encode_conversation(rec["conversations"], self.tok, self.template, has_image,
-                                                self.image_token_id, self.num_image_tokens, self.max_len)
+        ids, labels, kept = encode_conversation(
+            rec["conversations"], self.tok, self.template, has_image, self.image_token_id, self.num_image_tokens, self.max_len
+        )
         pixels = None
         if kept:
             path = os.path.join(self.image_folder, rec["image"])
             try:
                 pixels = torch.from_numpy(load_image(path, self.image_size, self.aspect))
             except (OSError, ValueError) as exc:  # PIL: unreadable or truncated image files
-                raise ValueError(f"{path}: cannot be read as an image ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
-        return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long),
-                "pixel_values": pixels}
+                raise ValueError(
+                    f"{path}: cannot be read as an image ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                ) from None
+        return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long), "pixel_values": pixels}
 
 
 class Collator:
@@ -256,13 +284,19 @@ class Collator:
             labels[k, : lengths[k]] = s["labels"]
             mask[k, : lengths[k]] = 1
         pixels = [s["pixel_values"] for s in samples if s["pixel_values"] is not None]
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask,
-                "pixel_values": torch.stack(pixels) if pixels else None,
-                "num_tokens": int(sum(lengths)), "num_images": len(pixels)}
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "attention_mask": mask,
+            "pixel_values": torch.stack(pixels) if pixels else None,
+            "num_tokens": int(sum(lengths)),
+            "num_images": len(pixels),
+        }
 
 
-def rank_batches(num_samples: int, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int, grad_accum: int,
-                 steps: int) -> Iterator[list[int]]:
+def rank_batches(
+    num_samples: int, *, seed: int, dp_rank: int, dp_size: int, micro_batch: int, grad_accum: int, steps: int
+) -> Iterator[list[int]]:
     """This rank's micro-batches of sample indices, ``steps * grad_accum`` of them.
 
     Each optimizer step consumes ``micro_batch * grad_accum * dp_size``
@@ -279,4 +313,4 @@ def rank_batches(num_samples: int, *, seed: int, dp_rank: int, dp_size: int, mic
         chunk, order = order[:per_step], order[per_step:]
         for m in range(grad_accum):
             k = m * dp_size + dp_rank
-            yield chunk[k * micro_batch: (k + 1) * micro_batch].tolist()
+            yield chunk[k * micro_batch : (k + 1) * micro_batch].tolist()

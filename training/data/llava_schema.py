@@ -34,8 +34,10 @@ def read_records(json_path: str) -> list[Any]:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{json_path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if not isinstance(data, list):
-        raise ValueError(f"{json_path}: a JSON {type(data).__name__}, expected a list of entries "
-                         "({'id', 'image', 'conversations': [{'from', 'value'}, ...]})")
+        raise ValueError(
+            f"{json_path}: a JSON {type(data).__name__}, expected a list of entries "
+            "({'id', 'image', 'conversations': [{'from', 'value'}, ...]})"
+        )
     return data
 
 
@@ -82,8 +84,10 @@ def check_tokenizer(size: int, vocab_size: int, image_token_id: int, token_at_im
     if size > vocab_size:
         raise ValueError(f"{where}: the tokenizer has {size} ids, more than the model's vocab_size {vocab_size}")
     if token_at_image_id is not None and token_at_image_id != IMAGE_PLACEHOLDER:
-        raise ValueError(f"{where}: the tokenizer's id {image_token_id} is {token_at_image_id!r}, which the model "
-                         f"takes for its image token (model.image_token_index {image_token_id})")
+        raise ValueError(
+            f"{where}: the tokenizer's id {image_token_id} is {token_at_image_id!r}, which the model "
+            f"takes for its image token (model.image_token_index {image_token_id})"
+        )
 
 
 def _varint(buf: bytes, at: int) -> tuple[int, int]:
@@ -115,7 +119,7 @@ def _sentencepiece_pieces(path: str) -> list[str]:
                 at += 4
             elif wire == 2:
                 n, at = _varint(buf, at)
-                body, at = buf[at:at + n], at + n
+                body, at = buf[at : at + n], at + n
                 if field == 1:
                     piece, j = "", 0
                     while j < len(body):
@@ -123,7 +127,7 @@ def _sentencepiece_pieces(path: str) -> list[str]:
                         if k & 7 == 2:
                             m, j = _varint(body, j)
                             if k >> 3 == 1:
-                                piece = body[j:j + m].decode("utf-8", errors="replace")
+                                piece = body[j : j + m].decode("utf-8", errors="replace")
                             j += m
                         elif k & 7 == 0:
                             _, j = _varint(body, j)

@@ -39,9 +39,18 @@ IMAGE_FOLDER = "images"
 SPEC_VERSION = 1
 
 COLORS = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 215, 40),
-    "purple": (140, 60, 180), "orange": (245, 140, 30), "white": (245, 245, 245), "black": (15, 15, 15),
-    "gray": (128, 128, 128), "pink": (245, 150, 190), "brown": (120, 70, 30), "cyan": (40, 200, 210),
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 215, 40),
+    "purple": (140, 60, 180),
+    "orange": (245, 140, 30),
+    "white": (245, 245, 245),
+    "black": (15, 15, 15),
+    "gray": (128, 128, 128),
+    "pink": (245, 150, 190),
+    "brown": (120, 70, 30),
+    "cyan": (40, 200, 210),
 }
 SHAPES = ("circle", "square", "triangle", "diamond")
 SIZES = ("small", "large")
@@ -99,8 +108,9 @@ def _scene(index: int, seed: int) -> dict[str, Any]:
         color = bg
         while color == bg:
             color = names[rng.integers(len(names))]
-        shapes.append({"shape": SHAPES[rng.integers(len(SHAPES))], "color": color,
-                       "size": SIZES[rng.integers(len(SIZES))], "cell": int(cell)})
+        shapes.append(
+            {"shape": SHAPES[rng.integers(len(SHAPES))], "color": color, "size": SIZES[rng.integers(len(SIZES))], "cell": int(cell)}
+        )
     return {"bg": bg, "shapes": shapes, "scale": float((1.0, 1.25, 1.5)[rng.integers(3)])}
 
 
@@ -137,7 +147,8 @@ def _image_rel(index: int) -> str:
 def _caption(sc: dict[str, Any], rng: np.random.Generator) -> str:
     first = sc["shapes"][0]
     text = CAPTIONS[rng.integers(len(CAPTIONS))].format(
-        size=first["size"], color=first["color"], shape=first["shape"], pos=POSITIONS[first["cell"]], bg=sc["bg"])
+        size=first["size"], color=first["color"], shape=first["shape"], pos=POSITIONS[first["cell"]], bg=sc["bg"]
+    )
     for s in sc["shapes"][1:]:
         text += f" and a {s['size']} {s['color']} {s['shape']} at the {POSITIONS[s['cell']]}"
     return text
@@ -171,9 +182,11 @@ def pretrain_record(index: int, seed: int) -> dict[str, Any]:
     rng = np.random.default_rng([seed, index, 2])
     prompt = PRETRAIN_PROMPTS[rng.integers(len(PRETRAIN_PROMPTS))]
     human = f"<image>\n{prompt}" if rng.integers(2) else f"{prompt}\n<image>"
-    return {"id": f"{index:09d}", "image": _image_rel(index),
-            "conversations": [{"from": "human", "value": human},
-                              {"from": "gpt", "value": _caption(_scene(index, seed), rng)}]}
+    return {
+        "id": f"{index:09d}",
+        "image": _image_rel(index),
+        "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": _caption(_scene(index, seed), rng)}],
+    }
 
 
 def finetune_record(index: int, seed: int, text_only_every: int = 10) -> dict[str, Any]:
@@ -182,8 +195,10 @@ def finetune_record(index: int, seed: int, text_only_every: int = 10) -> dict[st
         turns = []
         for _ in range(int(rng.integers(1, 4))):
             k = int(rng.integers(len(NUMBER_WORDS) - 1))
-            turns += [{"from": "human", "value": f"What number comes after {NUMBER_WORDS[k]}?"},
-                      {"from": "gpt", "value": f"The number after {NUMBER_WORDS[k]} is {NUMBER_WORDS[k + 1]}."}]
+            turns += [
+                {"from": "human", "value": f"What number comes after {NUMBER_WORDS[k]}?"},
+                {"from": "gpt", "value": f"The number after {NUMBER_WORDS[k]} is {NUMBER_WORDS[k + 1]}."},
+            ]
         return {"id": f"t{index:09d}", "conversations": turns}
     sc = _scene(index, seed)
     turns = []

@@ -123,11 +123,11 @@ class Corpus:
 
     def sentence(self, i: int) -> np.ndarray:
         start = int(self.lens[:i].sum())
-        return np.asarray(self.ids[start:start + int(self.lens[i])])
+        return np.asarray(self.ids[start : start + int(self.lens[i])])
 
     def document(self, d: int) -> list[np.ndarray]:
         offsets = np.concatenate([[0], np.cumsum(self.lens, dtype=np.int64)])
-        return [np.asarray(self.ids[offsets[s]:offsets[s + 1]]) for s in range(int(self.docs[d]), int(self.docs[d + 1]))]
+        return [np.asarray(self.ids[offsets[s] : offsets[s + 1]]) for s in range(int(self.docs[d]), int(self.docs[d + 1]))]
 
 
 def exists(prefix: str) -> bool:
@@ -158,8 +158,7 @@ def _load(path: str, **kw):  # type: ignore[no-untyped-def]
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "allow_pickle" in text or "Python objects" in text:
             text = "holds Python objects (a pickled array), not token ids"
-        raise ValueError(f"{path}: not a readable numpy {'.npz archive' if path.endswith('.npz') else '.npy array'} "
-                         f"({text})") from None
+        raise ValueError(f"{path}: not a readable numpy {'.npz archive' if path.endswith('.npz') else '.npy array'} ({text})") from None
 
 
 def read_corpus(prefix: str) -> Corpus:
@@ -177,7 +176,9 @@ def read_corpus(prefix: str) -> Corpus:
             lens = np.asarray(idx["lens"])
             docs = np.asarray(idx["docs"]) if "docs" in idx else np.arange(lens.shape[0] + 1, dtype=np.int64)
         except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
-            raise ValueError(f"{prefix}{IDX_SUFFIX}: an array cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+            raise ValueError(
+                f"{prefix}{IDX_SUFFIX}: an array cannot be read ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
     if ids.dtype.kind not in "iu":
         raise ValueError(f"{prefix}{IDS_SUFFIX}: dtype {ids.dtype}: token ids must be stored as integers")
     if ids.ndim != 1:
@@ -205,8 +206,7 @@ def find_prefix(data_dir: str) -> str:
             "(e.g. gpt_en_dataset_300m_ids.npy / gpt_en_dataset_300m_idx.npz) and no '<name>.bin' + '<name>.idx' pair"
         )
     if len(found) > 1:
-        raise ValueError(f"data_dir {data_dir!r} holds several corpora: {[os.path.basename(p) for p in found]}; "
-                         "name one with data.prefix")
+        raise ValueError(f"data_dir {data_dir!r} holds several corpora: {[os.path.basename(p) for p in found]}; name one with data.prefix")
     return found[0]
 
 

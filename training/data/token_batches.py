@@ -120,8 +120,9 @@ class TokenBatches:
     def micro_batch_tokens(self, step: int, micro_step: int) -> np.ndarray:
         """int64 ``[micro_batch, seq_length + 1]`` for optimizer step ``step`` (0-based), micro step ``micro_step``."""
         first = step * self.global_batch + (micro_step * self.dp_size + self.dp_rank) * self.micro_batch
-        return check_token_ids(self.windows.batch(first, self.micro_batch), self.vocab_size, self.prefix,
-                               f"step {step + 1}, micro step {micro_step}")
+        return check_token_ids(
+            self.windows.batch(first, self.micro_batch), self.vocab_size, self.prefix, f"step {step + 1}, micro step {micro_step}"
+        )
 
     def micro_batch_tensors(self, step: int, micro_step: int, device: Any = None):
         """``(input_ids, labels)`` torch tensors, each ``[micro_batch, seq_length]``."""

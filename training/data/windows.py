@@ -21,8 +21,7 @@ from training.data.indexed import TokenWindows
 Rows = TypeVar("Rows", bound=Sequence)
 
 
-def synthetic_tokens(requested: int | None, steps: int, global_batch: int, seq_length: int,
-                     minimum: int, maximum: int) -> int:
+def synthetic_tokens(requested: int | None, steps: int, global_batch: int, seq_length: int, minimum: int, maximum: int) -> int:
     """Size of the synthetic corpus: ``requested`` when set, else enough for every
     step's windows (``steps * global_batch * (seq_length + 1)``) clamped to
     ``[minimum, maximum]``."""
@@ -61,4 +60,4 @@ class RankShare:
 
 def micro_split(rows: Rows, grad_accum: int, micro_batch: int) -> list[Rows]:
     """The ``grad_accum`` consecutive blocks of ``micro_batch`` rows (numpy or torch alike)."""
-    return [rows[m * micro_batch:(m + 1) * micro_batch] for m in range(grad_accum)]
+    return [rows[m * micro_batch : (m + 1) * micro_batch] for m in range(grad_accum)]

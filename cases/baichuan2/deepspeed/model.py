@@ -75,8 +75,8 @@ class Baichuan2Config:
     z_loss_weight: float = 0.0  # Baichuan2's max-z auxiliary loss; 0 turns it off
     gradient_checkpointing: bool = False
     checkpoint_reentrant: bool = True
-    attention: str = "sdpa"            # sdpa | flex
-    fused_elementwise: str = "none"    # none | compile
+    attention: str = "sdpa"  # sdpa | flex
+    fused_elementwise: str = "none"  # none | compile
     recompute_num_layers: int | None = None  # with checkpointing on: the first N layers (None: all)
 
     @property
@@ -92,8 +92,10 @@ class Baichuan2Config:
         cfg = cls(**kwargs)
         if cfg.hidden_size % cfg.num_heads:
             raise ValueError(f"hidden_size {cfg.hidden_size} is not a multiple of num_heads {cfg.num_heads}")
-        speed_switches({"attention": cfg.attention, "fused_elementwise": cfg.fused_elementwise,
-                        "recompute_num_layers": cfg.recompute_num_layers}, cfg.num_layers)
+        speed_switches(
+            {"attention": cfg.attention, "fused_elementwise": cfg.fused_elementwise, "recompute_num_layers": cfg.recompute_num_layers},
+            cfg.num_layers,
+        )
         return cfg
 
 
@@ -241,8 +243,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Flex
     key = ("flex_attention", COMPILE_BACKEND)
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(flex, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-    return _COMPILED[key](q.contiguous(), k.contiguous(), v.contiguous(), score_mod=bias.score_mod,
-                          block_mask=bias.block_mask)
+    return _COMPILED[key](q.contiguous(), k.contiguous(), v.contiguous(), score_mod=bias.score_mod, block_mask=bias.block_mask)
 
 
 class Attention(nn.Module):

@@ -71,9 +71,15 @@ class Trainer:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.log.rank = rank
         data = case_data.CaseData(
-            c.sections["data"], seq_length=shape["seq_length"], vocab_size=shape["vocab_size"],
-            global_batch=tr.global_batch, micro_batch=tr.micro_batch, seed=tr.seed,
-            dp_rank=rank, dp_size=world, local_rank=info.local_rank,
+            c.sections["data"],
+            seq_length=shape["seq_length"],
+            vocab_size=shape["vocab_size"],
+            global_batch=tr.global_batch,
+            micro_batch=tr.micro_batch,
+            seed=tr.seed,
+            dp_rank=rank,
+            dp_size=world,
+            local_rank=info.local_rank,
         )
         dist.barrier()
 
@@ -103,8 +109,9 @@ class Trainer:
             "max_position_embeddings": shape["max_position_embeddings"],
             "position_embedding": "alibi",
             "output_layer": "normhead",
-            "attention": ("sdpa, ALiBi + causal additive mask" if switches["attention"] == "sdpa"
-                          else "flex, ALiBi score_mod + causal block mask"),
+            "attention": (
+                "sdpa, ALiBi + causal additive mask" if switches["attention"] == "sdpa" else "flex, ALiBi score_mod + causal block mask"
+            ),
             "fused_elementwise": switches["fused_elementwise"],
             "recompute_num_layers": switches["recompute_num_layers"],
             "zero_stage_requested": ds_config["zero_optimization"]["stage"],
@@ -114,8 +121,14 @@ class Trainer:
             "device": str(device),
         }
         self.loop = dsl.DeepSpeedPhase(
-            cfg, c, model, micro_batches(data, tr.steps, tr.grad_accum), ds_config=ds_config,
-            logger=self.log, meta=meta, loss_fn=loss_fn,
+            cfg,
+            c,
+            model,
+            micro_batches(data, tr.steps, tr.grad_accum),
+            ds_config=ds_config,
+            logger=self.log,
+            meta=meta,
+            loss_fn=loss_fn,
         )
         self.loop.build()
         self.steps, self.reporting = tr.steps, rank == 0

@@ -81,8 +81,7 @@ class StepBatches:
 
     def step(self, step: int) -> np.ndarray:
         """All of this rank's samples of one step: ``[per_rank, seq + 1]`` int64."""
-        return windows.check_token_ids(self.share.samples(step), self.vocab_size, f"corpus {self.prefix}",
-                                       f"step {step + 1}'s samples")
+        return windows.check_token_ids(self.share.samples(step), self.vocab_size, f"corpus {self.prefix}", f"step {step + 1}'s samples")
 
     def micro_batches(self, step: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """``grad_accum`` pairs (input ids, labels), each ``[micro_batch, seq]``."""

@@ -147,7 +147,9 @@ def _shape(model: dict) -> Shape:
     vals = common.shape_ints(model, SHAPE_KEYS)
     kv = src.get("num_kv_groups")
     if kv is not None and _int(kv, "model.num_kv_groups", 1) != vals["num_heads"]:
-        raise SettingsError(f"resolved config: model.num_kv_groups must equal num_heads ({vals['num_heads']}): GPT-3 has multi-head attention")
+        raise SettingsError(
+            f"resolved config: model.num_kv_groups must equal num_heads ({vals['num_heads']}): GPT-3 has multi-head attention"
+        )
     for flag, want in GPT3_FLAGS.items():
         if flag in src and src[flag] != want:
             raise SettingsError(f"resolved config: model.{flag} is {src[flag]!r}, but GPT-3 (PaddleNLP's GPT) has {want!r}")
@@ -170,7 +172,9 @@ def _layout(c: common.Common, shape: Shape) -> Layout:
     if stage == 0 and degree > 1:
         raise SettingsError(f"resolved config: parallel.sharding_degree is {degree} but parallel.sharding_stage is 0")
     if stage == 2 and pp > 1:
-        raise SettingsError("resolved config: sharding stage 2 with pipeline parallelism is not supported by paddle's hybrid parallel (use stage 1 with pp > 1)")
+        raise SettingsError(
+            "resolved config: sharding stage 2 with pipeline parallelism is not supported by paddle's hybrid parallel (use stage 1 with pp > 1)"
+        )
     if shape.num_heads % tp or shape.vocab_size % tp or shape.ffn_hidden_size % tp:
         raise SettingsError(f"resolved config: parallel.tp {tp} must divide num_heads, vocab_size and ffn_hidden_size")
     if shape.num_layers < pp:
@@ -209,7 +213,9 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     if device == "cpu" and precision != "fp32":
         # paddle's amp_guard "can only be enabled on CUDAPlace, XPUPlace, and CustomPlace":
         # on the CPU it silently computes in fp32, so a bf16/fp16 label would be false
-        raise SettingsError(f"resolved config: train.precision {precision} has no effect in paddle on the CPU (AMP runs only on GPU/XPU/custom devices); use fp32")
+        raise SettingsError(
+            f"resolved config: train.precision {precision} has no effect in paddle on the CPU (AMP runs only on GPU/XPU/custom devices); use fp32"
+        )
     return Settings(
         **common.fields_of(Settings, {**common.flat(c), "device": device}),
         shape=shape,

@@ -35,7 +35,7 @@ import math
 import re
 from typing import Any
 
-from cases.gpt3.paddle.settings import Shape, Settings
+from cases.gpt3.paddle.settings import Settings, Shape
 from training.weights import stream_seed
 
 _LAYER = re.compile(r"gpt\.decoder\.layers\.(\d+)\.(.+)")

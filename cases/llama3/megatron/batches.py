@@ -19,7 +19,7 @@ every parallel layout.
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -75,8 +75,9 @@ class StepBatches:
 
     def local_samples(self, step: int) -> np.ndarray:
         """``[global_batch/dp, seq+1]`` int64 token windows of ``step`` (0-based) for this rank."""
-        return windows.check_token_ids(self.share.samples(step), self.vocab_size,
-                                       " + ".join(p + ".bin" for p in self.prefixes), f"step {step + 1}'s samples")
+        return windows.check_token_ids(
+            self.share.samples(step), self.vocab_size, " + ".join(p + ".bin" for p in self.prefixes), f"step {step + 1}'s samples"
+        )
 
     def microbatches(self, step: int) -> Iterator[dict[str, torch.Tensor]]:
         """The step's microbatches on the device: tokens, labels, position ids."""

@@ -24,7 +24,8 @@ Imported after ``training.runtime.setup()``, like modeling.py.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,7 +149,11 @@ def _sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         v = v.repeat_interleave(heads // groups, dim=1)
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), is_causal=True, scale=scale,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            is_causal=True,
+            scale=scale,
             enable_gqa=gqa == "native" and heads != groups,
         )
 
@@ -226,8 +231,14 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tens
     return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
 
 
-def compiled_rope(t: torch.Tensor, freqs: torch.Tensor, rotary_interleaved: bool = False, mla_rotary_interleaved: bool = False,
-                  mscale: float = 1.0, multi_latent_attention: bool | None = None) -> torch.Tensor:  # fmt: skip
+def compiled_rope(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    rotary_interleaved: bool = False,
+    mla_rotary_interleaved: bool = False,
+    mscale: float = 1.0,
+    multi_latent_attention: bool | None = None,
+) -> torch.Tensor:
     """Stands in for megatron's ``rope_utils._apply_rotary_pos_emb_bshd`` (``parallel.fused_rope:
     compile``): the same function as one torch.compile region (cos, sin, rotation and the
     products in one kernel each way)."""
@@ -279,17 +290,17 @@ class LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
-            logits = torch.matmul(x[i:i + chunk], weight.t()).float()
+            logits = torch.matmul(x[i : i + chunk], weight.t()).float()
             top = logits.max(dim=-1).values
             _all_reduce(top, torch.distributed.ReduceOp.MAX, group)
             total = torch.exp(logits - top[:, None]).sum(dim=-1)
             _all_reduce(total, torch.distributed.ReduceOp.SUM, group)
-            local = labels[i:i + chunk] - first
+            local = labels[i : i + chunk] - first
             inside = (local >= 0) & (local < vocab_part)
             picked = logits.gather(1, local.clamp(0, vocab_part - 1)[:, None]).squeeze(1) * inside
             _all_reduce(picked, torch.distributed.ReduceOp.SUM, group)
-            lse[i:i + chunk] = torch.log(total) + top
-            loss[i:i + chunk] = lse[i:i + chunk] - picked
+            lse[i : i + chunk] = torch.log(total) + top
+            loss[i : i + chunk] = lse[i : i + chunk] - picked
         ctx.save_for_backward(x, weight, labels, lse)
         ctx.group, ctx.chunk, ctx.first = group, chunk, first
         return loss
@@ -302,21 +313,22 @@ class LinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         rows = torch.arange(min(chunk, x.shape[0]), device=x.device)
         for i in range(0, x.shape[0], chunk):
-            xc = x[i:i + chunk]
-            d = torch.exp(torch.matmul(xc, weight.t()).float() - lse[i:i + chunk, None])  # softmax
-            local = labels[i:i + chunk] - ctx.first
+            xc = x[i : i + chunk]
+            d = torch.exp(torch.matmul(xc, weight.t()).float() - lse[i : i + chunk, None])  # softmax
+            local = labels[i : i + chunk] - ctx.first
             inside = (local >= 0) & (local < vocab_part)
             r = rows[: xc.shape[0]]
             d[r[inside], local[inside]] -= 1.0
-            d = (d * grad[i:i + chunk, None].float()).to(x.dtype)
-            dx[i:i + chunk] = torch.matmul(d, weight)
+            d = (d * grad[i : i + chunk, None].float()).to(x.dtype)
+            dx[i : i + chunk] = torch.matmul(d, weight)
             dw += torch.matmul(d.t(), xc)
         _all_reduce(dx, torch.distributed.ReduceOp.SUM, ctx.group)
         return dx, dw.to(weight.dtype), None, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any,
-                         chunk: int = FUSED_LOSS_CHUNK) -> torch.Tensor:  # fmt: skip
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any, chunk: int = FUSED_LOSS_CHUNK
+) -> torch.Tensor:
     """Per-token loss ``[b, s]`` of hidden states ``[s, b, h]`` through the output weight
     ``[vocab / tp, h]`` against labels ``[b, s]``; ``group``: the TP group (None: no TP)."""
     s, b, h = hidden.shape

@@ -67,8 +67,10 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise ValueError("SDPACoreAttention does not support context parallelism")
-        tp = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") else (
-            parallel_state.get_tensor_model_parallel_world_size()
+        tp = (
+            pg_collection.tp.size()
+            if pg_collection is not None and hasattr(pg_collection, "tp")
+            else (parallel_state.get_tensor_model_parallel_world_size())
         )
         self.heads = config.num_attention_heads // tp
         self.groups = (config.num_query_groups or config.num_attention_heads) // tp
@@ -101,9 +103,7 @@ class SDPACoreAttention(MegatronModule):
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:
     """Causal grouped-query attention through torch SDPA, torch picking the kernel."""
-    return F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class CuDNNCoreAttention(SDPACoreAttention):
@@ -145,12 +145,25 @@ def kernel_ceiling(s: Settings, device: torch.device, repeat: int = 5) -> dict[s
         gqa = kernels.cudnn_attention_mode(heads, groups, d, dtype, device)
         attend, name = (lambda q, k, v: kernels._sdpa_cudnn(q, k, v, scale, gqa)), f"cudnn, GQA {gqa}"
     else:
-        attend = lambda q, k, v: sdpa_attention(q, k, v, scale)  # noqa: E731
+        attend = lambda q, k, v: sdpa_attention(q, k, v, scale)
         name = "sdpa" if lay.attention == "sdpa" else f"sdpa (standing in for {lay.attention})"
     tokens = lay.micro_batch * sh.seq_length
     gemms = ceiling.decoder_gemms(sh.hidden_size, sh.ffn_hidden_size, sh.num_heads, sh.num_kv_groups, d, sh.vocab_size, lay.tp, tokens)
-    return ceiling.measure(gemms, sh.num_layers, attend, name, batch=lay.micro_batch, heads=heads, groups=groups,
-                           seq=sh.seq_length, head_dim=d, tp=lay.tp, dtype=dtype, device=device, repeat=repeat)  # fmt: skip
+    return ceiling.measure(
+        gemms,
+        sh.num_layers,
+        attend,
+        name,
+        batch=lay.micro_batch,
+        heads=heads,
+        groups=groups,
+        seq=sh.seq_length,
+        head_dim=d,
+        tp=lay.tp,
+        dtype=dtype,
+        device=device,
+        repeat=repeat,
+    )
 
 
 def use_transformer_engine(s: Settings) -> bool:
@@ -269,9 +282,7 @@ def transformer_config(s: Settings) -> TransformerConfig:
             kw["recompute_method"] = lay.recompute_method
             kw["recompute_num_layers"] = lay.recompute_num_layers
     if lay.sequence_parallel and not use_transformer_engine(s):
-        raise RuntimeError(
-            "parallel.sequence_parallel needs TransformerEngine norms (megatron's torch RMSNorm wrapper refuses it)"
-        )
+        raise RuntimeError("parallel.sequence_parallel needs TransformerEngine norms (megatron's torch RMSNorm wrapper refuses it)")
     return TransformerConfig(**kw)
 
 

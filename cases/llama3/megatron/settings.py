@@ -137,21 +137,23 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         micro_batch=micro_batch,
         grad_accum=accum,
         recompute=recompute,
-        recompute_method=_choice(_get(parallel, "recompute_method", "parallel", "uniform"), "parallel.recompute_method", ("uniform", "block")),
+        recompute_method=_choice(
+            _get(parallel, "recompute_method", "parallel", "uniform"), "parallel.recompute_method", ("uniform", "block")
+        ),
         recompute_num_layers=_int(_get(parallel, "recompute_num_layers", "parallel", 1), "parallel.recompute_num_layers", 1),
         sequence_parallel=_bool(_get(parallel, "sequence_parallel", "parallel", False), "parallel.sequence_parallel"),
         distributed_optimizer=_bool(_get(parallel, "distributed_optimizer", "parallel", True), "parallel.distributed_optimizer"),
         overlap_grad_reduce=_bool(_get(parallel, "overlap_grad_reduce", "parallel", False), "parallel.overlap_grad_reduce"),
         overlap_param_gather=_bool(_get(parallel, "overlap_param_gather", "parallel", False), "parallel.overlap_param_gather"),
         attention=_choice(_get(parallel, "attention", "parallel", "sdpa"), "parallel.attention", ATTENTION),
-        fused_elementwise=_choice(
-            _get(parallel, "fused_elementwise", "parallel", "none"), "parallel.fused_elementwise", FUSED_ELEMENTWISE
-        ),
+        fused_elementwise=_choice(_get(parallel, "fused_elementwise", "parallel", "none"), "parallel.fused_elementwise", FUSED_ELEMENTWISE),
         fused_rope=_choice(_get(parallel, "fused_rope", "parallel", "none"), "parallel.fused_rope", FUSED_ROPE),
         fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
-        optimizer_offload_fraction=_float(_get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"),
+        optimizer_offload_fraction=_float(
+            _get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"
+        ),
     )
 
 
@@ -215,8 +217,7 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     """Validate the resolved config and derive the run's settings."""
     c = common.from_config(cfg, world_size, recompute=RECOMPUTE)
     if c.train.lr_warmup_steps >= c.train.lr_decay_steps:  # megatron's scheduler asserts it
-        raise SettingsError(f"train.lr_warmup_steps ({c.train.lr_warmup_steps}) must be below the decay steps "
-                            f"({c.train.lr_decay_steps})")
+        raise SettingsError(f"train.lr_warmup_steps ({c.train.lr_warmup_steps}) must be below the decay steps ({c.train.lr_decay_steps})")
     shape = read_shape(cfg["model"])
     layout = derive_layout(c.sections["parallel"], c.train.micro_batch, c.train.global_batch, world_size)
     check_layout_fits(shape, layout)

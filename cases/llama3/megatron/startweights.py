@@ -78,8 +78,8 @@ def rule(name: str, s: Settings) -> Rule:
         "mlp.linear_fc2.weight": Rule((h, sh.ffn_hidden_size), out_std, 1),
     }
     m = _LAYER.match(name)
-    if m and name[m.end():] in layer_rules:
-        return layer_rules[name[m.end():]]
+    if m and name[m.end() :] in layer_rules:
+        return layer_rules[name[m.end() :]]
     raise ValueError(f"startweights: no starting rule for parameter {name!r} (cases/llama3/megatron/startweights.py)")
 
 
@@ -90,7 +90,7 @@ def layout_free_names(model: torch.nn.Module) -> dict[str, str]:
     for name, _ in model.named_parameters():
         m = _LAYER.match(name)
         if m:
-            name_free = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{name[m.end():]}"
+            name_free = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{name[m.end() :]}"
         else:
             name_free = name
         out[name] = name_free
@@ -115,9 +115,11 @@ def _mark_tensor_parallel(p: torch.nn.Parameter, r: Rule, name: str) -> None:
     if not hasattr(p, "tensor_model_parallel"):
         set_tensor_model_parallel_attributes(p, is_parallel=True, dim=r.dim, stride=r.stride)
     elif (p.tensor_model_parallel, p.partition_dim, p.partition_stride) != (True, r.dim, r.stride):
-        raise RuntimeError(f"startweights: megatron marks {name} tensor_model_parallel={p.tensor_model_parallel}, "
-                           f"partition_dim={p.partition_dim}, partition_stride={p.partition_stride}, but the case "
-                           f"splits it on dim {r.dim} with stride {r.stride}")
+        raise RuntimeError(
+            f"startweights: megatron marks {name} tensor_model_parallel={p.tensor_model_parallel}, "
+            f"partition_dim={p.partition_dim}, partition_stride={p.partition_stride}, but the case "
+            f"splits it on dim {r.dim} with stride {r.stride}"
+        )
 
 
 @torch.no_grad()
@@ -144,8 +146,10 @@ def overwrite(model: torch.nn.Module, s: Settings) -> dict:
         if r.dim is not None:
             local[r.dim] //= tp
         if tuple(p.shape) != tuple(local):
-            raise RuntimeError(f"startweights: {name} has shape {tuple(p.shape)} on tp rank {tp_rank} of {tp}, "
-                               f"but its shard of the full {r.shape} is {tuple(local)}")
+            raise RuntimeError(
+                f"startweights: {name} has shape {tuple(p.shape)} on tp rank {tp_rank} of {tp}, "
+                f"but its shard of the full {r.shape} is {tuple(local)}"
+            )
         if r.std is None:
             p.fill_(1.0)
             continue

@@ -115,9 +115,7 @@ class Trainer:
         if not dist.is_initialized():
             dist.init_process_group(backend=self.s.dist_backend)
         lay = self.s.layout
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp
-        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp)
         model_parallel_cuda_manual_seed(self.s.seed)
         self.ps = parallel_state
         self.dp_rank = parallel_state.get_data_parallel_rank()

@@ -40,10 +40,17 @@ def read_mmmu(mmmu_dir: str) -> list[dict[str, Any]]:
         subject = os.path.basename(os.path.dirname(f))
         for row in pq.read_table(f).to_pylist():
             img = row.get("image_1")
-            records.append({"id": row["id"], "subject": subject, "question": row["question"],
-                            "options": ast.literal_eval(row["options"]) if row.get("options") else [],
-                            "answer": row["answer"], "type": row["question_type"],
-                            "image": img.get("bytes") if isinstance(img, dict) else img})
+            records.append(
+                {
+                    "id": row["id"],
+                    "subject": subject,
+                    "question": row["question"],
+                    "options": ast.literal_eval(row["options"]) if row.get("options") else [],
+                    "answer": row["answer"],
+                    "type": row["question_type"],
+                    "image": img.get("bytes") if isinstance(img, dict) else img,
+                }
+            )
     return records
 
 
@@ -74,15 +81,25 @@ def _pixels(image: Any, size: int) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def evaluate(model: Any, tok: Any, records: list[dict[str, Any]], *, image_token_id: int, num_image_tokens: int,
-             image_size: int, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+def evaluate(
+    model: Any,
+    tok: Any,
+    records: list[dict[str, Any]],
+    *,
+    image_token_id: int,
+    num_image_tokens: int,
+    image_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, Any]:
     model.eval()
     right, by_subject = 0, {}
     for rec in records:
         pixels = _pixels(rec["image"], image_size)
         text = ("<image>\n" if pixels is not None else "") + prompt(rec)
         ids = [tok.bos_id] + data_llava.encode_with_images(
-            data_llava.VICUNA_SYSTEM + " USER: " + text + " ASSISTANT:", tok, image_token_id, num_image_tokens)
+            data_llava.VICUNA_SYSTEM + " USER: " + text + " ASSISTANT:", tok, image_token_id, num_image_tokens
+        )
         x = torch.tensor([ids], device=device)
         pv = None if pixels is None else pixels[None].to(device, dtype)
         if rec["type"] == "multiple-choice":
@@ -102,8 +119,12 @@ def evaluate(model: Any, tok: Any, records: list[dict[str, Any]], *, image_token
         right += ok
         s = by_subject.setdefault(rec["subject"], [0, 0])
         s[0], s[1] = s[0] + ok, s[1] + 1
-    return {"status": "ok", "accuracy": right / max(1, len(records)), "n": len(records),
-            "by_subject": {k: v[0] / v[1] for k, v in sorted(by_subject.items())}}
+    return {
+        "status": "ok",
+        "accuracy": right / max(1, len(records)),
+        "n": len(records),
+        "by_subject": {k: v[0] / v[1] for k, v in sorted(by_subject.items())},
+    }
 
 
 def run_or_skip(cfg: dict, logger: MetricLogger, device: torch.device, rank: int) -> dict[str, Any]:
@@ -125,9 +146,16 @@ def run_or_skip(cfg: dict, logger: MetricLogger, device: torch.device, rank: int
             model = llava_model.build_model(shape, dtype, device)
             loaded = llava_model.load_pretrained(model, {"model_path": ckpt}, _plain_update)
             tok = data_llava.HFTokenizer(data.get("mmmu_tokenizer_path") or ckpt)
-            result = evaluate(model, tok, read_mmmu(mdir), image_token_id=int(shape["image_token_index"]),
-                              num_image_tokens=llava_model.num_image_tokens(shape),
-                              image_size=int(shape["image_size"]), device=device, dtype=dtype)
+            result = evaluate(
+                model,
+                tok,
+                read_mmmu(mdir),
+                image_token_id=int(shape["image_token_index"]),
+                num_image_tokens=llava_model.num_image_tokens(shape),
+                image_size=int(shape["image_size"]),
+                device=device,
+                dtype=dtype,
+            )
             result.update(checkpoint=ckpt, weights_loaded=loaded["loaded"])
         except Exception as exc:  # the training result stands; the evaluation says why it has no number
             result = {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
@@ -144,4 +172,3 @@ def _plain_update(module: torch.nn.Module, fill, names) -> int:
                 fill(name, p.data)
                 n += 1
     return n
-

@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -56,12 +57,12 @@ def canonical(key: str) -> str | None:
         if key.startswith(prefix):
             if part is None:
                 return None
-            rest = key[len(prefix):]
+            rest = key[len(prefix) :]
             if ":" in part:
                 part, sub = part.split(":")
                 rest = sub + rest
             if part == "vision" and rest.startswith("vision_model."):
-                rest = rest[len("vision_model."):]
+                rest = rest[len("vision_model.") :]
             return f"{part}/{rest}"
     return None
 
@@ -74,23 +75,43 @@ def llava_config(shape: dict) -> Any:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     vision = CLIPVisionConfig(
-        hidden_size=int(shape["vision_hidden_size"]), intermediate_size=int(shape["vision_ffn_hidden_size"]),
-        num_hidden_layers=int(shape["vision_num_layers"]), num_attention_heads=int(shape["vision_num_heads"]),
-        image_size=int(shape["image_size"]), patch_size=int(shape["patch_size"]), hidden_act="quick_gelu",
-        layer_norm_eps=1e-5, projection_dim=int(shape.get("vision_projection_dim", 768)))
+        hidden_size=int(shape["vision_hidden_size"]),
+        intermediate_size=int(shape["vision_ffn_hidden_size"]),
+        num_hidden_layers=int(shape["vision_num_layers"]),
+        num_attention_heads=int(shape["vision_num_heads"]),
+        image_size=int(shape["image_size"]),
+        patch_size=int(shape["patch_size"]),
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
+        projection_dim=int(shape.get("vision_projection_dim", 768)),
+    )
     text = LlamaConfig(
-        hidden_size=int(shape["hidden_size"]), intermediate_size=int(shape["ffn_hidden_size"]),
-        num_hidden_layers=int(shape["num_layers"]), num_attention_heads=int(shape["num_heads"]),
+        hidden_size=int(shape["hidden_size"]),
+        intermediate_size=int(shape["ffn_hidden_size"]),
+        num_hidden_layers=int(shape["num_layers"]),
+        num_attention_heads=int(shape["num_heads"]),
         num_key_value_heads=int(shape.get("num_kv_groups") or shape["num_heads"]),
-        vocab_size=int(shape["vocab_size"]), max_position_embeddings=int(shape["seq_length"]),
-        rms_norm_eps=float(shape.get("norm_eps", 1e-5)), rope_theta=float(shape.get("rope_base", 10000.0)),
+        vocab_size=int(shape["vocab_size"]),
+        max_position_embeddings=int(shape["seq_length"]),
+        rms_norm_eps=float(shape.get("norm_eps", 1e-5)),
+        rope_theta=float(shape.get("rope_base", 10000.0)),
         # no padding_idx: its row init indexes the weight, which is empty under deepspeed.zero.Init;
         # padded positions are masked from attention and loss, so the row gets no gradient anyway
-        tie_word_embeddings=False, use_cache=False, pad_token_id=None)
+        tie_word_embeddings=False,
+        use_cache=False,
+        pad_token_id=None,
+    )
     cfg = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=int(shape["image_token_index"]),
-        image_seq_length=num_image_tokens(shape), projector_hidden_act="gelu", vision_feature_layer=-2,
-        vision_feature_select_strategy="default", multimodal_projector_bias=True, tie_word_embeddings=False)
+        vision_config=vision,
+        text_config=text,
+        image_token_index=int(shape["image_token_index"]),
+        image_seq_length=num_image_tokens(shape),
+        projector_hidden_act="gelu",
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        multimodal_projector_bias=True,
+        tie_word_embeddings=False,
+    )
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -105,8 +126,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device,
-                init_context: contextlib.AbstractContextManager | None = None) -> torch.nn.Module:
+def build_model(
+    shape: dict, dtype: torch.dtype, device: torch.device, init_context: contextlib.AbstractContextManager | None = None
+) -> torch.nn.Module:
     """The model in ``dtype``, built inside ``init_context`` (``deepspeed.zero.Init``, which
     places the parameters) when one is given, else on ``device``."""
     # imported before zero.Init: importing transformers' model code under it fails
@@ -136,10 +158,17 @@ def init_rule(shape: dict) -> Callable[[str], Any]:
     vc, factor = cfg.vision_config, cfg.vision_config.initializer_factor
     w, layers = vc.hidden_size, vc.num_hidden_layers
     deep = w**-0.5 * (2 * layers) ** -0.5 * factor
-    vision = {"class_embedding": w**-0.5 * factor, "q_proj.weight": deep, "k_proj.weight": deep,
-              "v_proj.weight": deep, "out_proj.weight": w**-0.5 * factor, "fc1.weight": (2 * w) ** -0.5 * factor,
-              "fc2.weight": deep, "patch_embedding.weight": vc.initializer_range * factor,
-              "position_embedding.weight": vc.initializer_range * factor}
+    vision = {
+        "class_embedding": w**-0.5 * factor,
+        "q_proj.weight": deep,
+        "k_proj.weight": deep,
+        "v_proj.weight": deep,
+        "out_proj.weight": w**-0.5 * factor,
+        "fc1.weight": (2 * w) ** -0.5 * factor,
+        "fc2.weight": deep,
+        "patch_embedding.weight": vc.initializer_range * factor,
+        "position_embedding.weight": vc.initializer_range * factor,
+    }
     text_std = cfg.text_config.initializer_range
 
     def rule(name: str) -> Any:
@@ -179,11 +208,11 @@ def _checkpoint_tensors(path: str) -> dict[str, Callable[[], torch.Tensor]]:
 
             with safe_open(f, framework="pt") as fh:
                 for k in fh.keys():
-                    out[k] = (lambda f=f, k=k: safe_open(f, framework="pt").get_tensor(k))
+                    out[k] = lambda f=f, k=k: safe_open(f, framework="pt").get_tensor(k)
         else:
             sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
             for k in sd:
-                out[k] = (lambda sd=sd, k=k: sd[k])
+                out[k] = lambda sd=sd, k=k: sd[k]
     return out
 
 
@@ -217,8 +246,9 @@ def load_pretrained(model: torch.nn.Module, data: dict, initial: Callable[[str, 
             full = initial(name, p)
             full[: src.shape[0]].copy_(src)  # vocabulary rows
         else:
-            raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} does not fit the model's "
-                             f"{shape}: the case.yaml shape must match the weights")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(src.shape)} does not fit the model's {shape}: the case.yaml shape must match the weights"
+            )
         write_full(p, full, name)
         loaded += 1
     return {"sources": sources, "loaded": loaded, "not_loaded": sorted(c for n, c in names.items() if c not in found)}

@@ -44,14 +44,20 @@ def make_tokenizer(shape: dict, data: dict):
         tok = data_llava.HFTokenizer(path)
         image_id = int(shape["image_token_index"])
         size = len(tok.tok)
-        data_llava.check_tokenizer(size, int(shape["vocab_size"]), image_id,
-                                   tok.tok.convert_ids_to_tokens(image_id) if image_id < size else None, f"tokenizer {path}")
+        data_llava.check_tokenizer(
+            size,
+            int(shape["vocab_size"]),
+            image_id,
+            tok.tok.convert_ids_to_tokens(image_id) if image_id < size else None,
+            f"tokenizer {path}",
+        )
         return tok, f"hf:{path}"
     if data.get("data_dir"):
-        raise ValueError("data.data_dir is set but no tokenizer is: set data.tokenizer_path (or data.model_path) "
-                         "to a folder with the Vicuna/llava-hf tokenizer files")
-    tok = data_llava.WordTokenizer(llava_synth.vocabulary_words(), int(shape["vocab_size"]),
-                                   reserved=[int(shape["image_token_index"])])
+        raise ValueError(
+            "data.data_dir is set but no tokenizer is: set data.tokenizer_path (or data.model_path) "
+            "to a folder with the Vicuna/llava-hf tokenizer files"
+        )
+    tok = data_llava.WordTokenizer(llava_synth.vocabulary_words(), int(shape["vocab_size"]), reserved=[int(shape["image_token_index"])])
     return tok, "word"
 
 
@@ -64,8 +70,7 @@ def dataset_paths(data: dict, phase: str, local_rank: int) -> tuple[str, str]:
     if data.get("data_dir"):
         root = data["data_dir"]
         return os.path.join(root, data["json"]), os.path.join(root, data.get("image_folder", "."))
-    args = (data["cache_dir"], int(data["synthetic_images"]), int(data["synthetic_image_size"]),
-            int(data.get("synthetic_seed", 1234)))
+    args = (data["cache_dir"], int(data["synthetic_images"]), int(data["synthetic_image_size"]), int(data.get("synthetic_seed", 1234)))
     if local_rank == 0:
         llava_synth.ensure_synthetic(*args)
     dist.barrier()
@@ -82,8 +87,7 @@ def starting_weights(model, shape: dict, seed: int, data: dict, device) -> dict:
 
     rule = llava_model.init_rule(shape)
     init = dsw.starting_weights(model, seed, rule, device)
-    loaded = llava_model.load_pretrained(
-        model, data, lambda name, p: dsw.initial_value(seed, name, dsw.full_shape(p), rule(name), device))
+    loaded = llava_model.load_pretrained(model, data, lambda name, p: dsw.initial_value(seed, name, dsw.full_shape(p), rule(name), device))
     return {"init": init, **loaded}
 
 
@@ -152,8 +156,7 @@ class PhaseTrainer:
         tr, data = c.train, c.sections["data"]
         ds_config = dsl.build_ds_config(c, int(shape["hidden_size"]))
         zero3 = ds_config["zero_optimization"]["stage"] == 3
-        model = llava_model.build_model(shape, dsl.DTYPES[tr.precision], device,
-                                        dsl.model_init_context(ds_config) if zero3 else None)
+        model = llava_model.build_model(shape, dsl.DTYPES[tr.precision], device, dsl.model_init_context(ds_config) if zero3 else None)
         if rnd.previous is None:
             weights = starting_weights(model, shape, tr.seed, data, device)
             if rank == 0:
@@ -164,29 +167,63 @@ class PhaseTrainer:
             dsl.release(None)
         json_path, image_folder = dataset_paths(data, phase, runtime.dist_info().local_rank)
         dataset = data_llava.LlavaDataset(
-            json_path, image_folder, rnd.tok, template=data["template"], image_token_id=int(shape["image_token_index"]),
-            num_image_tokens=rnd.n_img, image_size=int(shape["image_size"]), max_len=int(shape["seq_length"]),
-            aspect=data.get("image_aspect_ratio", "square"), missing_images=data.get("missing_images") or "fail")
-        order = list(data_llava.rank_batches(len(dataset), seed=tr.seed, dp_rank=rank, dp_size=world,
-                                             micro_batch=tr.micro_batch, grad_accum=tr.grad_accum, steps=tr.steps))
+            json_path,
+            image_folder,
+            rnd.tok,
+            template=data["template"],
+            image_token_id=int(shape["image_token_index"]),
+            num_image_tokens=rnd.n_img,
+            image_size=int(shape["image_size"]),
+            max_len=int(shape["seq_length"]),
+            aspect=data.get("image_aspect_ratio", "square"),
+            missing_images=data.get("missing_images") or "fail",
+        )
+        order = list(
+            data_llava.rank_batches(
+                len(dataset),
+                seed=tr.seed,
+                dp_rank=rank,
+                dp_size=world,
+                micro_batch=tr.micro_batch,
+                grad_accum=tr.grad_accum,
+                steps=tr.steps,
+            )
+        )
         workers = int(data.get("num_workers", 0))
         self.loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=order, collate_fn=data_llava.Collator(rnd.tok.pad_id), num_workers=workers,
-            pin_memory=device.type == "cuda", persistent_workers=False, prefetch_factor=4 if workers else None)
+            dataset,
+            batch_sampler=order,
+            collate_fn=data_llava.Collator(rnd.tok.pad_id),
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=False,
+            prefetch_factor=4 if workers else None,
+        )
         self.batches = Counting(self.loader)
-        meta = {"model": c.model_name, "params_exact": sum(int(getattr(p, "ds_numel", p.numel()))
-                                                           for p in model.parameters()),
-                "params_nominal": c.params_nominal, "num_layers": int(shape["num_layers"]),
-                "hidden_size": int(shape["hidden_size"]), "num_heads": int(shape["num_heads"]),
-                "num_kv_groups": int(shape.get("num_kv_groups") or shape["num_heads"]),
-                "seq_length": int(shape["seq_length"]), "vocab_size": int(shape["vocab_size"]),
-                "vision_num_layers": int(shape["vision_num_layers"]), "image_size": int(shape["image_size"]),
-                "image_tokens": rnd.n_img, "template": data["template"], "tokenizer": rnd.tok_kind,
-                "data": "real" if c.data.data_dir else "synthetic", "dataset_samples": len(dataset),
-                "skipped_missing_images": dataset.skipped,
-                "attention": "sdpa", "zero_stage_requested": ds_config["zero_optimization"]["stage"]}
-        self.loop = dsl.DeepSpeedPhase(cfg, c, model, self.batches, ds_config=ds_config, logger=rnd.log, meta=meta,
-                                       trainable=llava_model.trainable(phase))
+        meta = {
+            "model": c.model_name,
+            "params_exact": sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters()),
+            "params_nominal": c.params_nominal,
+            "num_layers": int(shape["num_layers"]),
+            "hidden_size": int(shape["hidden_size"]),
+            "num_heads": int(shape["num_heads"]),
+            "num_kv_groups": int(shape.get("num_kv_groups") or shape["num_heads"]),
+            "seq_length": int(shape["seq_length"]),
+            "vocab_size": int(shape["vocab_size"]),
+            "vision_num_layers": int(shape["vision_num_layers"]),
+            "image_size": int(shape["image_size"]),
+            "image_tokens": rnd.n_img,
+            "template": data["template"],
+            "tokenizer": rnd.tok_kind,
+            "data": "real" if c.data.data_dir else "synthetic",
+            "dataset_samples": len(dataset),
+            "skipped_missing_images": dataset.skipped,
+            "attention": "sdpa",
+            "zero_stage_requested": ds_config["zero_optimization"]["stage"],
+        }
+        self.loop = dsl.DeepSpeedPhase(
+            cfg, c, model, self.batches, ds_config=ds_config, logger=rnd.log, meta=meta, trainable=llava_model.trainable(phase)
+        )
         self.loop.build()
         self.steps, self.reporting = tr.steps, rank == 0
 
@@ -204,10 +241,17 @@ class PhaseTrainer:
         counts = torch.tensor([b.samples, b.tokens, b.images], dtype=torch.float64, device=rnd.device)
         dist.all_reduce(counts)
         if rnd.rank == 0:
-            rnd.log.info("phase_summary", {
-                "samples": int(counts[0]), "mean_seq_length": float(counts[1] / counts[0]),
-                "images_per_sample": float(counts[2] / counts[0]), "first_loss": result.losses[0],
-                "last_loss": result.losses[-1]}, phase=self.phase)
+            rnd.log.info(
+                "phase_summary",
+                {
+                    "samples": int(counts[0]),
+                    "mean_seq_length": float(counts[1] / counts[0]),
+                    "images_per_sample": float(counts[2] / counts[0]),
+                    "first_loss": result.losses[0],
+                    "last_loss": result.losses[-1],
+                },
+                phase=self.phase,
+            )
         if self.phase == "pretrain":
             rnd.previous = result.engine.module
         dsl.release(result)

@@ -52,9 +52,30 @@ _INSTALLED = False
 _CPU = torch.device("cpu")
 
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "linspace",
-    "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_strided", "empty_like",
-    "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "normal",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "normal",
 )
 
 
@@ -115,10 +136,10 @@ def _patch_factories() -> None:
         if dtype is None and not kwargs:
             name = orig_type(self)
             if self.device.type == "cpu" and name.startswith("torch.") and not self.is_sparse:
-                return "torch.cuda." + name[len("torch."):]
+                return "torch.cuda." + name[len("torch.") :]
             return name
         if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
-            dtype = "torch." + dtype[len("torch.cuda."):]
+            dtype = "torch." + dtype[len("torch.cuda.") :]
         return orig_type(self, dtype, non_blocking, **kwargs)
 
     torch.Tensor.type = tensor_type  # type: ignore[method-assign]
@@ -136,7 +157,7 @@ class _Stream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> "_Event":
+    def record_event(self, event: Any = None) -> _Event:
         return event if event is not None else _Event()
 
     def synchronize(self) -> None:
@@ -145,7 +166,7 @@ class _Stream:
     def query(self) -> bool:
         return True
 
-    def __enter__(self) -> "_Stream":
+    def __enter__(self) -> _Stream:
         return self
 
     def __exit__(self, *exc: Any) -> None:

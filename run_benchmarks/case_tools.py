@@ -8,7 +8,7 @@ writes, from the templates in run_benchmarks/case_templates/<framework>/:
     cases/<family>/<framework>/settings.py   the case's own keys on training/settings.py
     cases/<family>/<framework>/model.py      a GPT-2-style decoder in plain torch
     cases/<family>/<framework>/train.py      the lifecycle of training/case.py on the DeepSpeed loop
-    vendors/cpu/cases/<model>/config_cpux1x2.yaml
+    vendors/cpu/cases/<model>/<framework>/config_cpux1x2.yaml
     tests/test_<family>_<framework>_case.py  the run judged against its reference curve
 
 and prints how to run it and record its first reference curve (docs/adding-a-case.md).
@@ -72,7 +72,7 @@ def planned_files(family: str, framework: str, model: str, root: Path) -> dict[P
         case_dir / "settings.py": "settings.py.tmpl",
         case_dir / "model.py": "model.py.tmpl",
         case_dir / "train.py": "train.py.tmpl",
-        root / "vendors" / "cpu" / "cases" / model / "config_cpux1x2.yaml": "vendor_config.yaml.tmpl",
+        registry.vendor_config_dir("cpu", model, framework, root / "vendors") / "config_cpux1x2.yaml": "vendor_config.yaml.tmpl",
         root / "tests" / f"test_{family}_{framework}_case.py": "test_case.py.tmpl",
     }
 

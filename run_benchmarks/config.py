@@ -5,7 +5,7 @@ Four kinds of YAML file:
 - cluster config (``--cluster FILE``): hosts, SSH, ports, directories;
 - ``vendors/<vendor>/vendor.yaml``: chips and peaks, device, container options;
 - ``cases/<family>/<framework>/case.yaml``: models, standard settings, whitelist;
-- ``vendors/<vendor>/cases/<model>/config_*.yaml``: the vendor's per-size values.
+- ``vendors/<vendor>/cases/<model>/<framework>/config_*.yaml``: the vendor's per-size values.
 """
 
 from __future__ import annotations

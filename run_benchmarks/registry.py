@@ -70,23 +70,51 @@ def find_case(cn: CaseName, cases_dir: Path = CASES_DIR) -> CaseEntry:
         if cn.model not in table:
             raise InputError(f"unknown model {cn.model!r}: known are {', '.join(m.replace(':', ' on ') for m in models)}")
         raise InputError(
-            f"model {cn.model!r} has no case for framework {cn.framework!r}: "
-            f"it runs on {', '.join(sorted({k.split(':')[1] for k in models if k.startswith(cn.model + ':')}))}"
+            f"model {cn.model!r} has no case for framework {cn.framework!r}: it runs on {', '.join(frameworks_serving(cn.model, table))}"
         )
     return entry
 
 
+def frameworks_serving(model: str, table: dict[str, CaseEntry]) -> list[str]:
+    """The frameworks whose case serves ``model``, from a ``cases()`` table."""
+    return sorted(k.split(":")[1] for k in table if k.startswith(model + ":"))
+
+
+def vendor_config_dir(vendor: str, model: str, framework: str, vendors_dir: Path = VENDORS_DIR) -> Path:
+    """``vendors/<vendor>/cases/<model>/<framework>/``: where a vendor's configs of one case model live."""
+    return vendors_dir / vendor / "cases" / model / framework
+
+
+def config_stem(cn: CaseName, variant: str | None) -> str:
+    """``config_<HW>x<N>x<M>[_<variant>]``, the name of a vendor config without its suffix."""
+    return f"config_{cn.size}" + (f"_{check_name(variant, 'variant')}" if variant else "")
+
+
 def vendor_config_path(vendor: str, cn: CaseName, variant: str | None, vendors_dir: Path = VENDORS_DIR) -> Path:
-    folder = vendors_dir / vendor / "cases" / cn.model
-    stem = f"config_{cn.size}" + (f"_{check_name(variant, 'variant')}" if variant else "")
+    """The vendor's config for the case name's model, framework and size (and layout variant)."""
+    folder = vendor_config_dir(vendor, cn.model, cn.framework, vendors_dir)
+    stem = config_stem(cn, variant)
     path = folder / f"{stem}.yaml"
-    if not path.is_file():
-        have = sorted(p.stem for p in folder.glob("config_*.yaml")) if folder.is_dir() else []
+    if path.is_file():
+        return path
+    root = vendors_dir.parent
+    old = folder.parent / path.name
+    if old.is_file():
         raise InputError(
-            f"vendor {vendor!r} has no {stem} for {cn.model} ({path.relative_to(vendors_dir.parent)} missing); "
-            f"configs that exist: {', '.join(have) if have else 'none'}"
+            f"vendor {vendor!r}: {old.relative_to(root)} is in the old layout (no framework folder); "
+            f"configs of {cn.model} on {cn.framework} live in {folder.relative_to(root)}/: move it to {path.relative_to(root)}"
         )
-    return path
+    have = sorted(p.stem for p in folder.glob("config_*.yaml")) if folder.is_dir() else []
+    stale = sorted(p.name for p in folder.parent.glob("config_*.yaml")) if folder.parent.is_dir() else []
+    raise InputError(
+        f"vendor {vendor!r} has no {stem} for {cn.model} on {cn.framework} ({path.relative_to(root)} missing); "
+        f"configs that exist: {', '.join(have) if have else 'none'}"
+        + (
+            f"; {folder.parent.relative_to(root)}/ holds {', '.join(stale)} in the old layout: move them into {folder.relative_to(root)}/"
+            if stale
+            else ""
+        )
+    )
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

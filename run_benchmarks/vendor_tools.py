@@ -5,8 +5,9 @@
     python -m run_benchmarks.vendor_tools scaffold-config acme llama3_8b:megatron:X1:1:8 [--variant V]
 
 ``check`` runs nothing: it validates vendor.yaml, the image definitions, every
-per-size config against its case's schema and fairness whitelist, the peak
-table and the monitor, and prints every problem at once with file and field.
+per-size config (``cases/<model>/<framework>/config_*.yaml``) against its case's
+schema and fairness whitelist, the peak table and the monitor, and prints every
+problem at once with file and field.
 """
 
 from __future__ import annotations
@@ -86,24 +87,20 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
     except InputError as exc:
         return problems + [str(exc)]
     frameworks_used: set[str] = set()
-    for cfg_file in sorted((vdir / "cases").glob("*/*.yaml")):
-        model = cfg_file.parent.name
+    for cfg_file, framework in vendor_configs(vdir / "cases", table, problems):
+        model = cfg_file.parent.parent.name
         m = CONFIG_NAME.match(cfg_file.stem)
         if not m:
             problems.append(f"{cfg_file}: file name must be config_<HW>x<N>x<M>[_<variant>].yaml")
             continue
-        if model not in table:
-            problems.append(f"{cfg_file}: no case serves model {model!r}")
-            continue
-        entry = table[model]
-        frameworks_used.add(entry.config.framework)
+        entry = table[f"{model}:{framework}"]
+        frameworks_used.add(framework)
         if m["hw"] not in vendor.chips:
             problems.append(f"{cfg_file}: chip {m['hw']!r} is not in {vfile} chips ({', '.join(vendor.chips)})")
-        if m["hw"] not in vendor.chips:
-            continue  # said above
+            continue
         try:
             # the resolution every run of this config goes through: fairness, layout, memory
-            cn = CaseName(model, entry.config.framework, m["hw"], int(m["n"]), int(m["m"]))
+            cn = CaseName(model, framework, m["hw"], int(m["n"]), int(m["m"]))
             r = planning.resolve(cn, vendor, entry, cfg_file)
             if r.hook:
                 err = _function_defined(r.hook, root)
@@ -120,6 +117,38 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
                 problems.append(f"{vdir / fw / f}: missing (image definition for framework {fw})")
         problems += image_problems(vdir / fw, fw)
     return problems
+
+
+def vendor_configs(cases_root: Path, table: dict[str, registry.CaseEntry], problems: list[str]) -> list[tuple[Path, str]]:
+    """(file, framework) of every yaml in ``cases/<model>/<framework>/`` whose case exists.
+
+    What is not in that layout goes to ``problems``: a yaml outside a framework folder (with
+    the move to make), a model folder no case serves, a framework folder of a framework
+    that does not serve the model (with the frameworks that do).
+    """
+    found: list[tuple[Path, str]] = []
+    if not cases_root.is_dir():
+        return found
+    for path in sorted(cases_root.iterdir()):
+        if path.is_file() and path.suffix == ".yaml":
+            problems.append(f"{path}: not read: configs live in {cases_root}/<model>/<framework>/")
+        if not path.is_dir():
+            continue
+        model = path.name
+        serving = registry.frameworks_serving(model, table)
+        if not serving:
+            known = sorted({k.split(":")[0] for k in table if ":" in k})
+            problems.append(f"{path}: no case serves model {model!r}; the cases serve {', '.join(known) or 'none'}")
+            continue
+        for item in sorted(path.iterdir()):
+            if item.is_file() and item.suffix == ".yaml":
+                to = " or ".join(str(path / fw / item.name) for fw in serving)
+                problems.append(f"{item}: not read: configs live in a framework folder; move it to {to}")
+            elif item.is_dir() and item.name not in serving:
+                problems.append(f"{item}: framework {item.name!r} does not serve model {model!r}; it is served by {', '.join(serving)}")
+            elif item.is_dir():
+                found += [(f, item.name) for f in sorted(item.glob("*.yaml"))]
+    return found
 
 
 #: what the scaffold writes where only the vendor knows the value
@@ -207,8 +236,7 @@ def scaffold_config(vendor: str, case_name: str, variant: str | None, vendors_di
     check_name(vendor, "vendor")
     entry = registry.find_case(cn)
     standard = registry.standard_settings(entry.config, cn.model)
-    stem = f"config_{cn.size}" + (f"_{check_name(variant, 'variant')}" if variant else "")
-    path = vendors_dir / vendor / "cases" / cn.model / f"{stem}.yaml"
+    path = registry.vendor_config_dir(vendor, cn.model, cn.framework, vendors_dir) / f"{registry.config_stem(cn, variant)}.yaml"
     if path.exists():
         raise InputError(f"{path} exists already")
     values: dict[str, Any] = {}

@@ -42,7 +42,12 @@ CASES = [
     ("unknown model", ["--vendor", "nvidia", "--case_name", "llama9_1t:megatron:A100:1:8"], "unknown model 'llama9_1t'"),
     ("unknown framework", ["--vendor", "nvidia", "--case_name", "llama3_8b:paddle:A100:1:8"], "has no case for framework 'paddle'"),
     ("unknown chip", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:B999:1:8"], "has no chip 'B999'"),
-    ("no config for the size", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:3"], "configs that exist: config_A100x1x8"),
+    (
+        "no config for the size",
+        ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:3"],
+        "no config_A100x1x3 for llama3_8b on megatron (vendors/nvidia/cases/llama3_8b/megatron/config_A100x1x3.yaml missing); "
+        "configs that exist: config_A100x1x8",
+    ),
     ("unknown variant", GOOD + ["--variant", "PP9DP9TP9"], "no config_A100x1x8_PP9DP9TP9"),
     ("nprocs < 1", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:0"], "nprocs must be a positive integer"),
     ("negative repeat", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8:-1"], "repeat must be a positive integer"),

@@ -30,7 +30,9 @@ def test_case_yaml_and_vendor_configs_carry_the_switches():
     par = CASE["standard"]["parallel"]
     assert (par["fused_elementwise"], par["attention"], par["recompute_num_layers"]) == ("none", "sdpa", None)
     assert {"parallel.fused_elementwise", "parallel.attention", "parallel.recompute_num_layers"} <= set(CASE["vendor_may_change"])
-    for f in sorted((ROOT / "vendors").glob("*/cases/baichuan2_*/config_*.yaml")):
+    files = sorted((ROOT / "vendors").glob("*/cases/baichuan2_*/deepspeed/config_*.yaml"))
+    assert files, "no baichuan2 vendor configs found"
+    for f in files:
         vpar = yaml.safe_load(f.read_text()).get("parallel") or {}
         assert vpar.get("fused_elementwise", "none") in ("none", "compile"), f
         assert vpar.get("attention", "sdpa") in ("sdpa", "flex"), f

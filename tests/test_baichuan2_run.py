@@ -258,7 +258,7 @@ def test_resolved_matches_case_yaml_and_cpu_config():
 
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     std = registry.standard_settings(case, "baichuan2_tiny")
-    vcfg = registry.load_vendor_case(ROOT / "vendors" / "cpu" / "cases" / "baichuan2_tiny" / "config_cpux1x2.yaml")
+    vcfg = registry.load_vendor_case(ROOT / "vendors" / "cpu" / "cases" / "baichuan2_tiny" / "deepspeed" / "config_cpux1x2.yaml")
     registry.fairness_check(vcfg.values(), case, std, "config_cpux1x2")
     settings = registry.deep_merge(std, vcfg.values())
     cfg = resolved(Path("/nonexistent"))

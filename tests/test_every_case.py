@@ -15,15 +15,14 @@ from run_benchmarks import registry
 from run_benchmarks.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
-CPU_CASES = registry.VENDORS_DIR / "cpu" / "cases"
 
 
-def _smallest(model: str) -> str | None:
+def _smallest(model: str, framework: str) -> str | None:
     """The cpu config of one node with the fewest processes (no layout variant), as its size."""
     sizes = sorted(
         (
             (int(p.stem.split("x")[2]), p.stem.removeprefix("config_"))
-            for p in (CPU_CASES / model).glob("config_cpux1x*.yaml")
+            for p in registry.vendor_config_dir("cpu", model, framework).glob("config_cpux1x*.yaml")
             if "_" not in p.stem.removeprefix("config_")
         ),
         key=lambda t: t[0],
@@ -38,7 +37,7 @@ def discovered() -> list[tuple[str, str, str]]:
         if ":" not in key:
             continue
         model, framework = key.split(":")
-        size = _smallest(model)
+        size = _smallest(model, framework)
         if size:
             out.append((model, framework, size))
     return out

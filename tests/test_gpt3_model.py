@@ -89,7 +89,7 @@ def _resolved(model="gpt3_6.7B", world=8, **over):
 @pytest.mark.parametrize("variant", ["", "_TP1PP1SH2SP8", "_TP2PP1SH1SP4", "_TP2PP1SH2SP4", "_TP2PP4SH1SP1"])
 def test_seed_layouts(model, variant):
     """Each A100x1x8 config gives the seed's batch, accumulation and degrees."""
-    path = ROOT / "vendors" / "nvidia" / "cases" / model / f"config_A100x1x8{variant}.yaml"
+    path = ROOT / "vendors" / "nvidia" / "cases" / model / "paddle" / f"config_A100x1x8{variant}.yaml"
     vc = yaml.safe_load(path.read_text())
     assert vc["validated"] is True
     cfg = _resolved(model, 8)

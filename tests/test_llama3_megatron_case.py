@@ -148,8 +148,8 @@ def test_case_yaml_models():
 def test_vendor_configs_change_only_allowed_keys():
     yaml = pytest.importorskip("yaml")
     allowed = yaml.safe_load((CASE_DIR / "case.yaml").read_text())["vendor_may_change"]
-    files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b").glob("config_*.yaml"))
-    files += sorted((ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny").glob("config_*.yaml"))
+    files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b" / "megatron").glob("config_*.yaml"))
+    files += sorted((ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny" / "megatron").glob("config_*.yaml"))
     names = {f.stem for f in files}
     for n in (
         "config_A100x1x8",

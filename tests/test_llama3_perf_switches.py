@@ -71,7 +71,9 @@ def test_case_and_vendor_configs_carry_the_switches():
     assert case["standard"]["parallel"]["attention"] == "sdpa"
     assert "parallel.fused_elementwise" in case["vendor_may_change"] and "parallel.attention" in case["vendor_may_change"]
     st = _settings()
-    for f in sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b").glob("config_*.yaml")):
+    files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b" / "megatron").glob("config_*.yaml"))
+    assert files, "no llama3_8b nvidia configs found"
+    for f in files:
         par = yaml.safe_load(f.read_text()).get("parallel", {})
         assert par.get("attention", "sdpa") in st.ATTENTION, f.name
         assert par.get("fused_elementwise", "none") in st.FUSED_ELEMENTWISE, f.name

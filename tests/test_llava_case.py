@@ -570,7 +570,7 @@ def test_resolved_matches_case_yaml_and_cpu_config():
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     assert case.phases == ["pretrain", "finetune"] and case.flops == "training.flops_llava:llava_flops"
     std = registry.standard_settings(case, "llava_tiny")
-    vcfg = registry.load_vendor_case(ROOT / "vendors" / "cpu" / "cases" / "llava_tiny" / "config_cpux1x2.yaml")
+    vcfg = registry.load_vendor_case(ROOT / "vendors" / "cpu" / "cases" / "llava_tiny" / "deepspeed" / "config_cpux1x2.yaml")
     registry.fairness_check(vcfg.values(), case, std, "config_cpux1x2")
     settings = registry.deep_merge(std, vcfg.values())
     plan.check_layout(settings, case.phases, 2, "config_cpux1x2")
@@ -586,7 +586,7 @@ def test_nvidia_configs_fit_the_case():
 
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     std = registry.standard_settings(case, "llava1.5_7b")
-    files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llava1.5_7b").glob("config_*.yaml"))
+    files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llava1.5_7b" / "deepspeed").glob("config_*.yaml"))
     assert {f.stem for f in files} >= {
         "config_A800x1x8",
         "config_A100x1x8",

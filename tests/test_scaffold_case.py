@@ -51,6 +51,7 @@ def test_bad_names_are_refused_with_exit_2(tmp_path):
     assert sorted(p.name for p in (repo / "cases").iterdir()) == []
     proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "x", timeout=60)
     assert proc.returncode == 0, proc.stderr
+    assert "wrote vendors/cpu/cases/x/deepspeed/config_cpux1x2.yaml" in proc.stdout, proc.stdout
     proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "y", timeout=60)
     assert proc.returncode == 2 and "cases/gpt2/deepspeed exists" in proc.stderr, proc.stderr
 

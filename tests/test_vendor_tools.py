@@ -24,12 +24,17 @@ def _copy_vendor(tmp_path, name="nvidia"):
 def test_check_reports_every_defect_at_once(tmp_path):
     vendors, v = _copy_vendor(tmp_path)
     (v / "megatron" / "Dockerfile").unlink()
-    cfgs = v / "cases" / "llama3_8b"
+    cfgs = v / "cases" / "llama3_8b" / "megatron"
     (cfgs / "config_H100x1x8_BADLAYOUT.yaml").write_text("parallel: {tp: 3}\n")
     (cfgs / "config_H100x1x8_CHEAT.yaml").write_text("model: {hidden_size: 1024}\n")
     (cfgs / "config_Z9x1x8.yaml").write_text("train: {micro_batch: 1}\n")
     (cfgs / "settings.yaml").write_text("train: {micro_batch: 1}\n")
     (cfgs / "config_H100x1x8_HOOK.yaml").write_text("hook: vendors.nvidia.adapters.nope:install\n")
+    (cfgs.parent / "config_H100x1x4.yaml").write_text("train: {micro_batch: 1}\n")  # the layout without framework folders
+    (cfgs.parent / "paddle").mkdir()
+    (cfgs.parent / "paddle" / "config_H100x1x8.yaml").write_text("train: {micro_batch: 1}\n")
+    (v / "cases" / "llama9_1t" / "megatron").mkdir(parents=True)
+    (v / "cases" / "llama9_1t" / "megatron" / "config_H100x1x8.yaml").write_text("train: {micro_batch: 1}\n")
     vy = yaml.safe_load((v / "vendor.yaml").read_text())
     vy["chips"]["A100"]["peak_flops"]["bf16"] = 312  # forgot the e12
     vy["adapters"] = {"megatron": "vendors.nvidia.adapters.tuning:install"}
@@ -45,6 +50,9 @@ def test_check_reports_every_defect_at_once(tmp_path):
         "config_H100x1x8_HOOK.yaml: field 'hook': module vendors.nvidia.adapters.nope not found",
         "field 'chips.A100.peak_flops.bf16': 312.0 is not a plausible",
         "field 'adapters.megatron': module vendors.nvidia.adapters.tuning not found",
+        f"{cfgs.parent / 'config_H100x1x4.yaml'}: not read: configs live in a framework folder; move it to {cfgs / 'config_H100x1x4.yaml'}",
+        f"{cfgs.parent / 'paddle'}: framework 'paddle' does not serve model 'llama3_8b'; it is served by megatron",
+        f"{v / 'cases' / 'llama9_1t'}: no case serves model 'llama9_1t'; the cases serve baichuan2_13b,",
     ]
     for fragment in expected:
         assert fragment in text, f"{fragment!r} not reported:\n{text}"
@@ -79,7 +87,7 @@ def test_scaffolded_vendor_and_config_pass_check(tmp_path, monkeypatch):
     written = vendor_tools.scaffold_vendor("acme", "X1", ["megatron"], vendors_dir=vendors)
     assert (vendors / "acme" / "megatron" / "Dockerfile") in written
     path = vendor_tools.scaffold_config("acme", "llama3_8b:megatron:X1:1:8", None, vendors_dir=vendors)
-    assert path.name == "config_X1x1x8.yaml"
+    assert path == vendors / "acme" / "cases" / "llama3_8b" / "megatron" / "config_X1x1x8.yaml"
     # the scaffold's placeholders are refused, every one at once
     problems = vendor_tools.check_vendor("acme", vendors_dir=vendors)
     assert [p.split(": ", 1)[1] for p in problems] == [

@@ -25,7 +25,7 @@ class LaunchSpec:
     entry: str  # path of the case's entry point
     config: str  # path of resolved.json
     log_dir: str  # per-node directory for per-rank logs
-    device: str  # "cuda" or "cpu"
+    device: str  # the vendor's device type (cuda, npu, ... or cpu)
     rdzv_id: str = "none"  # one per run and round: a launcher never joins another run's rendezvous
 
 
@@ -126,7 +126,7 @@ class Paddle(Launcher):
         argv = [s.python, "-m", "paddle.distributed.launch", "--log_dir", s.log_dir]
         if s.nnodes > 1:
             argv += ["--master", f"{s.master_addr}:{s.master_port}", "--nnodes", str(s.nnodes), "--rank", str(s.node_rank)]
-        if s.device == "cuda":
+        if s.device != "cpu":  # one accelerator per rank, of the type paddle's build has (gpu, xpu, a custom device)
             argv += ["--devices", ",".join(str(i) for i in range(s.nprocs))]
         else:
             argv += ["--nproc_per_node", str(s.nprocs)]

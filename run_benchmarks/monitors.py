@@ -4,8 +4,9 @@ Each sample is one JSON line: ``{"t": ..., "host": {cpu_percent, mem_used_gib,
 mem_total_gib}, "gpus": [{index, util_percent, mem_used_gib, mem_total_gib,
 power_w, temp_c}]}``.  GPU readers are chosen by the vendor's ``monitor``
 field: ``nvml`` (nvidia-ml-py), ``ixsmi`` (Iluvatar's ixsmi CSV query output),
-``none``, or the vendor's own ``module:function`` (see ``gpu_reader``).  Run as ``python -m run_benchmarks.monitors --kind nvml --out F``
-on remote hosts; locally as a thread.
+``none``, or the vendor's own ``module:function`` (see ``gpu_reader``).  Run as ``python -m
+run_benchmarks.monitors --kind nvml --out F`` (or ``--kind vendors.acme.monitor:sample``, the code
+root on PYTHONPATH) on remote hosts; locally as a thread.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import csv
 import io
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -194,12 +196,17 @@ def monitor_summary(path: Path) -> dict[str, Any] | None:
     }
 
 
+_PLUGIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")  # config.py's "module:function"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="sample host and GPU metrics until terminated")
-    ap.add_argument("--kind", choices=["nvml", "ixsmi", "none"], required=True)
+    ap.add_argument("--kind", required=True, help="nvml, ixsmi, none, or the vendor's sampler as module:function")
     ap.add_argument("--out", required=True)
     ap.add_argument("--interval", type=float, default=1.0)
     args = ap.parse_args(argv)
+    if args.kind not in ("nvml", "ixsmi", "none") and not _PLUGIN.match(args.kind):
+        ap.error(f"--kind {args.kind!r} is neither nvml, ixsmi, none nor a sampler's 'module:function'")
     mon = MonitorThread(args.kind, Path(args.out), args.interval)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -21,19 +21,22 @@ attention callable taking ``[b, heads, s, d]`` query and ``[b, groups, s, d]`` k
 ``kernel_ceiling`` (and as an ``info`` record of that key under ``start_task.py
 --ceiling``); the host reads it with :func:`efficiency`.
 
-Standard library at import (the host imports :func:`efficiency`); torch inside the timing
-functions.
+Standard library at import (the host imports :func:`efficiency`); torch and the device's
+calls (training/accelerator.py: its timing events, else the wall clock between synchronizes)
+inside the timing functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.metriclog import K_KERNEL_CEILING  # run_meta key and info-record key
+
+if TYPE_CHECKING:
+    from training.accelerator import Accelerator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,42 +76,23 @@ def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> f
     return 3.5 * 2.0 * batch * heads * seq * seq * head_dim
 
 
-def _timer(device: Any) -> Callable[[Callable[[], Any], int], float]:
-    import torch
+def _accelerator(device: Any, accelerator: Accelerator | None) -> Accelerator:
+    from training.accelerator import Accelerator
 
-    if device.type == "cuda":
-
-        def run(fn: Callable[[], Any], n: int) -> float:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / n
-
-        return run
-
-    def run_cpu(fn: Callable[[], Any], n: int) -> float:
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t) / n
-
-    return run_cpu
+    return accelerator if accelerator is not None else Accelerator.of(device)
 
 
-def time_op(fn: Callable[[], Any], device: Any, warmup: int = 2, repeat: int = 5, trials: int = 3) -> float:
+def time_op(
+    fn: Callable[[], Any], device: Any, warmup: int = 2, repeat: int = 5, trials: int = 3, accelerator: Accelerator | None = None
+) -> float:
     """Seconds per call of ``fn``: after ``warmup`` calls, the median of ``trials`` means over
-    ``repeat`` back-to-back calls each (CUDA events on a GPU, the wall clock elsewhere)."""
-    run = _timer(device)
+    ``repeat`` back-to-back calls each (the device's timing events where it has them, the wall
+    clock between synchronizes elsewhere: ``Accelerator.seconds_per_call``)."""
+    acc = _accelerator(device, accelerator)
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(device)
-    return statistics.median(run(fn, repeat) for _ in range(trials))
+    acc.synchronize(device)
+    return statistics.median(acc.seconds_per_call(fn, repeat, device) for _ in range(trials))
 
 
 def time_gemm(g: Gemm, dtype: Any, device: Any, **kw: Any) -> dict[str, float]:
@@ -167,12 +151,14 @@ def measure(
     dtype: Any,
     device: Any,
     repeat: int = 5,
+    accelerator: Accelerator | None = None,
 ) -> dict[str, Any]:
     """Time the GEMMs and the attention of one micro batch on one GPU; the ceiling as a dict
-    (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time and its parts."""
-    import torch
-
-    kw = {"repeat": repeat}
+    (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time and its parts.
+    ``accelerator``: the vendor's device calls (default: those of ``device``'s type), which
+    time the kernels and name the device."""
+    acc = _accelerator(device, accelerator)
+    kw = {"repeat": repeat, "accelerator": acc}
     parts: dict[str, dict[str, float]] = {}
     gemm_s = gemm_flops = 0.0
     for g in gemms:
@@ -193,11 +179,8 @@ def measure(
     att_flops = causal_attention_flops(batch, heads, seq, head_dim)
     parts["attention"] = {"fwd_bwd_ms": round(att * 1e3, 4), "tflops": round(att_flops / att / 1e12, 2)}
     micro = gemm_s + num_layers * att
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = "cpu"
+    acc.empty_cache()
+    name = acc.device_name(device)
     return {
         "tokens_per_gpu_s": batch * seq / (micro * tp),
         "micro_batch_s": micro,

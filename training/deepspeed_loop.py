@@ -55,16 +55,16 @@ import gc
 import json
 import math
 import os
-import resource
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from training.accelerator import Accelerator
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger
 from training.profiling import StepProfiler
-from training.runtime import dist_info
+from training.runtime import dist_info, visible_devices
 from training.settings import Common, Train
 from training.steptimer import StepClock
 
@@ -83,17 +83,24 @@ class PhaseResult:
 
 
 def init_distributed(cfg: dict) -> torch.device:
-    """Join the process group (the vendor's backend) and pick this rank's device."""
+    """Join the process group (the vendor's ``dist_backend``) and make this rank's device of the
+    vendor's type current; DeepSpeed's accelerator (which its engine and ZeRO use) must be of
+    that type too."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    deepspeed.init_distributed(dist_backend=cfg["vendor"]["dist_backend"])
-    acc = get_accelerator()
-    if acc.device_name() == "cpu":
-        return torch.device("cpu")
-    local = dist_info().local_rank
-    acc.set_device(local)
-    return torch.device(acc.device_name(local))
+    vendor = cfg.get("vendor") or {}
+    acc = Accelerator(vendor)
+    if not vendor.get("dist_backend"):
+        raise ValueError("resolved config: vendor.dist_backend is missing (the vendor's torch.distributed backend)")
+    deepspeed.init_distributed(dist_backend=vendor["dist_backend"])
+    theirs = get_accelerator().device_name()
+    if theirs != acc.type:
+        raise RuntimeError(
+            f"vendor.device is {acc.type!r} but DeepSpeed's accelerator is {theirs!r}: the vendor's adapter "
+            "must make DeepSpeed use the vendor's device (its accelerator plug-in, or DS_ACCELERATOR in vendor.yaml's env)"
+        )
+    return acc.device(dist_info().local_rank)
 
 
 ZERO_KEYS = (
@@ -251,32 +258,6 @@ def effective_ds_config(engine: Any, requested: dict) -> dict:
     return eff
 
 
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        from deepspeed.accelerator import get_accelerator
-
-        get_accelerator().synchronize()
-    dist.barrier()
-
-
-def _memory(device: torch.device) -> tuple[int, int | None]:
-    if device.type != "cpu":
-        from deepspeed.accelerator import get_accelerator
-
-        acc = get_accelerator()
-        return int(acc.max_memory_allocated(device.index)), int(acc.total_memory(device.index))
-    # CPU: the process's resident peak (since process start, not per phase)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, int(total)
-
-
-def _device_name(device: torch.device) -> str:
-    """The device as its driver names it (the harness checks it against the case's chip)."""
-    if device.type == "cuda":
-        return str(torch.cuda.get_device_name(device))
-    return device.type
-
-
 def _default_loss(engine: Any, inputs: dict) -> torch.Tensor:
     return engine(**inputs).loss
 
@@ -395,7 +376,7 @@ def _write_effective_config(c: Common, engine: Any, ds_config: dict, group_sizes
     return eff, path
 
 
-def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Module, engine: Any) -> dict:
+def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Module, engine: Any, vendor: dict) -> dict:
     import deepspeed
 
     return {
@@ -414,6 +395,7 @@ def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Modul
         "steps": c.train.steps,
         "params_trainable": sum(_numel(p) for p in model.parameters() if p.requires_grad),
         "parallel": {"dp": engine.dp_world_size, "tp": 1, "pp": 1, "zero_stage": eff["zero_optimization_stage"]},
+        "visible_devices": visible_devices(vendor),
     }
 
 
@@ -451,6 +433,7 @@ class DeepSpeedPhase:
         self.trainable, self.optimizer = trainable, optimizer
         self.loss_fn, self.count_tokens = loss_fn or _default_loss, count_tokens or _count
         self.steps = c.train.steps
+        self.acc = Accelerator(cfg.get("vendor") or {})  # training/accelerator.py: vendor.device's calls
         self.result: PhaseResult | None = None
 
     def build(self) -> None:
@@ -463,11 +446,8 @@ class DeepSpeedPhase:
         eff, path = _write_effective_config(c, engine, self.ds_config, group_sizes, client_schedule)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.rank == 0:
-            self.logger.meta(**_run_meta(c, eff, self.meta, path, self.model, engine))
-        if self.device.type != "cpu":
-            from deepspeed.accelerator import get_accelerator
-
-            get_accelerator().reset_peak_memory_stats(self.device.index)
+            self.logger.meta(**_run_meta(c, eff, self.meta, path, self.model, engine, self.cfg.get("vendor") or {}))
+        self.acc.reset_peak(self.device)
         self.result = PhaseResult(c.phase, 0, [], [], [], path if self.rank == 0 else None, engine)
         self.stepper = _Stepper(
             engine,
@@ -476,10 +456,14 @@ class DeepSpeedPhase:
             self.count_tokens,
             self.device,
             DTYPES[c.train.precision],
-            StepClock(lambda: _sync(self.device)),
+            StepClock(self._sync),
             _profiler(self.cfg, c, self.device),
         )
         engine.train()
+
+    def _sync(self) -> None:
+        self.acc.synchronize(self.device)
+        dist.barrier()
 
     def step(self, step: int) -> None:
         """Optimizer step ``step`` (1-based), timed by the clock; its sums over the ranks taken
@@ -513,17 +497,21 @@ class DeepSpeedPhase:
             )
 
     def finish(self) -> None:
-        """Every rank's ``peak_memory``."""
-        peak, total = _memory(self.device)
-        self.logger.peak_memory(peak, total, _device_name(self.device), phase=self.c.phase)
+        """Every rank's ``peak_memory`` (on the CPU: the process's resident peak since it
+        started, not the phase's, against the host's memory)."""
+        peak, total, name = self.acc.memory(self.device)
+        self.logger.peak_memory(peak, total, name, phase=self.c.phase)
 
 
-def release(result: PhaseResult | None) -> None:
-    """Drop an engine (and the optimizer state it holds) and return its memory."""
+def release(result: PhaseResult | None, device: torch.device | None = None) -> None:
+    """Drop an engine (and the optimizer state it holds) and return its memory to the device
+    (the engine's, else ``device``)."""
     if result is not None and result.engine is not None:
-        if hasattr(result.engine, "destroy"):
-            result.engine.destroy()
-        result.engine = None
+        engine = result.engine
+        device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+        if hasattr(engine, "destroy"):
+            engine.destroy()
+        result.engine = engine = None
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    if device is not None:
+        Accelerator.of(device).empty_cache()

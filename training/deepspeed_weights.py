@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from training.accelerator import Accelerator
 from training.weights import full_normal
 
 
@@ -113,13 +114,6 @@ def read_full(p: torch.Tensor) -> torch.Tensor:
         return p.data.detach().clone()
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        from deepspeed.accelerator import get_accelerator
-
-        get_accelerator().synchronize()
-
-
 def starting_weights(model: torch.nn.Module, seed: int, rule: Rule, device: torch.device) -> dict:
     """Overwrite every parameter of ``model`` with its starting value (see the module docstring).
 
@@ -127,11 +121,12 @@ def starting_weights(model: torch.nn.Module, seed: int, rule: Rule, device: torc
     records: ``{"seed", "parameters", "device", "seconds"}``.
     """
     device = torch.device(device)
-    _synchronize(device)
+    acc = Accelerator.of(device)
+    acc.synchronize(device)
     t0 = time.perf_counter()
     count = 0
     for name, p in model.named_parameters():
         write_full(p, initial_value(seed, name, full_shape(p), rule(name), device), name)
         count += 1
-    _synchronize(device)
+    acc.synchronize(device)
     return {"seed": int(seed), "parameters": count, "device": device.type, "seconds": round(time.perf_counter() - t0, 6)}

@@ -40,7 +40,7 @@ from typing import Any
 OPTIMIZER_RANGE = "fb_optimizer"
 CATEGORIES = ("attention", "gemm", "communication", "optimizer", "other")
 
-_COMM = re.compile(r"nccl|rccl|hccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv", re.I)
+_COMM = re.compile(r"nccl|rccl|hccl|cncl|bkcl|mccl|xccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv", re.I)
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|softmax_warp", re.I)
 _GEMM = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|matmul)$|ampere_|hopper_", re.I)
 
@@ -171,6 +171,24 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
     }
 
 
+def device_activity(device_type: str) -> Any:
+    """torch.profiler's activity for the kernels of a device type: the one named after it (CUDA,
+    XPU, MTIA, HPU), PrivateUse1 for the backend a vendor's torch extension registers under its
+    own name (npu, mlu, musa ...) where the profiler supports it, None on the CPU or for a type
+    the profiler has no trace of (its step is then broken down from the CPU operators)."""
+    import torch
+    import torch.profiler as tp
+
+    if device_type == "cpu":
+        return None
+    named = getattr(tp.ProfilerActivity, device_type.upper(), None)
+    if named is not None:
+        return named
+    plugin = getattr(tp.ProfilerActivity, "PrivateUse1", None)
+    backend = getattr(torch._C, "_get_privateuse1_backend_name", lambda: None)()
+    return plugin if device_type == backend and plugin in tp.supported_activities() else None
+
+
 class StepProfiler:
     """Profiles one step of a training loop; a no-op for every other step.
 
@@ -195,8 +213,9 @@ class StepProfiler:
         import torch.profiler as tp
 
         activities = [tp.ProfilerActivity.CPU]
-        if self.device_type == "cuda":
-            activities.append(tp.ProfilerActivity.CUDA)
+        kernels = device_activity(self.device_type)
+        if kernels is not None:
+            activities.append(kernels)
         with tp.profile(activities=activities) as prof:
             yield
         self._prof = prof  # the trace is written by result(), after the step's time is taken

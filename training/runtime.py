@@ -35,6 +35,14 @@ def dist_info() -> DistInfo:
     return DistInfo(rank, world, local_rank, local_world)
 
 
+def visible_devices(vendor: dict[str, Any]) -> dict[str, str | None] | None:
+    """The vendor's visible-devices variable (``vendor.visible_devices_env``) and its value in
+    this process (None: unset), which a case records in its ``run_meta``; None when the vendor
+    names no such variable."""
+    name = vendor.get("visible_devices_env")
+    return {str(name): os.environ.get(str(name))} if name else None
+
+
 def load_config(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)

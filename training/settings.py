@@ -34,8 +34,9 @@ Keys read, with their one default (``-``: required):
 ``data.prefix``             null       corpus prefix in data_dir (null: found there)
 ``data.synthetic_tokens``   null       size of the synthetic corpus (case default)
 ``data.format``             null       how the host checks the data (docs/datasets.md)
-``vendor.device``           cpu        the vendor's device type
-``vendor.dist_backend``     gloo/nccl  gloo on a cpu device, else nccl
+``vendor.device``           cpu        torch's device type of the vendor (cuda, npu, mlu, ...)
+``vendor.dist_backend``     gloo/-     the vendor's torch.distributed backend; gloo on a cpu
+                                       device, required on any other
 ==========================  =========  ===============================================
 
 Gradient accumulation is ``global_batch / (micro_batch * dp)``, exactly;
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any
 
 #: the "no default" marker of :func:`get`
@@ -96,6 +98,16 @@ def boolean(value: Any, where: str, accept_01: bool = False) -> bool:
 def choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise SettingsError(f"resolved config: {where} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+_TYPE_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def device_type(value: Any, where: str = "vendor.device") -> str:
+    """A device type or collective backend name as vendor.yaml gives it: lower case, any name."""
+    if not isinstance(value, str) or not _TYPE_NAME.match(value):
+        raise SettingsError(f"resolved config: {where} must be a lower-case name such as cuda, npu, cpu (nccl, hccl, gloo), got {value!r}")
     return value
 
 
@@ -320,7 +332,7 @@ def from_config(cfg: dict, world_size: int, phase: str = "train", recompute: tup
                 f"{tr.micro_batch} x data-parallel size {par.dp}) = {tr.grad_accum}: the global batch is fixed"
             )
     vendor = cfg.get("vendor") or {}
-    device = str(get(vendor, "device", "vendor", "cpu"))
+    device = device_type(get(vendor, "device", "vendor", "cpu"))
     model = cfg["model"]
     return Common(
         model_name=model_name(cfg),
@@ -332,7 +344,7 @@ def from_config(cfg: dict, world_size: int, phase: str = "train", recompute: tup
         parallel=par,
         data=read_data(sections["data"]),
         device=device,
-        dist_backend=str(get(vendor, "dist_backend", "vendor", "gloo" if device == "cpu" else "nccl")),
+        dist_backend=device_type(get(vendor, "dist_backend", "vendor", "gloo" if device == "cpu" else MISSING), "vendor.dist_backend"),
         output_dir=cfg.get("output_dir"),
         sections=sections,
     )

@@ -22,7 +22,11 @@ listed there), and this case's own:
   ``sharding_degree`` (default: the whole data-parallel width when a stage is
   set), ``use_flash_attention`` (true), ``use_fused_rms_norm``,
   ``fuse_attention_qkv``, ``fuse_attention_ffn``, ``sequence_parallel`` (false)
-* ``vendor.device``: cpu, cuda or gpu (paddle's name for cuda)
+* ``vendor.device``: torch's device type of the vendor, as paddle names it
+  (:func:`paddle_device`: cuda is paddle's ``gpu``, a plug-in's type is its custom
+  device's name, e.g. ``npu``, ``mlu``). Paddle's launcher picks the collective library
+  for that device itself (nccl on gpu, bkcl on xpu, xccl on a custom device, gloo on the
+  CPU); ``vendor.dist_backend`` names torch's and is not passed to paddle.
 
 Parallel layout, in the harness's terms: ``dp = world / (tp * pp)`` is the
 data-parallel width; paddle's hybrid topology splits it into
@@ -113,7 +117,7 @@ class Settings:
     hidden_dropout: float
     attention_dropout: float
     seed: int
-    device: str  # "cpu" or "gpu" (paddle's name)
+    device: str  # paddle's device name: cpu, gpu (cuda), xpu, or a custom device's (npu, mlu ...)
     dist_backend: str
     data_dir: str | None
     data_prefix: str | None
@@ -200,6 +204,13 @@ def _layout(c: common.Common, shape: Shape) -> Layout:
     )
 
 
+def paddle_device(device_type: str) -> str:
+    """Paddle's name of the vendor's device type: ``gpu`` for cuda, ``cpu``, and any other type
+    as it is (xpu, and a custom device plug-in registers under the name torch's extension uses:
+    npu, mlu ...)."""
+    return {"cuda": "gpu"}.get(device_type, device_type)
+
+
 def from_config(cfg: dict, world_size: int) -> Settings:
     """Validate the resolved config for a run of ``world_size`` ranks."""
     c = common.from_config(cfg, world_size, recompute=RECOMPUTE)
@@ -207,9 +218,7 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     shape = _shape(cfg["model"])
     layout = _layout(c, shape)
     precision = c.train.precision
-    device = {"cuda": "gpu"}.get(c.device.lower(), c.device.lower())
-    if device not in ("cpu", "gpu"):
-        raise SettingsError(f"resolved config: vendor.device must be cpu or cuda, got {c.device!r}")
+    device = paddle_device(c.device)
     if device == "cpu" and precision != "fp32":
         # paddle's amp_guard "can only be enabled on CUDAPlace, XPUPlace, and CustomPlace":
         # on the CPU it silently computes in fp32, so a bf16/fp16 label would be false

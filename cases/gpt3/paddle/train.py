@@ -6,7 +6,9 @@ Run by the harness on every rank::
         [--devices 0,1,...  |  --nproc_per_node N] \\
         cases/gpt3/paddle/train.py --config <round_dir>/resolved.json
 
-with the repository root on PYTHONPATH (gloo on CPU, NCCL on GPUs).
+with the repository root on PYTHONPATH. The device is the vendor's (``vendor.device`` in
+paddle's name: settings.paddle_device); paddle's launcher picks the collectives for it
+(gloo on the CPU, nccl on gpu, xccl on a custom device).
 
 Training: PaddleNLP's ``GPTForCausalLM`` (``GPTForCausalLMPipe`` for pp > 1)
 under paddle's hybrid-parallel fleet: tensor parallelism (``mp_degree``),
@@ -24,6 +26,7 @@ Trainer's checkpointing and logging.  Metrics go out through
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import resource
 import sys
@@ -55,7 +58,8 @@ class Trainer:
         from cases.gpt3.paddle.settings import from_config
 
         self.s = from_config(self.cfg, self.dist.world_size)
-        paddle.set_device(f"gpu:{self.dist.local_rank}" if self.s.device == "gpu" else "cpu")
+        self.place = "cpu" if self.s.device == "cpu" else f"{self.s.device}:{self.dist.local_rank}"
+        paddle.set_device(self.place)
         self.clock = StepClock(self._barrier)  # training/steptimer.py: the one timing rule
         self._init_distributed()
         self._build_model()
@@ -104,7 +108,7 @@ class Trainer:
     def _sync_device(self) -> None:
         import paddle
 
-        if self.s.device == "gpu":
+        if self.s.device != "cpu":
             paddle.device.synchronize()
 
     def _barrier(self) -> None:
@@ -261,6 +265,7 @@ class Trainer:
             steps=s.steps,
             config_name=s.config_name,
             device=s.device,
+            visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
             data=self.data_desc,
         )
 
@@ -343,17 +348,31 @@ class Trainer:
             self.log.step(step, mean, self.tokens_per_step, self.clock.step_time_s, lr, data_s=self.clock.data_s, **extra)
 
     def finish(self) -> None:
-        """``peak_memory`` of this rank."""
+        """``peak_memory`` of this rank (and the allocator's reserve on an accelerator)."""
+        self.log.peak_memory(*self._memory())
+        if self.s.device != "cpu":
+            self.log.info("device_memory", {"max_reserved_bytes": int(self._device_module().max_memory_reserved(self.place))})
+
+    def _device_module(self):
+        """paddle's module of the device's memory calls: paddle.device.cuda for gpu, else
+        paddle.device's own, which answer for the build's xpu or custom device."""
         import paddle
 
-        if self.s.device == "gpu":
-            dev = self.dist.local_rank
-            props = paddle.device.cuda.get_device_properties(dev)
-            self.log.peak_memory(int(paddle.device.cuda.max_memory_allocated(dev)), int(props.total_memory), props.name)
-            self.log.info("gpu_memory", {"max_reserved_bytes": int(paddle.device.cuda.max_memory_reserved(dev))})
-        else:
-            # ru_maxrss is in KiB on Linux: the process's peak resident set
-            self.log.peak_memory(int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None, "cpu")
+        return paddle.device.cuda if self.s.device == "gpu" else paddle.device
+
+    def _memory(self) -> tuple[int, int | None, str]:
+        """(peak allocated bytes, the device's total or None, its name): the vendor's
+        ``memory_query`` (called with paddle's place string, e.g. ``npu:0``) where it has one."""
+        spec = (self.cfg.get("vendor") or {}).get("memory_query")
+        if spec:
+            module, _, func = str(spec).partition(":")
+            peak, total, name = getattr(importlib.import_module(module), func)(self.place)
+            return int(peak), None if total is None else int(total), str(name)
+        if self.s.device == "cpu":  # ru_maxrss is in KiB on Linux: the process's peak resident set
+            return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None, "cpu"
+        mod = self._device_module()
+        props = mod.get_device_properties(self.place)
+        return int(mod.max_memory_allocated(self.place)), int(props.total_memory), str(props.name)
 
 
 def main() -> int:

@@ -60,7 +60,7 @@ def corpus_prefix(s: Settings, local_rank: int) -> tuple[list[tuple[float, str]]
 class StepBatches:
     """This data-parallel rank's share of every optimizer step."""
 
-    def __init__(self, prefix: str | list[tuple[float, str]], s: Settings, dp_rank: int, device: torch.device):
+    def __init__(self, prefix: str | list[tuple[float, str]], s: Settings, dp_rank: int, device: torch.device, pin_memory: bool = False):
         blend = [(1.0, prefix)] if isinstance(prefix, str) else list(prefix)
         readers = [IndexedReader(p) for _, p in blend]
         self.prefixes = [p for _, p in blend]
@@ -72,6 +72,7 @@ class StepBatches:
         self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, dp_rank)
         self.s = s
         self.device = device
+        self.pin_memory = pin_memory  # page-locked host batches for an accelerator (Accelerator.pin_memory)
 
     def local_samples(self, step: int) -> np.ndarray:
         """``[global_batch/dp, seq+1]`` int64 token windows of ``step`` (0-based) for this rank."""
@@ -83,7 +84,7 @@ class StepBatches:
         """The step's microbatches on the device: tokens, labels, position ids."""
         seq, mb = self.s.shape.seq_length, self.s.layout.micro_batch
         host = torch.from_numpy(self.local_samples(step))
-        if self.device.type == "cuda":
+        if self.pin_memory:
             host = host.pin_memory()
         data = host.to(self.device, non_blocking=True)
         positions = torch.arange(seq, device=self.device).unsqueeze(0).expand(mb, seq)

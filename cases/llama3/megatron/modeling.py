@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from cases.llama3.megatron import kernels
 from cases.llama3.megatron.settings import Settings
+from training.accelerator import Accelerator
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -118,6 +119,7 @@ class CuDNNCoreAttention(SDPACoreAttention):
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any):
         super().__init__(config, *args, **kwargs)
+        # cuDNN is CUDA's alone: settings.check_device refuses the switch on any other vendor.device
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.gqa = kernels.cudnn_attention_mode(self.heads, self.groups, self.head_dim, config.params_dtype, device)
 
@@ -130,10 +132,11 @@ class CuDNNCoreAttention(SDPACoreAttention):
 CORE_ATTENTION = {"sdpa": SDPACoreAttention, "cudnn": CuDNNCoreAttention}
 
 
-def kernel_ceiling(s: Settings, device: torch.device, repeat: int = 5) -> dict[str, Any]:
+def kernel_ceiling(s: Settings, device: torch.device, accelerator: Accelerator | None = None, repeat: int = 5) -> dict[str, Any]:
     """training/ceiling.py's kernel ceiling of this layout on ``device``: one tensor-parallel
     rank's GEMMs of a micro batch and its core attention, with the kernel ``parallel.attention``
-    picks (``sdpa`` or ``cudnn``; megatron's ``local`` and TE's are timed as SDPA, named so)."""
+    picks (``sdpa`` or ``cudnn``; megatron's ``local`` and TE's are timed as SDPA, named so),
+    timed and named by ``accelerator`` (the vendor's; default: the device type's calls)."""
     from training import ceiling
 
     sh, lay = s.shape, s.layout
@@ -163,6 +166,7 @@ def kernel_ceiling(s: Settings, device: torch.device, repeat: int = 5) -> dict[s
         dtype=dtype,
         device=device,
         repeat=repeat,
+        accelerator=accelerator,
     )
 
 
@@ -172,7 +176,7 @@ def use_transformer_engine(s: Settings) -> bool:
         if not transformer_engine_available():
             raise RuntimeError("parallel.transformer_impl: transformer_engine, but transformer_engine does not import")
         return True
-    return impl == "auto" and s.device == "cuda" and transformer_engine_available()
+    return impl == "auto" and s.device == "cuda" and transformer_engine_available()  # TransformerEngine: NVIDIA's, CUDA only
 
 
 def layer_spec(s: Settings) -> ModuleSpec:

@@ -24,7 +24,9 @@ listed there), and this case's own:
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
   ``transformer_impl`` (auto|local|transformer_engine),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
-* ``vendor.device``: cpu or cuda
+* ``vendor.device``: any device type (training.accelerator gives the case its calls); the
+  switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
+  ``cuda`` and name both where they are refused (:func:`check_device`)
 """
 
 from __future__ import annotations
@@ -191,6 +193,10 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         raise SettingsError("parallel.fused_linear_loss: chunked does not support parallel.sequence_parallel")
     if layout.fused_elementwise != "none" and layout.sequence_parallel:
         raise SettingsError(f"parallel.fused_elementwise: {layout.fused_elementwise} does not support parallel.sequence_parallel")
+    if layout.overlap_param_gather and not layout.distributed_optimizer:
+        raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
+    if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
+        raise SettingsError("parallel.optimizer_cpu_offload needs parallel.distributed_optimizer: true")
 
 
 def check_device(layout: Layout, device: str) -> None:
@@ -207,10 +213,6 @@ def check_device(layout: Layout, device: str) -> None:
             f"parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
             f"(this vendor's device is {device}); use none or compile"
         )
-    if layout.overlap_param_gather and not layout.distributed_optimizer:
-        raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
-    if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
-        raise SettingsError("parallel.optimizer_cpu_offload needs parallel.distributed_optimizer: true")
 
 
 def from_config(cfg: dict, world_size: int) -> Settings:
@@ -221,6 +223,5 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     shape = read_shape(cfg["model"])
     layout = derive_layout(c.sections["parallel"], c.train.micro_batch, c.train.global_batch, world_size)
     check_layout_fits(shape, layout)
-    device = _choice(c.device, "vendor.device", ("cpu", "cuda"))
-    check_device(layout, device)
+    check_device(layout, c.device)
     return Settings(**common.fields_of(Settings, common.flat(c)), shape=shape, layout=layout)

@@ -43,6 +43,7 @@ from megatron.core import parallel_state
 
 from cases.llama3.megatron.settings import Settings
 from training import weights
+from training.accelerator import Accelerator
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -134,8 +135,8 @@ def overwrite(model: torch.nn.Module, s: Settings) -> dict:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     names = layout_free_names(model)
     device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    acc = Accelerator.of(device)
+    acc.synchronize(device)
     t0 = time.perf_counter()
     drawn = 0
     for local, p in model.named_parameters():
@@ -161,8 +162,7 @@ def overwrite(model: torch.nn.Module, s: Settings) -> dict:
             at += n
         drawn += full.numel()
         del full
-    sync()
+    acc.synchronize(device)
     seconds = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the float32 full tensors were transient: give their cache back
+    acc.empty_cache()  # the float32 full tensors were transient: give their cache back
     return {"params": sum(p.numel() for p in model.parameters()), "drawn": drawn, "seconds": seconds}

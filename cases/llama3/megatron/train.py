@@ -23,7 +23,6 @@ docs/architecture.md).
 from __future__ import annotations
 
 import os
-import resource
 import sys
 
 from training import case, runtime
@@ -34,23 +33,6 @@ from training.ceiling import K_KERNEL_CEILING  # noqa: E402
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger  # noqa: E402
 from training.profiling import StepProfiler  # noqa: E402
 from training.steptimer import StepClock  # noqa: E402
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak_memory(device) -> tuple[int, int | None, str]:
-    import torch
-
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return int(torch.cuda.max_memory_allocated(device)), int(props.total_memory), props.name
-    # ru_maxrss is in KiB on Linux
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, None, "cpu"
 
 
 def loss_func(output_tensor):
@@ -73,17 +55,16 @@ class Trainer:
         import torch
 
         from cases.llama3.megatron.settings import from_config
+        from training.accelerator import Accelerator
 
         self.cfg = cfg
         self.log = log
         self.phase = phase
         self.dist = runtime.dist_info()
         self.s = from_config(cfg, self.dist.world_size)
-        if self.s.device == "cuda":
-            torch.cuda.set_device(self.dist.local_rank)
-            self.device = torch.device("cuda", self.dist.local_rank)
-        else:
-            self.device = torch.device("cpu")
+        self.acc = Accelerator(cfg.get("vendor") or {})  # training/accelerator.py: vendor.device's calls
+        self.device = self.acc.device(self.dist.local_rank)
+        if not self.acc.is_accelerator:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.dist.local_world_size)))
         self.steps = self.s.steps
         self.reporting = False  # known once the process groups are
@@ -101,7 +82,7 @@ class Trainer:
         self.prof = StepProfiler(self.s.profile_step, self.s.output_dir, self.dist.rank, self.device.type)
 
         def sync() -> None:
-            _sync(self.device)
+            self.acc.synchronize(self.device)
             dist.barrier()
 
         self.clock = StepClock(sync)  # training/steptimer.py: batch fetch to optimizer step, synchronized
@@ -192,13 +173,10 @@ class Trainer:
     def measure_ceiling(self) -> dict:
         """training/ceiling.py's kernel ceiling of this layout, timed on every rank's device at
         once before the model exists; the allocator's peak is reset after it."""
-        import torch
-
         from cases.llama3.megatron import modeling
 
-        value = modeling.kernel_ceiling(self.s, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        value = modeling.kernel_ceiling(self.s, self.device, self.acc)
+        self.acc.reset_peak(self.device)
         return value
 
     def _exact_params(self, model) -> int:
@@ -232,7 +210,7 @@ class Trainer:
         from cases.llama3.megatron import batches
 
         prefix, self.data_desc = batches.corpus_prefix(self.s, self.dist.local_rank)
-        self.batches = batches.StepBatches(prefix, self.s, self.dp_rank, self.device)
+        self.batches = batches.StepBatches(prefix, self.s, self.dp_rank, self.device, pin_memory=self.acc.pin_memory)
 
     def emit_meta(self) -> None:
         import torch
@@ -280,6 +258,7 @@ class Trainer:
             steps=s.steps,
             config_name=s.config_name,
             device=s.device,
+            visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
             torch_version=torch.__version__,
             data=self.data_desc,
             **{K_KERNEL_CEILING: self.ceiling},
@@ -309,7 +288,7 @@ class Trainer:
             with prof.optimizer():
                 ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
-            _sync(self.device)  # the profiled step's kernels end inside its trace
+            self.acc.synchronize(self.device)  # the profiled step's kernels end inside its trace
         step_time = clock.step_time_s
         parts = prof.result(step, step_time, reduce=self.tp_rank == 0 and self.dp_rank == 0)  # one per stage
         if parts is not None:
@@ -332,33 +311,32 @@ class Trainer:
                 )
 
     def finish(self) -> None:
-        """This rank's ``peak_memory`` (and the allocator's reserve on cuda)."""
+        """This rank's ``peak_memory`` (and the allocator's reserve on an accelerator)."""
         self.emit_memory()
 
     def emit_memory(self) -> None:
-        import torch
-
-        peak, total, name = _peak_memory(self.device)
+        peak, total, name = self.acc.memory(self.device)
+        if not self.acc.is_accelerator and self.acc.query is None:
+            total = None  # the CPU: the process's resident peak, which no card's total bounds
         self.log.peak_memory(peak, total, name)
-        if self.device.type == "cuda":  # the allocator's reserve: what an OOM margin is measured against
-            self.log.info("cuda_memory", {"max_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device))})
+        reserved = self.acc.max_reserved(self.device)
+        if reserved is not None:  # the allocator's reserve: what an OOM margin is measured against
+            self.log.info("device_memory", {"max_reserved_bytes": reserved})
 
 
 def ceiling_only(cfg: dict, log: MetricLogger) -> None:
     """``--ceiling`` (start_task.py --ceiling): the kernel ceiling of the configured layout on this
     process's first device, as one ``info`` record; no process group, model or data."""
-    import torch
-
     from cases.llama3.megatron import modeling
     from cases.llama3.megatron.settings import from_config
+    from training.accelerator import Accelerator
 
     case = cfg["case"]
     s = from_config(cfg, int(case["nnodes"]) * int(case["nprocs"]))
-    device = torch.device("cuda", 0) if s.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    acc = Accelerator(cfg.get("vendor") or {})
+    device = acc.device(0)
     try:
-        log.info(K_KERNEL_CEILING, modeling.kernel_ceiling(s, device))
+        log.info(K_KERNEL_CEILING, modeling.kernel_ceiling(s, device, acc))
     except BaseException as exc:
         log.error(f"kernel ceiling: {type(exc).__name__}: {exc}")
         raise

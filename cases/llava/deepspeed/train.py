@@ -147,6 +147,7 @@ class PhaseTrainer:
         from cases.llava.deepspeed import model as llava_model
         from training import deepspeed_loop as dsl
         from training import settings
+        from training.accelerator import Accelerator
         from training.data import llava as data_llava
 
         rnd, phase = self.rnd, self.phase
@@ -164,7 +165,7 @@ class PhaseTrainer:
         else:
             llava_model.copy_model(model, rnd.previous)
             rnd.previous = None
-            dsl.release(None)
+            dsl.release(None, device)  # the pretrained module's memory back to the device
         json_path, image_folder = dataset_paths(data, phase, runtime.dist_info().local_rank)
         dataset = data_llava.LlavaDataset(
             json_path,
@@ -195,7 +196,7 @@ class PhaseTrainer:
             batch_sampler=order,
             collate_fn=data_llava.Collator(rnd.tok.pad_id),
             num_workers=workers,
-            pin_memory=device.type == "cuda",
+            pin_memory=Accelerator.of(device).pin_memory,  # page-locked batches for an accelerator
             persistent_workers=False,
             prefetch_factor=4 if workers else None,
         )

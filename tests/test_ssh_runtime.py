@@ -92,17 +92,19 @@ def test_two_nodes_in_containers(cluster, megatron_python, tmp_path):
 
 def test_crashing_rank_fails_the_round_with_its_log(cluster, megatron_python, tmp_path):
     cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="process")
-    empty = tmp_path / "empty_data"  # exists on every host (they share this filesystem) but holds no corpus
-    empty.mkdir()
-    proc = run(
-        ["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"), "--data-dir", str(empty)]
-    )
+    # a synthetic corpus of 5 tokens, shorter than one sample: found by the ranks when they read
+    # it (real data is checked before launch; the synthetic corpus is written by rank 0 of each host)
+    tiny = "data.synthetic_tokens=5"
+    proc = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs"), "--set", tiny])
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run_dir, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
     assert rnd["status"] == "failed"
     assert "exit status" in rnd["error"] and "Traceback" in rnd["error"], rnd["error"]
-    assert str(empty) in rnd["error"]  # the rank's own last lines name the missing corpus
+    # the rank's own exception leads the error
+    assert rnd["error"].startswith("rank ") and "corpus of 5 tokens is shorter than one sample" in rnd["error"].splitlines()[0], rnd[
+        "error"
+    ]
     assert leftovers(cluster, res["run_id"]) == []
 
 

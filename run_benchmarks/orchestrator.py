@@ -438,7 +438,7 @@ def _watched_round(
     title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"
     steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
     t0, begun = time.monotonic(), time.time()
-    shown = {"note": None, "plain_at": t0}
+    shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None}
     startup = plan.cluster.startup_timeout_s
 
     with console.status(title) as status:
@@ -463,7 +463,14 @@ def _watched_round(
                 shown["note"] = note
             if line and now - shown["plain_at"] >= PLAIN_EVERY_S:
                 console.print(f"round {r}: {line} ({progress.elapsed(t0)})", markup=False, highlight=False)
-                shown["plain_at"] = now
+                shown["plain_at"], shown["line"] = now, line
+
+        def last_line() -> None:
+            """In a log, the last step the nodes reached, unless just said: a round shorter than
+            the plain-line interval still shows where it ended (or stopped)."""
+            line = progress.line(runtime.progress(round_dir), steps, plan.world_size)
+            if line and line != shown.get("line"):
+                console.print(f"round {r}: {line} ({progress.elapsed(t0)})", markup=False, highlight=False)
 
         watch = progress.Watch(tick, PROGRESS_EVERY_S)
         watch.start()
@@ -471,6 +478,8 @@ def _watched_round(
             return runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
         finally:
             watch.stop()
+            if not console.is_terminal:
+                progress.quietly(last_line)
 
 
 def _cache_dir(plan: Plan, root: Path) -> Path:

@@ -114,6 +114,14 @@ def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_si
     return ", ".join(parts)
 
 
+def quietly(fn: Callable[[], None]) -> None:
+    """``fn()``, a failure skipped: progress must never fail a round."""
+    try:
+        fn()
+    except Exception:
+        pass
+
+
 class Watch(threading.Thread):
     """Call ``tick`` every ``every`` seconds until stopped (and once more then if ``final``).
     The orchestrator's tick reads the runtime's note and the nodes' progress and shows them;
@@ -133,13 +141,13 @@ class Watch(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.wait(self.every):
-            self._tick()
+            quietly(self.tick)
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=10)
         if self.final:
-            self._tick()
+            quietly(self.tick)
 
 
 def elapsed(t0: float) -> str:

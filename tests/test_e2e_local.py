@@ -155,6 +155,8 @@ def test_a_short_run_against_a_longer_reference_is_not_judged(base, tmp_path):
     (rnd,) = res.rounds
     assert rnd.status == "unjudged" and rnd.phases[0].gate.verdict == "not judged"
     assert rnd.error == "phase train: loss not judged: steps 23-30 missing (reference to step 30)"
+    # a round shorter than the plain progress interval (60 s) still says in the log where it ended
+    assert re.search(r"^round 1: step 22/22, [\d,]+ tokens/p/s, loss [\d.]+ \(\d+:\d\d\)$", proc.stderr, re.M), proc.stderr
 
 
 def test_a_reference_that_cannot_judge_stops_before_anything_runs(tmp_path):

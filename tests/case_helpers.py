@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,11 +55,22 @@ def pytest_in(py: str, test_file: Path, *args: str, env: dict[str, str] | None =
     )
 
 
+def torch_unit(available: bool, reason: str = "torch is not importable here (runs in the framework env)") -> Callable[[F], F]:
+    """Decorator of a unit test that needs torch: skipped where torch is not importable, and
+    marked ``torch_unit``, the tests :func:`units_in_env` runs in a framework environment."""
+
+    def mark(fn: F) -> F:
+        return pytest.mark.torch_unit(pytest.mark.skipif(not available, reason=reason)(fn))
+
+    return mark
+
+
 def units_in_env(var: str, test_file: Path, *args: str, timeout: int = 600) -> str:
-    """Run ``test_file``'s torch-only unit tests (``args``: e.g. ``-k``) in the framework Python named by
-    ``var`` (skip when it is unset), with ``var`` cleared there so the wrapper does not recurse;
-    assert they passed and return pytest's summary line."""
+    """Run ``test_file``'s torch-only unit tests (those marked by :func:`torch_unit`; ``args``: e.g.
+    ``-k``) in the framework Python named by ``var`` (skip when it is unset), with ``var`` cleared
+    there so the wrapper does not recurse; assert they passed and return pytest's summary line.
+    The file's other tests (end to end through start_task.py) ran in this interpreter already."""
     py = framework_python(var, "no Python with torch to run the unit tests")
-    proc = pytest_in(py, test_file, *args, env={var: ""}, timeout=timeout)
+    proc = pytest_in(py, test_file, "-m", "torch_unit", *args, env={var: ""}, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     return proc.stdout.strip().splitlines()[-1]

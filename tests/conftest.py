@@ -44,6 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[var] = str(envs.python_of(envs.env_dir("cpu", fw)))
     config.addinivalue_line("markers", "framework(name): needs the cpu vendor's environment for a framework")
     config.addinivalue_line("markers", "cluster: needs the network-namespace test cluster (root, sshd, dockerd)")
+    config.addinivalue_line("markers", "torch_unit: a unit test needing torch, run again in a framework environment by units_in_env")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:

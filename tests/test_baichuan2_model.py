@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, pytest_in
+from tests.case_helpers import framework_python, pytest_in, torch_unit
 from training.flops import decoder_flops
 
 try:
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable here; test_model_in_framework_env runs these")
+needs_torch = torch_unit(torch is not None, "torch is not importable here; test_model_in_framework_env runs these")
 
 
 def _model_module():

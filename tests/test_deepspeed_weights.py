@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import framework_python, free_port, units_in_env
+from tests.case_helpers import framework_python, free_port, torch_unit, units_in_env
 
 try:
     import torch
@@ -39,7 +39,7 @@ LLAVA_DIR = ROOT / "cases" / "llava" / "deepspeed"
 BAICHUAN2_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
 LLAVA = yaml.safe_load((LLAVA_DIR / "case.yaml").read_text())["models"]["llava_tiny"]["shape"]
 BAICHUAN2 = yaml.safe_load((BAICHUAN2_DIR / "case.yaml").read_text())["models"]["baichuan2_tiny"]["shape"]
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable here (runs in the framework env)")
+needs_torch = torch_unit(torch is not None)
 
 
 def baichuan2_model():

@@ -28,6 +28,7 @@ from tests.case_helpers import (
     framework_python,
     free_port,
     torch_extensions_dir,
+    torch_unit,
     units_in_env,
 )
 from tests.deepspeed_runs import (
@@ -50,7 +51,7 @@ CASE_DIR = ROOT / "cases" / "llava" / "deepspeed"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 TINY = CASE["models"]["llava_tiny"]
 REFERENCE = CASE_DIR / "reference" / "llava_tiny"
-needs_torch = pytest.mark.skipif(torch is None, reason="torch is not importable here (runs in the framework env)")
+needs_torch = torch_unit(torch is not None)
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +319,7 @@ def test_mmmu_not_run_without_paths_and_scores_records(case_modules, tmp_path):
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
 def test_units_in_framework_env():
-    assert re.search(r"\d+ passed", units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), "-k", "not two_processes", timeout=900))
+    assert re.search(r"\d+ passed", units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=900))
 
 
 # --------------------------------------------------------------------------- end to end

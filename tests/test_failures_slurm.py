@@ -20,25 +20,23 @@ import yaml
 
 from tests.slurm.cluster import SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
-from tests.test_slurm_backend import CASE, LONG, START, assert_nothing_left, cluster_file, job_id, results, run_dir, show_job, wait_for
+from tests.test_slurm_backend import (
+    LONG,
+    START,
+    assert_nothing_left,
+    cluster_file,
+    job_id,
+    results,
+    run_dir,
+    show_job,
+    start_argv,
+    wait_for,
+)
 
 
 def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    argv = [
-        sys.executable,
-        START,
-        "--vendor",
-        "cpu",
-        "--case_name",
-        CASE,
-        "--cluster",
-        str(cfile),
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--python",
-        sys.executable,
-    ]
+    argv = start_argv(tmp_path, cfile, sys.executable)
     slurm_cluster.kill_node("n2")  # the controller still counts it as idle (SlurmdTimeout is 60 s)
     try:
         t0 = time.monotonic()
@@ -64,22 +62,7 @@ def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path,
 def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            START,
-            "--vendor",
-            "cpu",
-            "--case_name",
-            CASE,
-            "--cluster",
-            str(cfile),
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--python",
-            megatron_python,
-            "--set",
-            LONG,
-        ],
+        start_argv(tmp_path, cfile, megatron_python, "--set", LONG),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -114,22 +97,7 @@ def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(
     dead submitter, and ``--cleanup`` (as the next run's prepare) cancels it, naming it."""
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            START,
-            "--vendor",
-            "cpu",
-            "--case_name",
-            CASE,
-            "--cluster",
-            str(cfile),
-            "--log-dir",
-            str(tmp_path / "logs"),
-            "--python",
-            megatron_python,
-            "--set",
-            LONG,
-        ],
+        start_argv(tmp_path, cfile, megatron_python, "--set", LONG),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -169,22 +137,7 @@ def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
     try:
         t0 = time.monotonic()
         proc = subprocess.run(
-            [
-                sys.executable,
-                START,
-                "--vendor",
-                "cpu",
-                "--case_name",
-                CASE,
-                "--cluster",
-                str(cfile),
-                "--log-dir",
-                str(tmp_path / "logs"),
-                "--python",
-                megatron_python,
-                "--startup-timeout",
-                "15",
-            ],
+            start_argv(tmp_path, cfile, megatron_python, "--startup-timeout", "15"),
             capture_output=True,
             text=True,
             timeout=300,

@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -140,24 +141,24 @@ print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.framework("megatron")
-def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
+def one_rank_check(script: str, tmp_path: Path) -> str:
+    """Run ``script`` (given resolved.json of config_cpux1x1) as one rank in the megatron-core
+    environment; its ``RESULT ...`` line."""
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    proc = subprocess.run([py, "-c", _MODEL_CHECK, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
+    proc = subprocess.run([py, "-c", script, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return line
+
+
+@pytest.mark.framework("megatron")
+def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
+    line = one_rank_check(_MODEL_CHECK, tmp_path)
     res = json.loads(line[len("RESULT ") :])
     plain, fused = res["none"], res["compile"]
 
@@ -232,22 +233,7 @@ print("RESULT " + json.dumps(out))
 
 @pytest.mark.framework("megatron")
 def test_fused_linear_loss_and_rope_match_the_plain_model(tmp_path):
-    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
-    path = tmp_path / "resolved.json"
-    path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
-    proc = subprocess.run([py, "-c", _LOSS_ROPE_CHECK, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    line = one_rank_check(_LOSS_ROPE_CHECK, tmp_path)
     res = json.loads(line[len("RESULT ") :])
     # float64 inputs, the softmax in float32 as on the GPU: loss, dx and dW equal logits + cross_entropy to float32's precision
     assert max(res["fn"]) < 1e-5

@@ -59,22 +59,19 @@ def cluster_file(tmp: Path, conf: Path | None, port: bool = True, **slurm: Any) 
     return path
 
 
-def start(tmp: Path, cfile: Path, python: str, *extra: str) -> subprocess.Popen[str]:
-    argv = [
-        sys.executable,
-        START,
-        "--vendor",
-        "cpu",
-        "--case_name",
-        CASE,
-        "--cluster",
-        str(cfile),
+def start_argv(tmp: Path, cfile: Path, python: str, *extra: str) -> list[str]:
+    """start_task.py running the test case on the cluster file's Slurm cluster, logs under ``tmp``."""
+    return [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile)] + [
         "--log-dir",
         str(tmp / "logs"),
         "--python",
         python,
         *extra,
     ]
+
+
+def start(tmp: Path, cfile: Path, python: str, *extra: str) -> subprocess.Popen[str]:
+    argv = start_argv(tmp, cfile, python, *extra)
     env = {**os.environ, "FLAGBENCH_PROGRESS_EVERY_S": "1"}  # the plain progress line every second
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 

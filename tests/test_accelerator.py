@@ -154,6 +154,7 @@ CUDA_ONLY = {
     ("cases/llama3/megatron/modeling.py", "CuDNNCoreAttention.__init__"): "torch's cuDNN attention",
     ("cases/llama3/megatron/modeling.py", "use_transformer_engine"): "TransformerEngine",
     ("cases/llama3/megatron/settings.py", "check_device"): "the check of the CUDA-only switches",
+    ("cases/llava/deepspeed/settings.py", "check_device"): "the check of the CUDA-only switch (liger)",
     ("cases/gpt3/paddle/model.py", "flash_attention_available"): "paddle's flash attention",
     ("cases/gpt3/paddle/settings.py", "paddle_device"): "paddle's name of the cuda device",
     ("cases/gpt3/paddle/train.py", "Trainer._device_module"): "paddle's module for the gpu device",

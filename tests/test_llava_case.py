@@ -351,6 +351,8 @@ def resolved(tmp: Path) -> dict:
         "tp": 1,
         "pp": 1,
         "recompute": "none",
+        "recompute_num_layers": None,
+        "fused_elementwise": "none",
         "zero": {
             "overlap_comm": True,
             "contiguous_gradients": True,

@@ -17,6 +17,22 @@ optional):
 Files are ``*.safetensors`` or ``pytorch_model*.bin``. An embedding or output
 matrix with fewer rows than the model's vocabulary (Vicuna's 32000 against
 llava-hf's 32064, which adds the image and pad tokens) fills the first rows.
+
+Speed switches of the language model (:func:`apply_speed_switches`, the values checked by
+``settings.speed_switches``; the defaults leave transformers' model as it is):
+
+``fused_elementwise``     ``compile``: every LlamaRMSNorm (both of each decoder layer and
+                          the final one) and the SwiGLU of every LlamaMLP run the same
+                          arithmetic as ``torch.compile`` regions (full graph; the token
+                          dimension dynamic, since the collator pads each micro-batch to its
+                          own length). The MLP's three projections stay eager: under ZeRO-3
+                          their weights are gathered by hooks on those modules.
+                          ``liger``: liger-kernel's Triton RMSNorm (casting mode ``llama``,
+                          transformers' order; not in place) and SwiGLU
+                          (``LigerSwiGLUMLP.forward``) bound to the same modules. CUDA only.
+``recompute_num_layers``  with ``recompute: full``, only the first K decoder layers of the
+                          language model are recomputed in the backward; the others keep
+                          their activations (the vision tower is untouched).
 """
 
 from __future__ import annotations
@@ -24,10 +40,12 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 #: checkpoint key prefix -> (part, prefix that replaces it), first match wins
 _RULES = (
@@ -139,6 +157,126 @@ def build_model(
     with _default_dtype(dtype), place:
         model = LlavaForConditionalGeneration(cfg)
     return model
+
+
+# --------------------------------------------------------------------------- speed switches
+
+FUSED_ELEMENTWISE = ("none", "compile", "liger")
+
+#: torch.compile backend of the ``compile`` switch. Inductor generates the fused kernels; the
+#: CPU test sets "aot_eager" (the same graph capture and autograd split without code generation).
+COMPILE_BACKEND = "inductor"
+
+_COMPILED: dict[tuple[str, Any], Callable[..., torch.Tensor]] = {}
+
+
+def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``fn`` as one torch.compile region (full graph), made once per backend."""
+    key = (fn.__name__, COMPILE_BACKEND)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True)
+    return _COMPILED[key]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm's arithmetic: normalize in float32, round to the input's dtype, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[tokens, features]``, the token count marked dynamic: one compiled graph for
+    every micro-batch length."""
+    rows = x.reshape(-1, x.shape[-1])
+    torch._dynamo.maybe_mark_dynamic(rows, 0)
+    return rows
+
+
+def _compiled_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    out = compiled(rms_norm)(_token_rows(hidden_states), self.weight, self.variance_epsilon)
+    return out.view(hidden_states.shape)
+
+
+def _compiled_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(compiled(swiglu)(_token_rows(gate), _token_rows(up)).view(gate.shape))
+
+
+def _liger_forwards() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
+    """liger-kernel's RMSNorm and SwiGLU MLP forwards (liger_kernel.transformers)."""
+    try:
+        from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
+    except ImportError as exc:
+        raise RuntimeError(
+            f"parallel.fused_elementwise: liger needs liger-kernel (and triton): {exc}; "
+            "install it (pip install liger-kernel==0.8.5) or choose none or compile"
+        ) from exc
+    return LigerRMSNorm.forward, LigerSwiGLUMLP.forward
+
+
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The LlamaModel inside LlavaForConditionalGeneration (its decoder layers and final norm)."""
+    return model.model.language_model
+
+
+def apply_speed_switches(
+    model: torch.nn.Module, fused_elementwise: str = "none", recompute_num_layers: int | None = None
+) -> dict[str, int]:
+    """Apply the language model's speed switches to a built model (partitioned by ZeRO-3 or
+    not), before the DeepSpeed engine starts; returns how many norms and MLPs were changed.
+
+    ``fused_elementwise`` binds a new ``forward`` to every LlamaRMSNorm and LlamaMLP of the
+    language model (the parameters stay where they are). ``recompute_num_layers`` wraps the
+    model's ``gradient_checkpointing_enable`` (what ``training.deepspeed_loop`` calls for
+    ``recompute: full``) so that it leaves layers K and up without recompute.
+    """
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    if fused_elementwise not in FUSED_ELEMENTWISE:
+        raise ValueError(f"parallel.fused_elementwise must be one of {', '.join(FUSED_ELEMENTWISE)}, got {fused_elementwise!r}")
+    lm = language_model(model)
+    norms = [m for m in lm.modules() if isinstance(m, LlamaRMSNorm)]
+    mlps = [m for m in lm.modules() if isinstance(m, LlamaMLP)]
+    if fused_elementwise != "none":
+        act = lm.config.hidden_act
+        if act != "silu":
+            raise ValueError(f"parallel.fused_elementwise: {fused_elementwise} fuses SwiGLU; the language model's hidden_act is {act!r}")
+        if fused_elementwise == "compile":
+            norm_forward, mlp_forward = _compiled_norm_forward, _compiled_mlp_forward
+        else:
+            norm_forward, mlp_forward = _liger_forwards()
+            for m in norms:  # what LigerRMSNorm.forward reads besides weight and variance_epsilon
+                m.offset, m.casting_mode, m.in_place, m.row_mode = 0.0, "llama", False, None
+        for m in norms:
+            m.forward = types.MethodType(norm_forward, m)
+            m.fused_elementwise = fused_elementwise
+        for m in mlps:
+            m.forward = types.MethodType(mlp_forward, m)
+            m.fused_elementwise = fused_elementwise
+    if recompute_num_layers is not None:
+        layers = list(lm.layers)
+        if not 0 <= recompute_num_layers <= len(layers):
+            raise ValueError(f"parallel.recompute_num_layers must be null or 0..{len(layers)}, got {recompute_num_layers!r}")
+        enable = model.gradient_checkpointing_enable
+
+        def enable_first_layers(*args: Any, **kwargs: Any) -> None:
+            enable(*args, **kwargs)
+            for layer in layers[recompute_num_layers:]:
+                layer.gradient_checkpointing = False
+
+        model.gradient_checkpointing_enable = enable_first_layers
+    fused = fused_elementwise != "none"
+    return {"norms": len(norms) if fused else 0, "mlps": len(mlps) if fused else 0}
+
+
+def recomputed_layers(model: torch.nn.Module) -> list[bool]:
+    """Whether each decoder layer of the language model is recomputed in the backward."""
+    return [bool(layer.gradient_checkpointing) for layer in language_model(model).layers]
 
 
 def init_rule(shape: dict) -> Callable[[str], Any]:

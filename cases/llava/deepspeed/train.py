@@ -21,6 +21,10 @@ overlaid with its ``phases.<phase>`` entry (training/settings.py, see case.yaml)
 (``phases.<p>.data.json`` / ``image_folder``), else a synthetic set in the same
 format written to ``data.cache_dir``.  Tokens of a step: the real (unpadded)
 lengths of its samples, image tokens included, summed over all ranks.
+
+Speed switches of the language model, per phase (``settings.py`` checks them, ``model.py``
+applies them before the engine starts, ``run_meta`` reports them):
+``parallel.fused_elementwise`` (none | compile | liger) and ``parallel.recompute_num_layers``.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ class Round:
         import torch.distributed as dist
 
         from cases.llava.deepspeed import model as llava_model
+        from cases.llava.deepspeed import settings as llava_settings
         from training import deepspeed_loop as dsl
         from training import settings
 
@@ -130,6 +135,8 @@ class Round:
         self.log.rank = self.rank
         # resolved.json holds the shape flat in "model" (or under "model.shape")
         self.shape = settings.shape_source(self.cfg["model"])
+        for phase in PHASES:  # every phase's speed switches checked before the first one trains
+            llava_settings.speed_switches(settings.from_config(self.cfg, self.world, phase), int(self.shape["num_layers"]))
         self.n_img = llava_model.num_image_tokens(self.shape)
         self.tok, self.tok_kind = make_tokenizer(self.shape, settings.phase_sections(self.cfg, "pretrain")["data"])
 
@@ -145,6 +152,7 @@ class PhaseTrainer:
         import torch
 
         from cases.llava.deepspeed import model as llava_model
+        from cases.llava.deepspeed import settings as llava_settings
         from training import deepspeed_loop as dsl
         from training import settings
         from training.accelerator import Accelerator
@@ -154,10 +162,12 @@ class PhaseTrainer:
         rnd.start()
         cfg, shape, device, rank, world = rnd.cfg, rnd.shape, rnd.device, rnd.rank, rnd.world
         c = settings.from_config(cfg, world, phase)
+        switches = llava_settings.speed_switches(c, int(shape["num_layers"]))
         tr, data = c.train, c.sections["data"]
         ds_config = dsl.build_ds_config(c, int(shape["hidden_size"]))
         zero3 = ds_config["zero_optimization"]["stage"] == 3
         model = llava_model.build_model(shape, dsl.DTYPES[tr.precision], device, dsl.model_init_context(ds_config) if zero3 else None)
+        llava_model.apply_speed_switches(model, **switches)
         if rnd.previous is None:
             weights = starting_weights(model, shape, tr.seed, data, device)
             if rank == 0:
@@ -220,6 +230,8 @@ class PhaseTrainer:
             "dataset_samples": len(dataset),
             "skipped_missing_images": dataset.skipped,
             "attention": "sdpa",
+            "fused_elementwise": switches["fused_elementwise"],
+            "recompute_num_layers": switches["recompute_num_layers"],
             "zero_stage_requested": ds_config["zero_optimization"]["stage"],
         }
         self.loop = dsl.DeepSpeedPhase(

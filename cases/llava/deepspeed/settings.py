@@ -1,0 +1,61 @@
+"""What the llava/deepspeed case reads from ``resolved.json`` beyond training/settings.py:
+its speed switches.
+
+The common train / parallel / data / vendor keys of each phase are read by
+``training.settings.from_config`` (the phase's sections overlaid with their
+``phases.<phase>`` entries), the ZeRO section by the shared loop
+(``training.deepspeed_loop.zero_section``), the data keys by ``train.py``. This module reads
+the two ``parallel`` switches of the language model (model.py applies them), per phase, so
+``parallel.phases.finetune.recompute_num_layers`` reaches the finetune phase alone:
+
+* ``fused_elementwise``: ``none`` (default: transformers' eager LlamaRMSNorm and SwiGLU MLP)
+  | ``compile`` (both as torch.compile regions) | ``liger`` (liger-kernel's Triton kernels;
+  CUDA only, refused with both keys named on any other ``vendor.device``);
+* ``recompute_num_layers``: null (default: with ``recompute: full`` every decoder layer of the
+  language model is recomputed) or K in 0..num_layers (only the first K are); it needs the
+  phase's ``recompute: full``.
+
+Standard library only, so the host-side tests import it. Every error names the key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from training.settings import Common, SettingsError
+
+FUSED_ELEMENTWISE = ("none", "compile", "liger")
+
+
+def check_device(fused_elementwise: str, device: str) -> None:
+    """Switches whose kernels exist on CUDA devices only."""
+    if fused_elementwise == "liger" and device != "cuda":
+        raise SettingsError(
+            f"parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
+            f"(this vendor's device is {device}); use none or compile"
+        )
+
+
+def speed_switches(c: Common, num_layers: int) -> dict[str, Any]:
+    """``{"fused_elementwise", "recompute_num_layers"}`` of the phase ``c`` was read for, checked
+    against the language model's ``num_layers``, the phase's ``recompute`` and the vendor's device;
+    absent keys take today's path (``none``, every layer recomputed)."""
+    par = c.sections["parallel"]
+    fused = par.get("fused_elementwise")
+    fused = "none" if fused is None else fused
+    if fused not in FUSED_ELEMENTWISE:
+        raise SettingsError(f"parallel.fused_elementwise must be one of {', '.join(FUSED_ELEMENTWISE)}, got {fused!r} (phase {c.phase})")
+    check_device(fused, c.device)
+    layers = par.get("recompute_num_layers")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 0 <= layers <= num_layers:
+            raise SettingsError(
+                f"parallel.recompute_num_layers must be null or 0..{num_layers} (decoder layers of the language model), "
+                f"got {layers!r} (phase {c.phase})"
+            )
+        if c.parallel.recompute != "full":
+            raise SettingsError(
+                f"parallel.recompute_num_layers ({layers}) needs parallel.recompute: full, but the {c.phase} phase's "
+                f"recompute is {c.parallel.recompute}"
+            )
+    return {"fused_elementwise": fused, "recompute_num_layers": layers}

@@ -39,22 +39,11 @@ class _Missing:
 MISSING = _Missing()
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: node}
-
-
 def _get(doc: dict, path: str) -> Any:
-    node: Any = doc
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return MISSING
-        node = node[part]
-    return node
+    """The value at a dotted path, MISSING where there is none (a null value is a value)."""
+    parent, _, last = path.rpartition(".")
+    node = registry.get_path(doc, parent) if parent else doc
+    return node[last] if isinstance(node, dict) and last in node else MISSING
 
 
 def validated_configs() -> list[Path]:
@@ -77,7 +66,7 @@ def problems(path: Path, runs: Path = RUNS) -> list[str]:
     named = RUN_FILE.findall(str(doc.get("description") or ""))
     if not named:
         return ["its description names no docs/results/runs/<file>.json of the run that validated it"]
-    sets = {k: v for sec in SECTIONS for k, v in _leaves(doc.get(sec) or {}, sec).items()}
+    sets = registry.flatten({sec: doc[sec] for sec in SECTIONS if doc.get(sec)})
     why: list[str] = []
     for name in named:
         file = runs / name

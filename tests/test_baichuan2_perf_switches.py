@@ -45,6 +45,7 @@ import copy, json, sys
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from cases.baichuan2.deepspeed import model as M
+from training import fused
 
 out = {"switches": {}, "errors": []}
 out["switches"]["default"] = M.speed_switches({}, 4)
@@ -62,7 +63,7 @@ except ValueError as exc:
     out["from_shape"] = str(exc)
 
 counter = CompileCounterWithBackend("aot_eager")
-M.COMPILE_BACKEND = counter
+fused.COMPILE_BACKEND = counter
 shape = json.loads(sys.argv[1])
 torch.manual_seed(0)
 plain = M.build_model(shape)

@@ -92,12 +92,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from cases.llama3.megatron import kernels, modeling, settings, startweights
+from training import fused
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 model_parallel_cuda_manual_seed(1234)
 counter = CompileCounterWithBackend("aot_eager")
-kernels.COMPILE_BACKEND = counter
+fused.COMPILE_BACKEND = counter
 gen = torch.Generator().manual_seed(7)
 tokens = torch.randint(0, 1024, (2, 128), generator=gen)
 labels = torch.randint(0, 1024, (2, 128), generator=gen)
@@ -189,11 +190,12 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.models.common.embeddings import rope_utils
 from cases.llama3.megatron import kernels, modeling, settings, startweights
+from training import fused
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
 model_parallel_cuda_manual_seed(1234)
-kernels.COMPILE_BACKEND = "aot_eager"
+fused.COMPILE_BACKEND = "aot_eager"
 out = {}
 # the loss function alone, several chunks, a per-token incoming gradient that is not uniform
 gen = torch.Generator().manual_seed(3)

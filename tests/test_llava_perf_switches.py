@@ -118,10 +118,10 @@ import copy, json, sys
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from cases.llava.deepspeed import model as M
-from training import deepspeed_loop as dsl
+from training import deepspeed_loop as dsl, fused
 
 counter = CompileCounterWithBackend("aot_eager")
-M.COMPILE_BACKEND = counter
+fused.COMPILE_BACKEND = counter
 shape = json.loads(sys.argv[1])
 torch.manual_seed(0)
 state = copy.deepcopy(M.build_model(shape, torch.float32, torch.device("cpu")).state_dict())

@@ -24,11 +24,11 @@ Speed switches (``parallel`` settings, read by :func:`speed_switches`; the
 defaults are the plain path above):
 
 - ``fused_elementwise``: ``none`` | ``compile``.  ``compile`` runs the same
-  RMSNorm and SwiGLU functions as ``torch.compile`` regions (full graph, static
-  shapes, Inductor on GPUs): each is one kernel per direction, and SwiGLU keeps
-  only its two inputs for the backward.
+  RMSNorm and SwiGLU functions (``training/fused.py``) as ``torch.compile``
+  regions (full graph, static shapes, Inductor on GPUs): each is one kernel per
+  direction, and SwiGLU keeps only its two inputs for the backward.
 - ``attention``: ``sdpa`` | ``flex``.  ``flex`` runs torch's FlexAttention
-  (compiled) with the ALiBi bias as a score modification and the causal mask
+  (compiled with ``training.fused.compiled``, static shapes) with the ALiBi bias as a score modification and the causal mask
   as a block mask: no ``[heads, seq, seq]`` mask in memory, fully masked
   blocks skipped.  The bias is added in float32 (the ``sdpa`` path adds it
   rounded to the activation dtype).  FlexAttention has no CPU backward.
@@ -53,13 +53,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from training import fused
+
 ATTENTION = ("sdpa", "flex")
 FUSED_ELEMENTWISE = ("none", "compile")
-
-#: torch.compile backend of the ``compile`` and ``flex`` switches. Inductor generates the
-#: fused kernels; the CPU test sets "aot_eager" (the same graph capture and autograd split
-#: without code generation, which takes half a minute per graph on a small CPU).
-COMPILE_BACKEND = "inductor"
 
 
 @dataclasses.dataclass
@@ -115,28 +112,6 @@ def speed_switches(parallel: dict[str, Any], num_layers: int | None = None) -> d
             bound = f"0..{num_layers}" if num_layers is not None else "an integer >= 0"
             raise ValueError(f"parallel.recompute_num_layers must be null or {bound}, got {layers!r}")
     return {"attention": attention, "fused_elementwise": fused, "recompute_num_layers": layers}
-
-
-_COMPILED: dict[tuple[str, Any], Callable[..., Any]] = {}
-
-
-def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as one torch.compile region: full graph, static shapes (a new shape compiles anew)."""
-    key = (fn.__name__, COMPILE_BACKEND)
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-    return _COMPILED[key]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Baichuan2 computes it: normalize in float32, round, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
 
 
 # --------------------------------------------------------------------------- ALiBi
@@ -209,7 +184,8 @@ class RMSNorm(nn.Module):
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = compiled(rms_norm) if self.fused == "compile" else rms_norm
+        # Baichuan2's order: normalize in float32, round, then scale (training/fused.py)
+        fn = fused.compiled(fused.rms_norm) if self.fused == "compile" else fused.rms_norm
         return fn(x, self.weight, self.eps)
 
 
@@ -240,10 +216,7 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Flex
     """FlexAttention, compiled, on contiguous ``[b, heads, s, head_dim]`` inputs."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
-    key = ("flex_attention", COMPILE_BACKEND)
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(flex, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-    return _COMPILED[key](q.contiguous(), k.contiguous(), v.contiguous(), score_mod=bias.score_mod, block_mask=bias.block_mask)
+    return fused.compiled(flex)(q.contiguous(), k.contiguous(), v.contiguous(), score_mod=bias.score_mod, block_mask=bias.block_mask)
 
 
 class Attention(nn.Module):
@@ -276,7 +249,7 @@ class MLP(nn.Module):
         self.fused = cfg.fused_elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = compiled(swiglu) if self.fused == "compile" else swiglu
+        fn = fused.compiled(fused.swiglu) if self.fused == "compile" else fused.swiglu
         return self.down_proj(fn(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -6,9 +6,10 @@ norm) and the MLP's SwiGLU for fused versions; ``parallel.attention: cudnn`` run
 attention on torch's cuDNN SDPA backend (modeling.CuDNNCoreAttention, checked here first).
 
 * ``compile``: the same functions torch runs eagerly (``F.rms_norm``; ``silu(gate) * up`` on
-  megatron's fused ``[gate; up]`` fc1 output) as ``torch.compile`` regions, full graph, static
-  shapes: each is compiled once per input shape (forward and backward, Inductor on GPUs), so a
-  norm is one kernel each way and SwiGLU saves only its input for the backward.
+  megatron's fused ``[gate; up]`` fc1 output: ``training.fused.torch_rms_norm`` and
+  ``swiglu_packed``) as ``torch.compile`` regions (``training.fused.compiled``), full graph,
+  static shapes: each is compiled once per input shape (forward and backward, Inductor on
+  GPUs), so a norm is one kernel each way and SwiGLU saves only its input for the backward.
 * ``liger``: liger-kernel's Triton kernels (``LigerRMSNormFunction`` in its ``llama`` casting
   mode, which is torch's: normalize in float32, round, then scale; and
   ``LigerFusedGateUpSiLUMulFunction``, which reads gate and up from the one fc1 buffer), never
@@ -24,40 +25,14 @@ Imported after ``training.runtime.setup()``, like modeling.py.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from training import fused
+
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
-
-#: torch.compile backend of the ``compile`` switch. Inductor generates the fused kernels; the
-#: CPU test sets "aot_eager" (the same dynamo graph capture and autograd split, without
-#: Inductor's code generation, which takes half a minute per graph on a small CPU).
-COMPILE_BACKEND = "inductor"
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """What ``torch.nn.RMSNorm`` computes (over the last dimension)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def swiglu(y: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of megatron's fused fc1 output ``[..., gate; up]``: ``silu(gate) * up``."""
-    gate, up = torch.chunk(y, 2, dim=-1)
-    return F.silu(gate) * up
-
-
-_COMPILED: dict[tuple[str, str], Callable[..., torch.Tensor]] = {}
-
-
-def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` as one torch.compile region: full graph, static shapes (a new shape compiles anew)."""
-    key = (fn.__name__, COMPILE_BACKEND)
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True, dynamic=False)
-    return _COMPILED[key]
 
 
 def _liger(what: str) -> Any:
@@ -93,7 +68,8 @@ class _Norm(torch.nn.RMSNorm):
 
 class CompiledRMSNorm(_Norm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return compiled(rms_norm)(x, self.weight, self.eps)
+        # torch.nn.RMSNorm's own arithmetic (F.rms_norm), not the round-then-scale order
+        return fused.compiled(fused.torch_rms_norm)(x, self.weight, self.eps)
 
 
 class LigerRMSNorm(_Norm):
@@ -115,7 +91,7 @@ class _SwiGLU(torch.nn.Module):
 
 class CompiledSwiGLU(_SwiGLU):
     def forward(self, y: torch.Tensor) -> torch.Tensor:
-        return compiled(swiglu)(y)
+        return fused.compiled(fused.swiglu_packed)(y)
 
 
 class LigerSwiGLU(_SwiGLU):
@@ -244,7 +220,7 @@ def compiled_rope(
     products in one kernel each way)."""
     if rotary_interleaved or mla_rotary_interleaved or multi_latent_attention:
         raise ValueError("parallel.fused_rope: compile covers the non-interleaved RoPE of Llama only")
-    return compiled(rope_bshd)(t, freqs, float(mscale))
+    return fused.compiled(rope_bshd)(t, freqs, float(mscale))
 
 
 def install_compiled_rope() -> None:

@@ -23,9 +23,9 @@ Speed switches of the language model (:func:`apply_speed_switches`, the values c
 
 ``fused_elementwise``     ``compile``: every LlamaRMSNorm (both of each decoder layer and
                           the final one) and the SwiGLU of every LlamaMLP run the same
-                          arithmetic as ``torch.compile`` regions (full graph; the token
-                          dimension dynamic, since the collator pads each micro-batch to its
-                          own length). The MLP's three projections stay eager: under ZeRO-3
+                          arithmetic as ``torch.compile`` regions (``training/fused.py``; full
+                          graph; the token dimension dynamic, since the collator pads each
+                          micro-batch to its own length). The MLP's three projections stay eager: under ZeRO-3
                           their weights are gathered by hooks on those modules.
                           ``liger``: liger-kernel's Triton RMSNorm (casting mode ``llama``,
                           transformers' order; not in place) and SwiGLU
@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from training import fused
 
 #: checkpoint key prefix -> (part, prefix that replaces it), first match wins
 _RULES = (
@@ -163,48 +164,17 @@ def build_model(
 
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
 
-#: torch.compile backend of the ``compile`` switch. Inductor generates the fused kernels; the
-#: CPU test sets "aot_eager" (the same graph capture and autograd split without code generation).
-COMPILE_BACKEND = "inductor"
-
-_COMPILED: dict[tuple[str, Any], Callable[..., torch.Tensor]] = {}
-
-
-def compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` as one torch.compile region (full graph), made once per backend."""
-    key = (fn.__name__, COMPILE_BACKEND)
-    if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, backend=COMPILE_BACKEND, fullgraph=True)
-    return _COMPILED[key]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm's arithmetic: normalize in float32, round to the input's dtype, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as ``[tokens, features]``, the token count marked dynamic: one compiled graph for
-    every micro-batch length."""
-    rows = x.reshape(-1, x.shape[-1])
-    torch._dynamo.maybe_mark_dynamic(rows, 0)
-    return rows
-
 
 def _compiled_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    out = compiled(rms_norm)(_token_rows(hidden_states), self.weight, self.variance_epsilon)
+    # LlamaRMSNorm's order: normalize in float32, round to the input's dtype, then scale
+    out = fused.compiled(fused.rms_norm, dynamic=True)(fused.token_rows(hidden_states), self.weight, self.variance_epsilon)
     return out.view(hidden_states.shape)
 
 
 def _compiled_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
-    return self.down_proj(compiled(swiglu)(_token_rows(gate), _token_rows(up)).view(gate.shape))
+    out = fused.compiled(fused.swiglu, dynamic=True)(fused.token_rows(gate), fused.token_rows(up))
+    return self.down_proj(out.view(gate.shape))
 
 
 def _liger_forwards() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:

@@ -237,6 +237,24 @@ def test_zero_stage_and_dp_size_give_one_curve(standard, tmp_path):
 
 
 @pytest.mark.framework("deepspeed")
+def test_the_chunked_loss_under_zero3_follows_the_plain_curve(standard, tmp_path):
+    """parallel.fused_linear_loss=chunked on 2 processes with ZeRO-3: the NormHead's weight is
+    gathered for the chunked product inside the head's forward, and its gradient reaches the
+    partitioned parameter; the curve is the standard run's."""
+    run = start_task(
+        tmp_path / "chunked",
+        "baichuan2_tiny:deepspeed:cpu:1:2",
+        f"train.steps={SHORT}",
+        "train.lr_decay_steps=30",
+        "parallel.fused_linear_loss=chunked",
+    )
+    assert_short_run_unjudged(run)
+    (phase,) = run.round["phases"]
+    assert phase["meta"]["fused_linear_loss"] == "chunked"
+    assert_same_curve(standard.loss("train", SHORT), run.loss("train", SHORT), "chunked loss")
+
+
+@pytest.mark.framework("deepspeed")
 def test_overrides_of_zero_stage_and_global_batch_are_honoured(tmp_path):
     """Values come from resolved.json, never from the case: a ZeRO-2, global batch 8 run says so."""
     py = _python()

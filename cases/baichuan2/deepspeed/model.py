@@ -35,6 +35,13 @@ defaults are the plain path above):
 - ``recompute_num_layers``: with ``recompute: full``, only the first N decoder
   layers are recomputed in the backward (null: all of them); the others keep
   their activations.
+- ``fused_linear_loss``: ``none`` | ``chunked``.  ``chunked`` computes the
+  NormHead product and the loss (with the z-loss) ``training/fused_loss.py``'s
+  way: 2,048 tokens at a time, each chunk's gradients made in the forward, so
+  the ``[tokens, vocab]`` logits are never held whole (at micro batch 8 and
+  vocabulary 125,696: 16,384 x 125,696 values, in bf16 and float32, twice).
+  Same arithmetic as the plain path; the output weight's gradient is summed
+  over chunks in float32.
 
 Importable without DeepSpeed: the case's ``train.py`` builds the model inside
 ``deepspeed.zero.Init`` when ZeRO stage 3 is on, and the unit tests build it
@@ -53,10 +60,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from training import fused
+from training import fused, fused_loss
 
 ATTENTION = ("sdpa", "flex")
 FUSED_ELEMENTWISE = ("none", "compile")
+FUSED_LINEAR_LOSS = ("none", "chunked")
+#: tokens per chunk of ``fused_linear_loss: chunked``
+LOSS_CHUNK = 2048
 
 
 @dataclasses.dataclass
@@ -75,6 +85,7 @@ class Baichuan2Config:
     attention: str = "sdpa"  # sdpa | flex
     fused_elementwise: str = "none"  # none | compile
     recompute_num_layers: int | None = None  # with checkpointing on: the first N layers (None: all)
+    fused_linear_loss: str = "none"  # none | chunked
 
     @property
     def head_dim(self) -> int:
@@ -90,7 +101,12 @@ class Baichuan2Config:
         if cfg.hidden_size % cfg.num_heads:
             raise ValueError(f"hidden_size {cfg.hidden_size} is not a multiple of num_heads {cfg.num_heads}")
         speed_switches(
-            {"attention": cfg.attention, "fused_elementwise": cfg.fused_elementwise, "recompute_num_layers": cfg.recompute_num_layers},
+            {
+                "attention": cfg.attention,
+                "fused_elementwise": cfg.fused_elementwise,
+                "recompute_num_layers": cfg.recompute_num_layers,
+                "fused_linear_loss": cfg.fused_linear_loss,
+            },
             cfg.num_layers,
         )
         return cfg
@@ -99,7 +115,7 @@ class Baichuan2Config:
 def speed_switches(parallel: dict[str, Any], num_layers: int | None = None) -> dict[str, Any]:
     """The model's speed switches from a phase's ``parallel`` settings, checked; absent keys
     take the plain path (``attention: sdpa``, ``fused_elementwise: none``, every layer
-    recomputed). A bad value is a ValueError naming the key."""
+    recomputed, ``fused_linear_loss: none``). A bad value is a ValueError naming the key."""
     attention = parallel.get("attention") or "sdpa"
     if attention not in ATTENTION:
         raise ValueError(f"parallel.attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
@@ -111,7 +127,10 @@ def speed_switches(parallel: dict[str, Any], num_layers: int | None = None) -> d
         if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0 or (num_layers is not None and layers > num_layers):
             bound = f"0..{num_layers}" if num_layers is not None else "an integer >= 0"
             raise ValueError(f"parallel.recompute_num_layers must be null or {bound}, got {layers!r}")
-    return {"attention": attention, "fused_elementwise": fused, "recompute_num_layers": layers}
+    loss = parallel.get("fused_linear_loss") or "none"
+    if loss not in FUSED_LINEAR_LOSS:
+        raise ValueError(f"parallel.fused_linear_loss must be one of {', '.join(FUSED_LINEAR_LOSS)}, got {loss!r}")
+    return {"attention": attention, "fused_elementwise": fused, "recompute_num_layers": layers, "fused_linear_loss": loss}
 
 
 # --------------------------------------------------------------------------- ALiBi
@@ -287,7 +306,12 @@ class NormHead(nn.Module):
     def normalized_weight(self) -> torch.Tensor:
         return F.normalize(self.weight, p=2, dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, z_loss_weight: float = 0.0) -> torch.Tensor:
+        """Logits; with ``labels`` (training, ``fused_linear_loss: chunked``), the loss of the
+        product a chunk of tokens at a time instead. Inside this module's forward, so that
+        ZeRO-3 gathers the weight for it as for the plain product."""
+        if labels is not None:
+            return fused_loss.linear_cross_entropy(x, self.normalized_weight(), labels, chunk=LOSS_CHUNK, z_loss_weight=z_loss_weight)
         if self.training:
             w = self.normalized_weight()
         else:
@@ -355,7 +379,10 @@ class Baichuan2ForCausalLM(nn.Module):
                 x = checkpoint(layer, x, mask, use_reentrant=self.config.checkpoint_reentrant)
             else:
                 x = layer(x, mask)
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if labels is not None and self.config.fused_linear_loss == "chunked":
+            return self.lm_head(x, labels, self.config.z_loss_weight)
+        logits = self.lm_head(x)
         if labels is None:
             return logits
         return causal_lm_loss(logits, labels, self.config.z_loss_weight)

@@ -83,7 +83,7 @@ class Trainer:
         )
         dist.barrier()
 
-        # the model's speed switches (parallel.attention, fused_elementwise, recompute_num_layers)
+        # the model's speed switches (parallel.attention, fused_elementwise, recompute_num_layers, fused_linear_loss)
         switches = case_model.speed_switches(c.sections["parallel"], shape["num_layers"])
         mcfg = case_model.Baichuan2Config.from_shape(shape, init_std=tr.init_std, **switches)
         with dsl.model_init_context(ds_config):  # deepspeed.zero.Init under ZeRO-3
@@ -114,6 +114,7 @@ class Trainer:
             ),
             "fused_elementwise": switches["fused_elementwise"],
             "recompute_num_layers": switches["recompute_num_layers"],
+            "fused_linear_loss": switches["fused_linear_loss"],
             "zero_stage_requested": ds_config["zero_optimization"]["stage"],
             "data": data.describe(),
             "init": "normal(0, init_std) per (seed, parameter name), norms ones (training.deepspeed_weights)",

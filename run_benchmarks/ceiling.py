@@ -3,8 +3,10 @@
 The case's own entry point runs once, as one process, with ``--ceiling`` and the resolved
 config of the case name, vendor config, variant and ``--set`` values given (the layout decides
 the per-GPU shapes); it times the case's GEMMs and attention on its first device
-(training/ceiling.py) and writes one ``kernel_ceiling`` record, which is read here with the
-protocol's parser and printed. No process group, model, data or run folder. Cases declare
+(training/ceiling.py) and writes one ``kernel_ceiling`` record per phase (a case with phases,
+such as llava's pretrain and finetune, has one ceiling each), which are read here with the
+protocol's parser and printed, one table a phase (``--json``: the one ceiling of a case
+without phases, else phase -> ceiling). No process group, model, data or run folder. Cases declare
 that their entry supports it with ``ceiling: true`` in case.yaml.
 
 Exit status: 0 measured, 1 the case failed, 2 bad input (nothing ran).
@@ -27,30 +29,67 @@ from run_benchmarks.errors import InputError
 from training import metriclog as ml
 
 
-def table(ceiling: dict[str, Any], case: str, peak_flops: float | None, flops_per_token_6n: float) -> str:
-    """The ceiling as a few lines: the figure, the MFU-6N it stands for, and each kernel's time."""
+def _ms(value: float | None, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.3f}"
+
+
+def table(
+    ceiling: dict[str, Any], case: str, peak_flops: float | None, flops_per_token_6n: float, flops_per_token_palm: float | None = None
+) -> str:
+    """The ceiling as a few lines: the figure, the MFU it stands for, and each kernel's time
+    (a GEMM's products that its step does not run show ``-``; an attention block its shape,
+    causal or full length, and its time forward + backward or forward alone)."""
     tps = ceiling["tokens_per_gpu_s"]
-    mfu = "" if not peak_flops else f", MFU-6N {100 * flops_per_token_6n * tps / peak_flops:.1f}% at the ceiling"
+    mfu = ""
+    if peak_flops:
+        mfu = f", MFU-6N {100 * flops_per_token_6n * tps / peak_flops:.1f}%"
+        if flops_per_token_palm:
+            mfu += f", MFU-PaLM {100 * flops_per_token_palm * tps / peak_flops:.1f}%"
+        mfu += " at the ceiling"
+    phase = f" phase {ceiling['phase']}" if ceiling.get("phase") else ""
+    if "mean_seq_length" in ceiling:
+        seq = f"mean sample length {ceiling['seq_length']} ({ceiling.get('seq_length_source', 'assumed')})"
+        if "images_per_micro_batch" in ceiling:
+            seq += f", {ceiling['images_per_micro_batch']} images"
+    else:
+        seq = f"sequence {ceiling['seq_length']}"
+    attention_s = ceiling["attention_s"]
+    att_rate = ceiling.get("attention_tflops")
+    layers = f" over {ceiling['layers']} layers" if "layers" in ceiling and "vision_layers" not in ceiling else ""
     lines = [
-        f"kernel ceiling of {case} on {ceiling['device']} (TP{ceiling['tp']}, micro batch {ceiling['micro_batch']}, "
-        f"sequence {ceiling['seq_length']}, {ceiling['dtype']}, attention {ceiling['attention']})",
+        f"kernel ceiling of {case}{phase} on {ceiling['device']} (TP{ceiling['tp']}, micro batch {ceiling['micro_batch']}, "
+        f"{seq}, {ceiling['dtype']}, attention {ceiling['attention']})",
         f"  {tps:,.0f} tokens/p/s{mfu}",
         f"  one micro batch: {1e3 * ceiling['micro_batch_s']:.1f} ms = GEMMs {1e3 * ceiling['gemm_s']:.1f} ms "
-        f"({ceiling['gemm_tflops']:.3g} TFLOP/s) + attention {1e3 * ceiling['attention_s']:.1f} ms "
-        f"({ceiling['attention_tflops']:.3g} TFLOP/s) over {ceiling['layers']} layers",
-        "  kernel          m x n x k                  fwd ms   dgrad ms  wgrad ms  TFLOP/s",
+        f"({ceiling['gemm_tflops']:.3g} TFLOP/s) + attention {1e3 * attention_s:.1f} ms"
+        + ("" if att_rate is None else f" ({att_rate:.3g} TFLOP/s)")
+        + layers,
+        f"  {'kernel':22s} {'shape':28s} {'count':>5s}   {'fwd ms':>8s} {'dgrad ms':>9s} {'wgrad ms':>9s}  TFLOP/s",
     ]
     for name, p in ceiling["parts"].items():
-        if name == "attention":
-            lines.append(f"  {'attention':15s} {'(forward + backward, causal)':26s} {p['fwd_bwd_ms']:>26.3f}  {p['tflops']:7.3g}")
+        count = f"x{p['count']}" if "count" in p else ""
+        if "fwd_bwd_ms" in p or "kernel" in p:  # an attention block
+            if "batch" in p:
+                shape = f"{p['batch']} x {p['heads']} x {p['seq']} x {p['head_dim']}, {'causal' if p.get('causal', True) else 'full'}"
+            else:
+                shape = "(causal)"
+            if "fwd_bwd_ms" in p:
+                times = f"{'forward + backward':>18s} {p['fwd_bwd_ms']:>9.3f}"
+            else:
+                times = f"{p['fwd_ms']:>8.3f} {'(forward only)':>19s}"
+            lines.append(f"  {name:22s} {shape:28s} {count:>5s}   {times:28s}  {p['tflops']:7.3g}")
         else:
-            shape = f"{p['m']} x {p['n']} x {p['k']}" + ("" if p["per_layer"] else " (once)")
-            lines.append(f"  {name:15s} {shape:26s} {p['fwd_ms']:8.3f} {p['dgrad_ms']:9.3f} {p['wgrad_ms']:9.3f}  {p['tflops']:7.3g}")
+            if "count" not in p:
+                count = "" if p.get("per_layer", True) else "x1"
+            shape = f"{p['m']} x {p['n']} x {p['k']}"
+            times = f"{_ms(p.get('fwd_ms'), 8)} {_ms(p.get('dgrad_ms'), 9)} {_ms(p.get('wgrad_ms'), 9)}"
+            lines.append(f"  {name:22s} {shape:28s} {count:>5s}   {times}  {p['tflops']:7.3g}")
     return "\n".join(lines)
 
 
-def measure(plan: planning.Plan, python: str, root: Path, timeout_s: float = 600) -> dict[str, Any]:
-    """Run the case's entry with ``--ceiling`` in a scratch folder; its kernel_ceiling record, or
+def measure(plan: planning.Plan, python: str, root: Path, timeout_s: float = 600) -> dict[str, dict[str, Any]]:
+    """Run the case's entry with ``--ceiling`` in a scratch folder; its kernel_ceiling record of
+    every phase of the case (phase -> value; a case without phases has one, ``train``), or
     RuntimeError with what the case said."""
     entry = root / plan.case_dir.relative_to(registry.ROOT) / plan.entry
     with tempfile.TemporaryDirectory(prefix="flagbench-ceiling-") as tmp:
@@ -80,9 +119,12 @@ def measure(plan: planning.Plan, python: str, root: Path, timeout_s: float = 600
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"{entry} --ceiling ran past {timeout_s:.0f} s") from None
     parsed = ml.parse_lines(proc.stdout.splitlines(), source=f"{entry.name} --ceiling")
-    found = [r.value for r in parsed.of(ml.EV_INFO, ml.K_KERNEL_CEILING)]
+    found = {str(r.value.get("phase") or plan.phases[0]): r.value for r in parsed.of(ml.EV_INFO, ml.K_KERNEL_CEILING)}
     if proc.returncode == 0 and found:
-        return found[0]
+        missing = [ph for ph in plan.phases if ph not in found]
+        if missing:
+            raise RuntimeError(f"{entry} --ceiling wrote no kernel_ceiling record for phase {', '.join(missing)}")
+        return {ph: found[ph] for ph in plan.phases}
     said = [str(r.value.get("message", "")).strip().splitlines()[0] for r in parsed.of(ml.EV_ERROR) if r.value.get("message")]
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     raise RuntimeError(f"{entry} --ceiling exited {proc.returncode} without a kernel_ceiling record: {(said or tail)[0]}")
@@ -120,10 +162,14 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    counts = plan.counts[plan.phases[0]]
-    print(
-        json.dumps(value, indent=2)
-        if args.json
-        else table(value, args.case_name, plan.hardware["peak_flops"], counts["flops_per_token_6n"])
-    )
+    if args.json:  # a case without phases: its one ceiling; else phase -> ceiling
+        print(json.dumps(value[plan.phases[0]] if len(plan.phases) == 1 else value, indent=2))
+        return 0
+    tables = []
+    for phase, ceiling in value.items():
+        counts = plan.counts[phase]
+        tables.append(
+            table(ceiling, args.case_name, plan.hardware["peak_flops"], counts["flops_per_token_6n"], counts.get("flops_per_token_palm"))
+        )
+    print("\n\n".join(tables))
     return 0

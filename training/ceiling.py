@@ -2,24 +2,39 @@
 
 For a case, the layout it runs and the device it runs on, the ceiling times the case's own
 per-GPU matrix products (every linear layer's forward, data-gradient and weight-gradient
-product at its tensor-parallel shard's shape) and its attention (forward and backward, with
-the kernel the case calls), and asks: if a step did nothing else, how many tokens per GPU
-per second would it train? Norms, RoPE, activations, the loss's softmax, the optimizer,
-communication, recompute and idle time all come on top, so a run's tokens/p/s over the
-ceiling (its ``efficiency``) says how close the software comes to the chip's own kernels,
-not only to a nominal peak.
+product that the step runs, at its tensor-parallel shard's shape) and its attention (with
+the kernel the case calls, forward and backward where the step differentiates it), and asks:
+if a step did nothing else, how many tokens per GPU per second would it train? Norms, RoPE,
+activations, the loss's softmax, the optimizer, communication, recompute and idle time all
+come on top, so a run's tokens/p/s over the ceiling (its ``efficiency``) says how close the
+software comes to the chip's own kernels, not only to a nominal peak.
 
-Per micro batch of ``b`` sequences of ``s`` tokens, one GPU of a ``tp``-way tensor-parallel
-group computes every layer's shard: ``t_mb = L * (sum of the layer's GEMM times + attention
-time) + output layer's GEMM times``. Pipeline stages split the layers (evenly, no bubble
-counted) and data-parallel replicas repeat the work, so neither changes the ceiling:
-``tokens/p/s = b * s / (t_mb * tp)``.
+One micro batch of ``tokens`` tokens on one GPU of a ``tp``-way tensor-parallel group runs
+every :class:`Gemm` ``count`` times (a decoder layer's once per layer, the output layer's
+once) with the products it lists, and every :class:`Attention` block ``count`` times::
 
-The case supplies its GEMM list (:func:`decoder_gemms` for a decoder-only model) and an
-attention callable taking ``[b, heads, s, d]`` query and ``[b, groups, s, d]`` key/value;
-:func:`measure` times them. The value goes out in the case's ``run_meta`` record as
-``kernel_ceiling`` (and as an ``info`` record of that key under ``start_task.py
---ceiling``); the host reads it with :func:`efficiency`.
+    t_mb = sum(count * (the GEMM's products' times)) + sum(count * attention time)
+    tokens/p/s = tokens / (t_mb * tp)
+
+Pipeline stages split the layers (evenly, no bubble counted) and data-parallel replicas
+(ZeRO's included) repeat the work, so neither changes the ceiling.
+
+What a case describes:
+
+- a decoder-only model trained whole (llama3/megatron, baichuan2/deepspeed): its layer's
+  linear layers and the output layer (:func:`decoder_gemms`, or the case's own list where its
+  projections are split), all three products, and one causal attention block, forward and
+  backward, over its layers (:func:`measure` is this case);
+- a model of several parts, some frozen (llava/deepspeed): each part's GEMMs with only the
+  products its step runs (``Gemm.products``: a frozen language model that the loss's gradient
+  must cross runs ``fwd`` and ``dgrad``, no ``wgrad``; a frozen vision tower fed by data runs
+  ``fwd`` alone; a trained layer whose input needs no gradient runs ``fwd`` and ``wgrad``),
+  and one :class:`Attention` block per part (causal or not, ``backward`` or forward only,
+  with its own batch, heads and length); :func:`measure_parts` times any such list.
+
+The value goes out in the case's ``run_meta`` record as ``kernel_ceiling`` (one per phase;
+and as an ``info`` record of that key under ``start_task.py --ceiling``); the host reads it
+with :func:`efficiency`.
 
 Standard library at import (the host imports :func:`efficiency`); torch and the device's
 calls (training/accelerator.py: its timing events, else the wall clock between synchronizes)
@@ -38,22 +53,82 @@ from training.metriclog import K_KERNEL_CEILING  # run_meta key and info-record 
 if TYPE_CHECKING:
     from training.accelerator import Accelerator
 
+#: a linear layer's three products, in the order autograd runs them: ``x @ W^T`` (forward),
+#: ``dy @ W`` (the gradient of its input), ``dy^T @ x`` (the gradient of its weight)
+PRODUCTS = ("fwd", "dgrad", "wgrad")
+
+#: how an attention block's query, key and value reach the kernel: permuted views of
+#: ``[s, b, heads, d]`` tensors (what a megatron layer hands its core attention), transposed
+#: views of ``[b, s, heads, d]`` projections (transformers' layers), or views of one packed
+#: ``[b, s, 3, heads, d]`` projection (a fused QKV layer such as Baichuan2's ``W_pack``)
+LAYOUTS = ("sbhd", "bshd", "bs3hd")
+
 
 @dataclasses.dataclass(frozen=True)
 class Gemm:
-    """One linear layer ``y = x W^T`` of ``m`` rows: ``x [m, k]``, ``W [n, k]``, ``y [m, n]``;
-    ``per_layer``: once in every transformer layer (else once per model, e.g. the output layer)."""
+    """One linear layer ``y = x W^T`` of ``m`` rows: ``x [m, k]``, ``W [n, k]``, ``y [m, n]``.
+
+    ``per_layer``: once in every transformer layer (else once per model, e.g. the output
+    layer); ``count``: how many times a micro batch runs it (None: the model's layers when
+    ``per_layer``, else once); ``products``: which of :data:`PRODUCTS` the step runs."""
 
     name: str
     m: int
     n: int
     k: int
     per_layer: bool = True
+    products: tuple[str, ...] = PRODUCTS
+    count: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.products or len(set(self.products)) != len(self.products) or not set(self.products) <= set(PRODUCTS):
+            raise ValueError(f"Gemm {self.name}: products must be distinct names of {', '.join(PRODUCTS)}, got {self.products!r}")
+        if min(self.m, self.n, self.k) < 1 or (self.count is not None and self.count < 1):
+            raise ValueError(f"Gemm {self.name}: m, n, k and count must be positive, got {self.m}, {self.n}, {self.k}, {self.count}")
 
     @property
     def flops(self) -> float:
-        """Forward, data-gradient and weight-gradient products together."""
-        return 3 * 2.0 * self.m * self.n * self.k
+        """The products that run, together: ``2 m n k`` each."""
+        return len(self.products) * 2.0 * self.m * self.n * self.k
+
+    def times(self, num_layers: int) -> int:
+        """How many times a micro batch runs it, for a model of ``num_layers`` layers."""
+        return self.count if self.count is not None else (num_layers if self.per_layer else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """One attention block: ``attend(q, k, v)`` (the kernel the case calls) on query
+    ``[batch, heads, seq, head_dim]`` and key/value ``[batch, groups, seq, head_dim]``, handed
+    in ``layout`` (:data:`LAYOUTS`), ``count`` times per micro batch; ``causal`` or over the
+    full length; forward and ``backward`` (the gradient of q, k and v) or forward alone.
+    ``kernel`` names what ``attend`` runs."""
+
+    name: str
+    attend: Callable[[Any, Any, Any], Any]
+    kernel: str
+    batch: int
+    heads: int
+    groups: int
+    seq: int
+    head_dim: int
+    count: int
+    causal: bool = True
+    backward: bool = True
+    layout: str = "sbhd"
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"Attention {self.name}: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout == "bs3hd" and self.groups != self.heads:
+            raise ValueError(f"Attention {self.name}: a packed QKV layout has as many key/value heads as query heads")
+        if min(self.batch, self.heads, self.groups, self.seq, self.head_dim, self.count) < 1:
+            raise ValueError(f"Attention {self.name}: batch, heads, groups, seq, head_dim and count must be positive")
+
+    @property
+    def flops(self) -> float:
+        """One call's FLOPs (:func:`attention_flops`)."""
+        return attention_flops(self.batch, self.heads, self.seq, self.head_dim, causal=self.causal, backward=self.backward)
 
 
 def decoder_gemms(
@@ -70,10 +145,17 @@ def decoder_gemms(
     ]
 
 
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, *, causal: bool = True, backward: bool = True) -> float:
+    """FLOPs of attention over ``seq`` positions: the forward's two products ``QK^T`` and ``AV``
+    (``4 * b * h * s^2 * d`` over the full length, half of it causal), and with ``backward``
+    the backward's 2.5 times the forward on top."""
+    return (3.5 if backward else 1.0) * (2.0 if causal else 4.0) * batch * heads * seq * seq * head_dim
+
+
 def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
     """Forward + backward FLOPs of causal attention: the forward's two products over the
     causal half (``2 * b * h * s^2 * d``), the backward 2.5 times the forward."""
-    return 3.5 * 2.0 * batch * heads * seq * seq * head_dim
+    return attention_flops(batch, heads, seq, head_dim, causal=True, backward=True)
 
 
 def _accelerator(device: Any, accelerator: Accelerator | None) -> Accelerator:
@@ -96,44 +178,148 @@ def time_op(
 
 
 def time_gemm(g: Gemm, dtype: Any, device: Any, **kw: Any) -> dict[str, float]:
-    """The three products of one linear layer, each timed alone, in the layouts a linear
-    layer's autograd runs them: ``x @ W^T``, ``dy @ W``, ``dy^T @ x``."""
+    """The products of one linear layer that its step runs (``g.products``), each timed alone,
+    in the layouts a linear layer's autograd runs them: ``x @ W^T``, ``dy @ W``, ``dy^T @ x``;
+    seconds under ``<product>_s``."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(g.m, g.k, dtype=dtype, device=device, generator=gen)
     w = torch.randn(g.n, g.k, dtype=dtype, device=device, generator=gen)
     dy = torch.randn(g.m, g.n, dtype=dtype, device=device, generator=gen)
-    out = {
-        "fwd_s": time_op(lambda: torch.matmul(x, w.t()), device, **kw),
-        "dgrad_s": time_op(lambda: torch.matmul(dy, w), device, **kw),
-        "wgrad_s": time_op(lambda: torch.matmul(dy.t(), x), device, **kw),
+    calls = {
+        "fwd": lambda: torch.matmul(x, w.t()),
+        "dgrad": lambda: torch.matmul(dy, w),
+        "wgrad": lambda: torch.matmul(dy.t(), x),
     }
-    return out  # the tensors go with this frame
+    return {f"{p}_s": time_op(calls[p], device, **kw) for p in g.products}  # the tensors go with this frame
 
 
-def time_attention(
-    attend: Callable[[Any, Any, Any], Any], batch: int, heads: int, groups: int, seq: int, head_dim: int, dtype: Any, device: Any, **kw: Any
-) -> float:
-    """Forward + backward of ``attend`` on query ``[b, heads, s, d]`` and key/value
-    ``[b, groups, s, d]``, handed as permuted views of ``[s, b, ., d]`` tensors (the layout a
-    megatron layer hands its core attention)."""
+def time_attention(block: Attention, dtype: Any, device: Any, **kw: Any) -> float:
+    """Seconds per call of one attention block: ``block.attend`` on query, key and value handed
+    in ``block.layout``, and with ``block.backward`` the backward of its output (an upstream
+    gradient of the output's shape) to q, k and v."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(0)
+    b, s, d = block.batch, block.seq, block.head_dim
 
-    def make(h: int) -> Any:
-        return torch.randn(seq, batch, h, head_dim, dtype=dtype, device=device, generator=gen).requires_grad_()
+    def make(*shape: int) -> Any:
+        return torch.randn(*shape, dtype=dtype, device=device, generator=gen).requires_grad_(block.backward)
 
-    q, k, v = make(heads), make(groups), make(groups)
-    grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, generator=gen)
+    if block.layout == "bs3hd":
+        qkv = make(b, s, 3, block.heads, d)
+        leaves = [qkv]
+
+        def inputs() -> tuple[Any, Any, Any]:
+            return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+    else:
+        if block.layout == "sbhd":
+            leaves = [make(s, b, h, d) for h in (block.heads, block.groups, block.groups)]
+            order = (1, 2, 0, 3)
+        else:
+            leaves = [make(b, s, h, d) for h in (block.heads, block.groups, block.groups)]
+            order = (0, 2, 1, 3)
+
+        def inputs() -> tuple[Any, Any, Any]:
+            return tuple(t.permute(*order) for t in leaves)
+
+    grad: list[Any] = []
 
     def step() -> None:
-        out = attend(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
-        out.backward(grad)
-        q.grad = k.grad = v.grad = None
+        out = block.attend(*inputs())
+        if not block.backward:
+            return
+        if not grad:  # the upstream gradient, of the output's shape (the kernel's own layout)
+            grad.append(torch.randn(out.shape, dtype=dtype, device=device, generator=gen))
+        out.backward(grad[0])
+        for t in leaves:
+            t.grad = None
 
     return time_op(step, device, **kw)
+
+
+def measure_parts(
+    gemms: list[Gemm],
+    attentions: list[Attention],
+    *,
+    tokens: int,
+    tp: int,
+    dtype: Any,
+    device: Any,
+    num_layers: int = 0,
+    repeat: int = 5,
+    accelerator: Accelerator | None = None,
+    about: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Time the GEMMs and the attention blocks of one micro batch of ``tokens`` tokens on one
+    GPU; the ceiling as a dict (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time
+    and its parts (per GEMM: each product's milliseconds, its shape, ``count`` and
+    ``products``; per attention block: ``fwd_bwd_ms`` or ``fwd_ms``, its shape and ``kernel``),
+    with ``about``'s keys (what the case says of the shapes) on top. ``num_layers``: the count of
+    a per-layer GEMM without its own. ``accelerator``: the vendor's device calls (default: those
+    of ``device``'s type), which time the kernels and name the device."""
+    names = [g.name for g in gemms] + [a.name for a in attentions]
+    if len(set(names)) != len(names):
+        raise ValueError(f"kernel ceiling: part names repeat: {names}")
+    if not gemms:
+        raise ValueError("kernel ceiling: no GEMMs to time")
+    acc = _accelerator(device, accelerator)
+    kw = {"repeat": repeat, "accelerator": acc}
+    parts: dict[str, dict[str, Any]] = {}
+    gemm_s = gemm_flops = 0.0
+    for g in gemms:
+        t = time_gemm(g, dtype, device, **kw)
+        total = sum(t.values())
+        times = g.times(num_layers)
+        gemm_s += times * total
+        gemm_flops += times * g.flops
+        parts[g.name] = {
+            **{k.replace("_s", "_ms"): round(v * 1e3, 4) for k, v in t.items()},
+            "m": g.m,
+            "n": g.n,
+            "k": g.k,
+            "per_layer": g.per_layer,
+            "count": times,
+            "products": list(g.products),
+            "tflops": round(g.flops / total / 1e12, 2),
+        }
+    att_s = att_flops = 0.0
+    for a in attentions:
+        t = time_attention(a, dtype, device, **kw)
+        att_s += a.count * t
+        att_flops += a.count * a.flops
+        parts[a.name] = {
+            ("fwd_bwd_ms" if a.backward else "fwd_ms"): round(t * 1e3, 4),
+            "tflops": round(a.flops / t / 1e12, 2),
+            "kernel": a.kernel,
+            "batch": a.batch,
+            "heads": a.heads,
+            "groups": a.groups,
+            "seq": a.seq,
+            "head_dim": a.head_dim,
+            "count": a.count,
+            "causal": a.causal,
+            "backward": a.backward,
+        }
+    micro = gemm_s + att_s
+    acc.empty_cache()
+    return {
+        "tokens_per_gpu_s": tokens / (micro * tp),
+        "micro_batch_s": micro,
+        "gemm_s": gemm_s,
+        "attention_s": att_s,
+        "gemm_tflops": gemm_flops / gemm_s / 1e12,
+        "attention_tflops": att_flops / att_s / 1e12 if att_s else None,
+        **dict(about or {}),
+        "device": acc.device_name(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "tp": tp,
+        "tokens_per_micro_batch": tokens,
+        "repeat": repeat,
+        "parts": parts,
+    }
 
 
 def measure(
@@ -152,52 +338,25 @@ def measure(
     device: Any,
     repeat: int = 5,
     accelerator: Accelerator | None = None,
+    layout: str = "sbhd",
 ) -> dict[str, Any]:
-    """Time the GEMMs and the attention of one micro batch on one GPU; the ceiling as a dict
-    (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time and its parts.
-    ``accelerator``: the vendor's device calls (default: those of ``device``'s type), which
-    time the kernels and name the device."""
-    acc = _accelerator(device, accelerator)
-    kw = {"repeat": repeat, "accelerator": acc}
-    parts: dict[str, dict[str, float]] = {}
-    gemm_s = gemm_flops = 0.0
-    for g in gemms:
-        t = time_gemm(g, dtype, device, **kw)
-        total = t["fwd_s"] + t["dgrad_s"] + t["wgrad_s"]
-        times = num_layers if g.per_layer else 1
-        gemm_s += times * total
-        gemm_flops += times * g.flops
-        parts[g.name] = {
-            **{k: round(v * 1e3, 4) for k, v in ((k.replace("_s", "_ms"), v) for k, v in t.items())},
-            "m": g.m,
-            "n": g.n,
-            "k": g.k,
-            "per_layer": g.per_layer,
-            "tflops": round(g.flops / total / 1e12, 2),
-        }
-    att = time_attention(attend, batch, heads, groups, seq, head_dim, dtype, device, **kw)
-    att_flops = causal_attention_flops(batch, heads, seq, head_dim)
-    parts["attention"] = {"fwd_bwd_ms": round(att * 1e3, 4), "tflops": round(att_flops / att / 1e12, 2)}
-    micro = gemm_s + num_layers * att
-    acc.empty_cache()
-    name = acc.device_name(device)
-    return {
-        "tokens_per_gpu_s": batch * seq / (micro * tp),
-        "micro_batch_s": micro,
-        "gemm_s": gemm_s,
-        "attention_s": num_layers * att,
-        "gemm_tflops": gemm_flops / gemm_s / 1e12,
-        "attention_tflops": att_flops / att / 1e12,
-        "attention": attention,
-        "device": name,
-        "dtype": str(dtype).replace("torch.", ""),
-        "tp": tp,
-        "micro_batch": batch,
-        "seq_length": seq,
-        "layers": num_layers,
-        "repeat": repeat,
-        "parts": parts,
-    }
+    """A decoder-only model's ceiling (:func:`measure_parts`): its GEMMs and one causal
+    attention block (``attend``, named ``attention``), forward and backward, in each of its
+    ``num_layers`` layers, over micro batches of ``batch`` sequences of ``seq`` tokens."""
+    block = Attention("attention", attend, attention, batch, heads, groups, seq, head_dim, count=num_layers, layout=layout)
+    about = {"attention": attention, "micro_batch": batch, "seq_length": seq, "layers": num_layers}
+    return measure_parts(
+        gemms,
+        [block],
+        tokens=batch * seq,
+        tp=tp,
+        dtype=dtype,
+        device=device,
+        num_layers=num_layers,
+        repeat=repeat,
+        accelerator=accelerator,
+        about=about,
+    )
 
 
 def efficiency(meta: Mapping[str, Any] | None, tokens_per_gpu_s: float | None) -> tuple[float | None, float | None]:

@@ -1,7 +1,8 @@
 """The kernel ceiling (training/ceiling.py): the GEMM list a decoder's layout gives, the host's
 reading of it (results.json's ceiling figures, the table's "of ceiling" column), and on the CPU
 the real thing: ``start_task.py --ceiling`` on the tiny llama3 case, and a short run whose
-results.json carries the ceiling its ranks measured before training."""
+results.json carries the ceiling its ranks measured before training. The DeepSpeed cases' ceilings
+are tests/test_ceiling_deepspeed.py's."""
 
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def test_ceiling_alone_on_the_cpu(megatron_python):
     text = start(*base)
     assert text.returncode == 0 and "tokens/p/s" in text.stdout and "attention" in text.stdout, text.stdout + text.stderr
     # a case whose entry measures none, and options that do not apply: bad input, nothing runs
-    other = start("--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:1:2", "--ceiling")
+    other = start("--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:2", "--ceiling")
     assert other.returncode == 2 and "does not measure a kernel ceiling" in other.stderr
     cl = start(*base, "--cluster", "x.yaml")
     assert cl.returncode == 2 and "--cluster does not apply" in cl.stderr

@@ -16,6 +16,11 @@ writes ``run_meta``; rank 0 then copies the effective DeepSpeed config (read bac
 from the engine) to ``<output_dir>/ds_config.json`` and reports it in an ``info``
 record ``ds_config``.  ``step``: one optimizer step of the loop (``train_step``).
 ``finish``: ``peak_memory``; the engine released.
+
+Before the model is built, every rank times the kernel ceiling of its micro batch on its
+device (``ceiling.py``, training/ceiling.py; run_meta's ``kernel_ceiling``; the allocator's
+peak is reset after, when the engine has started). ``--ceiling`` times it alone, on the first
+device, with no process group, model or data (``start_task.py --ceiling``).
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 from training import case, runtime
 
 case.isolate(__file__)
-from training.metriclog import MetricLogger  # noqa: E402
+from training.metriclog import K_KERNEL_CEILING, MetricLogger  # noqa: E402
 
 PHASE = "train"
 
@@ -55,11 +61,13 @@ class Trainer:
     def build(self) -> None:
         import torch.distributed as dist
 
+        from cases.baichuan2.deepspeed import ceiling as case_ceiling
         from cases.baichuan2.deepspeed import data as case_data
         from cases.baichuan2.deepspeed import model as case_model
         from cases.baichuan2.deepspeed import settings as case_settings
         from training import deepspeed_loop as dsl
         from training import deepspeed_weights as dsw
+        from training.accelerator import Accelerator
         from training.flops import decoder_flops
 
         cfg, info = self.cfg, runtime.dist_info()
@@ -70,6 +78,8 @@ class Trainer:
         device = dsl.init_distributed(cfg)
         rank, world = dist.get_rank(), dist.get_world_size()
         self.log.rank = rank
+        # the kernel ceiling, on every rank's device at once, before the model exists
+        kernel_ceiling = case_ceiling.kernel_ceiling(s, device, Accelerator(cfg.get("vendor") or {}))
         data = case_data.CaseData(
             c.sections["data"],
             seq_length=shape["seq_length"],
@@ -120,6 +130,7 @@ class Trainer:
             "init": "normal(0, init_std) per (seed, parameter name), norms ones (training.deepspeed_weights)",
             "init_weights": weights,
             "device": str(device),
+            K_KERNEL_CEILING: kernel_ceiling,
         }
         self.loop = dsl.DeepSpeedPhase(
             cfg,
@@ -158,6 +169,11 @@ class Trainer:
 def main() -> None:
     cfg = runtime.setup()  # the vendor adapter runs before deepspeed is imported
     log = MetricLogger()
+    if "--ceiling" in sys.argv[1:]:
+        from cases.baichuan2.deepspeed import ceiling as case_ceiling
+
+        case_ceiling.ceiling_only(cfg, log)
+        return
     case.run(lambda phase: Trainer(cfg, log, phase), log, phases=(PHASE,))
     import torch.distributed as dist
 

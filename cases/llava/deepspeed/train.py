@@ -25,16 +25,23 @@ lengths of its samples, image tokens included, summed over all ranks.
 Speed switches of the language model, per phase (``settings.py`` checks them, ``model.py``
 applies them before the engine starts, ``run_meta`` reports them):
 ``parallel.fused_elementwise`` (none | compile | liger) and ``parallel.recompute_num_layers``.
+
+Before each phase's model is built, every rank times that phase's kernel ceiling on its
+device (``ceiling.py``, training/ceiling.py; the phase's run_meta ``kernel_ceiling``; the
+allocator's peak is reset after, when the engine has started). ``--ceiling`` times both
+phases' alone, on the first device, with no process group, model or data
+(``start_task.py --ceiling``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from training import case, runtime
 
 case.isolate(__file__)
-from training.metriclog import MetricLogger  # noqa: E402
+from training.metriclog import K_KERNEL_CEILING, MetricLogger  # noqa: E402
 
 PHASES = ("pretrain", "finetune")
 
@@ -151,6 +158,7 @@ class PhaseTrainer:
     def build(self) -> None:
         import torch
 
+        from cases.llava.deepspeed import ceiling as llava_ceiling
         from cases.llava.deepspeed import model as llava_model
         from cases.llava.deepspeed import settings as llava_settings
         from training import deepspeed_loop as dsl
@@ -166,6 +174,8 @@ class PhaseTrainer:
         tr, data = c.train, c.sections["data"]
         ds_config = dsl.build_ds_config(c, int(shape["hidden_size"]))
         zero3 = ds_config["zero_optimization"]["stage"] == 3
+        # this phase's kernel ceiling, on every rank's device at once, before its model exists
+        kernel_ceiling = llava_ceiling.kernel_ceiling(c, shape, device, Accelerator(cfg.get("vendor") or {}))
         model = llava_model.build_model(shape, dsl.DTYPES[tr.precision], device, dsl.model_init_context(ds_config) if zero3 else None)
         llava_model.apply_speed_switches(model, **switches)
         if rnd.previous is None:
@@ -233,6 +243,7 @@ class PhaseTrainer:
             "fused_elementwise": switches["fused_elementwise"],
             "recompute_num_layers": switches["recompute_num_layers"],
             "zero_stage_requested": ds_config["zero_optimization"]["stage"],
+            K_KERNEL_CEILING: kernel_ceiling,
         }
         self.loop = dsl.DeepSpeedPhase(
             cfg, c, model, self.batches, ds_config=ds_config, logger=rnd.log, meta=meta, trainable=llava_model.trainable(phase)
@@ -274,6 +285,11 @@ class PhaseTrainer:
 def main() -> None:
     cfg = runtime.setup()  # the vendor adapter runs before deepspeed is imported
     log = MetricLogger()
+    if "--ceiling" in sys.argv[1:]:
+        from cases.llava.deepspeed import ceiling as llava_ceiling
+
+        llava_ceiling.ceiling_only(cfg, log, PHASES)
+        return
     rnd = Round(cfg, log)
     case.run(lambda phase: PhaseTrainer(rnd, phase), log, phases=PHASES)
     import torch.distributed as dist

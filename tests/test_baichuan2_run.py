@@ -71,6 +71,7 @@ def resolved(tmp: Path, **over) -> dict:
         "recompute_num_layers": None,
         "attention": "sdpa",
         "fused_elementwise": "none",
+        "fused_linear_loss": "none",
         "zero": {
             "stage": 3,
             "overlap_comm": True,

@@ -88,10 +88,12 @@ def _resolved(model="gpt3_6.7B", world=8, **over):
 @pytest.mark.parametrize("model", ["gpt3_6.7B", "gpt3_13B"])
 @pytest.mark.parametrize("variant", ["", "_TP1PP1SH2SP8", "_TP2PP1SH1SP4", "_TP2PP1SH2SP4", "_TP2PP4SH1SP1"])
 def test_seed_layouts(model, variant):
-    """Each A100x1x8 config gives the seed's batch, accumulation and degrees."""
+    """Each A100x1x8 config gives the seed's batch, accumulation and degrees. They are the seed's
+    layouts, measured by FlagPerf and not by this harness: ``validated: false``
+    (tests/test_validated_configs.py)."""
     path = ROOT / "vendors" / "nvidia" / "cases" / model / "paddle" / f"config_A100x1x8{variant}.yaml"
     vc = yaml.safe_load(path.read_text())
-    assert vc["validated"] is True
+    assert vc["validated"] is False
     cfg = _resolved(model, 8)
     cfg["train"].update(vc.get("train", {}))
     cfg["parallel"].update(vc.get("parallel", {}))

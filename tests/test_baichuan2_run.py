@@ -29,6 +29,7 @@ from tests.deepspeed_runs import (
     assert_short_run_unjudged,
     start_task,
 )
+from tests.test_ceiling_deepspeed import assert_baichuan2_ceiling
 from training.flops import decoder_flops
 from training.metriclog import parse_lines
 
@@ -252,6 +253,7 @@ def test_the_chunked_loss_under_zero3_follows_the_plain_curve(standard, tmp_path
     assert_short_run_unjudged(run)
     (phase,) = run.round["phases"]
     assert phase["meta"]["fused_linear_loss"] == "chunked"
+    assert_baichuan2_ceiling(run.dir)  # the kernel ceiling (training/ceiling.py) in its results.json
     assert_same_curve(standard.loss("train", SHORT), run.loss("train", SHORT), "chunked loss")
 
 

@@ -38,6 +38,7 @@ from tests.deepspeed_runs import (
     assert_short_run_unjudged,
     start_task,
 )
+from tests.test_ceiling_deepspeed import assert_llava_ceilings
 from training.flops_llava import llava_params
 from training.metriclog import parse_lines
 
@@ -537,6 +538,7 @@ def test_pretrain_under_zero3_follows_the_zero2_curve(standard, tmp_path):
     starts from the ZeRO-2 run's weights and follows its curve; both runs time their batch
     fetch inside the step. Its finetune copies the partitioned pretrain model (gathered)."""
     zero3 = start_task(tmp_path, "llava_tiny:deepspeed:cpu:1:2", f"train.steps={SHORT}", "parallel.phases.pretrain.zero.stage=3")
+    assert_llava_ceilings(zero3.dir)  # each phase's kernel ceiling (training/ceiling.py) in its results.json
     assert_short_run_unjudged(zero3)
     assert [p["meta"]["zero_stage"] for p in zero3.round["phases"]] == [3, 3]
     assert_same_curve(standard.loss("pretrain", SHORT), zero3.loss("pretrain", SHORT), "pretrain ZeRO-3")

@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from training.metriclog import K_KERNEL_CEILING  # run_meta key and info-record key
 
 if TYPE_CHECKING:
     from training.accelerator import Accelerator
+    from training.metriclog import MetricLogger
 
 #: a linear layer's three products, in the order autograd runs them: ``x @ W^T`` (forward),
 #: ``dy @ W`` (the gradient of its input), ``dy^T @ x`` (the gradient of its weight)
@@ -357,6 +358,30 @@ def measure(
         accelerator=accelerator,
         about=about,
     )
+
+
+def record_alone(
+    cfg: dict,
+    log: MetricLogger,
+    measure: Callable[[int, str | None, Any, Accelerator], dict[str, Any]],
+    phases: Iterable[str | None] = (None,),
+) -> None:
+    """``--ceiling`` (start_task.py --ceiling) in a case's entry: ``measure(world_size, phase,
+    device, accelerator)`` for each of ``phases`` on this process's first device (the vendor's
+    device calls), one ``info`` record each, carrying its phase where the case has phases; no
+    process group, model or data. A failure is written as an error record, then raised."""
+    from training.accelerator import Accelerator
+
+    case = cfg["case"]
+    world = int(case["nnodes"]) * int(case["nprocs"])
+    acc = Accelerator(cfg.get("vendor") or {})
+    device = acc.device(0)
+    for phase in phases:
+        try:
+            log.info(K_KERNEL_CEILING, measure(world, phase, device, acc), phase=phase)
+        except BaseException as exc:
+            log.error(f"kernel ceiling: {type(exc).__name__}: {exc}", phase=phase)
+            raise
 
 
 def efficiency(meta: Mapping[str, Any] | None, tokens_per_gpu_s: float | None) -> tuple[float | None, float | None]:

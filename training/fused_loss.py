@@ -57,8 +57,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             picked = logits.gather(1, safe[:, None]).squeeze(1)
             if valid:
                 total += ((lse - picked) * keep).sum() / valid
-            top = logits.max(-1)
-            if z_loss_weight:
+            top = logits.max(-1) if z_loss_weight else None
+            if top is not None:
                 total += z_loss_weight * top.values.pow(2).sum() / n
             if grad_x is None and grad_w is None:
                 continue
@@ -66,7 +66,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = torch.softmax(logits, dim=-1)
             g.scatter_add_(1, safe[:, None], -torch.ones_like(picked)[:, None])
             g *= (keep.float() / max(valid, 1))[:, None]
-            if z_loss_weight:
+            if top is not None:
                 g.scatter_add_(1, top.indices[:, None], (2 * z_loss_weight / n * top.values)[:, None])
             g = g.to(x.dtype)
             del logits
@@ -74,17 +74,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 grad_x[start : start + chunk] = g @ weight
             if grad_w is not None:
                 grad_w += (g.t() @ xc).float()
-        ctx.save_for_backward(grad_x if grad_x is not None else torch.empty(0), grad_w if grad_w is not None else torch.empty(0))
-        ctx.has = (grad_x is not None, grad_w is not None)
+        ctx.save_for_backward(grad_x, grad_w)
         ctx.w_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         grad_x, grad_w = ctx.saved_tensors
-        has_x, has_w = ctx.has
-        dx = grad_x * grad_out.to(grad_x.dtype) if has_x else None
-        dw = (grad_w * grad_out).to(ctx.w_dtype) if has_w else None
+        dx = None if grad_x is None else grad_x * grad_out.to(grad_x.dtype)
+        dw = None if grad_w is None else (grad_w * grad_out).to(ctx.w_dtype)
         return dx, dw, None, None, None, None
 
 

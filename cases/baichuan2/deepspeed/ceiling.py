@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from training import ceiling
-from training.metriclog import K_KERNEL_CEILING, MetricLogger
+from training.metriclog import MetricLogger
 
 if TYPE_CHECKING:
     import torch
@@ -98,13 +98,5 @@ def ceiling_only(cfg: dict, log: MetricLogger) -> None:
     """``--ceiling`` (start_task.py --ceiling): the ceiling of the configured layout on this
     process's first device, as one ``info`` record; no process group, model or data."""
     from cases.baichuan2.deepspeed import settings as case_settings
-    from training.accelerator import Accelerator
 
-    case = cfg["case"]
-    s = case_settings.from_config(cfg, int(case["nnodes"]) * int(case["nprocs"]), PHASE)
-    acc = Accelerator(cfg.get("vendor") or {})
-    try:
-        log.info(K_KERNEL_CEILING, kernel_ceiling(s, acc.device(0), acc))
-    except BaseException as exc:
-        log.error(f"kernel ceiling: {type(exc).__name__}: {exc}")
-        raise
+    ceiling.record_alone(cfg, log, lambda world, _, device, acc: kernel_ceiling(case_settings.from_config(cfg, world, PHASE), device, acc))

@@ -329,17 +329,9 @@ def ceiling_only(cfg: dict, log: MetricLogger) -> None:
     process's first device, as one ``info`` record; no process group, model or data."""
     from cases.llama3.megatron import modeling
     from cases.llama3.megatron.settings import from_config
-    from training.accelerator import Accelerator
+    from training import ceiling
 
-    case = cfg["case"]
-    s = from_config(cfg, int(case["nnodes"]) * int(case["nprocs"]))
-    acc = Accelerator(cfg.get("vendor") or {})
-    device = acc.device(0)
-    try:
-        log.info(K_KERNEL_CEILING, modeling.kernel_ceiling(s, device, acc))
-    except BaseException as exc:
-        log.error(f"kernel ceiling: {type(exc).__name__}: {exc}")
-        raise
+    ceiling.record_alone(cfg, log, lambda world, _, device, acc: modeling.kernel_ceiling(from_config(cfg, world), device, acc))
 
 
 def main() -> int:

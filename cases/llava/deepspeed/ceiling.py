@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from training import ceiling
-from training.metriclog import K_KERNEL_CEILING, MetricLogger
+from training.metriclog import MetricLogger
 
 if TYPE_CHECKING:
     import torch
@@ -210,16 +210,10 @@ def ceiling_only(cfg: dict, log: MetricLogger, phases: Iterable[str] = PHASES) -
     """``--ceiling`` (start_task.py --ceiling): every phase's ceiling on this process's first
     device, one ``info`` record each (with its ``phase``); no process group, model or data."""
     from training import settings
-    from training.accelerator import Accelerator
 
-    case = cfg["case"]
-    world = int(case["nnodes"]) * int(case["nprocs"])
     shape = settings.shape_source(cfg["model"])
-    acc = Accelerator(cfg.get("vendor") or {})
-    device = acc.device(0)
-    for phase in phases:
-        try:
-            log.info(K_KERNEL_CEILING, kernel_ceiling(settings.from_config(cfg, world, phase), shape, device, acc), phase=phase)
-        except BaseException as exc:
-            log.error(f"kernel ceiling: {type(exc).__name__}: {exc}", phase=phase)
-            raise
+
+    def measure(world: int, phase: str | None, device: torch.device, acc: Accelerator) -> dict[str, Any]:
+        return kernel_ceiling(settings.from_config(cfg, world, phase), shape, device, acc)
+
+    ceiling.record_alone(cfg, log, measure, phases)

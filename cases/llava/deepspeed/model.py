@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from cases.llava.deepspeed.settings import FUSED_ELEMENTWISE
 from training import fused
 
 #: checkpoint key prefix -> (part, prefix that replaces it), first match wins
@@ -162,8 +163,6 @@ def build_model(
 
 # --------------------------------------------------------------------------- speed switches
 
-FUSED_ELEMENTWISE = ("none", "compile", "liger")
-
 
 def _compiled_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     # LlamaRMSNorm's order: normalize in float32, round to the input's dtype, then scale
@@ -240,8 +239,8 @@ def apply_speed_switches(
                 layer.gradient_checkpointing = False
 
         model.gradient_checkpointing_enable = enable_first_layers
-    fused = fused_elementwise != "none"
-    return {"norms": len(norms) if fused else 0, "mlps": len(mlps) if fused else 0}
+    changed = fused_elementwise != "none"
+    return {"norms": len(norms) if changed else 0, "mlps": len(mlps) if changed else 0}
 
 
 def recomputed_layers(model: torch.nn.Module) -> list[bool]:

@@ -58,12 +58,34 @@ def test_switch_values_are_read_and_checked(tmp_path):
             {"fused_elementwise": "compile", "transformer_impl": "transformer_engine"},
             True,
         ),
+        "parallel.sequence_parallel needs norms that run on a share of the sequence: megatron's torch RMSNorm wrapper": (
+            {"tp": 2, "sequence_parallel": True, "transformer_impl": "local"},
+            True,
+        ),
+        "parallel.sequence_parallel needs parallel.tp > 1": ({"sequence_parallel": True, "fused_elementwise": "compile"}, False),
+        "parallel.fused_linear_loss: chunked does not support parallel.sequence_parallel": (
+            {"tp": 2, "sequence_parallel": True, "fused_elementwise": "compile", "fused_linear_loss": "chunked"},
+            False,
+        ),
     }
     for message, (parallel, on_cuda) in refused.items():
-        cfg = resolved_config(tmp_path, 1, "x", parallel=parallel)
+        world = parallel.get("tp", 1)
+        cfg = resolved_config(tmp_path, world, "x", parallel=parallel)
         with pytest.raises(st.SettingsError) as err:
-            st.from_config(_cuda(cfg) if on_cuda else cfg, world_size=1)
+            st.from_config(_cuda(cfg) if on_cuda else cfg, world_size=world)
         assert message in str(err.value)
+    for fused in ("compile", "liger"):  # the case's own norms run under sequence parallelism
+        cfg = _cuda(resolved_config(tmp_path, 2, "x", parallel={"tp": 2, "sequence_parallel": True, "fused_elementwise": fused}))
+        assert st.from_config(cfg, world_size=2).layout.sequence_parallel is True
+    shape = {**resolved_config(tmp_path, 2, "x")["model"], "seq_length": 127}
+    with pytest.raises(st.SettingsError, match="seq_length over tensor parallelism"):
+        st.from_config(
+            {
+                **resolved_config(tmp_path, 2, "x", parallel={"tp": 2, "sequence_parallel": True, "fused_elementwise": "compile"}),
+                "model": shape,
+            },
+            world_size=2,
+        )
 
 
 def test_case_and_vendor_configs_carry_the_switches():
@@ -246,3 +268,77 @@ def test_fused_linear_loss_and_rope_match_the_plain_model(tmp_path):
     assert plain["grads"].keys() == fused["grads"].keys()
     for name, g in plain["grads"].items():
         assert fused["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+
+
+_SEQUENCE_PARALLEL_CHECK = r"""
+import json, sys
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])
+import torch, torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from cases.llama3.megatron import modeling, settings, startweights
+from training import fused
+
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+model_parallel_cuda_manual_seed(1234)
+fused.COMPILE_BACKEND = "aot_eager"
+gen = torch.Generator().manual_seed(11)  # the same tokens on both ranks, as tensor parallelism has them
+tokens = torch.randint(0, 1024, (2, 128), generator=gen)
+labels = torch.randint(0, 1024, (2, 128), generator=gen)
+position_ids = torch.arange(128).expand(2, 128)
+out = {"rank": dist.get_rank()}
+for sp in (False, True):
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "sequence_parallel": sp}}, 2)
+    config = modeling.transformer_config(s)
+    model = modeling.build_model(s, config)
+    startweights.overwrite(model, s)
+    seen = []
+    model.decoder.layers[0].input_layernorm.register_forward_hook(lambda m, a, o: seen.append(list(a[0].shape)))
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=False), module=model)
+    loss = ddp(tokens, position_ids, None, labels=labels).float().mean()
+    loss.backward()
+    finalize_model_grads([ddp])
+    out[str(sp)] = {
+        "loss": loss.item(),
+        "norm_input": seen[0],
+        "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)),
+        "grads": {n: p.main_grad.flatten().tolist() for n, p in model.named_parameters()},
+    }
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
+    """``parallel.sequence_parallel`` without TransformerEngine: with the compiled norms each of two
+    tensor-parallel ranks normalizes half of the sequence, and after megatron's gradient
+    finalization the loss and every gradient shard equal those of plain tensor parallelism."""
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"})))
+    script = tmp_path / "check.py"
+    script.write_text(_SEQUENCE_PARALLEL_CHECK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    results = [json.loads(x[len("RESULT ") :]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for res in results:
+        tp, sp = res["False"], res["True"]
+        assert tp["norm_input"] == [128, 2, 64] and sp["norm_input"] == [64, 2, 64]  # [s, b, h]: half the sequence a rank
+        assert tp["marked"] == [] and sp["marked"] == [
+            "decoder.final_layernorm.weight",
+            "decoder.layers.0.input_layernorm.weight",
+            "decoder.layers.0.pre_mlp_layernorm.weight",
+            "decoder.layers.1.input_layernorm.weight",
+            "decoder.layers.1.pre_mlp_layernorm.weight",
+        ]
+        assert sp["loss"] == pytest.approx(tp["loss"], rel=1e-6)
+        assert sp["grads"].keys() == tp["grads"].keys()
+        for name, g in tp["grads"].items():
+            assert sp["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name

@@ -17,7 +17,10 @@ attention on torch's cuDNN SDPA backend (modeling.CuDNNCoreAttention, checked he
 
 The modules keep megatron's builder signatures (``(config=, hidden_size=, eps=)`` for a norm,
 ``(config=)`` for the activation), so they slot into megatron-core 0.16's and 0.19's local
-layer spec (``use_te_activation_func`` routes the MLP through an activation module).
+layer spec (``use_te_activation_func`` routes the MLP through an activation module). Unlike
+megatron's torch-norm wrapper, the norms run under ``parallel.sequence_parallel`` (each rank
+normalizes its share of the sequence; see ``_Norm``), which makes sequence parallelism
+possible without TransformerEngine.
 
 Imported after ``training.runtime.setup()``, like modeling.py.
 """
@@ -56,14 +59,18 @@ def _check_cuda(x: torch.Tensor, what: str) -> None:
 
 class _Norm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` (parameter ``weight``, made where megatron's would be) built with
-    megatron's norm-builder arguments; subclasses change only the forward."""
+    megatron's norm-builder arguments; subclasses change only the forward.
+
+    Under sequence parallelism (``config.sequence_parallel``) a tensor-parallel rank normalizes
+    its own share of the sequence, so its weight gradient is a partial sum: the weight is marked
+    ``sequence_parallel`` as megatron marks its own norms', and megatron's
+    ``finalize_model_grads`` sums such gradients over the tensor-parallel group."""
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
             raise ValueError(f"{type(self).__name__} is an RMSNorm; config.normalization is {config.normalization!r}")
-        if getattr(config, "sequence_parallel", False):
-            raise ValueError(f"{type(self).__name__} does not support sequence parallelism")
         super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
 
 class CompiledRMSNorm(_Norm):

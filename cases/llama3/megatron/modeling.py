@@ -285,8 +285,11 @@ def transformer_config(s: Settings) -> TransformerConfig:
         if lay.recompute == "full":
             kw["recompute_method"] = lay.recompute_method
             kw["recompute_num_layers"] = lay.recompute_num_layers
-    if lay.sequence_parallel and not use_transformer_engine(s):
-        raise RuntimeError("parallel.sequence_parallel needs TransformerEngine norms (megatron's torch RMSNorm wrapper refuses it)")
+    if lay.sequence_parallel and fused_elementwise_in_use(s) == "none" and not use_transformer_engine(s):
+        raise RuntimeError(
+            "parallel.sequence_parallel needs TransformerEngine's norms or those of parallel.fused_elementwise: "
+            "compile | liger (megatron's torch RMSNorm wrapper refuses it)"
+        )
     return TransformerConfig(**kw)
 
 

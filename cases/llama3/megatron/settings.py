@@ -191,8 +191,14 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         )
     if layout.fused_linear_loss != "none" and layout.sequence_parallel:
         raise SettingsError("parallel.fused_linear_loss: chunked does not support parallel.sequence_parallel")
-    if layout.fused_elementwise != "none" and layout.sequence_parallel:
-        raise SettingsError(f"parallel.fused_elementwise: {layout.fused_elementwise} does not support parallel.sequence_parallel")
+    if layout.sequence_parallel and layout.fused_elementwise == "none" and layout.transformer_impl == "local":
+        raise SettingsError(
+            "parallel.sequence_parallel needs norms that run on a share of the sequence: megatron's torch RMSNorm "
+            "wrapper (parallel.fused_elementwise: none with parallel.transformer_impl: local) refuses it; "
+            "set parallel.fused_elementwise to compile or liger, or use TransformerEngine"
+        )
+    if layout.sequence_parallel:
+        _divides("seq_length over tensor parallelism (sequence parallel)", layout.tp, shape.seq_length, fix)
     if layout.overlap_param_gather and not layout.distributed_optimizer:
         raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
     if layout.optimizer_cpu_offload and not layout.distributed_optimizer:

@@ -63,10 +63,6 @@ def test_switch_values_are_read_and_checked(tmp_path):
             True,
         ),
         "parallel.sequence_parallel needs parallel.tp > 1": ({"sequence_parallel": True, "fused_elementwise": "compile"}, False),
-        "parallel.fused_linear_loss: chunked does not support parallel.sequence_parallel": (
-            {"tp": 2, "sequence_parallel": True, "fused_elementwise": "compile", "fused_linear_loss": "chunked"},
-            False,
-        ),
     }
     for message, (parallel, on_cuda) in refused.items():
         world = parallel.get("tp", 1)
@@ -229,7 +225,7 @@ ref = F.cross_entropy(x @ w.t(), y, reduction="none")
 (ref * g).sum().backward()
 rx, rw = x.grad.clone(), w.grad.clone()
 x.grad = w.grad = None
-got = kernels.LinearCrossEntropy.apply(x, w, y, None, 7)
+got = kernels.LinearCrossEntropy.apply(x, w, y, None, 7, True)
 (got * g).sum().backward()
 out["fn"] = [float((got - ref).abs().max()), float((x.grad - rx).abs().max()), float((w.grad - rw).abs().max())]
 # RoPE: the compiled function against megatron's own
@@ -278,7 +274,7 @@ import torch, torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from cases.llama3.megatron import modeling, settings, startweights
+from cases.llama3.megatron import kernels, modeling, settings, startweights
 from training import fused
 
 dist.init_process_group("gloo")
@@ -290,8 +286,10 @@ tokens = torch.randint(0, 1024, (2, 128), generator=gen)
 labels = torch.randint(0, 1024, (2, 128), generator=gen)
 position_ids = torch.arange(128).expand(2, 128)
 out = {"rank": dist.get_rank()}
-for sp in (False, True):
-    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "sequence_parallel": sp}}, 2)
+kernels.FUSED_LOSS_CHUNK = 48  # several chunks, the last one short
+variants = {"tp": {}, "sp": {"sequence_parallel": True}, "sp_loss": {"sequence_parallel": True, "fused_linear_loss": "chunked"}}
+for name, par in variants.items():
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 2)
     config = modeling.transformer_config(s)
     model = modeling.build_model(s, config)
     startweights.overwrite(model, s)
@@ -301,13 +299,15 @@ for sp in (False, True):
     loss = ddp(tokens, position_ids, None, labels=labels).float().mean()
     loss.backward()
     finalize_model_grads([ddp])
-    out[str(sp)] = {
+    out[name] = {
         "loss": loss.item(),
         "norm_input": seen[0],
         "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)),
+        "type": type(model).__name__,
         "grads": {n: p.main_grad.flatten().tolist() for n, p in model.named_parameters()},
     }
-print("RESULT " + json.dumps(out))
+with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:  # one file a rank: their stdout lines would interleave
+    json.dump(out, fh)
 """
 
 
@@ -315,7 +315,8 @@ print("RESULT " + json.dumps(out))
 def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
     """``parallel.sequence_parallel`` without TransformerEngine: with the compiled norms each of two
     tensor-parallel ranks normalizes half of the sequence, and after megatron's gradient
-    finalization the loss and every gradient shard equal those of plain tensor parallelism."""
+    finalization the loss and every gradient shard equal those of plain tensor parallelism; so
+    do they with the chunked fused loss on top (which gathers the sequence shares itself)."""
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"})))
@@ -323,14 +324,27 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
     script.write_text(_SEQUENCE_PARALLEL_CHECK)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(path)]
+    cmd = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        str(path),
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    results = [json.loads(x[len("RESULT ") :]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    results = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
     assert sorted(r["rank"] for r in results) == [0, 1]
     for res in results:
-        tp, sp = res["False"], res["True"]
-        assert tp["norm_input"] == [128, 2, 64] and sp["norm_input"] == [64, 2, 64]  # [s, b, h]: half the sequence a rank
+        tp, sp, sp_loss = res["tp"], res["sp"], res["sp_loss"]
+        assert tp["norm_input"] == [128, 2, 64] and sp["norm_input"] == sp_loss["norm_input"] == [64, 2, 64]  # [s, b, h]
+        assert (tp["type"], sp["type"], sp_loss["type"]) == ("GPTModel", "GPTModel", "FusedLossGPTModel")
+        assert sp_loss["marked"] == sp["marked"]
         assert tp["marked"] == [] and sp["marked"] == [
             "decoder.final_layernorm.weight",
             "decoder.layers.0.input_layernorm.weight",
@@ -338,7 +352,8 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
             "decoder.layers.1.input_layernorm.weight",
             "decoder.layers.1.pre_mlp_layernorm.weight",
         ]
-        assert sp["loss"] == pytest.approx(tp["loss"], rel=1e-6)
-        assert sp["grads"].keys() == tp["grads"].keys()
-        for name, g in tp["grads"].items():
-            assert sp["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+        for other in (sp, sp_loss):
+            assert other["loss"] == pytest.approx(tp["loss"], rel=1e-6)
+            assert other["grads"].keys() == tp["grads"].keys()
+            for name, g in tp["grads"].items():
+                assert other["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name

@@ -260,13 +260,16 @@ class LinearCrossEntropy(torch.autograd.Function):
     TP group; the loss is ``log(sum exp) + max - logit[label]``, and only the log-sum-exp per
     token is kept. Backward: the chunk's logits are made again, ``softmax - one_hot`` scaled
     by each token's incoming gradient gives ``dx = d W`` (all-reduced over the TP group, as
-    megatron's column-parallel output layer does) and ``dW += d^T x`` (float32 sum over
-    chunks). Megatron's path keeps the logits ([tokens, vocab / tp]) and its float32 softmax
+    megatron's column-parallel output layer does, unless ``reduce_dx`` is false: under sequence
+    parallelism the reduce-scatter of the gather in front sums it) and ``dW += d^T x`` (float32
+    sum over chunks). Megatron's path keeps the logits ([tokens, vocab / tp]) and its float32 softmax
     for the backward instead; this one recomputes one product per chunk.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any, chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any, chunk: int, reduce_dx: bool
+    ) -> torch.Tensor:
         vocab_part = weight.shape[0]
         first = (torch.distributed.get_rank(group) if group is not None else 0) * vocab_part
         n = x.shape[0]
@@ -285,7 +288,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             lse[i : i + chunk] = torch.log(total) + top
             loss[i : i + chunk] = lse[i : i + chunk] - picked
         ctx.save_for_backward(x, weight, labels, lse)
-        ctx.group, ctx.chunk, ctx.first = group, chunk, first
+        ctx.group, ctx.chunk, ctx.first, ctx.reduce_dx = group, chunk, first, reduce_dx
         return loss
 
     @staticmethod
@@ -305,16 +308,24 @@ class LinearCrossEntropy(torch.autograd.Function):
             d = (d * grad[i : i + chunk, None].float()).to(x.dtype)
             dx[i : i + chunk] = torch.matmul(d, weight)
             dw += torch.matmul(d.t(), xc)
-        _all_reduce(dx, torch.distributed.ReduceOp.SUM, ctx.group)
-        return dx, dw.to(weight.dtype), None, None, None
+        if ctx.reduce_dx:
+            _all_reduce(dx, torch.distributed.ReduceOp.SUM, ctx.group)
+        return dx, dw.to(weight.dtype), None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group: Any, chunk: int = FUSED_LOSS_CHUNK
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    group: Any,
+    chunk: int = FUSED_LOSS_CHUNK,
+    reduce_dx: bool = True,
 ) -> torch.Tensor:
     """Per-token loss ``[b, s]`` of hidden states ``[s, b, h]`` through the output weight
-    ``[vocab / tp, h]`` against labels ``[b, s]``; ``group``: the TP group (None: no TP)."""
+    ``[vocab / tp, h]`` against labels ``[b, s]``; ``group``: the TP group (None: no TP);
+    ``reduce_dx``: sum the hidden states' gradient over the group here (false where the caller's
+    own collective sums it)."""
     s, b, h = hidden.shape
     flat_labels = labels.transpose(0, 1).reshape(-1)
-    loss = LinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels, group, chunk)
+    loss = LinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels, group, chunk, reduce_dx)
     return loss.view(s, b).transpose(0, 1).contiguous()

@@ -298,7 +298,8 @@ class FusedLossGPTModel(GPTModel):
     (``parallel.fused_linear_loss: chunked``, kernels.LinearCrossEntropy): the output layer hands
     the final norm's output on unchanged, and the loss multiplies it by the output layer's
     weight (the same parameter, so DDP, the optimizer and the starting weights see no change)
-    a chunk of tokens at a time."""
+    a chunk of tokens at a time. Under sequence parallelism the loss first gathers the ranks'
+    shares of the sequence, as the output layer would have."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -310,7 +311,16 @@ class FusedLossGPTModel(GPTModel):
             raise RuntimeError(f"fused_linear_loss: the output layer handed on {tuple(logits.shape)}, not hidden states")
         tp = parallel_state.get_tensor_model_parallel_world_size()
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-        return kernels.linear_cross_entropy(logits, self.output_layer.weight, labels, group)
+        if not self.config.sequence_parallel:
+            return kernels.linear_cross_entropy(logits, self.output_layer.weight, labels, group)
+        # the output layer would gather the sequence shares itself; the loss needs the whole
+        # sequence on each rank (its vocabulary share of every token): all-gather forward; the
+        # backward's reduce-scatter sums the ranks' partial gradients of the hidden states, so
+        # the loss leaves them unreduced
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(logits, tensor_parallel_output_grad=True, group=group)
+        return kernels.linear_cross_entropy(hidden, self.output_layer.weight, labels, group, reduce_dx=False)
 
 
 def _hand_on(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **kwargs: Any) -> tuple:

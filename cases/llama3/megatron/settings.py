@@ -189,8 +189,6 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
             "TransformerEngine brings its own: set parallel.transformer_impl to local (or auto without TransformerEngine) "
             "or parallel.fused_elementwise to none"
         )
-    if layout.fused_linear_loss != "none" and layout.sequence_parallel:
-        raise SettingsError("parallel.fused_linear_loss: chunked does not support parallel.sequence_parallel")
     if layout.sequence_parallel and layout.fused_elementwise == "none" and layout.transformer_impl == "local":
         raise SettingsError(
             "parallel.sequence_parallel needs norms that run on a share of the sequence: megatron's torch RMSNorm "

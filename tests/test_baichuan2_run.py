@@ -82,6 +82,7 @@ def resolved(tmp: Path, **over) -> dict:
             "stage3_param_persistence_threshold": None,
             "stage3_max_live_parameters": 1000000000,
             "stage3_max_reuse_distance": 1000000000,
+            "memory_efficient_linear": True,
             "sub_group_size": 1000000000,
             "offload_optimizer": "none",
         },
@@ -242,17 +243,24 @@ def test_zero_stage_and_dp_size_give_one_curve(standard, tmp_path):
 def test_the_chunked_loss_under_zero3_follows_the_plain_curve(standard, tmp_path):
     """parallel.fused_linear_loss=chunked on 2 processes with ZeRO-3: the NormHead's weight is
     gathered for the chunked product inside the head's forward, and its gradient reaches the
-    partitioned parameter; the curve is the standard run's."""
+    partitioned parameter; the curve is the standard run's. The run also keeps torch's linear
+    (``parallel.zero.memory_efficient_linear=false``: no DeepSpeed replacement), which does not
+    change the arithmetic."""
     run = start_task(
         tmp_path / "chunked",
         "baichuan2_tiny:deepspeed:cpu:1:2",
         f"train.steps={SHORT}",
         "train.lr_decay_steps=30",
         "parallel.fused_linear_loss=chunked",
+        "parallel.zero.memory_efficient_linear=false",
     )
     assert_short_run_unjudged(run)
     (phase,) = run.round["phases"]
     assert phase["meta"]["fused_linear_loss"] == "chunked"
+    assert phase["meta"]["functional_linear"] == "torch._C._nn.linear"
+    assert standard.round["phases"][0]["meta"]["functional_linear"] == "deepspeed.runtime.zero.linear.zero3_linear_wrap"
+    ds = json.loads(Path(phase["meta"]["ds_config_path"]).read_text())["zero_optimization"]
+    assert ds["memory_efficient_linear"] is False
     assert_baichuan2_ceiling(run.dir)  # the kernel ceiling (training/ceiling.py) in its results.json
     assert_same_curve(standard.loss("train", SHORT), run.loss("train", SHORT), "chunked loss")
 

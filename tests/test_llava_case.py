@@ -370,6 +370,7 @@ def resolved(tmp: Path) -> dict:
                     "stage3_param_persistence_threshold": None,
                     "stage3_max_live_parameters": 1.0e9,
                     "stage3_max_reuse_distance": 1.0e9,
+                    "memory_efficient_linear": True,
                     "offload_param": "none",
                 }
             },
@@ -489,6 +490,9 @@ def test_tiny_both_phases_two_processes(standard):
         assert ds["zero_optimization"]["reduce_bucket_size"] == 128 * 128  # null: derived from the hidden size
         if stage == 3:
             assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 1280
+            assert ds["zero_optimization"]["memory_efficient_linear"] is True  # DeepSpeed's default, written out
+        # which linear nn.Linear called: torch's until ZeRO-3's Init puts DeepSpeed's in its place
+        assert m["functional_linear"] == ("torch._C._nn.linear" if stage == 2 else "deepspeed.runtime.zero.linear.zero3_linear_wrap")
 
         steps = _phase(log, "step", "train_step", phase)
         assert [r.value["step"] for r in steps] == list(range(1, 31)) and {r.rank for r in steps} == {0}
@@ -553,7 +557,12 @@ def test_vendor_overrides_reach_the_effective_config(tmp_path):
     cfg = resolved(tmp_path)
     cfg["train"]["steps"] = 3
     cfg["train"]["phases"]["finetune"]["micro_batch"] = 4
-    cfg["parallel"]["phases"]["finetune"]["zero"].update(overlap_comm=False, reduce_bucket_size=4096, stage3_max_live_parameters=123456)
+    cfg["parallel"]["phases"]["finetune"]["zero"].update(
+        overlap_comm=False,
+        reduce_bucket_size=4096,
+        stage3_max_live_parameters=123456,
+        memory_efficient_linear=False,
+    )
     cfg["parallel"]["phases"]["pretrain"]["zero"]["contiguous_gradients"] = False
     log = launch(tmp_path, cfg)
     pre = json.loads((tmp_path / "out" / "ds_config_pretrain.json").read_text())
@@ -562,8 +571,10 @@ def test_vendor_overrides_reach_the_effective_config(tmp_path):
     assert (fine["train_micro_batch_size_per_gpu"], fine["gradient_accumulation_steps"]) == (4, 2)
     z = fine["zero_optimization"]
     assert (z["overlap_comm"], z["reduce_bucket_size"], z["stage3_max_live_parameters"]) == (False, 4096, 123456)
+    assert z["memory_efficient_linear"] is False
     (meta,) = _phase(log, "meta", "run_meta", "finetune")
     assert (meta.value["micro_batch"], meta.value["grad_accum"]) == (4, 2)
+    assert meta.value["functional_linear"] == "torch._C._nn.linear"  # torch's linear under ZeRO-3: DeepSpeed's replacement off
     assert [r.value["step"] for r in _phase(log, "step", "train_step", "finetune")] == [1, 2, 3]
 
 

@@ -114,9 +114,12 @@ ZERO_KEYS = (
     "stage3_param_persistence_threshold",
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
+    "memory_efficient_linear",
     "offload_optimizer",
     "offload_param",
 )
+#: keys DeepSpeed reads under ZeRO-3 alone (dropped from the config below it)
+STAGE3_ONLY = tuple(k for k in ZERO_KEYS if k.startswith("stage3_")) + ("memory_efficient_linear",)
 
 
 def zero_section(zero: dict, hidden_size: int) -> dict:
@@ -125,7 +128,10 @@ def zero_section(zero: dict, hidden_size: int) -> dict:
     Size keys given as null are derived from the hidden size h as DeepSpeed's
     integrations do (``reduce_bucket_size`` h*h, ``stage3_prefetch_bucket_size``
     0.9*h*h, ``stage3_param_persistence_threshold`` 10*h); ``offload_*`` are
-    ``none`` or ``cpu``; stage-3 keys are dropped below stage 3.
+    ``none`` or ``cpu``; the keys of :data:`STAGE3_ONLY` are dropped below stage 3.
+    ``memory_efficient_linear`` (a boolean; DeepSpeed's default true) has ``deepspeed.zero.Init``
+    replace ``torch.nn.functional.linear`` for the rest of the process by DeepSpeed's own autograd
+    function (which gathers a partitioned weight again in its backward); false keeps torch's.
     """
     unknown = sorted(set(zero) - set(ZERO_KEYS))
     if unknown:
@@ -140,10 +146,14 @@ def zero_section(zero: dict, hidden_size: int) -> dict:
     }
     out: dict[str, Any] = {"stage": stage}
     for key in ZERO_KEYS[1:]:
-        if key.startswith("stage3_") and stage != 3 or (key not in zero and key not in derived):
+        if key in STAGE3_ONLY and stage != 3 or (key not in zero and key not in derived):
             continue
         value = zero.get(key)
-        if key.startswith("offload_"):
+        if key == "memory_efficient_linear":
+            if not isinstance(value, bool):
+                raise ValueError(f"parallel.zero.memory_efficient_linear must be true or false, got {value!r}")
+            out[key] = value
+        elif key.startswith("offload_"):
             device = str(value or "none")
             if device not in ("none", "cpu"):
                 raise ValueError(f"parallel.zero.{key} must be none or cpu, got {value!r}")
@@ -396,7 +406,13 @@ def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Modul
         "params_trainable": sum(_numel(p) for p in model.parameters() if p.requires_grad),
         "parallel": {"dp": engine.dp_world_size, "tp": 1, "pp": 1, "zero_stage": eff["zero_optimization_stage"]},
         "visible_devices": visible_devices(vendor),
+        # what nn.Linear layers called: torch's, or DeepSpeed's ZeRO-3 replacement (memory_efficient_linear)
+        "functional_linear": _qualified(torch.nn.functional.linear),
     }
+
+
+def _qualified(fn: Any) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def _profiler(cfg: dict, c: Common, device: torch.device) -> StepProfiler:

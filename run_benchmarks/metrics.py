@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from run_benchmarks import typed_results
 from run_benchmarks.errors import InputError
-from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Step, Window
+from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Spread, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
 
@@ -223,6 +224,7 @@ def figures(
         "window": Window(warmup_steps=warmup_steps),
         "tokens_per_gpu_s": None,
         "step_time_s": None,
+        "throughput_spread": None,
         "mfu_6n": None,
         "mfu_palm": None,
         "loss_final": steps[-1].loss if steps else None,
@@ -241,9 +243,24 @@ def figures(
         )
         out["tokens_per_gpu_s"] = tps
         out["step_time_s"] = seconds / len(window)
+        out["throughput_spread"] = spread([s.tokens / s.step_time_s / world_size for s in window if s.step_time_s > 0])
         out["mfu_6n"] = mfu(counts["flops_per_token_6n"], tps, peak_flops)
         out["mfu_palm"] = mfu(counts["flops_per_token_palm"], tps, peak_flops)
     return out
+
+
+def spread(values: Sequence[float]) -> Spread | None:
+    """Median, 10th and 90th percentiles (linear between the ordered values), lowest and highest of
+    ``values``; None for none."""
+    if not values:
+        return None
+    xs = sorted(values)
+    if len(xs) == 1:
+        p10 = p90 = xs[0]
+    else:
+        deciles = statistics.quantiles(xs, n=10, method="inclusive")
+        p10, p90 = deciles[0], deciles[-1]
+    return Spread(steps=len(xs), median=statistics.median(xs), p10=p10, p90=p90, min=xs[0], max=xs[-1])
 
 
 def step_breakdowns(parsed: ml.ParsedLog, phase: str, window_step_time_s: float | None) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults
+from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults, Spread
 
 COLUMNS = [
     "config",
@@ -22,6 +22,7 @@ COLUMNS = [
     "parallel",
     "fix_hp",
     "tokens/p/s",
+    "steps p10-p90",
     "loss",
     "mem allocated (GiB)",
     "mem in use (GiB)",
@@ -73,6 +74,11 @@ def ceiling_cell(eff: float | None, ceiling: float | None) -> str:
     return f"{'-' if eff is None else _pct(eff)} of {ceiling:,.0f}"
 
 
+def spread_cell(s: Spread | None) -> str:
+    """The window's per-step tokens/p/s from its 10th to its 90th percentile: ``9,480-9,590``."""
+    return "-" if s is None else f"{s.p10:,.1f}-{s.p90:,.1f}"
+
+
 def loss_cell(g: LossGate) -> str:
     if g.verdict == "aligned":
         return f"aligned ({_mre(g.mre)})"
@@ -105,6 +111,7 @@ def rows(res: RunResults) -> list[list[str]]:
                     p.layout or rnd.layout or "-",
                     fix,
                     fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"),
+                    spread_cell(p.throughput_spread),
                     loss_cell(p.gate),
                     fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)),
                     fig(device_mem(p.device_mem)),
@@ -135,6 +142,10 @@ def markdown(res: RunResults) -> str:
         "Memory: allocated is the framework allocator's peak over ranks (peak RSS on a CPU), over the device total the "
         "framework reports; in use is the busiest GPU the run used as the monitor saw it (NVML), over its total; "
         '"(round)" where the monitor had no sample inside the phase. A round that is not ok shows its figures with its status.',
+        "",
+        "Tokens/p/s: the steady window's tokens over its time (steps after the warm-up, a profiled step left out); "
+        "steps p10-p90: each window step's own tokens/p/s, from the 10th to the 90th percentile (results.json: "
+        "throughput_spread, with the median, lowest and highest).",
         "",
         "Of ceiling: tokens/p/s over the kernel ceiling the case measured on its device before training (its own "
         "GEMMs and attention alone, forward and backward, training/ceiling.py), with that ceiling in tokens/p/s.",

@@ -54,6 +54,20 @@ class Window(Strict):
     excluded: list[int] = []  # profiled steps after the warm-up
 
 
+class Spread(Strict):
+    """How the steps of the steady window spread: each step's own tokens/p/s (its tokens over
+    its time, per GPU), their median and 10th / 90th percentiles (linear between the ordered
+    steps), lowest and highest. The phase's ``tokens_per_gpu_s`` stays the window's tokens over
+    its time; the spread says how far one step, or a shorter run, may fall from it."""
+
+    steps: int
+    median: float
+    p10: float
+    p90: float
+    min: float
+    max: float
+
+
 class Reference(Strict):
     """The loss curve a phase is judged against, kept in results.json so --verify needs nothing else."""
 
@@ -94,6 +108,7 @@ class PhaseResult(Strict):
     mfu_6n: float | None = None
     mfu_palm: float | None = None
     step_time_s: float | None = None
+    throughput_spread: Spread | None = None  # the window's per-step tokens/p/s (None in files made before it)
     loss_final: float | None = None
     loss: dict[int, float] = {}  # step -> loss
     gate: LossGate

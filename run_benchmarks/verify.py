@@ -2,7 +2,8 @@
 per-step records and recorded config, and name each one that does not match.
 
 Recomputed per phase with the code that made them (metrics.figures, metrics.judge_loss):
-the window, tokens/p/s, step time, MFU both ways from the recorded model counts and peak,
+the window, tokens/p/s, step time, the per-step spread (where the file records one), MFU both
+ways from the recorded model counts and peak,
 the loss curve and its gate verdict against the reference curve the file holds (or the
 recorded reference path, re-read when the file is here); per round, the one-phase figures
 and the loss aggregates, and a status that agrees with the phases' verdicts. A schema-1
@@ -115,6 +116,8 @@ def _phase(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check: Ch
     fig = metrics.figures(p.steps, int(res.settings["train"]["warmup_steps"]), res.world_size, counts, peak)
     for name in FIGURES:
         check.field(where, name, getattr(p, name), fig[name])
+    if p.throughput_spread is not None:  # files made before the spread was recorded have none to check
+        check.field(where, "throughput_spread", p.throughput_spread, fig["throughput_spread"])
     return _gate(res, rnd, p, fig["loss"], check, where)
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from run_benchmarks import metrics
+from run_benchmarks import typed_results as tr
 from training import flops
 from training import metriclog as ml
 
@@ -77,6 +78,28 @@ def test_window_excludes_warmup_and_divides_by_world():
     assert m["tokens_per_gpu_s"] == pytest.approx(8192 / 2)  # the profiled step 7 is not in the window
     assert m["mfu_6n"] == pytest.approx(48e9 * 4096 / 312e12)
     assert m["steps_run"] == 7
+    # every window step ran at 4096 tokens/p/s: no spread (the warm-up's and the profiled step's times are not in it)
+    assert m["throughput_spread"].model_dump() == {"steps": 4, "median": 4096, "p10": 4096, "p90": 4096, "min": 4096, "max": 4096}
+
+
+def test_spread_of_the_window_steps():
+    # per-step tokens/p/s 100, 200, ..., 1000 (one GPU): percentiles linear between the ordered steps
+    sp = metrics.spread([100.0 * i for i in (3, 1, 10, 2, 9, 4, 8, 5, 7, 6)])
+    assert (sp.steps, sp.min, sp.max, sp.median) == (10, 100, 1000, 550)
+    assert (sp.p10, sp.p90) == (pytest.approx(190), pytest.approx(910))  # 100 + 0.9 * 100, 900 + 0.1 * 100
+    one = metrics.spread([5.0])
+    assert (one.p10, one.median, one.p90) == (5.0, 5.0, 5.0)
+    assert metrics.spread([]) is None
+    # a step's own throughput is its tokens over its time, per GPU: a long step with many tokens is not slow
+    steps = [
+        tr.Step(step=i, t=float(i), loss=1.0, tokens=tok, step_time_s=sec, lr=0.0)
+        for i, (tok, sec) in enumerate([(100, 1.0), (300, 1.0), (200, 2.0), (400, 1.0)], start=1)
+    ]
+    m = metrics.figures(
+        steps, warmup_steps=1, world_size=2, counts={"flops_per_token_6n": 1.0, "flops_per_token_palm": 1.0}, peak_flops=None
+    )
+    assert m["tokens_per_gpu_s"] == pytest.approx(900 / 4 / 2)  # the window's tokens over its time
+    assert (m["throughput_spread"].min, m["throughput_spread"].median, m["throughput_spread"].max) == (50, 150, 200)
 
 
 def test_memory_takes_peak_over_ranks():

@@ -187,6 +187,10 @@ def test_tables_mark_rounds_that_are_not_ok():
     assert rows[0][mem] == "-"  # no monitor device on a CPU
     with_gpu = fake_phase().model_copy(update={"device_mem": tr.DeviceMemory(used_gib=106.06, total_gib=140.4, scope="phase")})
     assert results.rows(fake_run([{"phases": [with_gpu]}]))[0][mem] == "106.06/140"
+    spread = results.COLUMNS.index("steps p10-p90")
+    assert spread == tps + 1 and rows[0][spread] == "-"  # a file made before the spread was recorded
+    sp = tr.Spread(steps=20, median=9533.0, p10=9480.25, p90=9590.0, min=9400.0, max=9611.0)
+    assert results.rows(fake_run([{"phases": [fake_phase().model_copy(update={"throughput_spread": sp})]}]))[0][spread] == "9,480.2-9,590.0"
 
 
 def test_device_memory_per_phase_from_the_monitor():

@@ -79,6 +79,11 @@ def findings(path) -> tuple[int, list[str]]:
 def test_a_consistent_file_matches(tmp_path):
     path = write(tmp_path, consistent(off=0.01))
     assert findings(path) == (0, [f"{path}: every figure of 1 round(s) matches its records"])
+    # a file made before the spread was recorded: nothing to compare, the rest is checked
+    older = json.loads(json.dumps(consistent(off=0.01).dump()))
+    assert older["rounds"][0]["phases"][0].pop("throughput_spread") is not None
+    path = write(tmp_path, older, "older.json")
+    assert findings(path) == (0, [f"{path}: every figure of 1 round(s) matches its records"])
 
 
 EDITS = [
@@ -97,6 +102,11 @@ EDITS = [
         "MRE",
         lambda d: d["rounds"][0]["phases"][0]["gate"].update(mre=0.001),
         "round 1 phase train: loss gate mre recorded 0.001, recomputed",
+    ),
+    (
+        "spread",
+        lambda d: d["rounds"][0]["phases"][0]["throughput_spread"].update(p90=1.0),
+        "round 1 phase train: throughput_spread recorded",
     ),
     ("round figure", lambda d: d["rounds"][0].update(tokens_per_gpu_s=2.0), "round 1: tokens_per_gpu_s recorded 2.0, recomputed"),
     ("status", lambda d: d["rounds"][0].update(status="unjudged"), "round 1: status recorded 'unjudged', recomputed 'ok'"),

@@ -30,7 +30,7 @@ from run_benchmarks import datacheck, metrics, registry
 from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
-from run_benchmarks.results import _gib, _pct, device_mem
+from run_benchmarks.results import _gib, _pct, device_mem, spread_cell
 
 # --------------------------------------------------------------------------- --record-reference
 
@@ -186,6 +186,7 @@ def comparison(paths: list[Path]) -> dict[str, Any]:
                     "rounds": len(s.rounds),
                     "layout": (last.layout if last else None) or "-",
                     "tokens/p/s": "-" if tps is None else f"{tps:,.1f}",
+                    "steps p10-p90": spread_cell(last.throughput_spread) if last else "-",
                     "ratio": ratio,
                     "MFU 6N": _pct(s.fig(phase, "mfu_6n")),
                     "MFU PaLM": _pct(s.fig(phase, "mfu_palm")),
@@ -214,6 +215,7 @@ COLUMNS = [
     "run",
     "layout",
     "tokens/p/s",
+    "steps p10-p90",
     "ratio",
     "MFU 6N",
     "MFU PaLM",
@@ -264,7 +266,7 @@ def html_page(c: dict[str, Any]) -> str:
         for i, s in enumerate(sides)
     ]
     body.append("</ul>")
-    body.append(report._table(COLUMNS, [[report.e(r[k]) for k in COLUMNS] for r in c["rows"]], numeric={3, 4, 5, 6, 7, 8, 9}))
+    body.append(report._table(COLUMNS, [[report.e(r[k]) for k in COLUMNS] for r in c["rows"]], numeric={3, 4, 5, 6, 7, 8, 9, 10}))
     plots = []
     for phase in c["phases"]:
         fig = Figure(figsize=(6.4, 3.6))

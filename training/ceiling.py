@@ -36,9 +36,13 @@ The value goes out in the case's ``run_meta`` record as ``kernel_ceiling`` (one 
 and as an ``info`` record of that key under ``start_task.py --ceiling``); the host reads it
 with :func:`efficiency`.
 
-Standard library at import (the host imports :func:`efficiency`); torch and the device's
-calls (training/accelerator.py: its timing events, else the wall clock between synchronizes)
-inside the timing functions.
+How the kernels are timed is the framework's (:class:`Timers`): by default torch's
+(:func:`torch_timers`: ``torch.matmul``, the case's attention call, training/accelerator.py's
+timing events, else the wall clock between synchronizes); a case on another framework passes
+its own (cases/gpt3/paddle/ceiling.py: paddle's), and the ceiling is the same dict.
+
+Standard library at import (the host imports :func:`efficiency`); torch, or the case's
+framework, only inside the timing functions.
 """
 
 from __future__ import annotations
@@ -61,7 +65,9 @@ PRODUCTS = ("fwd", "dgrad", "wgrad")
 #: how an attention block's query, key and value reach the kernel: permuted views of
 #: ``[s, b, heads, d]`` tensors (what a megatron layer hands its core attention), transposed
 #: views of ``[b, s, heads, d]`` projections (transformers' layers), or views of one packed
-#: ``[b, s, 3, heads, d]`` projection (a fused QKV layer such as Baichuan2's ``W_pack``)
+#: ``[b, s, 3, heads, d]`` projection (a fused QKV layer such as Baichuan2's ``W_pack``); torch's
+#: timer makes them so (:func:`time_attention`), a framework's own timer reads them its way
+#: (paddle's hands ``bshd`` blocks the ``[b, s, heads, d]`` tensors themselves, as PaddleNLP does)
 LAYOUTS = ("sbhd", "bshd", "bs3hd")
 
 
@@ -165,17 +171,49 @@ def _accelerator(device: Any, accelerator: Accelerator | None) -> Accelerator:
     return accelerator if accelerator is not None else Accelerator.of(device)
 
 
+@dataclasses.dataclass(frozen=True)
+class Timers:
+    """How one framework times a ceiling's kernels on its device (:func:`measure_parts`).
+
+    ``gemm(g, dtype, device, repeat)``: seconds per call of each product ``g.products`` names,
+    under ``<product>_s``; ``attention(block, dtype, device, repeat)``: seconds per call of the
+    block (forward, and backward where ``block.backward``); ``device_name(device)``: the device
+    as its stack names it; ``release()``: after the measurement, the allocator's cached blocks
+    given back to the device."""
+
+    gemm: Callable[[Gemm, Any, Any, int], Mapping[str, float]]
+    attention: Callable[[Attention, Any, Any, int], float]
+    device_name: Callable[[Any], str]
+    release: Callable[[], None]
+
+
+def median_seconds(
+    fn: Callable[[], Any],
+    synchronize: Callable[[], None],
+    seconds_per_call: Callable[[Callable[[], Any], int], float],
+    warmup: int = 2,
+    repeat: int = 5,
+    trials: int = 3,
+) -> float:
+    """Seconds per call of ``fn``: after ``warmup`` calls and a ``synchronize``, the median of
+    ``trials`` means over ``repeat`` back-to-back calls each (``seconds_per_call(fn, repeat)``:
+    the framework's timing of ``repeat`` calls)."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    return statistics.median(seconds_per_call(fn, repeat) for _ in range(trials))
+
+
 def time_op(
     fn: Callable[[], Any], device: Any, warmup: int = 2, repeat: int = 5, trials: int = 3, accelerator: Accelerator | None = None
 ) -> float:
-    """Seconds per call of ``fn``: after ``warmup`` calls, the median of ``trials`` means over
-    ``repeat`` back-to-back calls each (the device's timing events where it has them, the wall
-    clock between synchronizes elsewhere: ``Accelerator.seconds_per_call``)."""
+    """Seconds per call of ``fn`` on a torch device (:func:`median_seconds`; the device's timing
+    events where it has them, the wall clock between synchronizes elsewhere:
+    ``Accelerator.seconds_per_call``)."""
     acc = _accelerator(device, accelerator)
-    for _ in range(warmup):
-        fn()
-    acc.synchronize(device)
-    return statistics.median(acc.seconds_per_call(fn, repeat, device) for _ in range(trials))
+    return median_seconds(
+        fn, lambda: acc.synchronize(device), lambda f, n: acc.seconds_per_call(f, n, device), warmup=warmup, repeat=repeat, trials=trials
+    )
 
 
 def time_gemm(g: Gemm, dtype: Any, device: Any, **kw: Any) -> dict[str, float]:
@@ -241,6 +279,24 @@ def time_attention(block: Attention, dtype: Any, device: Any, **kw: Any) -> floa
     return time_op(step, device, **kw)
 
 
+def torch_timers(device: Any, accelerator: Accelerator | None = None) -> Timers:
+    """torch's :class:`Timers` on ``device`` (:func:`time_gemm`, :func:`time_attention`), with
+    the vendor's device calls ``accelerator`` (default: those of ``device``'s type)."""
+    acc = _accelerator(device, accelerator)
+    return Timers(
+        gemm=lambda g, dtype, dev, repeat: time_gemm(g, dtype, dev, repeat=repeat, accelerator=acc),
+        attention=lambda block, dtype, dev, repeat: time_attention(block, dtype, dev, repeat=repeat, accelerator=acc),
+        device_name=acc.device_name,
+        release=acc.empty_cache,
+    )
+
+
+def dtype_name(dtype: Any) -> str:
+    """A framework's dtype without its module's prefix: ``torch.bfloat16``, ``paddle.float16``
+    (what ``str`` gives of either) as ``bfloat16``, ``float16``."""
+    return str(dtype).removeprefix("torch.").removeprefix("paddle.")
+
+
 def measure_parts(
     gemms: list[Gemm],
     attentions: list[Attention],
@@ -253,25 +309,26 @@ def measure_parts(
     repeat: int = 5,
     accelerator: Accelerator | None = None,
     about: Mapping[str, Any] | None = None,
+    timers: Timers | None = None,
 ) -> dict[str, Any]:
     """Time the GEMMs and the attention blocks of one micro batch of ``tokens`` tokens on one
     GPU; the ceiling as a dict (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time
     and its parts (per GEMM: each product's milliseconds, its shape, ``count`` and
     ``products``; per attention block: ``fwd_bwd_ms`` or ``fwd_ms``, its shape and ``kernel``),
     with ``about``'s keys (what the case says of the shapes) on top. ``num_layers``: the count of
-    a per-layer GEMM without its own. ``accelerator``: the vendor's device calls (default: those
-    of ``device``'s type), which time the kernels and name the device."""
+    a per-layer GEMM without its own. ``timers``: the framework's timing of the kernels (default:
+    torch's, :func:`torch_timers` with ``accelerator``, the vendor's device calls, default those
+    of ``device``'s type, which time the kernels and name the device)."""
     names = [g.name for g in gemms] + [a.name for a in attentions]
     if len(set(names)) != len(names):
         raise ValueError(f"kernel ceiling: part names repeat: {names}")
     if not gemms:
         raise ValueError("kernel ceiling: no GEMMs to time")
-    acc = _accelerator(device, accelerator)
-    kw = {"repeat": repeat, "accelerator": acc}
+    timing = timers if timers is not None else torch_timers(device, accelerator)
     parts: dict[str, dict[str, Any]] = {}
     gemm_s = gemm_flops = 0.0
     for g in gemms:
-        t = time_gemm(g, dtype, device, **kw)
+        t = timing.gemm(g, dtype, device, repeat)
         total = sum(t.values())
         times = g.times(num_layers)
         gemm_s += times * total
@@ -288,7 +345,7 @@ def measure_parts(
         }
     att_s = att_flops = 0.0
     for a in attentions:
-        t = time_attention(a, dtype, device, **kw)
+        t = timing.attention(a, dtype, device, repeat)
         att_s += a.count * t
         att_flops += a.count * a.flops
         parts[a.name] = {
@@ -305,7 +362,7 @@ def measure_parts(
             "backward": a.backward,
         }
     micro = gemm_s + att_s
-    acc.empty_cache()
+    timing.release()
     return {
         "tokens_per_gpu_s": tokens / (micro * tp),
         "micro_batch_s": micro,
@@ -314,8 +371,8 @@ def measure_parts(
         "gemm_tflops": gemm_flops / gemm_s / 1e12,
         "attention_tflops": att_flops / att_s / 1e12 if att_s else None,
         **dict(about or {}),
-        "device": acc.device_name(device),
-        "dtype": str(dtype).replace("torch.", ""),
+        "device": timing.device_name(device),
+        "dtype": dtype_name(dtype),
         "tp": tp,
         "tokens_per_micro_batch": tokens,
         "repeat": repeat,
@@ -340,10 +397,12 @@ def measure(
     repeat: int = 5,
     accelerator: Accelerator | None = None,
     layout: str = "sbhd",
+    timers: Timers | None = None,
 ) -> dict[str, Any]:
     """A decoder-only model's ceiling (:func:`measure_parts`): its GEMMs and one causal
     attention block (``attend``, named ``attention``), forward and backward, in each of its
-    ``num_layers`` layers, over micro batches of ``batch`` sequences of ``seq`` tokens."""
+    ``num_layers`` layers, over micro batches of ``batch`` sequences of ``seq`` tokens, timed
+    by ``timers`` (default: torch's on ``device``, :func:`torch_timers`)."""
     block = Attention("attention", attend, attention, batch, heads, groups, seq, head_dim, count=num_layers, layout=layout)
     about = {"attention": attention, "micro_batch": batch, "seq_length": seq, "layers": num_layers}
     return measure_parts(
@@ -357,6 +416,7 @@ def measure(
         repeat=repeat,
         accelerator=accelerator,
         about=about,
+        timers=timers,
     )
 
 
@@ -365,23 +425,30 @@ def record_alone(
     log: MetricLogger,
     measure: Callable[[int, str | None, Any, Accelerator], dict[str, Any]],
     phases: Iterable[str | None] = (None,),
+    first_device: Callable[[dict], tuple[Any, Any]] | None = None,
 ) -> None:
     """``--ceiling`` (start_task.py --ceiling) in a case's entry: ``measure(world_size, phase,
     device, accelerator)`` for each of ``phases`` on this process's first device (the vendor's
     device calls), one ``info`` record each, carrying its phase where the case has phases; no
-    process group, model or data. A failure is written as an error record, then raised."""
-    from training.accelerator import Accelerator
-
+    process group, model or data. A failure is written as an error record, then raised.
+    ``first_device(cfg)``: that device and the calls ``measure`` takes with it, made current
+    (default: torch's, training/accelerator.py's ``Accelerator`` of the vendor and its device 0)."""
     case = cfg["case"]
     world = int(case["nnodes"]) * int(case["nprocs"])
-    acc = Accelerator(cfg.get("vendor") or {})
-    device = acc.device(0)
+    device, acc = (first_device or _torch_first_device)(cfg)
     for phase in phases:
         try:
             log.info(K_KERNEL_CEILING, measure(world, phase, device, acc), phase=phase)
         except BaseException as exc:
             log.error(f"kernel ceiling: {type(exc).__name__}: {exc}", phase=phase)
             raise
+
+
+def _torch_first_device(cfg: dict) -> tuple[Any, Accelerator]:
+    from training.accelerator import Accelerator
+
+    acc = Accelerator(cfg.get("vendor") or {})
+    return acc.device(0), acc
 
 
 def efficiency(meta: Mapping[str, Any] | None, tokens_per_gpu_s: float | None) -> tuple[float | None, float | None]:

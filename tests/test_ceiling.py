@@ -6,6 +6,7 @@ are tests/test_ceiling_deepspeed.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,7 +14,8 @@ import sys
 
 import pytest
 
-from run_benchmarks import results
+from run_benchmarks import ceiling as ceiling_cli
+from run_benchmarks import registry, results
 from run_benchmarks import typed_results as tr
 from run_benchmarks.registry import ROOT
 from training import ceiling, flops
@@ -99,11 +101,23 @@ def test_ceiling_alone_on_the_cpu(megatron_python):
     assert c["parts"]["attention"]["fwd_bwd_ms"] > 0
     text = start(*base)
     assert text.returncode == 0 and "tokens/p/s" in text.stdout and "attention" in text.stdout, text.stdout + text.stderr
-    # a case whose entry measures none, and options that do not apply: bad input, nothing runs
-    other = start("--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:2", "--ceiling")
-    assert other.returncode == 2 and "does not measure a kernel ceiling" in other.stderr
+    # options that do not apply: bad input, nothing runs
     cl = start(*base, "--cluster", "x.yaml")
     assert cl.returncode == 2 and "--cluster does not apply" in cl.stderr
+
+
+def test_a_case_that_measures_no_ceiling_is_refused(monkeypatch, capsys):
+    """A case.yaml without ``ceiling: true`` (every case here has it now: one read with the
+    flag off): bad input, nothing runs."""
+    found = registry.find_case
+
+    def without_ceiling(cn, *args):
+        entry = found(cn, *args)
+        return dataclasses.replace(entry, config=entry.config.model_copy(update={"ceiling": False}))
+
+    monkeypatch.setattr(registry, "find_case", without_ceiling)
+    assert ceiling_cli.main(["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:2", "--ceiling"]) == 2
+    assert "does not measure a kernel ceiling (no 'ceiling: true' in its case.yaml)" in capsys.readouterr().err
 
 
 @pytest.mark.framework("megatron")

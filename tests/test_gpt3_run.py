@@ -109,6 +109,10 @@ def _check_run(parsed: ParsedLog, nprocs: int, steps: int, layout: dict) -> list
         assert meta["parallel"][k] == v, (k, meta["parallel"])
     assert meta["parallel"]["flash_attention"] is False  # no kernel on the CPU
     assert any("use_flash_attention" in x for x in meta["inert_options"])
+    # the kernel ceiling its ranks timed before training (cases/gpt3/paddle/ceiling.py), the model's own attention
+    c, par = meta["kernel_ceiling"], meta["parallel"]
+    assert (c["tp"], c["micro_batch"], c["device"], c["dtype"], c["layers"]) == (par["tp"], par["micro_batch"], "cpu", "float32", 4)
+    assert c["attention"].startswith("core attention") and c["tokens_per_gpu_s"] > 0
 
     inits = parsed.of("info", "init_weights")
     assert sorted(r.rank for r in inits) == list(range(nprocs))
@@ -134,6 +138,11 @@ def test_one_process(one_process):
     rnd, parsed, seconds = one_process
     losses = _check_run(parsed, 1, 30, {"tp": 1, "pp": 1, "dp": 1, "sharding_stage": 0, "micro_batch": 8, "grad_accum": 2})
     assert losses[0] > 6.5 and losses[-1] < losses[0] - 2.0  # ln(1024) = 6.93 down to below 4
+    # results.json's phase: the ceiling from run_meta, and the run's tokens/p/s over it
+    (phase,) = rnd["phases"]
+    ceiling = phase["meta"]["kernel_ceiling"]["tokens_per_gpu_s"]
+    assert phase["ceiling_tokens_per_gpu_s"] == ceiling > 0
+    assert phase["ceiling_efficiency"] == pytest.approx(phase["tokens_per_gpu_s"] / ceiling)
     print(f"1 process: {seconds:.1f} s, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
 
 

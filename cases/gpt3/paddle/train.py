@@ -21,6 +21,13 @@ loss scale as in FlagPerf's paddle configs, bf16 O2, or fp32.  This mirrors
 how PaddleNLP's Trainer wraps the model for these layouts, without the
 Trainer's checkpointing and logging.  Metrics go out through
 ``training.metriclog.MetricLogger`` only (docs/architecture.md).
+
+Before the process groups, the seeds and the model, every rank times the kernel ceiling of
+its micro batch on its device (``ceiling.py``, training/ceiling.py, with paddle; run_meta's
+``kernel_ceiling``; the allocator's cache emptied and its peaks restarted after, and its random
+inputs drawn before ``paddle.seed``, so the run's memory figures and random streams are its
+own). ``--ceiling`` times it alone, on the vendor's first device, with no process group, model
+or data (``start_task.py --ceiling``).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from training import case, runtime
 
 case.isolate(__file__)
 from training import flops  # noqa: E402
-from training.metriclog import MetricLogger  # noqa: E402
+from training.metriclog import K_KERNEL_CEILING, MetricLogger  # noqa: E402
 from training.steptimer import StepClock  # noqa: E402
 
 
@@ -55,11 +62,17 @@ class Trainer:
         """Settings, process groups, model and optimizer, data; ``run_meta``."""
         import paddle
 
+        from cases.gpt3.paddle import ceiling as case_ceiling
+        from cases.gpt3.paddle import model as gpt3_model
         from cases.gpt3.paddle.settings import from_config
 
         self.s = from_config(self.cfg, self.dist.world_size)
         self.place = "cpu" if self.s.device == "cpu" else f"{self.s.device}:{self.dist.local_rank}"
         paddle.set_device(self.place)
+        self.flash = self.s.layout.use_flash_attention and gpt3_model.flash_attention_available(self.s.device)
+        # the kernel ceiling, on every rank's device at once, before the seeds and the model
+        self.kernel_ceiling, timers = case_ceiling.kernel_ceiling(self.s, self.place, self.cfg.get("vendor") or {}, self.flash)
+        timers.reset_peak()
         self.clock = StepClock(self._barrier)  # training/steptimer.py: the one timing rule
         self._init_distributed()
         self._build_model()
@@ -126,7 +139,6 @@ class Trainer:
         from cases.gpt3.paddle import model as gpt3_model
 
         s, lay = self.s, self.s.layout
-        self.flash = lay.use_flash_attention and gpt3_model.flash_attention_available(s.device)
         config = gpt3_model.gpt_config(s, lay.tp, self.tp_rank, self.flash)
         model = gpt3_model.build_model(s, config)
         self._init_weights(model)
@@ -267,6 +279,7 @@ class Trainer:
             device=s.device,
             visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
             data=self.data_desc,
+            **{K_KERNEL_CEILING: self.kernel_ceiling},
         )
 
     # -- training ----------------------------------------------------------
@@ -378,6 +391,11 @@ class Trainer:
 def main() -> int:
     cfg = runtime.setup()
     log = MetricLogger(rank=runtime.dist_info().rank)
+    if "--ceiling" in sys.argv[1:]:
+        from cases.gpt3.paddle import ceiling as case_ceiling
+
+        case_ceiling.ceiling_only(cfg, log)
+        return 0
     case.run(lambda phase: Trainer(cfg, log, phase), log)
     import paddle.distributed as pdist
 

@@ -150,9 +150,9 @@ class PaddleTimers:
         return ceiling.median_seconds(fn, self.synchronize, self.seconds_per_call, repeat=repeat)
 
     def _module(self) -> Any:
-        import paddle
+        from cases.gpt3.paddle.settings import device_module
 
-        return paddle.device.cuda if self.device == "gpu" else getattr(paddle.device, self.device, None)
+        return device_module(self.device)
 
     def device_name(self, _device: Any = None) -> str:
         """The memory query's name (train.py's ``_memory``), else the device's own."""
@@ -166,9 +166,8 @@ class PaddleTimers:
             return str(getattr(importlib.import_module(module), func)(self.place)[2])
         if self.device == "cpu":
             return "cpu"
-        if self.device == "gpu":
-            return str(paddle.device.cuda.get_device_properties(self.place).name)
-        return str(paddle.device.get_device_name(self.place))
+        props = getattr(self._module(), "get_device_properties", None)  # as train.py's _memory names it
+        return str(props(self.place).name) if props is not None else str(paddle.device.get_device_name(self.place))
 
     def release(self) -> None:
         """The allocator's cached blocks back to the device."""
@@ -178,11 +177,9 @@ class PaddleTimers:
 
     def reset_peak(self) -> None:
         """The allocator's peaks restarted (after the ceiling, so the run's own are reported)."""
-        import paddle
-
         if self.device == "cpu":
             return
-        mod = paddle.device.cuda if self.device == "gpu" else paddle.device
+        mod = self._module()
         for call in ("reset_max_memory_allocated", "reset_max_memory_reserved"):
             if hasattr(mod, call):
                 getattr(mod, call)(self.place)

@@ -367,11 +367,10 @@ class Trainer:
             self.log.info("device_memory", {"max_reserved_bytes": int(self._device_module().max_memory_reserved(self.place))})
 
     def _device_module(self):
-        """paddle's module of the device's memory calls: paddle.device.cuda for gpu, else
-        paddle.device's own, which answer for the build's xpu or custom device."""
-        import paddle
+        """paddle's module of the device's memory calls (settings.device_module)."""
+        from cases.gpt3.paddle.settings import device_module
 
-        return paddle.device.cuda if self.s.device == "gpu" else paddle.device
+        return device_module(self.s.device)
 
     def _memory(self) -> tuple[int, int | None, str]:
         """(peak allocated bytes, the device's total or None, its name): the vendor's

@@ -160,15 +160,20 @@ print("RESULT " + json.dumps(out))
 """
 
 
+def check_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a check script in the megatron-core environment: the
+    repository on the path, one thread, no rank variables of its own, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
 def one_rank_check(script: str, tmp_path: Path) -> str:
     """Run ``script`` (given resolved.json of config_cpux1x1) as one rank in the megatron-core
     environment; its ``RESULT ...`` line."""
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 1, "config_cpux1x1")))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    env["MASTER_PORT"] = str(free_port())
+    env = check_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc = subprocess.run([py, "-c", script, str(path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -322,8 +327,7 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
     path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"})))
     script = tmp_path / "check.py"
     script.write_text(_SEQUENCE_PARALLEL_CHECK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = check_env()  # the launcher sets each rank's own
     cmd = [
         py,
         "-m",

@@ -63,6 +63,11 @@ def test_switch_values_are_read_and_checked(tmp_path):
             True,
         ),
         "parallel.sequence_parallel needs parallel.tp > 1": ({"sequence_parallel": True, "fused_elementwise": "compile"}, False),
+        "parallel.fused_adam must be true or false": ({"fused_adam": "yes"}, False),
+        "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload": (
+            {"fused_adam": True, "optimizer_cpu_offload": True},
+            True,
+        ),
     }
     for message, (parallel, on_cuda) in refused.items():
         world = parallel.get("tp", 1)
@@ -98,6 +103,7 @@ def test_case_and_vendor_configs_carry_the_switches():
         assert par.get("fused_elementwise", "none") in st.FUSED_ELEMENTWISE, f.name
         assert par.get("fused_rope", "none") in st.FUSED_ROPE and par.get("fused_linear_loss", "none") in st.FUSED_LINEAR_LOSS, f.name
     assert case["standard"]["parallel"]["fused_rope"] == "none" and case["standard"]["parallel"]["fused_linear_loss"] == "none"
+    assert case["standard"]["parallel"]["fused_adam"] is False and "parallel.fused_adam" in case["vendor_may_change"]
     assert {"parallel.fused_rope", "parallel.fused_linear_loss"} <= set(case["vendor_may_change"])
 
 
@@ -361,3 +367,64 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
             assert other["grads"].keys() == tp["grads"].keys()
             for name, g in tp["grads"].items():
                 assert other["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+
+
+_ADAM_CHECK = r"""
+import io, json, sys
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])
+import torch
+from megatron.core import parallel_state
+from cases.llama3.megatron import kernels
+from cases.llama3.megatron.train import Trainer
+from training.metriclog import MetricLogger, parse_lines
+
+out = {}
+for name, par in {"default": {}, "fused": {"fused_adam": True}, "fused_plain_optimizer": {"fused_adam": True, "distributed_optimizer": False}}.items():
+    stream = io.StringIO()
+    t = Trainer({**cfg, "parallel": {**cfg["parallel"], **par}}, MetricLogger(stream=stream), "train")
+    t.build()
+    inner = kernels._torch_adams(t.optimizer)
+    for step in (1, 2, 3):
+        t.step(step)
+    records = parse_lines(stream.getvalue().splitlines()).records
+    meta = [r.value for r in records if r.key == "run_meta"][0]["parallel"]
+    out[name] = {
+        "losses": [r.value["loss"] for r in records if r.key == "train_step"],
+        "kernel": meta["adam_kernel"],
+        "switch": meta["fused_adam"],
+        "flags": sorted({(g["foreach"], g["fused"]) for o in inner for g in o.param_groups}, key=str),
+        "step_device": sorted({str(s["step"].device) for o in inner for s in o.state.values()}),
+        "params": [p.detach().flatten()[:64].tolist() for p in t.model.parameters()],
+    }
+    parallel_state.destroy_model_parallel()
+try:
+    kernels.fuse_adam(t.optimizer, True)
+except RuntimeError as exc:
+    out["after_step"] = str(exc)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_fused_adam_steps_as_torch_foreach_adam_does(tmp_path):
+    """``parallel.fused_adam``: the case's own trainer (megatron's optimizer without apex or
+    TransformerEngine, i.e. torch's AdamW, behind the distributed optimizer and behind the plain
+    one) switched to torch's fused kernel: run_meta names the kernel, the step counters live on
+    the parameters' device, and three steps give the default kernel's losses and weights to
+    float32 rounding; switching after a step is refused."""
+    line = one_rank_check(_ADAM_CHECK, tmp_path)
+    res = json.loads(line[len("RESULT ") :])
+    default, fused, plain = res["default"], res["fused"], res["fused_plain_optimizer"]
+    assert default["switch"] is False and fused["switch"] is plain["switch"] is True
+    # torch's default on this CPU: neither flag set, the for-loop (foreach runs on CUDA devices)
+    assert default["kernel"] == "torch AdamW for-loop" and default["flags"] == [[None, None]]
+    assert fused["kernel"] == plain["kernel"] == "torch AdamW fused"
+    assert fused["flags"] == plain["flags"] == [[False, True]]
+    assert fused["step_device"] == plain["step_device"] == ["cpu"]  # made by the fused path: a tensor on the params' device
+    assert len(default["losses"]) == 3 and default["losses"][2] < default["losses"][0]
+    for other in (fused, plain):
+        assert other["losses"] == pytest.approx(default["losses"], rel=1e-6)
+        for a, b in zip(default["params"], other["params"], strict=True):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert "has stepped already" in res["after_step"]

@@ -329,3 +329,49 @@ def linear_cross_entropy(
     flat_labels = labels.transpose(0, 1).reshape(-1)
     loss = LinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels, group, chunk, reduce_dx)
     return loss.view(s, b).transpose(0, 1).contiguous()
+
+
+def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers inside megatron's wrappers (a chain of them, each holding ``.optimizer``)."""
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [getattr(o, "optimizer", o) for o in chain]
+
+
+def _adam_kernel(opt: torch.optim.Optimizer) -> str:
+    """How ``opt`` steps: torch's Adam/AdamW as ``fused`` (one kernel per group of parameters),
+    ``foreach`` (a kernel per operation over lists of tensors) or ``for-loop``, by the group
+    flags and, where they leave it to torch, torch's own default for these tensors; other
+    optimizers (apex's or TransformerEngine's FusedAdam) by their class."""
+    if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return f"{type(opt).__module__.split('.')[0]} {type(opt).__name__}"
+    group = opt.param_groups[0]
+    if group.get("fused"):
+        mode = "fused"
+    elif group.get("foreach") is None:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        params = [p for g in opt.param_groups for p in g["params"]]
+        mode = "foreach" if _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)[1] else "for-loop"
+    else:
+        mode = "foreach" if group["foreach"] else "for-loop"
+    return f"torch {type(opt).__name__} {mode}"
+
+
+def fuse_adam(optimizer: Any, on: bool) -> str:
+    """``parallel.fused_adam``: without apex or TransformerEngine megatron-core steps with torch's
+    Adam/AdamW, which torch runs as ``foreach`` kernels on GPUs (about ten passes over the
+    parameters, moments and gradients); ``on`` switches every parameter group of those to torch's
+    fused implementation (one pass; the same update to float32 rounding). Set before the first
+    step, so the step counters are made where the fused kernel wants them (on the device).
+    Returns the kernel each inner optimizer runs (run_meta's ``adam_kernel``), ``; ``-joined."""
+    inner = _torch_adams(optimizer)
+    if on:
+        for opt in inner:
+            if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+                continue  # apex's / TransformerEngine's FusedAdam: fused already
+            if any(opt.state.values()):
+                raise RuntimeError("parallel.fused_adam: the optimizer has stepped already; switch it before the first step")
+            for group in opt.param_groups:
+                group["foreach"], group["fused"] = False, True
+            opt.defaults.update(foreach=False, fused=True)
+    return "; ".join(dict.fromkeys(_adam_kernel(o) for o in inner))

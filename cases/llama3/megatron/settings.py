@@ -22,7 +22,8 @@ listed there), and this case's own:
   ``fused_rope`` (none|compile: megatron's unfused RoPE as one torch.compile region),
   ``fused_linear_loss`` (none|chunked: output layer and cross-entropy in one, a chunk of
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
-  ``transformer_impl`` (auto|local|transformer_engine),
+  ``transformer_impl`` (auto|local|transformer_engine), ``fused_adam`` (torch's AdamW
+  as its fused kernel where megatron falls back to torch's optimizer; kernels.fuse_adam),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
 * ``vendor.device``: any device type (training.accelerator gives the case its calls); the
   switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
@@ -87,6 +88,7 @@ class Layout:
     fused_rope: str = "none"
     fused_linear_loss: str = "none"
     transformer_impl: str = "auto"
+    fused_adam: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
 
@@ -152,6 +154,7 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         fused_rope=_choice(_get(parallel, "fused_rope", "parallel", "none"), "parallel.fused_rope", FUSED_ROPE),
         fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
+        fused_adam=_bool(_get(parallel, "fused_adam", "parallel", False), "parallel.fused_adam"),
         optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
         optimizer_offload_fraction=_float(
             _get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"
@@ -201,6 +204,11 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
     if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
         raise SettingsError("parallel.optimizer_cpu_offload needs parallel.distributed_optimizer: true")
+    if layout.fused_adam and layout.optimizer_cpu_offload:
+        raise SettingsError(
+            "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload "
+            "megatron's host optimizer chooses its own: set one of them to false"
+        )
 
 
 def check_device(layout: Layout, device: str) -> None:

@@ -110,7 +110,7 @@ class Trainer:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.transformer.module import Float16Module
 
-        from cases.llama3.megatron import modeling, startweights
+        from cases.llama3.megatron import kernels, modeling, startweights
 
         s, lay = self.s, self.s.layout
         self.ceiling = self.measure_ceiling()
@@ -156,6 +156,7 @@ class Trainer:
         if lay.optimizer_cpu_offload:
             opt_kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=lay.optimizer_offload_fraction)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [self.model])
+        self.adam_kernel = kernels.fuse_adam(self.optimizer, lay.fused_adam)  # torch's foreach AdamW, or fused
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -251,6 +252,8 @@ class Trainer:
                 fused_elementwise=modeling.fused_elementwise_in_use(s),
                 fused_rope=lay.fused_rope,
                 fused_linear_loss=lay.fused_linear_loss,
+                fused_adam=lay.fused_adam,
+                adam_kernel=self.adam_kernel,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),

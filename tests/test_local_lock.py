@@ -49,6 +49,7 @@ def test_a_second_local_run_is_refused_while_one_runs(tmp_path, megatron_python)
 
     class P:
         run_id = "next"
+        vendor = type("V", (), {"visible_devices_env": None})  # the whole host, as the cpu vendor's runs take it
 
     rt = LocalRuntime()
     rt._take_lock(P())  # free again at once

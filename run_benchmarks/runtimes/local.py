@@ -27,11 +27,54 @@ from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 KILL_GRACE_S = 10.0
 
 
-def lock_file() -> Path:
-    """This host's run lock; FLAGBENCH_LOCK_DIR moves it (a test session's runs lock among
-    themselves, not against a benchmark running on the same machine)."""
+def lock_file(name: str = "local") -> Path:
+    """This host's run lock (``local``) or one device's (``local.device<i>``); FLAGBENCH_LOCK_DIR
+    moves them (a test session's runs lock among themselves, not against a benchmark running on
+    the same machine)."""
     folder = os.environ.get("FLAGBENCH_LOCK_DIR") or str(Path.home() / ".cache" / "flagbench" / "locks")
-    return Path(folder) / "local.lock"
+    return Path(folder) / f"{name}.lock"
+
+
+def claimed_devices(var: str | None) -> list[int] | None:
+    """The device indices a run claims by naming them in the vendor's visible-devices variable
+    (``CUDA_VISIBLE_DEVICES=2,3``) in this process's environment; None (the whole host) when the
+    variable is unset, empty, or names devices by UUID."""
+    value = os.environ.get(var) if var else None
+    if not value or not value.strip():
+        return None
+    try:
+        return sorted({int(x) for x in value.split(",") if x.strip()})
+    except ValueError:
+        return None
+
+
+def _flock(path: Path, mode: int) -> IO[str] | None:
+    """``path`` opened and flocked with ``mode`` (never waiting); None when another run holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(path, "a+")
+    try:
+        fcntl.flock(fh, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        return None
+    return fh
+
+
+def _holder(path: Path) -> str:
+    with open(path) as fh:
+        return fh.read().strip() or "another run"
+
+
+def _device_holders(folder: Path) -> list[str]:
+    """The runs holding a device lock now (a lock file left by an ended run is free, not listed)."""
+    held = []
+    for path in sorted(folder.glob("local.device*.lock")):
+        fh = _flock(path, fcntl.LOCK_EX)
+        if fh is None:
+            held.append(f"{_holder(path)} on device {path.stem.removeprefix('local.device')}")
+        else:
+            fh.close()
+    return held
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
@@ -59,29 +102,57 @@ class LocalRuntime(Runtime):
     def __init__(self, cluster: ClusterConfig | None = None, python: str | None = None) -> None:
         self.python_override = python or (cluster.python if cluster else None)
         self.procs: list[subprocess.Popen[bytes]] = []
-        self.lock: IO[str] | None = None
+        self.locks: list[IO[str]] = []  # the host's flock, and each claimed device's
 
     def _take_lock(self, plan: Plan) -> None:
         """One run at a time on this host (two would share its devices and skew both): an
         exclusive flock, released by ``cleanup`` or by the kernel when the process ends, so a
-        killed run never leaves it behind. A second run is refused with the holder's run."""
-        path = lock_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        killed run never leaves it behind. A second run is refused with the holder's run.
+
+        A run that names its devices in the vendor's visible-devices variable (for example
+        ``CUDA_VISIBLE_DEVICES=2,3``) claims only those: the host lock shared, an exclusive lock
+        for each device. Runs on disjoint devices then go side by side (they still share the
+        host's CPUs, memory and links); a run on a device in use, or one that takes the whole
+        host, is refused with the holder."""
+        devices = claimed_devices(plan.vendor.visible_devices_env)
+        host = lock_file()
+        stamp = f"run {plan.run_id} (pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})"
+        if devices is None:
+            fh = _flock(host, fcntl.LOCK_EX)
+            if fh is None:
+                held = _device_holders(host.parent) or [_holder(host)]
+                raise InputError(
+                    f"this host is busy: {'; '.join(held)} holds {host}; one run at a time per host (wait for it to finish, or stop it)"
+                )
             fh.seek(0)
-            holder = fh.read().strip() or "another run"
-            fh.close()
+            fh.truncate()
+            fh.write(stamp + "\n")
+            fh.flush()
+            self.locks = [fh]
+            return
+        shared = _flock(host, fcntl.LOCK_SH)
+        if shared is None:  # a run holding the whole host
             raise InputError(
-                f"this host is busy: {holder} holds {path}; one run at a time per host (wait for it to finish, or stop it)"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"run {plan.run_id} (pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
-        fh.flush()
-        self.lock = fh
+                f"this host is busy: {_holder(host)} holds {host} for the whole host; "
+                "one run at a time per host (wait for it to finish, or stop it)"
+            )
+        self.locks = [shared]
+        var = plan.vendor.visible_devices_env
+        for d in devices:
+            path = lock_file(f"local.device{d}")
+            fh = _flock(path, fcntl.LOCK_EX)
+            if fh is None:
+                holder = _holder(path)
+                self.cleanup()
+                raise InputError(
+                    f"device {d} of this host is busy: {holder} holds {path}; one run at a time per device "
+                    f"({var}={os.environ.get(var)} names the devices this run takes; wait, or choose others)"
+                )
+            fh.seek(0)
+            fh.truncate()
+            fh.write(stamp + "\n")
+            fh.flush()
+            self.locks.append(fh)
 
     def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
         if self.python_override:
@@ -174,6 +245,6 @@ class LocalRuntime(Runtime):
         for proc in self.procs:
             kill_group(proc, grace=2.0)
         self.procs.clear()
-        if self.lock is not None:
-            self.lock.close()  # releases the flock
-            self.lock = None
+        for fh in self.locks:
+            fh.close()  # releases its flock
+        self.locks = []

@@ -157,8 +157,25 @@ def markdown(res: RunResults) -> str:
             "User overrides (not a standard run): "
             + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides)
         )
+    notes += beside_lines(res.runtime_info)
     notes += breakdown_lines(res)
     return head + "\n".join(lines + notes) + "\n"
+
+
+def beside_lines(info: dict[str, Any]) -> list[str]:
+    """Where a local run claimed some devices of its host: which, and any run seen on the others."""
+    claimed = info.get("devices_claimed")
+    if not claimed:
+        return []
+    beside = info.get("runs_beside") or []
+    devices = ", ".join(str(d) for d in claimed)
+    if not beside:
+        return ["", f"Devices: this run claimed device(s) {devices} of its host; no other run held a device of it meanwhile."]
+    return [
+        "",
+        f"Devices: this run claimed device(s) {devices} of its host, beside {'; '.join(beside)} "
+        "(other devices, the same host's CPUs, memory and links).",
+    ]
 
 
 def breakdown_lines(res: RunResults) -> list[str]:

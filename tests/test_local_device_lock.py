@@ -64,7 +64,7 @@ def test_disjoint_devices_run_side_by_side_and_overlaps_are_refused(take, tmp_pa
     with pytest.raises(InputError) as err:  # the whole host while device runs hold it: both named
         take("run-w", None)
     msg = str(err.value)
-    assert msg.startswith("this host is busy: run run-a (pid ") and "on device 0" in msg and "run run-b (pid " in msg
+    assert msg.startswith("this host is busy: run run-a (pid ") and "on devices 0, 1;" in msg and "run run-b (pid " in msg
     assert "one run at a time per host" in msg
 
     a.cleanup()  # run-a ends: devices 0 and 1 are free again; device 2 stays run-b's
@@ -85,3 +85,26 @@ def test_a_whole_host_run_excludes_device_runs_and_frees_them(take, tmp_path):
     a = take("run-a", "0")
     a.cleanup()
     take("run-w2", None)  # a refused device run kept nothing: the whole host is free after run-a
+
+
+def test_a_device_run_records_the_runs_beside_it(take):
+    from run_benchmarks.results import beside_lines
+
+    a = take("run-a", "0,1")
+    assert a.describe() == {"devices_claimed": [0, 1], "runs_beside": []}
+    assert beside_lines(a.describe()) == [
+        "",
+        "Devices: this run claimed device(s) 0, 1 of its host; no other run held a device of it meanwhile.",
+    ]
+    b = take("run-b", "3")
+    (seen,) = b.describe()["runs_beside"]  # run-a was there when run-b started
+    assert seen.startswith("run run-a (pid ") and seen.endswith(" on devices 0, 1")
+    info = a.describe()  # after a round: run-b seen, and kept once run-b has ended
+    b.cleanup()
+    a.cleanup()
+    assert a.describe() == info and info["devices_claimed"] == [0, 1]
+    (seen,) = info["runs_beside"]
+    assert seen.startswith("run run-b (pid ") and seen.endswith(" on device 3")
+    (line,) = beside_lines(info)[1:]
+    assert line.startswith("Devices: this run claimed device(s) 0, 1 of its host, beside run run-b (pid ")
+    assert take("run-w", None, var=None).describe() == {}  # a whole-host run has no one beside it

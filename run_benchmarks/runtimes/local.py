@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from run_benchmarks.config import ClusterConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
@@ -65,16 +66,20 @@ def _holder(path: Path) -> str:
         return fh.read().strip() or "another run"
 
 
-def _device_holders(folder: Path) -> list[str]:
-    """The runs holding a device lock now (a lock file left by an ended run is free, not listed)."""
-    held = []
-    for path in sorted(folder.glob("local.device*.lock")):
+def _device_holders(folder: Path, skip: frozenset[str] = frozenset()) -> list[str]:
+    """The runs holding device locks now, each with its devices (a lock file left by an ended run
+    is free, not listed), but for the lock files named in ``skip`` (this run's own)."""
+    held: dict[str, list[int]] = {}
+    found = ((int(m[1]), p) for p in folder.glob("local.device*.lock") if (m := re.fullmatch(r"local\.device(\d+)\.lock", p.name)))
+    for device, path in sorted(found):
+        if path.name in skip:
+            continue
         fh = _flock(path, fcntl.LOCK_EX)
         if fh is None:
-            held.append(f"{_holder(path)} on device {path.stem.removeprefix('local.device')}")
+            held.setdefault(_holder(path), []).append(device)
         else:
             fh.close()
-    return held
+    return [f"{who} on device{'s' if len(ds) > 1 else ''} {', '.join(map(str, ds))}" for who, ds in held.items()]
 
 
 def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
@@ -103,6 +108,8 @@ class LocalRuntime(Runtime):
         self.python_override = python or (cluster.python if cluster else None)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.locks: list[IO[str]] = []  # the host's flock, and each claimed device's
+        self.devices: list[int] | None = None  # the devices claimed; None: the whole host
+        self.beside: set[str] = set()  # runs seen holding other devices of this host meanwhile
 
     def _take_lock(self, plan: Plan) -> None:
         """One run at a time on this host (two would share its devices and skew both): an
@@ -153,6 +160,19 @@ class LocalRuntime(Runtime):
             fh.write(stamp + "\n")
             fh.flush()
             self.locks.append(fh)
+        self.devices = devices
+        self.describe()  # the runs already beside it
+
+    def describe(self) -> dict[str, Any]:
+        """For results.json: the devices a run claimed and every run seen holding other devices of
+        this host beside it (looked up when the run starts, after each round and at the end), so
+        a figure measured beside another benchmark says so."""
+        if self.devices is None:
+            return {}
+        if self.locks:
+            own = frozenset(lock_file(f"local.device{d}").name for d in self.devices)
+            self.beside.update(_device_holders(lock_file().parent, own))
+        return {"devices_claimed": self.devices, "runs_beside": sorted(self.beside)}
 
     def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
         if self.python_override:

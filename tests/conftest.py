@@ -37,6 +37,17 @@ def pytest_configure(config: pytest.Config) -> None:
         import tempfile
 
         os.environ["FLAGBENCH_LOCK_DIR"] = tempfile.mkdtemp(prefix="flagbench-test-locks-")
+    # DeepSpeed's CPU comm op, JIT-built by ninja (about a minute): the local runs and the
+    # tests' own launches keep it in a folder of theirs (torch_extensions_dir). In the shared
+    # default (~/.cache/torch_extensions) the ssh runtime's runs build it with the framework
+    # environment's ninja (node_agent puts its bin/ first on PATH) and these runs with the
+    # system's; each ninja reads the other's build log as a changed command and builds it all
+    # again, twice a test session. (A DeepSpeed case under Slurm would bring the environment's
+    # ninja here too: node_agent runs there, with this environment.)
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        from tests.case_helpers import torch_extensions_dir
+
+        os.environ["TORCH_EXTENSIONS_DIR"] = torch_extensions_dir()
     for fw in FRAMEWORKS:  # environments already built are used without asking
         var = f"FB_TEST_{fw.upper()}_PYTHON"
         ready = envs.env_dir("cpu", fw) / ".flagbench-ready"

@@ -111,6 +111,8 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
 MailProg=/bin/true
+# a batch job is scheduled when it is submitted, not up to 3 s later (Slurm's default)
+SchedulerParameters=batch_sched_delay=0
 KillWait=10
 MinJobAge=600
 InactiveLimit=0
@@ -244,12 +246,20 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         self.retired_namespaces.add(self.node_namespaces.pop(name))
 
     def restart_node(self, name: str) -> None:
-        """Start a killed node's slurmd again and wait until every node is idle."""
+        """Start a killed node's slurmd again and wait until every node is idle.
+
+        A job that ran on the node while its slurmd was down stays COMPLETING there until
+        the controller sends its terminate request again (every 30 s or so); the node is
+        set down and resumed, as an administrator would, which ends that at once."""
         self._spawn_node(name)
         pid, own = self.procs[f"slurmd-{name}"].pid, os.readlink("/proc/self/ns/uts")
         self._wait(
             f"slurmd of {name}", lambda: os.readlink(f"/proc/{pid}/ns/uts") != own and "slurmd" in Path(f"/proc/{pid}/comm").read_text()
         )
+        for state in (["State=DOWN", "Reason=slurmd restarted"], ["State=RESUME"]):
+            done = self._scontrol("update", f"NodeName={name}", *state)
+            if done.returncode != 0:
+                raise ClusterError(f"scontrol update NodeName={name} {' '.join(state)}: {done.stderr.strip()}")
         self._wait("nodes idle", self._nodes_idle, timeout=90)
         self._note_namespaces()
 

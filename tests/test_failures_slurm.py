@@ -137,7 +137,7 @@ def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
     try:
         t0 = time.monotonic()
         proc = subprocess.run(
-            start_argv(tmp_path, cfile, megatron_python, "--startup-timeout", "15"),
+            start_argv(tmp_path, cfile, megatron_python, "--startup-timeout", "10"),
             capture_output=True,
             text=True,
             timeout=300,
@@ -148,7 +148,7 @@ def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
     assert proc.returncode == 1, proc.stdout + proc.stderr
     res = results(tmp_path)
     (rnd,) = res["rounds"]
-    assert "no rank started training within 15 s of launch (startup_timeout_s)" in rnd["error"].splitlines()[0], rnd["error"]
+    assert "no rank started training within 10 s of launch (startup_timeout_s)" in rnd["error"].splitlines()[0], rnd["error"]
     assert "cancelled" in rnd["error"] and took < 120, (took, rnd["error"])
     (job,) = res["runtime_info"]["slurm"]["jobs"]
     assert job["cancelled_by_harness"] == "aborted"

@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 
+import numpy as np
 import pytest
 import yaml
 
@@ -50,6 +51,7 @@ def test_case_yaml_and_vendor_configs_carry_the_switches():
 
 _CHECK = r"""
 import copy, json, sys
+import numpy as np
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 from cases.baichuan2.deepspeed import model as M
@@ -83,7 +85,10 @@ ids = torch.randint(0, shape["vocab_size"], (2, shape["seq_length"]), generator=
 labels = torch.randint(0, shape["vocab_size"], (2, shape["seq_length"]), generator=gen)
 
 
-def run(**switches):
+grads = {}  # "<run>/<parameter>" -> its gradient, written to the .npz file sys.argv[2]
+
+
+def run(tag, **switches):
     model = M.build_model(shape, **switches)
     model.load_state_dict(state)
     model.train()
@@ -91,20 +96,22 @@ def run(**switches):
         model.gradient_checkpointing_enable({"use_reentrant": False})
     loss = model(ids, labels)
     loss.backward()
-    return model, {"loss": loss.item(), "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()},
+    for n, p in model.named_parameters():
+        grads[f"{tag}/{n}"] = p.grad.detach().flatten().float().numpy()
+    return model, {"loss": loss.item(), "grads": [n for n, _ in model.named_parameters()],
                    "recomputed": [model.recomputed(i) for i in range(len(model.layers))]}
 
 
-_, out["none"] = run()
-m, out["compile"] = run(fused_elementwise="compile")
+_, out["none"] = run("none")
+m, out["compile"] = run("compile", fused_elementwise="compile")
 out["compile"]["modules"] = [m.layers[0].input_layernorm.fused, m.layers[1].post_attention_layernorm.fused, m.norm.fused,
                              m.layers[0].mlp.fused]
 out["frames_compiled"] = counter.frame_count
-_, out["recompute"] = run(recompute_num_layers=2)
+_, out["recompute"] = run("recompute", recompute_num_layers=2)
 M.LOSS_CHUNK = 5  # several chunks, the last one short
-_, out["chunked"] = run(fused_linear_loss="chunked")
-_, out["z_plain"] = run(z_loss_weight=1e-2)
-_, out["z_chunked"] = run(fused_linear_loss="chunked", z_loss_weight=1e-2)
+_, out["chunked"] = run("chunked", fused_linear_loss="chunked")
+_, out["z_plain"] = run("z_plain", z_loss_weight=1e-2)
+_, out["z_chunked"] = run("z_chunked", fused_linear_loss="chunked", z_loss_weight=1e-2)
 flex = M.build_model(shape, attention="flex")
 flex.load_state_dict(state)
 plain.load_state_dict(state)
@@ -112,20 +119,35 @@ with torch.no_grad():
     a, b = plain(ids), flex(ids)
 out["flex"] = {"max_abs": float((a - b).abs().max()), "scale": float(a.abs().max()),
                "mask": type(flex.alibi_mask(shape["seq_length"], torch.float32, torch.device("cpu"))).__name__}
+np.savez(sys.argv[2], **grads)
 print("RESULT " + json.dumps(out))
 """
 
 
+def assert_approx(actual: np.ndarray, expected: np.ndarray, rel: float, abs_: float, what: str) -> None:
+    """``actual == pytest.approx(expected, rel=rel, abs=abs_)`` on whole arrays: the same
+    shape, and every element within max(rel * |expected|, abs_) of its expected value."""
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    off = np.abs(a - e) > np.maximum(rel * np.abs(e), abs_)
+    off |= np.isnan(a) | np.isnan(e)
+    if off.any():
+        k = int(np.argmax(off))
+        raise AssertionError(f"{what}: {int(off.sum())} of {off.size} elements differ, first at {k}: {a[k]!r} vs {e[k]!r}")
+
+
 @pytest.mark.framework("deepspeed")
-def test_switches_match_the_plain_model():
+def test_switches_match_the_plain_model(tmp_path):
     py = framework_python("FB_TEST_DEEPSPEED_PYTHON", "no deepspeed environment to run the model in")
     shape = dict(CASE["models"]["baichuan2_tiny"]["shape"])
     shape = {k: v for k, v in shape.items() if not isinstance(v, str)}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([py, "-c", _CHECK, json.dumps(shape)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    npz = tmp_path / "grads.npz"  # every run's gradients (as JSON they took half a minute to write and read)
+    proc = subprocess.run([py, "-c", _CHECK, json.dumps(shape), str(npz)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     res = json.loads(line[len("RESULT ") :])
+    grads = np.load(npz)
 
     assert res["switches"]["default"] == {
         "attention": "sdpa",
@@ -156,11 +178,11 @@ def test_switches_match_the_plain_model():
     assert plain["recomputed"] == [False] * 4 and partial["recomputed"] == [True, True, False, False]
     assert len(plain["grads"]) == 4 * 7 + 3  # 7 per layer, embedding, final norm, head
     assert res["z_plain"]["loss"] > plain["loss"]  # the z-loss is on
-    for ref, other in ((plain, fused), (plain, partial), (plain, res["chunked"]), (res["z_plain"], res["z_chunked"])):
-        assert other["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-        assert other["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
-            assert other["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+    for ref, other in (("none", "compile"), ("none", "recompute"), ("none", "chunked"), ("z_plain", "z_chunked")):
+        assert res[other]["loss"] == pytest.approx(res[ref]["loss"], rel=1e-6)
+        assert set(res[other]["grads"]) == set(res[ref]["grads"])
+        for name in res[ref]["grads"]:
+            assert_approx(grads[f"{other}/{name}"], grads[f"{ref}/{name}"], rel=1e-4, abs_=1e-7, what=f"{other} vs {ref}: {name}")
 
     assert res["flex"]["mask"] == "FlexAlibi"
     assert res["flex"]["max_abs"] <= 1e-5 * max(1.0, res["flex"]["scale"])

@@ -9,11 +9,12 @@ as CI starts it:
    regression is flagged, exit 1, naming the case and the baseline against the new figure.
 
 The slow-down is real, not written into the history: the slowed nightly process and every
-rank it starts run in a cgroup capped at half of one CPU (``cpu.cfs_quota_us``), where
-the ranks of the other nights had two CPUs; where cgroups cannot be written it is pinned
-to one CPU shared with three busy-looping neighbours instead.  Either is several times
-slower, far beyond the throughput tolerance of 50 %, which is wide so that the unchanged
-night passes on a shared machine.
+rank it starts run in a cgroup whose quota (``cpu.cfs_quota_us``) is half of one CPU while
+the ranks train (from their ``run_meta`` record to ``run_end``; the start-up and the report
+run unthrottled), where the ranks of the other nights had two CPUs; where cgroups cannot be
+written it is pinned to one CPU shared with three busy-looping neighbours instead, the whole
+night.  Either is several times slower, far beyond the throughput tolerance of 50 %, which
+is wide so that the unchanged night passes on a shared machine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import pytest
 from run_benchmarks import history
 from run_benchmarks.registry import ROOT
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
+from training import metriclog as ml
 
 CASE = "llama3_tiny:megatron:cpu:1:2"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1 CPU controller
@@ -62,24 +65,47 @@ def nightly(runlist: Path, setup: Callable[[], None] | None = None) -> subproces
     )
 
 
+def _training(log_dir: Path, old: set[Path]) -> tuple[bool, bool]:
+    """Whether a run in ``log_dir`` not among ``old`` has begun training (a rank's
+    ``run_meta``) and whether it has ended (``run_end``)."""
+    logs = [f for run in log_dir.glob("*") if run not in old for f in run.glob("round*/node*/ranks/**/*.log") if f.is_file()]
+    parsed = [ml.parse_file(f) for f in logs]
+    return any(p.of(ml.EV_META) for p in parsed), any(p.of(ml.EV_END) for p in parsed)
+
+
 @contextlib.contextmanager
-def less_cpu() -> Iterator[Callable[[], None]]:
-    """A process setup that really slows a run down: half of one CPU (cgroup v1 CPU
-    quota), or else one CPU shared with busy-looping neighbours."""
+def less_cpu(log_dir: Path) -> Iterator[Callable[[], None]]:
+    """A process setup that really slows a run down: half of one CPU (cgroup v1 CPU quota)
+    while the ranks of the run that starts in ``log_dir`` train, or else one CPU shared with
+    busy-looping neighbours."""
     group: Path | None = CGROUP_CPU / f"flagbench-test-{os.getpid()}"
     try:
         group.mkdir()
         (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(100000 * CPU_SHARE // 100))
+        (group / "cpu.cfs_quota_us").write_text("-1")  # no limit until the ranks train
     except OSError:
         with contextlib.suppress(OSError):
             group.rmdir()
         group = None
     if group is not None:
-        procs = group / "cgroup.procs"
+        procs, quota = group / "cgroup.procs", group / "cpu.cfs_quota_us"
+        old, done = set(log_dir.glob("*")), threading.Event()
+
+        def throttle() -> None:  # polls the rank logs (20 a second): steps take 70 ms unthrottled
+            while not done.wait(0.05) and not _training(log_dir, old)[0]:
+                pass
+            quota.write_text(str(100000 * CPU_SHARE // 100))
+            while not done.wait(0.2) and not _training(log_dir, old)[1]:
+                pass
+            quota.write_text("-1")
+
+        watch = threading.Thread(target=throttle, daemon=True)
+        watch.start()
         try:
             yield lambda: procs.write_text(str(os.getpid()))
         finally:
+            done.set()
+            watch.join()
             with contextlib.suppress(OSError):  # empty again once the nightly and its ranks exited
                 group.rmdir()
         return
@@ -106,7 +132,7 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     assert same.returncode == 0, same.stdout + same.stderr
     assert "REGRESSION" not in same.stdout
 
-    with less_cpu() as setup:
+    with less_cpu(tmp_path / "logs") as setup:
         slow = nightly(write_runlist(tmp_path, megatron_python, rounds=1), setup)
     assert slow.returncode == 1, slow.stdout + slow.stderr
     regressions = [ln for ln in slow.stdout.splitlines() if ln.startswith("REGRESSION")]

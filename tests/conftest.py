@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import glob
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,28 @@ def _no_deepspeed_shm_left():  # type: ignore[no-untyped-def]
 megatron_python = _environment_fixture("megatron")
 deepspeed_python = _environment_fixture("deepspeed")
 paddle_python = _environment_fixture("paddle")
+
+
+@pytest.fixture(scope="session")
+def llama3_dp2_run(tmp_path_factory: pytest.TempPathFactory, megatron_python: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``llama3_tiny:megatron:cpu:1:2`` through start_task.py as committed (config_cpux1x2:
+    DP2, 30 steps, judged against its reference curve), once a session, with a plain progress
+    line every second: the process and its run folder. tests/test_e2e_local.py and
+    tests/test_llama3_megatron_case.py both check it."""
+    from run_benchmarks.registry import ROOT
+
+    log_dir = tmp_path_factory.mktemp("llama3_dp2")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--vendor", "cpu"]
+        + ["--case_name", "llama3_tiny:megatron:cpu:1:2", "--log-dir", str(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "FLAGBENCH_PROGRESS_EVERY_S": "1"},
+    )
+    runs = [p for p in log_dir.iterdir() if p.is_dir()]
+    assert len(runs) == 1, proc.stdout[-4000:] + proc.stderr[-2000:]
+    return proc, runs[0]
 
 
 # the real test cluster (network namespaces with sshd + dockerd): tests/cluster/

@@ -1,6 +1,7 @@
 """The embedded default end to end: the tiny cases through start_task.py, and the loss gate on them.
 
-One 30-step llama3_tiny run (module fixture ``base``) is shared: it is checked against the
+One 30-step llama3_tiny run (``base``: the session's ``llama3_dp2_run``, which
+tests/test_llama3_megatron_case.py checks too) is shared: it is checked against the
 committed curve, and its own curve, scaled in temp files, is the reference of the gate's
 runs; its results.json is what --verify checks. Curves are never taken from the committed
 files for the gate tests, since those change with the case's starting weights.
@@ -42,10 +43,9 @@ def curve_file(path: Path, loss: dict[int, float], off: float = 0.0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, megatron_python):
-    log_dir = tmp_path_factory.mktemp("base")
-    proc, res = run_case(log_dir, FLAGBENCH_PROGRESS_EVERY_S="1")  # a plain progress line every second
-    return proc, res, log_dir / res.run_id
+def base(llama3_dp2_run):
+    proc, run_dir = llama3_dp2_run  # conftest.py: the committed config_cpux1x2, a plain progress line every second
+    return proc, tr.load(run_dir / "results.json"), run_dir
 
 
 @pytest.mark.framework("megatron")

@@ -228,29 +228,34 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory, megatron_python) -> dict[str, tuple[dict, ParsedLog]]:
-    """Each of LAYOUTS through start_task.py (30 steps, judged): its results.json and rank logs."""
+def layout_runs(tmp_path_factory, megatron_python, llama3_dp2_run) -> dict[str, tuple[dict, ParsedLog]]:
+    """Each of LAYOUTS through start_task.py (30 steps, judged): its results.json and rank logs.
+    DP2, the size's committed config as it is, is the session's run (conftest.llama3_dp2_run)."""
     runs = {}
     for name, (nprocs, variant, _) in LAYOUTS.items():
-        log_dir = tmp_path_factory.mktemp(f"llama3_{name}")
-        proc = subprocess.run(
-            [
-                sys.executable,
-                START,
-                "--vendor",
-                "cpu",
-                "--case_name",
-                f"llama3_tiny:megatron:cpu:1:{nprocs}",
-                "--log-dir",
-                str(log_dir),
-                *(["--variant", variant] if variant else []),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-        (run_dir,) = [d for d in log_dir.iterdir() if d.is_dir()]
+        if name == "DP2":
+            proc, run_dir = llama3_dp2_run
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        else:
+            log_dir = tmp_path_factory.mktemp(f"llama3_{name}")
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    START,
+                    "--vendor",
+                    "cpu",
+                    "--case_name",
+                    f"llama3_tiny:megatron:cpu:1:{nprocs}",
+                    "--log-dir",
+                    str(log_dir),
+                    *(["--variant", variant] if variant else []),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+            (run_dir,) = [d for d in log_dir.iterdir() if d.is_dir()]
         parsed = ParsedLog([], [])
         for f in sorted((run_dir / "round1" / "node0" / "ranks").rglob("stdout.log")):
             parsed.extend(parse_file(f))

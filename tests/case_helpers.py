@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 import socket
 import subprocess
-from collections.abc import Callable
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +67,55 @@ def torch_unit(available: bool, reason: str = "torch is not importable here (run
         return pytest.mark.torch_unit(pytest.mark.skipif(not available, reason=reason)(fn))
 
     return mark
+
+
+@dataclasses.dataclass
+class EnvUnits:
+    """One pytest session of several files' torch-only unit tests in a framework environment
+    (:func:`units_of_files_in_env`): the process, and each file's outcomes."""
+
+    proc: subprocess.CompletedProcess
+    outcomes: dict[str, collections.Counter]  # test file name -> passed / failed / error / skipped
+
+    def of(self, test_file: str | Path) -> collections.Counter:
+        """``test_file``'s outcomes there; asserts that none failed or erred and that some ran."""
+        got = self.outcomes.get(Path(test_file).name, collections.Counter())
+        tail = self.proc.stdout[-4000:] + self.proc.stderr[-2000:]
+        assert got["failed"] == got["error"] == 0 and got["passed"] > 0, (Path(test_file).name, dict(got), tail)
+        return got
+
+
+def units_of_files_in_env(var: str, test_files: Sequence[str | Path], timeout: int = 900) -> EnvUnits:
+    """The torch-only unit tests (:func:`torch_unit`) of ``test_files``, in one pytest session
+    under the framework Python named by ``var`` (skip when it is unset; ``var`` cleared there):
+    torch and the framework are imported once for all of them, not once a file. A file that
+    cannot be collected there counts as an error of that file, the others still run."""
+    py = framework_python(var, "no Python with torch to run the unit tests")
+    with tempfile.TemporaryDirectory(prefix="fb-units-") as tmp:
+        report = Path(tmp) / "units.xml"
+        proc = pytest_in(
+            py,
+            *(str(f) for f in test_files),
+            "-m",
+            "torch_unit",
+            "--continue-on-collection-errors",
+            f"--junitxml={report}",
+            "-o",
+            "junit_family=xunit1",
+            env={var: ""},
+            timeout=timeout,
+        )
+        assert report.is_file(), proc.stdout[-4000:] + proc.stderr[-2000:]
+        outcomes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for case in ET.parse(report).iter("testcase"):
+            # a test: file="tests/test_x.py"; a file that could not be collected: name="tests.test_x"
+            name = (
+                Path(case.get("file")).name if case.get("file") else (case.get("classname") or case.get("name", "")).split(".")[-1] + ".py"
+            )
+            kinds = {child.tag for child in case}
+            kind = "error" if "error" in kinds else "failed" if "failure" in kinds else "skipped" if "skipped" in kinds else "passed"
+            outcomes[name][kind] += 1
+    return EnvUnits(proc, dict(outcomes))
 
 
 def units_in_env(var: str, test_file: Path, *args: str, timeout: int = 600) -> str:

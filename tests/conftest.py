@@ -97,6 +97,17 @@ paddle_python = _environment_fixture("paddle")
 
 
 @pytest.fixture(scope="session")
+def deepspeed_units(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """The torch-only unit tests of every selected test file whose wrapper asks for this
+    fixture, run once, in one session under the deepspeed environment's Python
+    (case_helpers.units_of_files_in_env); each wrapper checks its own file's outcomes."""
+    from tests.case_helpers import units_of_files_in_env
+
+    files = sorted({str(item.path) for item in request.session.items if "deepspeed_units" in getattr(item, "fixturenames", ())})
+    return units_of_files_in_env("FB_TEST_DEEPSPEED_PYTHON", files)
+
+
+@pytest.fixture(scope="session")
 def llama3_dp2_run(tmp_path_factory: pytest.TempPathFactory, megatron_python: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``llama3_tiny:megatron:cpu:1:2`` through start_task.py as committed (config_cpux1x2:
     DP2, 30 steps, judged against its reference curve), once a session, with a plain progress

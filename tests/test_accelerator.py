@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import torch_unit, units_in_env
+from tests.case_helpers import torch_unit
 
 try:
     import torch
@@ -204,5 +204,5 @@ def test_the_source_check_sees_a_cuda_call(tmp_path):
 
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
-def test_units_in_framework_env():
-    assert "5 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)
+def test_units_in_framework_env(deepspeed_units):
+    assert deepspeed_units.of(__file__)["passed"] == 5

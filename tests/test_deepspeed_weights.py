@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import framework_python, free_port, torch_unit, units_in_env
+from tests.case_helpers import framework_python, free_port, torch_unit
 
 try:
     import torch
@@ -109,8 +109,8 @@ def test_values_are_per_name_and_seed_and_shapes_are_checked():
 
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
-def test_units_in_framework_env():
-    assert "3 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), "-k", "not zero3", timeout=600)
+def test_units_in_framework_env(deepspeed_units):
+    assert deepspeed_units.of(__file__)["passed"] == 3
 
 
 @pytest.mark.framework("deepspeed")

@@ -6,11 +6,9 @@ regions follow the module's backend."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.case_helpers import torch_unit, units_in_env
+from tests.case_helpers import torch_unit
 
 try:
     import torch
@@ -162,5 +160,5 @@ def test_swiglu_packed_takes_gate_then_up() -> None:
     assert torch.equal(fused.swiglu(gate, up), F.silu(gate) * up)
 
 
-def test_units_in_framework_env():
-    assert "12 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)
+def test_units_in_framework_env(deepspeed_units):
+    assert deepspeed_units.of(__file__)["passed"] == 12

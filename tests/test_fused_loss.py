@@ -4,11 +4,9 @@ a chunk that does not divide the tokens, and a frozen weight; its memory stays a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.case_helpers import torch_unit, units_in_env
+from tests.case_helpers import torch_unit
 
 try:
     import torch
@@ -110,5 +108,5 @@ def test_what_is_kept_for_the_backward_is_not_the_logits() -> None:
 
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
-def test_units_in_framework_env():
-    assert "14 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)
+def test_units_in_framework_env(deepspeed_units):
+    assert deepspeed_units.of(__file__)["passed"] == 14

@@ -143,12 +143,42 @@ def run_case(case: str, log_dir: Path, *args: str) -> tuple[subprocess.Completed
 NO_REFERENCE = "loss not judged: no reference for this data (fingerprint "
 
 
-@pytest.mark.framework("megatron")
-def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatron_python):
-    data = tmp_path / "data"
+@pytest.fixture(scope="module")
+def megatron_data(tmp_path_factory, megatron_python) -> dict[str, Path]:
+    """The Megatron corpora of this module's tests, a folder per test, written by Megatron's
+    builder in one process (megatron-core imported once): llama3's one corpus, the two of the
+    blend (uint16 and int32), baichuan2's."""
+    root = tmp_path_factory.mktemp("megatron_data")
+    dirs = {name: root / name for name in ("llama3", "blend", "baichuan2")}
+    for d in dirs.values():
+        d.mkdir()
     megatron_corpora(
-        megatron_python, [{"prefix": str(data / "my-corpus_text_document"), "dtype": "uint16", "vocab": 1024, "tokens": 60_000, "seed": 11}]
+        megatron_python,
+        [
+            {"prefix": str(dirs["llama3"] / "my-corpus_text_document"), "dtype": "uint16", "vocab": 1024, "tokens": 60_000, "seed": 11},
+            {"prefix": str(dirs["blend"] / "wudao_a"), "dtype": "uint16", "vocab": 1024, "tokens": 40_000, "seed": 1},
+            {"prefix": str(dirs["blend"] / "wudao_b"), "dtype": "int32", "vocab": 1024, "tokens": 40_000, "seed": 2},
+            {"prefix": str(dirs["baichuan2"] / "owt_text_document"), "dtype": "uint16", "vocab": 2048, "tokens": 50_000, "seed": 3},
+        ],
     )
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def paddle_data(tmp_path_factory, paddle_python) -> dict[str, Path]:
+    """One corpus in PaddleNLP's two layouts, each alone in its folder ("mmap", "npy"), written
+    by one process."""
+    root = tmp_path_factory.mktemp("paddle_data")
+    dirs = {layout: root / layout for layout in ("mmap", "npy")}
+    for d in dirs.values():
+        d.mkdir()
+    framework_run(paddle_python, PADDLE_WRITER, str(dirs["mmap"] / "gpt_corpus"), str(dirs["npy"] / "gpt_corpus"), "1024", "60000", "5")
+    return dirs
+
+
+@pytest.mark.framework("megatron")
+def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatron_data):
+    data = megatron_data["llama3"]
     proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "first", "--data-dir", str(data), "--set", "train.steps=25")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (rnd,) = res.rounds
@@ -191,15 +221,8 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
 
 
 @pytest.mark.framework("megatron")
-def test_llama3_on_a_blend_of_two_corpora(tmp_path, megatron_python):
-    data = tmp_path / "data"
-    megatron_corpora(
-        megatron_python,
-        [
-            {"prefix": str(data / "wudao_a"), "dtype": "uint16", "vocab": 1024, "tokens": 40_000, "seed": 1},
-            {"prefix": str(data / "wudao_b"), "dtype": "int32", "vocab": 1024, "tokens": 40_000, "seed": 2},
-        ],
-    )
+def test_llama3_on_a_blend_of_two_corpora(tmp_path, megatron_data):
+    data = megatron_data["blend"]
     dry = start("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--data-dir", str(data), "--dry-run", "--json")
     assert dry.returncode == 2 and "holds 2 Megatron corpora" in dry.stderr and "name one with data.prefix" in dry.stderr
     proc, res = run_case(
@@ -224,13 +247,8 @@ def test_llama3_on_a_blend_of_two_corpora(tmp_path, megatron_python):
 
 @pytest.mark.framework("paddle")
 @pytest.mark.parametrize("layout", ["mmap", "npy"])
-def test_gpt3_on_paddlenlp_data(tmp_path, paddle_python, layout):
-    data = tmp_path / "data"
-    data.mkdir()
-    other = tmp_path / "other"
-    other.mkdir()
-    mmap_dir, npy_dir = (data, other) if layout == "mmap" else (other, data)
-    framework_run(paddle_python, PADDLE_WRITER, str(mmap_dir / "gpt_corpus"), str(npy_dir / "gpt_corpus"), "1024", "60000", "5")
+def test_gpt3_on_paddlenlp_data(tmp_path, paddle_data, layout):
+    data = paddle_data[layout]  # the corpus in this layout alone
     proc, res = run_case("gpt3_tiny:paddle:cpu:1:1", tmp_path / "logs", "--data-dir", str(data), "--set", "train.steps=8")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (p,) = res.rounds[0].phases
@@ -242,11 +260,8 @@ def test_gpt3_on_paddlenlp_data(tmp_path, paddle_python, layout):
 
 @pytest.mark.framework("deepspeed")
 @pytest.mark.framework("megatron")
-def test_baichuan2_on_megatron_builder_data(tmp_path, megatron_python, deepspeed_python):
-    data = tmp_path / "data"
-    megatron_corpora(
-        megatron_python, [{"prefix": str(data / "owt_text_document"), "dtype": "uint16", "vocab": 2048, "tokens": 50_000, "seed": 3}]
-    )
+def test_baichuan2_on_megatron_builder_data(tmp_path, megatron_data, deepspeed_python):
+    data = megatron_data["baichuan2"]
     proc, res = run_case("baichuan2_tiny:deepspeed:cpu:1:1", tmp_path / "logs", "--data-dir", str(data), "--set", "train.steps=7")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (p,) = res.rounds[0].phases

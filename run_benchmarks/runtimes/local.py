@@ -61,6 +61,14 @@ def _flock(path: Path, mode: int) -> IO[str] | None:
     return fh
 
 
+def _sign(fh: IO[str], stamp: str) -> None:
+    """Write the holding run into a lock file just taken (what a refused run is told)."""
+    fh.seek(0)
+    fh.truncate()
+    fh.write(stamp + "\n")
+    fh.flush()
+
+
 def _holder(path: Path) -> str:
     with open(path) as fh:
         return fh.read().strip() or "another run"
@@ -131,10 +139,7 @@ class LocalRuntime(Runtime):
                 raise InputError(
                     f"this host is busy: {'; '.join(held)} holds {host}; one run at a time per host (wait for it to finish, or stop it)"
                 )
-            fh.seek(0)
-            fh.truncate()
-            fh.write(stamp + "\n")
-            fh.flush()
+            _sign(fh, stamp)
             self.locks = [fh]
             return
         shared = _flock(host, fcntl.LOCK_SH)
@@ -155,10 +160,7 @@ class LocalRuntime(Runtime):
                     f"device {d} of this host is busy: {holder} holds {path}; one run at a time per device "
                     f"({var}={os.environ.get(var)} names the devices this run takes; wait, or choose others)"
                 )
-            fh.seek(0)
-            fh.truncate()
-            fh.write(stamp + "\n")
-            fh.flush()
+            _sign(fh, stamp)
             self.locks.append(fh)
         self.devices = devices
         self.describe()  # the runs already beside it

@@ -360,9 +360,10 @@ def _adam_kernel(opt: torch.optim.Optimizer) -> str:
 def fuse_adam(optimizer: Any, on: bool) -> str:
     """``parallel.fused_adam``: without apex or TransformerEngine megatron-core steps with torch's
     Adam/AdamW, which torch runs as ``foreach`` kernels on GPUs (a kernel per operation of the
-    update: several passes over the parameters, moments and gradients); ``on`` switches every parameter group of those to torch's
-    fused implementation (one pass; the same update to float32 rounding). Set before the first
-    step, so the step counters are made where the fused kernel wants them (on the device).
+    update: several passes over the parameters, moments and gradients); ``on`` switches every
+    parameter group of those to torch's fused implementation (one pass; the same update to
+    float32 rounding). Set before the first step, so the step counters are made where the fused
+    kernel wants them (on the device).
     Returns the kernel each inner optimizer runs (run_meta's ``adam_kernel``), ``; ``-joined."""
     inner = _torch_adams(optimizer)
     if on:

@@ -7,8 +7,9 @@ trained on the same data), the layout and every setting that differs. A table he
 ``compare.md`` and ``compare.html`` (the loss curves overlaid, drawn by the report's plotting
 code) in ``--out`` (default ``logs/compare-<time>``).
 
-``start_task.py --record-reference RUN/results.json``: the curves of the run's first clean
-round become the case's reference for its config and its data:
+``start_task.py --record-reference RUN/results.json [RUN2/results.json ...]``: the curves of
+the run's first clean round (several runs of one config: their per-step mean, with the runs'
+curves as ``repeats`` and their ``spread``) become the case's reference for its config and its data:
 ``reference/<model>/<config>[.<phase>].json`` for the synthetic set,
 ``<config>[.<phase>].data-<fingerprint>.json`` for real data (docs/datasets.md).
 
@@ -30,7 +31,7 @@ from run_benchmarks import datacheck, metrics, registry
 from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
-from run_benchmarks.results import _gib, _pct, device_mem, spread_cell
+from run_benchmarks.results import _gib, _pct, device_mem, repeats_note, spread_cell
 
 # --------------------------------------------------------------------------- --record-reference
 
@@ -43,11 +44,37 @@ def _clean_round(res: tr.RunResults, path: Path) -> tr.RoundResult:
     return clean[0]
 
 
-def record_reference(path: Path, replace: bool = False) -> list[str]:
-    """Write the run's curves as the case's reference for its config and data; one line per file.
-    A reference already there is replaced only with ``replace`` (a committed curve is no scratch file)."""
-    res = tr.load(path)
-    rnd = _clean_round(res, path)
+def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, path: Path) -> None:
+    """Repeats of one config: the same model, config, phases, global batch and data; InputError naming ``path``."""
+    pairs = [
+        ("model", first.model, res.model),
+        ("config", first.config_name, res.config_name),
+        ("phases", first.phases, res.phases),
+        ("global batch", first.settings.get("train", {}).get("global_batch"), res.settings.get("train", {}).get("global_batch")),
+        (
+            "data",
+            {ph: (d or {}).get("fingerprint") for ph, d in (first.data or {}).items()},
+            {ph: (d or {}).get("fingerprint") for ph, d in (res.data or {}).items()},
+        ),
+    ]
+    for what, theirs, ours in pairs:
+        if theirs != ours:
+            raise InputError(f"{path}: {what} {ours!r}, but {theirs!r} in {first_path}; a reference's repeats are runs of one config")
+
+
+def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
+    """Write the runs' curves as the case's reference for their config and data; one line per file.
+
+    One run: its first clean round's curves. Several (repeats of one config): their per-step
+    mean, with the repeats themselves and their spread (metrics.mean_reference), so the gate
+    knows its noise floor. A reference already there is replaced only with ``replace`` (a
+    committed curve is no scratch file)."""
+    runs = [(path, tr.load(path)) for path in paths]
+    path, res = runs[0]
+    for other, r in runs[1:]:
+        _same_config(res, path, r, other)
+    rounds = [_clean_round(r, p) for p, r in runs]
+    rnd = rounds[0]
     try:
         cn = CaseName.parse(res.case)
         case_dir = registry.find_case(cn).path
@@ -62,8 +89,9 @@ def record_reference(path: Path, replace: bool = False) -> list[str]:
                 f"{path}: phase {p.phase}: its data has no fingerprint ({ident.get('reason', 'not checked')}); "
                 "run where the data is readable to record a reference for it"
             )
-        curve = tr.Reference(path=str(path), loss=p.loss)
+        repeats = [tr.Repeat(path=str(q), loss=next(x.loss for x in r.phases if x.phase == p.phase)) for q, r in zip(paths, rounds)]
         try:
+            curve = metrics.mean_reference(str(path), repeats) if len(repeats) > 1 else tr.Reference(path=str(path), loss=p.loss)
             metrics.check_curve(curve)
         except ValueError as exc:
             raise InputError(f"phase {p.phase}: {exc}") from None
@@ -72,25 +100,31 @@ def record_reference(path: Path, replace: bool = False) -> list[str]:
         target = case_dir / "reference" / res.model / name
         if target.is_file() and not replace:
             raise InputError(f"{target}: a reference for this config and data exists; --replace replaces it")
-        steps = sorted(p.loss)
-        doc = {
+        steps = sorted(curve.loss)
+        made = [f"run {r.run_id} round {q.round}" for (_, r), q in zip(runs, rounds)]
+        doc: dict[str, Any] = {
             "model": res.model,
             "config": res.config_name,
             "phase": p.phase,
-            "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, run {res.run_id} round {rnd.round}",
+            "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, "
+            + (made[0] if len(made) == 1 else f"the mean of {len(made)} runs: {', '.join(made)}"),
             "global_batch": res.settings.get("train", {}).get("global_batch"),
             "steps": steps,
-            "loss": [p.loss[s] for s in steps],
+            "loss": [curve.loss[s] for s in steps],
             "data": ident,
         }
+        if curve.repeats:
+            doc["spread"] = curve.spread
+            doc["repeats"] = [{"path": r.path, "steps": sorted(r.loss), "loss": [r.loss[s] for s in sorted(r.loss)]} for r in curve.repeats]
         out.append((target, doc))
     for target, doc in out:  # every phase checked before any file is written
         existed = target.is_file()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        repeats = f", the mean of {len(doc['repeats'])} runs, their spread {100 * doc['spread']:.2f}%" if "repeats" in doc else ""
         lines.append(
             f"{'replaced' if existed else 'wrote'} {target} (phase {doc['phase']}, steps {doc['steps'][0]}-{doc['steps'][-1]}, "
-            f"data {doc['data'].get('fingerprint')})"
+            f"data {doc['data'].get('fingerprint')}{repeats})"
         )
     return lines
 
@@ -178,6 +212,9 @@ def comparison(paths: list[Path]) -> dict[str, Any]:
                     mre = "-" if m is None else f"{100 * m:.2f}%"
             ps = s.phase(phase)
             last = ps[-1] if ps else None
+            gated = repeats_note(last.reference) if last else ""  # its own gate's reference, when made from repeats
+            if gated:
+                note = f"{note}; its gate: {gated}" if note else f"its gate: {gated}"
             rows.append(
                 {
                     "phase": phase,
@@ -315,7 +352,12 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="start_task.py", description=__doc__.split("\n\n")[0])
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--compare", nargs="+", metavar="RESULTS.json", help="runs to compare; the last is the reference run")
-    group.add_argument("--record-reference", metavar="RESULTS.json", help="make a run's curves the case's reference for its data")
+    group.add_argument(
+        "--record-reference",
+        nargs="+",
+        metavar="RESULTS.json",
+        help="make a run's curves the case's reference for its data; several runs of one config: their mean, with the runs and their spread",
+    )
     ap.add_argument("--replace", action="store_true", help="with --record-reference: replace a reference that exists")
     ap.add_argument("--out", metavar="DIR", help="with --compare: where compare.md and compare.html go (default logs/compare-<time>)")
     try:
@@ -324,7 +366,7 @@ def main(argv: list[str]) -> int:
         return int(exc.code or 0) and 2
     try:
         if args.record_reference:
-            print("\n".join(record_reference(Path(args.record_reference).expanduser().resolve(), args.replace)))
+            print("\n".join(record_reference([Path(a).expanduser().resolve() for a in args.record_reference], args.replace)))
             return 0
         c = comparison([Path(p).expanduser().resolve() for p in args.compare])
         out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()

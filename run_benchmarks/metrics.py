@@ -16,7 +16,7 @@ from typing import Any
 
 from run_benchmarks import typed_results
 from run_benchmarks.errors import InputError
-from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Spread, Step, Window
+from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Repeat, Spread, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
 
@@ -106,6 +106,8 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
     A NaN or inf loss after the warm-up fails (``nonfinite_step``), whether or not the
     reference has that step. Compared are the reference's steps from 21 to its last; each
     must be in the run, at least MIN_COMPARED_STEPS of them; aligned when the MRE < 2 %.
+    Against a mean of repeats whose spread is 2 % or more the MRE is kept but nothing is
+    judged: the reference's own noise is as large as the tolerance.
     """
     bad = first_nonfinite(loss, warmup_steps)
     if bad is not None:
@@ -127,16 +129,21 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
         mre, n = loss_mre(loss, reference.loss)
     except BadReference as exc:
         raise BadReference(f"{reference.path}: {exc}") from None
-    verdict = "aligned" if mre < ALIGN_TOLERANCE else "not aligned"
-    return LossGate(
-        verdict=verdict,
-        mre=mre,
-        compared_steps=n,
-        first_step=steps[0],
-        last_step=steps[-1],
-        reason=f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
-        + ("" if verdict == "aligned" else f" (at least {100 * ALIGN_TOLERANCE:g}%)"),
-    )
+    over = f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
+    tol = f"{100 * ALIGN_TOLERANCE:g}%"
+    if reference.spread is not None and reference.spread >= ALIGN_TOLERANCE:
+        # the reference's own repeats disagree by the tolerance: no verdict either way
+        verdict = "not judged"
+        reason = (
+            f"reference repeats differ by {100 * reference.spread:.2f}% among themselves (at least {tol}): "
+            f"this batch and length cannot resolve the {tol} rule; {over}"
+        )
+    else:
+        verdict = "aligned" if mre < ALIGN_TOLERANCE else "not aligned"
+        if reference.spread is not None:
+            over += f" against the mean of {len(reference.repeats)} runs (their spread {100 * reference.spread:.2f}%)"
+        reason = over + ("" if verdict == "aligned" else f" (at least {tol})")
+    return LossGate(verdict=verdict, mre=mre, compared_steps=n, first_step=steps[0], last_step=steps[-1], reason=reason)
 
 
 # --------------------------------------------------------------------------- reference curves
@@ -177,9 +184,102 @@ def read_reference(path: Path, phase: str = "train") -> Reference:
         return Reference(path=str(path), loss=curves[phase])
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not isinstance(data.get("loss"), list):
         raise ValueError(f'{path}: neither a reference curve ({{"steps": [...], "loss": [...]}}) nor a results.json')
-    if len(data["steps"]) != len(data["loss"]):
-        raise ValueError(f"{path}: {len(data['steps'])} steps but {len(data['loss'])} losses")
-    return Reference(path=str(path), loss={int(s): float(v) for s, v in zip(data["steps"], data["loss"])})
+    loss = _curve(data, str(path))
+    if data.get("repeats") is None:
+        return Reference(path=str(path), loss=loss)
+    return _with_repeats(path, data, loss)
+
+
+def _curve(data: Mapping[str, Any], where: str) -> dict[int, float]:
+    """A ``{"steps": [...], "loss": [...]}`` object as step -> loss; ValueError naming ``where``."""
+    steps, losses = data.get("steps"), data.get("loss")
+    if not isinstance(steps, list) or not isinstance(losses, list):
+        raise ValueError(f"{where}: no steps and loss lists")
+    if len(steps) != len(losses):
+        raise ValueError(f"{where}: {len(steps)} steps but {len(losses)} losses")
+    return {int(s): float(v) for s, v in zip(steps, losses)}
+
+
+def _with_repeats(path: Path, data: Mapping[str, Any], loss: dict[int, float]) -> Reference:
+    """A curve file that carries the repeats it is the mean of: the mean and spread recomputed
+    from them, and the file's own curve (and spread, if written) checked against those."""
+    items = data["repeats"]
+    if not isinstance(items, list) or len(items) < 2:
+        raise ValueError(f"{path}: repeats: a list of at least two curves ({{path, steps, loss}}) expected")
+    repeats = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or not isinstance(item.get("path"), str):
+            raise ValueError(f"{path}: repeats[{i}]: an object with path, steps and loss expected")
+        repeats.append(Repeat(path=item["path"], loss=_curve(item, f"{path}: repeats[{i}] ({item['path']})")))
+    try:
+        ref = mean_reference(str(path), repeats)
+    except BadReference as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    if sorted(loss) != sorted(ref.loss):
+        raise ValueError(f"{path}: its steps ({step_ranges(loss)}) are not those all its repeats have ({step_ranges(ref.loss)})")
+    for s, v in ref.loss.items():
+        if not math.isclose(loss[s], v, rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(f"{path}: step {s}: loss {loss[s]}, but the mean of its repeats is {v}")
+    written = data.get("spread")
+    if written is not None and (ref.spread is None or not math.isclose(float(written), ref.spread, rel_tol=1e-9, abs_tol=1e-12)):
+        raise ValueError(f"{path}: spread {written} written, {ref.spread} recomputed from its repeats")
+    return ref
+
+
+def mean_reference(path: str, repeats: Sequence[Repeat]) -> Reference:
+    """The reference made from two or more repeats of one config: their per-step mean, the
+    repeats themselves and their :func:`repeat_spread`.
+
+    Every step from 21 on that one repeat has must be in every repeat, each a finite loss
+    (BadReference naming the repeat and the steps); the mean covers the steps they all have.
+    """
+    if len(repeats) < 2:
+        raise BadReference(f"{path}: a mean of repeats needs at least two curves, got {len(repeats)}")
+    compared = sorted({s for r in repeats for s in r.loss if s >= ALIGN_FROM_STEP})
+    for r in repeats:
+        missing = [s for s in compared if s not in r.loss]
+        if missing:
+            raise BadReference(
+                f"{r.path}: step{'s' if len(missing) > 1 else ''} {step_ranges(missing)} missing, which another repeat has "
+                f"(every compared step, from {ALIGN_FROM_STEP} on, must be in every repeat)"
+            )
+        bad = next((s for s in compared if not math.isfinite(r.loss[s])), None)
+        if bad is not None:
+            raise BadReference(f"{r.path}: step {bad}: loss {r.loss[bad]} (a repeat needs a finite loss at every compared step)")
+    common = set(repeats[0].loss).intersection(*(r.loss for r in repeats[1:]))
+    mean = {s: sum(r.loss[s] for r in repeats) / len(repeats) for s in sorted(common)}
+    return Reference(path=path, loss=mean, repeats=list(repeats), spread=repeat_spread(repeats))
+
+
+def repeat_spread(repeats: Sequence[Repeat]) -> float | None:
+    """How far repeats of one config are apart: over the compared steps (from 21 on), the MRE of
+    each repeat against the per-step mean of the others (leave one out), the largest of them.
+    None for fewer than two curves or no compared step. The repeats must share those steps
+    (:func:`mean_reference` checks it)."""
+    if len(repeats) < 2:
+        return None
+    compared = sorted(s for s in repeats[0].loss if s >= ALIGN_FROM_STEP)
+    if not compared:
+        return None
+    worst = 0.0
+    for i, r in enumerate(repeats):
+        others = [o for j, o in enumerate(repeats) if j != i]
+        rest = {s: sum(o.loss[s] for o in others) / len(others) for s in compared}
+        try:
+            mre, _ = loss_mre(r.loss, rest)
+        except BadReference as exc:
+            raise BadReference(f"{r.path}: against the mean of the other repeats: {exc}") from None
+        worst = max(worst, mre)
+    return worst
+
+
+def combine(references: Sequence[Reference]) -> Reference:
+    """One reference from several files' curves of one phase: each file's repeats (or its own
+    curve when it has none) averaged per step (:func:`mean_reference`); one file as it is."""
+    if len(references) == 1:
+        return references[0]
+    repeats = [x for r in references for x in (r.repeats or [Repeat(path=r.path, loss=r.loss)])]
+    return mean_reference("; ".join(r.path for r in references), repeats)
 
 
 def load_reference(path: Path, phase: str = "train") -> dict[int, float] | None:

@@ -28,22 +28,23 @@ def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
-def reference_path(plan: Plan, phase: str = "train") -> Path | None:
-    """The curve a phase is compared with: ``--reference`` if given, else the committed curve
-    of the exact config, else of the size's default config.
+def reference_paths(plan: Plan, phase: str = "train") -> list[Path]:
+    """The curves a phase is compared with: the ``--reference`` files if given (several: repeats
+    of one config, judged against their mean), else the committed curve of the exact config,
+    else of the size's default config; none when there is none.
 
     Files are ``reference/<model>/<config>.json`` (phase ``train``) or
     ``<config>.<phase>.json``.
     """
-    if plan.reference is not None:  # --reference: an earlier run or a curve file, every phase
-        return plan.reference
+    if plan.reference:  # --reference: earlier runs or curve files, every phase
+        return list(plan.reference)
     base = plan.case_dir / "reference" / plan.case.model
     suffix = "" if phase == "train" else f".{phase}"
     for name in (plan.config_name, f"config_{plan.case.size}"):
         for file in datacheck.reference_names(plan, name, suffix):  # the curve made on the run's data
             if (base / file).is_file():
-                return base / file
-    return None
+                return [base / file]
+    return []
 
 
 def metric_files(node_dir: Path) -> list[Path]:
@@ -77,13 +78,30 @@ def load_references(plan: Plan) -> dict[str, Reference | None]:
     batch, from a clean round when it is a results.json. InputError names the file otherwise."""
     out: dict[str, Reference | None] = {}
     for phase in plan.phases:
-        path = reference_path(plan, phase)
-        out[phase] = None if path is None else datacheck.same_data(plan, phase, _checked_reference(plan, path, phase))
+        paths = reference_paths(plan, phase)
+        refs = [(path, datacheck.same_data(plan, phase, _checked_reference(plan, path, phase))) for path in paths]
+        kept = [r for _, r in refs if r is not None]
+        if kept and len(kept) < len(refs):  # some files made on this run's data, some on other data
+            other = next(path for path, r in refs if r is None)
+            raise InputError(f"--reference {other}: made on other data than this run's, unlike {kept[0].path}; repeats share their data")
+        out[phase] = _mean_of(kept) if kept else None
     return out
 
 
+def _mean_of(refs: list[Reference]) -> Reference:
+    """Several --reference curves of one phase as one: their per-step mean, with their spread."""
+    if len(refs) == 1:
+        return refs[0]
+    try:
+        ref = metrics.combine(refs)
+        metrics.check_curve(ref)
+    except ValueError as exc:
+        raise InputError(f"--reference {exc}") from None
+    return ref
+
+
 def _checked_reference(plan: Plan, path: Path, phase: str) -> Reference:
-    label = "--reference " if plan.reference is not None else "reference curve "
+    label = "--reference " if plan.reference else "reference curve "
     try:
         ref = metrics.read_reference(path, phase)
         metrics.check_curve(ref)

@@ -56,7 +56,8 @@ class Plan:
     run_dir: Path
     python: str  # interpreter on the nodes ("" until the runtime resolves it)
     nodes: list[NodePlan] = dataclasses.field(default_factory=list)
-    reference: Path | None = None  # --reference: compare the loss with this curve instead of the committed one
+    # --reference: compare the loss with this curve instead of the committed one; several: with their mean
+    reference: list[Path] = dataclasses.field(default_factory=list)
     command: list[str] = dataclasses.field(default_factory=list)  # the start_task.py arguments, to re-run it
     data: dict[str, Any] | None = None  # phase -> the identity of its data, after the pre-launch check (datacheck.py)
     memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # phase -> lower bound of the states' memory
@@ -122,7 +123,8 @@ class Plan:
             "model": {"name": self.case.model, **self.counts[first], "per_phase": self.counts, "shape": self.model["shape"]},
             "hardware": self.hardware,
             "run_dir": str(self.run_dir),
-            "reference": None if self.reference is None else str(self.reference),
+            # one --reference file as a path (as ever), several as a list of paths
+            "reference": [str(p) for p in self.reference] if len(self.reference) > 1 else next((str(p) for p in self.reference), None),
             "data": self.data,
             "command": self.command,
             "memory": self.memory,

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from run_benchmarks.typed_results import DeviceMemory, LossGate, RunResults, Spread
+from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, RunResults, Spread
 
 COLUMNS = [
     "config",
@@ -79,11 +79,20 @@ def spread_cell(s: Spread | None) -> str:
     return "-" if s is None else f"{s.p10:,.1f}-{s.p90:,.1f}"
 
 
-def loss_cell(g: LossGate) -> str:
+def repeats_note(ref: Reference | None) -> str:
+    """A reference made from repeats: ``mean of 4 runs, spread 1.10%``; "" for one curve."""
+    if ref is None or ref.spread is None:
+        return ""
+    return f"mean of {len(ref.repeats)} runs, spread {_mre(ref.spread)}"
+
+
+def loss_cell(g: LossGate, ref: Reference | None = None) -> str:
+    """The gate's verdict; against a mean of repeats, with their spread (a not-judged reason says it)."""
+    note = repeats_note(ref)
     if g.verdict == "aligned":
-        return f"aligned ({_mre(g.mre)})"
+        return f"aligned ({_mre(g.mre)}{'; ' + note if note else ''})"
     if g.verdict == "not aligned":
-        return g.reason if g.nonfinite_step is not None else f"NOT aligned ({_mre(g.mre)})"
+        return g.reason if g.nonfinite_step is not None else f"NOT aligned ({_mre(g.mre)}{'; ' + note if note else ''})"
     return f"not judged: {g.reason}"
 
 
@@ -112,7 +121,7 @@ def rows(res: RunResults) -> list[list[str]]:
                     fix,
                     fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"),
                     spread_cell(p.throughput_spread),
-                    loss_cell(p.gate),
+                    loss_cell(p.gate, p.reference),
                     fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)),
                     fig(device_mem(p.device_mem)),
                     fig(_pct(p.mfu_6n)),

@@ -92,8 +92,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--reference",
         metavar="FILE",
+        action="append",
+        default=[],
         help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
-        "(e.g. another parallel layout of the same case) or a {steps, loss} file",
+        "(e.g. another parallel layout of the same case) or a {steps, loss} file; given several times (repeats "
+        "of one config), with their per-step mean, not judged when they differ by 2%% or more among themselves",
     )
     ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
     ap.add_argument(
@@ -259,10 +262,10 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
         plan.command = ["run_benchmarks/start_task.py", *argv]
         run_dir.append(plan.run_dir)
-        if args.reference:
-            plan.reference = Path(args.reference).expanduser().resolve()
-            if not plan.reference.is_file():
-                raise InputError(f"--reference {plan.reference}: no such file")
+        plan.reference = [Path(r).expanduser().resolve() for r in args.reference]
+        for ref in plan.reference:
+            if not ref.is_file():
+                raise InputError(f"--reference {ref}: no such file")
         from run_benchmarks import datacheck, orchestrator
 
         plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs

@@ -68,11 +68,25 @@ class Spread(Strict):
     max: float
 
 
-class Reference(Strict):
-    """The loss curve a phase is judged against, kept in results.json so --verify needs nothing else."""
+class Repeat(Strict):
+    """One of several runs of the same config whose per-step mean is a reference curve."""
 
-    path: str
+    path: str  # the results.json (or curve file) it came from
     loss: dict[int, float]
+
+
+class Reference(Strict):
+    """The loss curve a phase is judged against, kept in results.json so --verify needs nothing else.
+
+    Made from repeats (``--reference`` given several times, or a curve file that carries them):
+    ``loss`` is their per-step mean, ``repeats`` the curves themselves and ``spread`` their noise
+    floor, the largest MRE of one repeat against the mean of the others over the compared steps
+    (metrics.mean_reference). One curve: no repeats, no spread (files made before repeats too)."""
+
+    path: str  # the file; with several --reference files, their paths joined by "; "
+    loss: dict[int, float]
+    repeats: list[Repeat] = []
+    spread: float | None = None
 
 
 class LossGate(Strict):

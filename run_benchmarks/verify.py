@@ -5,7 +5,8 @@ Recomputed per phase with the code that made them (metrics.figures, metrics.judg
 the window, tokens/p/s, step time, the per-step spread (where the file records one), MFU both
 ways from the recorded model counts and peak,
 the loss curve and its gate verdict against the reference curve the file holds (or the
-recorded reference path, re-read when the file is here); per round, the one-phase figures
+recorded reference path, re-read when the file is here; a mean of repeats and its spread
+recomputed from the repeats it keeps); per round, the one-phase figures
 and the loss aggregates, and a status that agrees with the phases' verdicts. A schema-1
 file has no per-step records: what cannot be recomputed is said in one line, and MFU
 (from tokens/p/s and the counts) and the loss verdict (from its recorded curve) are checked.
@@ -74,9 +75,10 @@ class Check:
 
 def _reference(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check: Check) -> tuple[bool, tr.Reference | None]:
     """The curve the phase was judged against: kept in the file, else re-read from its recorded path.
-    (False, None) when it cannot be had."""
+    (False, None) when it cannot be had. A mean of repeats is recomputed from the repeats it
+    keeps, and its mean curve and spread checked against them."""
     if p.reference is not None:
-        return True, p.reference
+        return True, _repeats(p.reference, f"round {rnd.round} phase {p.phase}", check)
     path = rnd.reference.get(p.phase)
     if path is None:
         return True, None  # judged without a reference
@@ -89,6 +91,20 @@ def _reference(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check
         return True, metrics.read_reference(Path(path), p.phase)
     except ValueError as exc:
         raise InputError(f"{check.path}: round {rnd.round} phase {p.phase}: its reference: {exc}") from None
+
+
+def _repeats(ref: tr.Reference, where: str, check: Check) -> tr.Reference:
+    """A phase's kept reference, its mean and spread recomputed from its repeats when it has them."""
+    if not ref.repeats:
+        check.field(where, "reference spread", ref.spread, None)  # one curve has no spread
+        return ref
+    try:
+        mean = metrics.mean_reference(ref.path, ref.repeats)
+    except metrics.BadReference as exc:
+        raise InputError(f"{check.path}: {where}: its reference repeats: {exc}") from None
+    check.field(where, "reference loss (the mean of its repeats)", ref.loss, mean.loss)
+    check.field(where, "reference spread", ref.spread, mean.spread)
+    return mean
 
 
 def _gate(

@@ -12,7 +12,7 @@ import pytest
 
 from run_benchmarks import metrics
 from run_benchmarks.orchestrator import round_status
-from run_benchmarks.typed_results import LossGate, Reference
+from run_benchmarks.typed_results import LossGate, Reference, Repeat
 
 NAN, INF = float("nan"), float("inf")
 
@@ -139,3 +139,127 @@ def test_a_reference_run_must_have_run_clean(tmp_path, status, usable):
     else:
         with pytest.raises(ValueError, match=rf"^{path}: no round ran clean \(ok or unjudged\): round 1 {status}"):
             metrics.read_reference(path, "train")
+
+
+# --------------------------------------------------------------------------- reference repeats: the gate's noise floor
+
+
+def repeat(path: str, level: float, last: int = 25, early: float | None = None) -> Repeat:
+    """A flat curve at ``level`` from step 1 to ``last`` (``early`` before step 21, when given)."""
+    return Repeat(path=path, loss={s: (early if early is not None and s < 21 else level) for s in range(1, last + 1)})
+
+
+def test_the_mean_of_repeats_and_their_leave_one_out_spread():
+    a, b, c = repeat("/runs/a.json", 4.0, early=9.0), repeat("/runs/b.json", 4.2), repeat("/runs/c.json", 4.4)
+    r = metrics.mean_reference("/runs/a.json; /runs/b.json; /runs/c.json", [a, b, c])
+    assert r.loss[21] == pytest.approx(4.2) and r.loss[25] == pytest.approx(4.2) and sorted(r.loss) == list(range(1, 26))
+    assert r.loss[1] == pytest.approx((9.0 + 4.2 + 4.4) / 3)  # the early steps are averaged too, but never compared
+    # leave one out over steps 21-25: a against (4.2+4.4)/2 = 4.3 -> 0.3/4.3; b against 4.2 -> 0; c against 4.1 -> 0.3/4.1
+    assert r.spread == pytest.approx(0.3 / 4.1) and [x.path for x in r.repeats] == ["/runs/a.json", "/runs/b.json", "/runs/c.json"]
+    assert metrics.repeat_spread([a, b, c]) == pytest.approx(0.3 / 4.1)
+    # two repeats: each against the other; the larger of 0.4/4.4 and 0.4/4.0
+    assert metrics.repeat_spread([a, c]) == pytest.approx(0.1)
+    assert metrics.repeat_spread([a]) is None
+    # several files as one reference: each file's curve is a repeat; one file stays as it is
+    one = Reference(path="/runs/a.json", loss=a.loss)
+    assert metrics.combine([one]) is one and one.spread is None and one.repeats == []
+    both = metrics.combine([one, Reference(path="/runs/c.json", loss=c.loss)])
+    assert both.path == "/runs/a.json; /runs/c.json" and both.spread == pytest.approx(0.1) and both.loss[22] == pytest.approx(4.2)
+    # a file that carries repeats brings them, not its mean
+    assert len(metrics.combine([r, one]).repeats) == 4
+
+
+def test_the_verdict_switches_off_at_the_tolerance():
+    run = {s: 50.5 for s in range(1, 26)}
+    at = metrics.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 51.0)])  # 1/50: 2 % exactly
+    assert at.spread == metrics.ALIGN_TOLERANCE
+    g = metrics.judge_loss(run, at, warmup_steps=5)
+    assert (g.verdict, g.aligned, g.mre, g.compared_steps, g.first_step, g.last_step) == ("not judged", None, 0.0, 5, 21, 25)
+    assert g.reason == (
+        "reference repeats differ by 2.00% among themselves (at least 2%): this batch and length cannot resolve the 2% rule; "
+        "MRE 0.00% over steps 21-25"
+    )
+    assert round_status([], {"train": g}) == ("unjudged", [f"phase train: loss not judged: {g.reason}"])
+    # far off the mean, yet still not judged: the reference cannot tell
+    assert metrics.judge_loss({s: 60.0 for s in range(1, 26)}, at, warmup_steps=5).verdict == "not judged"
+    below = metrics.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 50.99)])
+    assert below.spread == pytest.approx(0.0198)
+    g = metrics.judge_loss(run, below, warmup_steps=5)
+    assert g.verdict == "aligned" and g.mre == pytest.approx(0.005 / 50.495)
+    assert g.reason == "MRE 0.01% over steps 21-25 against the mean of 2 runs (their spread 1.98%)"
+    off = metrics.judge_loss({s: 52.0 for s in range(1, 26)}, below, warmup_steps=5)
+    assert off.verdict == "not aligned"
+    assert off.reason == "MRE 2.98% over steps 21-25 against the mean of 2 runs (their spread 1.98%) (at least 2%)"
+    # a NaN still fails the round whatever the reference's spread
+    assert metrics.judge_loss({**run, 23: NAN}, at, warmup_steps=5).nonfinite_step == 23
+
+
+def test_a_repeat_lacking_a_compared_step_is_named():
+    long, short = repeat("/runs/long.json", 4.0, last=30), repeat("/runs/short.json", 4.1, last=27)
+    with pytest.raises(metrics.BadReference, match=r"^/runs/short.json: steps 28-30 missing, which another repeat has \(every compared"):
+        metrics.mean_reference("/runs/both", [long, short])
+    holed = repeat("/runs/holed.json", 4.1, last=30)
+    del holed.loss[24]
+    with pytest.raises(metrics.BadReference, match=r"^/runs/holed.json: step 24 missing"):
+        metrics.combine([Reference(path=long.path, loss=long.loss), Reference(path=holed.path, loss=holed.loss)])
+    nan = repeat("/runs/nan.json", 4.1, last=30)
+    nan.loss[26] = NAN
+    with pytest.raises(metrics.BadReference, match=r"^/runs/nan.json: step 26: loss nan"):
+        metrics.mean_reference("/runs/both", [long, nan])
+
+
+def _repeats_file(tmp_path, spread_off: float):
+    """A results.json judged against the mean of two repeats ``spread_off`` apart, as the orchestrator writes it."""
+    from tests.test_verify import consistent
+
+    run = consistent()
+    p = run.rounds[0].phases[0]
+    reps = [
+        Repeat(path="/runs/a.json", loss=dict(p.loss)),
+        Repeat(path="/runs/b.json", loss={s: v * (1 + spread_off) for s, v in p.loss.items()}),
+    ]
+    ref = metrics.mean_reference("/runs/a.json; /runs/b.json", reps)
+    gate = metrics.judge_loss(p.loss, ref, 5)
+    phase = p.model_copy(update={"gate": gate, "reference": ref})
+    rnd = run.rounds[0].model_copy(
+        update={"phases": [phase], "status": round_status([], {"train": gate})[0], "loss_mre": gate.mre, "loss_aligned": gate.aligned}
+    )
+    path = tmp_path / f"repeats-{spread_off}.json"
+    path.write_text(json.dumps(run.model_copy(update={"rounds": [rnd]}).dump()))
+    return path, gate
+
+
+def test_verify_recomputes_a_repeats_gate_from_the_file_alone(tmp_path):
+    from run_benchmarks import results, verify
+    from run_benchmarks import typed_results as tr
+
+    wide, gate = _repeats_file(tmp_path, 0.05)
+    assert gate.verdict == "not judged" and gate.reason.startswith("reference repeats differ by 5.00% among themselves")
+    assert list(verify.run([wide])) == [(0, f"{wide}: every figure of 1 round(s) matches its records")]
+    back = tr.load(wide)
+    assert back.rounds[0].status == "unjudged" and back.rounds[0].phases[0].reference.spread == pytest.approx(0.05)
+    assert "not judged: reference repeats differ by 5.00%" in results.markdown(back)
+    narrow, gate = _repeats_file(tmp_path, 0.01)
+    assert gate.verdict == "aligned" and gate.reason.endswith("against the mean of 2 runs (their spread 1.00%)")
+    assert "aligned (0.50%; mean of 2 runs, spread 1.00%)" in results.markdown(tr.load(narrow))
+
+    def edited(path, edit, name):
+        data = json.loads(path.read_text())
+        edit(data["rounds"][0]["phases"][0])
+        out = tmp_path / name
+        out.write_text(json.dumps(data))
+        return [line for code, line in verify.run([out]) if code == 1]
+
+    # a spread claimed below 2 % to get a verdict: the repeats say otherwise, and so does the recomputed verdict
+    lines = edited(wide, lambda p: (p["reference"].update(spread=0.01), p["gate"].update(verdict="aligned")), "spread.json")
+    assert any(
+        ln.startswith(f"{tmp_path / 'spread.json'}: round 1 phase train: reference spread recorded 0.01, recomputed 0.05") for ln in lines
+    )
+    assert any("loss gate verdict recorded 'aligned', recomputed 'not judged'" in ln for ln in lines), lines
+    # a repeat's curve edited: its mean and spread no longer match what was recorded
+    lines = edited(narrow, lambda p: p["reference"]["repeats"][1]["loss"].update({"22": 9.0}), "repeat.json")
+    assert any("reference loss (the mean of its repeats) recorded" in ln for ln in lines), lines
+    assert any("reference spread recorded" in ln for ln in lines), lines
+    # a spread on a one-curve reference is no spread
+    lines = edited(narrow, lambda p: p["reference"].update(repeats=[], spread=0.01), "single.json")
+    assert any("reference spread recorded 0.01, recomputed None" in ln for ln in lines), lines

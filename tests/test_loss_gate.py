@@ -263,3 +263,84 @@ def test_verify_recomputes_a_repeats_gate_from_the_file_alone(tmp_path):
     # a spread on a one-curve reference is no spread
     lines = edited(narrow, lambda p: p["reference"].update(repeats=[], spread=0.01), "single.json")
     assert any("reference spread recorded 0.01, recomputed None" in ln for ln in lines), lines
+
+
+def _dry(*refs):
+    import subprocess
+    import sys
+
+    from run_benchmarks.registry import ROOT
+
+    argv = [
+        sys.executable,
+        str(ROOT / "run_benchmarks" / "start_task.py"),
+        "--vendor",
+        "cpu",
+        "--case_name",
+        "llama3_tiny:megatron:cpu:1:2",
+    ]
+    argv += ["--dry-run", "--json", *(a for r in refs for a in ("--reference", str(r)))]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_repeated_reference_on_the_command_line(tmp_path):
+    """--reference given twice: both files in the plan; a curve of another phase, or one lacking
+    compared steps, is bad input naming the file, before anything runs."""
+    from tests.test_results_models import fake_phase, fake_run
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(fake_run().dump()))
+    b.write_text(json.dumps(fake_run([{"phases": [fake_phase(loss_scale=1.01)]}]).dump()))
+    ok = _dry(a, b)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["reference"] == [str(a), str(b)]
+    other_phase = tmp_path / "sft.json"
+    other_phase.write_text(json.dumps({"model": "llama3_tiny", "phase": "sft", "steps": list(range(1, 31)), "loss": [5.0] * 30}))
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(fake_run([{"phases": [fake_phase(steps=27)]}]).dump()))
+    other_model = tmp_path / "gpt.json"
+    other_model.write_text(json.dumps({"model": "gpt3_tiny", "steps": list(range(1, 31)), "loss": [5.0] * 30}))
+    for files, message in (
+        ((a, other_phase), f"--reference {other_phase}: a curve of phase 'sft', compared with phase 'train'"),
+        ((a, short), f"--reference {short}: steps 28-30 missing, which another repeat has"),
+        ((other_model, a), f"--reference {other_model}: a curve of 'gpt3_tiny', not of 'llama3_tiny'"),
+    ):
+        proc = _dry(*files)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_record_a_reference_from_repeats(tmp_path):
+    """--record-reference RUN_A RUN_B: the mean curve with the runs and their spread, read back as
+    such; runs of another config are refused by name, a curve that is not its repeats' mean too."""
+    from run_benchmarks import compare
+    from run_benchmarks.errors import InputError
+    from run_benchmarks.registry import ROOT
+    from tests.test_results_models import fake_phase, fake_run
+
+    data = {"train": {"kind": "real", "format": "megatron", "fingerprint": "0123456789abcdef"}}  # a data set of its own: no committed curve
+    paths = []
+    for i, scale in enumerate((1.0, 1.01, 1.02)):
+        run = fake_run([{"phases": [fake_phase(loss_scale=scale)]}], run_id=f"run{i}").model_copy(update={"data": data})
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(run.dump()))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(fake_run(config_name="config_cpux1x2_TP2").model_copy(update={"data": data}).dump()))
+    with pytest.raises(InputError, match=rf"^{other}: config 'config_cpux1x2_TP2', but 'config_cpux1x2' in {paths[0]}"):
+        compare.record_reference([paths[0], other])
+    target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.data-0123456789abcdef.json"
+    try:
+        (line,) = compare.record_reference(paths)
+        assert line.startswith(f"wrote {target} (phase train, steps 1-30, data 0123456789abcdef, the mean of 3 runs, their spread ")
+        doc = json.loads(target.read_text())
+        assert [r["path"] for r in doc["repeats"]] == [str(p) for p in paths]
+        assert "the mean of 3 runs: run run0 round 1, run run1 round 1, run run2 round 1" in doc["produced_on"]
+        # leave one out: run0 against 1.015 -> 0.015/1.015, run1 against 1.01 -> 0, run2 against 1.005 -> 0.015/1.005
+        assert doc["loss"][0] == pytest.approx(6.9 * 1.01) and doc["spread"] == pytest.approx(0.015 / 1.005)
+        back = metrics.read_reference(target)
+        assert back.spread == doc["spread"] and len(back.repeats) == 3 and back.loss[1] == pytest.approx(6.9 * 1.01)
+        doc["loss"][24] += 0.1  # the curve no longer the mean of its repeats
+        target.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match=rf"^{target}: step 25: loss [\d.]+, but the mean of its repeats is"):
+            metrics.read_reference(target)
+    finally:
+        target.unlink(missing_ok=True)

@@ -264,6 +264,11 @@ def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_p
     user_overrides = []
     for text in sets or []:
         key, value = parse_override(text)
+        if not registry.known_setting(key, standard, case):
+            raise InputError(
+                f"--set {text!r}: the {case.family}/{case.framework} case ({entry.path / 'case.yaml'}) has no setting "
+                f"{key!r}; {registry.unknown_setting_hint(key, standard, case)}"
+            )
         user_overrides.append({"param": key, "value": value, "standard": registry.get_path(standard, key)})
         registry.set_path(settings, key, value)
     check_layout(settings, case.phases, cn.world_size, str(cfg_path))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import importlib
 from collections.abc import Callable
 from pathlib import Path
@@ -160,6 +161,28 @@ def set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
 def allowed(path: str, whitelist: list[str]) -> bool:
     """A path is allowed when it or one of its parent sections is whitelisted."""
     return any(path == w or path.startswith(w + ".") for w in whitelist)
+
+
+def known_setting(path: str, standard: dict[str, Any], case: CaseConfig) -> bool:
+    """Whether ``path`` names a setting of the case: a value of its standard settings, a key a
+    vendor may change (or one under such a section), or either of those for one of the case's
+    phases (``train.phases.<phase>.<key>`` for ``train.<key>``)."""
+    if path in flatten(standard) or allowed(path, case.vendor_may_change):
+        return True
+    parts = path.split(".")
+    if len(parts) > 3 and parts[1] == "phases" and parts[2] in case.phases:
+        return known_setting(".".join([parts[0], *parts[3:]]), standard, case)
+    return False
+
+
+def unknown_setting_hint(path: str, standard: dict[str, Any], case: CaseConfig) -> str:
+    """The case's settings closest to a name it does not know, for the error message."""
+    names = sorted(set(flatten(standard)) | {w for w in case.vendor_may_change})
+    close = difflib.get_close_matches(path, names, n=3, cutoff=0.8)
+    section = path.split(".")[0]
+    if close:
+        return f"did you mean {' or '.join(close)}?"
+    return f"its {section} settings: {', '.join(n for n in names if n.startswith(section + '.'))}"
 
 
 def standard_settings(case: CaseConfig, model: str) -> dict[str, Any]:

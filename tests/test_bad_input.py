@@ -54,6 +54,24 @@ CASES = [
     ("missing data dir", GOOD + ["--data-dir", "/nonexistent/wudao"], "data dir /nonexistent/wudao does not exist"),
     ("bad --set", GOOD + ["--set", "train.steps"], "expected KEY=VALUE"),
     ("--set outside the allowed sections", GOOD + ["--set", "model.hidden_size=8"], "only train.*, parallel.* and data.* may be set"),
+    (
+        "--set a setting the case lacks (a typo)",
+        GOOD + ["--set", "parallel.fused_adm=true"],
+        "the llama3/megatron case (" + str(ROOT / "cases/llama3/megatron/case.yaml") + ") has no setting 'parallel.fused_adm'; "
+        "did you mean parallel.fused_adam",
+    ),
+    (
+        "--set a name far from every setting",
+        GOOD + ["--set", "train.foo=1"],
+        "has no setting 'train.foo'; its train settings: train.adam_beta1, train.adam_beta2,",
+    ),
+    (
+        "--set under a phase the case lacks",
+        ["--vendor", "nvidia", "--case_name", "llava1.5_7b:deepspeed:H200:1:4", "--set", "train.phases.finetun.micro_batch=8"],
+        "the llava/deepspeed case ("
+        + str(ROOT / "cases/llava/deepspeed/case.yaml")
+        + ") has no setting 'train.phases.finetun.micro_batch'",
+    ),
     ("global batch not divisible", GOOD + ["--set", "train.global_batch=6"], "global batch 6 is not a multiple"),
     ("--json without --dry-run", GOOD + ["--json"], "--json is only valid with --dry-run"),
 ]
@@ -68,6 +86,26 @@ def test_bad_argv(what, argv, fragment, tmp_path, capsys, monkeypatch):
     assert err.startswith("error: ") and "\n" not in err, err
     assert fragment in err, err
     assert list(tmp_path.iterdir()) == []  # nothing written, not even the log dir
+
+
+def test_set_names_a_setting_of_the_case_or_of_one_of_its_phases():
+    """--set takes what the case's standard holds, what a vendor may change (and under a section a
+    vendor may change), and either for one of the case's phases; nothing else."""
+    from run_benchmarks import registry
+
+    llava = registry.cases()["llava1.5_7b:deepspeed"].config
+    std = registry.standard_settings(llava, "llava1.5_7b")
+    known = [
+        "train.steps",  # the standard's
+        "parallel.zero.reduce_bucket_size",  # the standard's, null there
+        "train.phases.finetune.global_batch",  # a phase's own value
+        "train.phases.pretrain.clip_grad",  # a common value set for one phase
+        "parallel.phases.finetune.zero.memory_efficient_linear",  # a vendor's key, for one phase
+        "data.num_workers",
+    ]
+    unknown = ["train.phases.eval.micro_batch", "parallel.zero.reduce_bucket", "train.stepz", "parallel.phases.finetune.tpp"]
+    assert [k for k in known if not registry.known_setting(k, std, llava)] == []
+    assert [k for k in unknown if registry.known_setting(k, std, llava)] == []
 
 
 CLUSTER_CASES = [

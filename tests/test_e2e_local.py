@@ -90,17 +90,29 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     # while it ran: the step it was at, read from the ranks' logs
     assert re.search(r"round 1: step \d+/30, [\d,]+ tokens/p/s, loss [\d.]+ \(\d+:\d\d\)", proc.stderr), proc.stderr
 
-    # another parallel layout of the same case on the same data, gated against this run's curve
+    # another parallel layout of the same case on the same data, gated against two reference runs (--reference
+    # twice): this run and a copy of it 1 % higher, repeats whose per-step mean is the curve, 1 % their spread
+    shifted = json.loads((run_dir / "results.json").read_text())
+    shifted["rounds"][0]["phases"][0]["loss"] = {k: v * 1.01 for k, v in shifted["rounds"][0]["phases"][0]["loss"].items()}
+    (tmp_path / "shifted.json").write_text(json.dumps(shifted))
+    refs = [str(run_dir / "results.json"), str(tmp_path / "shifted.json")]
     proc2, res2 = run_case(
-        tmp_path / "tp2", "--variant", "TP2", "--reference", str(run_dir / "results.json"), "--set", "train.profile_step=8"
+        tmp_path / "tp2", "--variant", "TP2", "--reference", refs[0], "--reference", refs[1], "--set", "train.profile_step=8"
     )
     assert proc2.returncode == 0, proc2.stdout + proc2.stderr
     (rnd2,) = res2.rounds
     (p2,) = rnd2.phases
     assert rnd2.layout.startswith("PP1DP1TP2")
-    assert rnd2.reference == {"train": str(run_dir / "results.json")} and p2.reference.loss == p.loss
-    assert res2.command[0] == "run_benchmarks/start_task.py" and "--reference" in res2.command
+    assert rnd2.reference == {"train": "; ".join(refs)} and [r.path for r in p2.reference.repeats] == refs
+    assert p2.reference.repeats[0].loss == p.loss and p2.reference.loss == pytest.approx({s: v * 1.005 for s, v in p.loss.items()})
+    assert p2.reference.spread == pytest.approx(0.01)
+    assert res2.command[0] == "run_benchmarks/start_task.py" and res2.command.count("--reference") == 2
     assert p2.gate.compared_steps == 10 and p2.gate.verdict == "aligned" and rnd2.loss_aligned is True  # steps 21..30
+    assert p2.gate.reason.endswith(" over steps 21-30 against the mean of 2 runs (their spread 1.00%)")
+    assert "; mean of 2 runs, spread 1.00%)" in proc2.stdout
+    # the mean, its spread and the verdict recomputed from the results.json alone
+    verified = start("--verify", str(tmp_path / "tp2" / res2.run_id / "results.json"), timeout=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
     # the two layouts really differ in arithmetic, yet not beyond the gate
     assert p2.loss != p.loss
     # step 8 was profiled: its time split into parts, its trace kept, and it is not in the window

@@ -32,7 +32,8 @@ its per-step records and names any mismatch: exit 0 all match, 1 a mismatch, 2 u
 Real data (--data-dir) is checked whole before anything starts (docs/datasets.md): a missing,
 truncated or out-of-vocabulary file is exit 2 naming it. A reference curve belongs to the data
 it was made on: start_task.py --record-reference RUN/results.json makes a run's curves the case's
-reference for its data and config; start_task.py --compare RUN_A RUN_B [...] sets runs side by
+reference for its data and config (several runs of one config: their mean, with the runs and
+their spread, the gate's noise floor); start_task.py --compare RUN_A RUN_B [...] sets runs side by
 side (a table here, Markdown and an HTML page with the loss curves overlaid).
 """
 

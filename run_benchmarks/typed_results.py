@@ -5,7 +5,9 @@ tables, --verify, the history, the nightly verdict and its report) loads a file 
 :func:`load` and reads fields, never string keys.  Schema 2 adds the per-step records, the
 loss gate's verdict and the reference curve of every phase, and device memory as the
 monitor saw it; schema-1 files (no per-step records) still load, their loss figures turned
-into a gate verdict as they were recorded.
+into a gate verdict as they were recorded.  Fields added to schema 2 since are optional, so
+files made before them load as they are: the per-step throughput spread, a reference's
+repeats and their spread (empty / null where the reference is one curve).
 """
 
 from __future__ import annotations

@@ -234,6 +234,9 @@ class VendorConfig(Strict):
     # "module:function" giving a rank's device memory (peak allocated, total, device name);
     # none: the device type's torch module (torch.cuda, torch.npu, ...) is asked
     memory_query: str | None = None
+    # the environment variable the vendor's torch allocator reads its options from
+    # (PYTORCH_CUDA_ALLOC_CONF for CUDA's caching allocator); none: a config cannot set them
+    allocator_env: str | None = None
     chips: dict[str, ChipConfig]
     env: dict[str, str] = {}
     adapters: dict[str, str] = {}  # framework -> "module:function"
@@ -246,7 +249,7 @@ class VendorConfig(Strict):
             raise ValueError(f"must be a lower-case name such as cuda, npu or nccl, hccl, got {v!r}")
         return v
 
-    @field_validator("visible_devices_env")
+    @field_validator("visible_devices_env", "allocator_env")
     @classmethod
     def _visible(cls, v: str | None) -> str | None:
         if v is not None and not _ENVNAME.match(v):

@@ -96,6 +96,7 @@ class Plan:
                 "dist_backend": self.vendor.dist_backend,
                 "visible_devices_env": self.vendor.visible_devices_env,
                 "memory_query": self.vendor.memory_query,
+                "allocator_env": self.vendor.allocator_env,
                 "adapters": dict(self.vendor.adapters),
                 "hooks": [self.hook] if self.hook else [],
             },
@@ -272,6 +273,7 @@ def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_p
         user_overrides.append({"param": key, "value": value, "standard": registry.get_path(standard, key)})
         registry.set_path(settings, key, value)
     check_layout(settings, case.phases, cn.world_size, str(cfg_path))
+    allocator_options(vendor, settings["parallel"], str(cfg_path))
     count_fn = registry.counter(case)
     counts = {ph: count_fn(case.models[cn.model].model_dump(), ph) for ph in case.phases}
     chip = vendor.chips[cn.hardware]
@@ -341,6 +343,26 @@ def build(
     )
 
 
+def allocator_options(vendor: VendorConfig, parallel: dict[str, Any], source: str = "") -> dict[str, str]:
+    """The allocator variable of the vendor with ``parallel.expandable_segments``: the vendor's own
+    value of it (its ``env``) with ``expandable_segments:True`` added; {} when the switch is off.
+    The variable is set for the ranks before they start, so the allocator reads it at its first
+    use. A vendor that declares no ``allocator_env`` cannot take the switch (InputError)."""
+    on = parallel.get("expandable_segments", False)
+    if not isinstance(on, bool):
+        raise InputError(f"{source or 'settings'}: parallel.expandable_segments must be true or false, got {on!r}")
+    if not on:
+        return {}
+    var = vendor.allocator_env
+    if var is None:
+        raise InputError(
+            f"{source or 'settings'}: parallel.expandable_segments: vendor {vendor.name!r} declares no allocator_env in "
+            f"vendors/{vendor.name}/vendor.yaml (the variable its torch allocator reads, e.g. PYTORCH_CUDA_ALLOC_CONF)"
+        )
+    kept = [o for o in vendor.env.get(var, "").split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
+    return {var: ",".join([*kept, "expandable_segments:True"])}
+
+
 def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
     """Each node's launcher command for one round, with ``root`` the code's location there."""
     cluster = plan.cluster
@@ -349,6 +371,7 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
     launcher = LAUNCHERS[plan.launcher]
     env = {
         **plan.vendor.env,
+        **allocator_options(plan.vendor, plan.settings["parallel"]),
         "PYTHONPATH": str(root),
         "PYTHONUNBUFFERED": "1",
         "FB_RUN_ID": plan.run_id,

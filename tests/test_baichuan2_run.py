@@ -56,6 +56,7 @@ def resolved(tmp: Path, **over) -> dict:
         "lr": 1.0e-3,
         "min_lr": 1.0e-4,
         "lr_warmup_steps": 3,
+        "lr_decay_steps": None,
         "weight_decay": 0.1,
         "clip_grad": 1.0,
         "adam_beta1": 0.9,
@@ -72,6 +73,7 @@ def resolved(tmp: Path, **over) -> dict:
         "recompute_num_layers": None,
         "attention": "sdpa",
         "fused_elementwise": "none",
+        "expandable_segments": False,
         "fused_linear_loss": "none",
         "zero": {
             "stage": 3,

@@ -82,3 +82,51 @@ def test_human_plan_lists_everything(tmp_path):
         "hosts       localhost=127.0.0.1",
     ):
         assert fragment in out, out
+
+
+def test_expandable_segments_reach_the_ranks_through_the_vendors_allocator_variable(tmp_path):
+    """parallel.expandable_segments sets the vendor's allocator_env for every rank before it starts;
+    off, the variable is left to the environment; a vendor's own options in it are kept."""
+    from run_benchmarks import plan, registry
+
+    on = dry(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llama3_8b:megatron:H200:1:2",
+        "--python",
+        sys.executable,
+        "--set",
+        "parallel.expandable_segments=true",
+        cwd=tmp_path,
+    )
+    assert on["nodes"][0]["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert {o["param"]: o["value"] for o in on["user_overrides"]} == {"parallel.expandable_segments": True}
+    off = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H200:1:2", "--python", sys.executable, cwd=tmp_path)
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in off["nodes"][0]["env"]
+    nvidia = registry.load_vendor("nvidia")
+    theirs = nvidia.model_copy(update={"env": {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512, expandable_segments:False"}})
+    assert plan.allocator_options(theirs, {"expandable_segments": True}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"
+    }
+    assert plan.allocator_options(theirs, {}) == {}
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "vendor, case, value, said",
+    [
+        ("cpu", "llama3_tiny:megatron:cpu:1:2", "true", "vendor 'cpu' declares no allocator_env in vendors/cpu/vendor.yaml"),
+        ("nvidia", "baichuan2_13b:deepspeed:H200:1:4", "maybe", "parallel.expandable_segments must be true or false, got 'maybe'"),
+        ("nvidia", "gpt3_6.7B:paddle:A100:1:8", "true", "the gpt3/paddle case"),  # a torch allocator switch: not paddle's
+    ],
+)
+def test_expandable_segments_refused_where_it_cannot_apply(vendor, case, value, said, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, START, "--vendor", vendor, "--case_name", case, "--set", f"parallel.expandable_segments={value}", "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr

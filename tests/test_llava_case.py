@@ -352,6 +352,7 @@ def resolved(tmp: Path) -> dict:
         "recompute": "none",
         "recompute_num_layers": None,
         "fused_elementwise": "none",
+        "expandable_segments": False,
         "zero": {
             "overlap_comm": True,
             "contiguous_gradients": True,

@@ -43,6 +43,14 @@ def visible_devices(vendor: dict[str, Any]) -> dict[str, str | None] | None:
     return {str(name): os.environ.get(str(name))} if name else None
 
 
+def allocator_options(vendor: dict[str, Any]) -> dict[str, str | None] | None:
+    """The vendor's allocator variable (``vendor.allocator_env``, e.g. PYTORCH_CUDA_ALLOC_CONF,
+    which ``parallel.expandable_segments`` sets) and its value in this process (None: unset), for
+    the case's ``run_meta``; None when the vendor names no such variable."""
+    name = vendor.get("allocator_env")
+    return {str(name): os.environ.get(str(name))} if name else None
+
+
 def load_config(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)

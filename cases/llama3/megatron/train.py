@@ -262,6 +262,7 @@ class Trainer:
             config_name=s.config_name,
             device=s.device,
             visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
+            allocator=runtime.allocator_options(self.cfg.get("vendor") or {}),
             torch_version=torch.__version__,
             data=self.data_desc,
             **{K_KERNEL_CEILING: self.ceiling},

@@ -8,12 +8,12 @@ trained on the same data), the layout and every setting that differs. A table he
 code) in ``--out`` (default ``logs/compare-<time>``).
 
 ``start_task.py --record-reference RUN/results.json [RUN2/results.json ...]``: the curves of
-the run's first clean round (several runs of one config: their per-step mean, with the runs'
+the run's first round that ran through (ok, unjudged or invalid by its own gate; several runs of one config: their per-step mean, with the runs'
 curves as ``repeats`` and their ``spread``) become the case's reference for its config and its data:
 ``reference/<model>/<config>[.<phase>].json`` for the synthetic set,
 ``<config>[.<phase>].data-<fingerprint>.json`` for real data (docs/datasets.md).
 
-Exit status: 0 done, 2 bad input (a file that is not a results.json, no clean round, a
+Exit status: 0 done, 2 bad input (a file that is not a results.json, only failed rounds, a
 curve too short to judge a run).
 """
 
@@ -36,12 +36,14 @@ from run_benchmarks.results import _gib, _pct, device_mem, repeats_note, spread_
 # --------------------------------------------------------------------------- --record-reference
 
 
-def _clean_round(res: tr.RunResults, path: Path) -> tr.RoundResult:
-    clean = [r for r in res.rounds if r.clean]
-    if not clean:
+def _round_ran_through(res: tr.RunResults, path: Path) -> tr.RoundResult:
+    through = [r for r in res.rounds if r.ran_through]
+    if not through:
         statuses = ", ".join(f"round {r.round} {r.status}" for r in res.rounds) or "no round"
-        raise InputError(f"{path}: no round ran clean (ok or unjudged): {statuses}; an invalid or failed round is no reference")
-    return clean[0]
+        raise InputError(
+            f"{path}: no round ran through (ok, unjudged or invalid by its own gate): {statuses}; a failed round is no reference"
+        )
+    return through[0]
 
 
 def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, path: Path) -> None:
@@ -65,7 +67,8 @@ def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, pat
 def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
     """Write the runs' curves as the case's reference for their config and data; one line per file.
 
-    One run: its first clean round's curves. Several (repeats of one config): their per-step
+    One run: the curves of its first round that ran through (metrics.read_reference says why an
+    invalid one counts). Several (repeats of one config): their per-step
     mean, with the repeats themselves and their spread (metrics.mean_reference), so the gate
     knows its noise floor. A reference already there is replaced only with ``replace`` (a
     committed curve is no scratch file)."""
@@ -73,7 +76,7 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
     path, res = runs[0]
     for other, r in runs[1:]:
         _same_config(res, path, r, other)
-    rounds = [_clean_round(r, p) for p, r in runs]
+    rounds = [_round_ran_through(r, p) for p, r in runs]
     rnd = rounds[0]
     try:
         cn = CaseName.parse(res.case)

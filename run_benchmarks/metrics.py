@@ -159,9 +159,12 @@ def round_loss(gates: Sequence[LossGate]) -> tuple[float | None, bool | None]:
 
 def read_reference(path: Path, phase: str = "train") -> Reference:
     """A loss curve: a committed ``{"steps": [...], "loss": [...]}`` file, or a phase of an earlier
-    run's results.json (its first round that ran clean: ``ok``, or ``unjudged`` as a first
-    reference run is). ValueError naming the file when it is neither, lacks the phase, or
-    has no clean round; curve files naming another phase or model are checked by the caller.
+    run's results.json (its first round that ran through: ``ok``, ``unjudged`` as a first
+    reference run is, or ``invalid``: a curve that differed from the one it was judged against,
+    which says the two differ, not which is right; refusing such runs would keep only the
+    repeats that happened to agree and hide the spread). ValueError naming the file when it is
+    neither, lacks the phase, or has no such round (only failed ones); curve files naming
+    another phase or model are checked by the caller.
     """
     try:
         data = json.loads(path.read_text())
@@ -174,13 +177,15 @@ def read_reference(path: Path, phase: str = "train") -> Reference:
             run = typed_results.parse(data, str(path))
         except InputError as exc:
             raise ValueError(str(exc)) from None
-        clean = [r for r in run.rounds if r.clean]
-        if not clean:
+        through = [r for r in run.rounds if r.ran_through]
+        if not through:
             statuses = ", ".join(f"round {r.round} {r.status}" for r in run.rounds) or "no round"
-            raise ValueError(f"{path}: no round ran clean (ok or unjudged): {statuses}; an invalid or failed round is no reference")
-        curves = {p.phase: p.loss for p in clean[0].phases}
+            raise ValueError(
+                f"{path}: no round ran through (ok, unjudged or invalid by its own gate): {statuses}; a failed round is no reference"
+            )
+        curves = {p.phase: p.loss for p in through[0].phases}
         if not curves.get(phase):
-            raise ValueError(f"{path}: round {clean[0].round} has no loss curve for phase {phase!r} (has {', '.join(curves) or 'none'})")
+            raise ValueError(f"{path}: round {through[0].round} has no loss curve for phase {phase!r} (has {', '.join(curves) or 'none'})")
         return Reference(path=str(path), loss=curves[phase])
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not isinstance(data.get("loss"), list):
         raise ValueError(f'{path}: neither a reference curve ({{"steps": [...], "loss": [...]}}) nor a results.json')

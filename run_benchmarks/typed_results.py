@@ -29,6 +29,9 @@ Status = Literal["ok", "unjudged", "invalid", "failed"]
 RunStatus = Literal["running", "ok", "unjudged", "invalid", "failed", "interrupted"]
 #: rounds that ran fine and had nothing not aligned: their figures are results
 CLEAN: tuple[str, ...] = ("ok", "unjudged")
+#: rounds that ran to their end without an error; an ``invalid`` one's curve only differed from
+#: the curve it was judged against, so it is a curve of its own that may judge other runs
+RAN_THROUGH: tuple[str, ...] = (*CLEAN, "invalid")
 Verdict = Literal["aligned", "not aligned", "not judged"]
 
 
@@ -191,6 +194,11 @@ class RoundResult(Strict):
     @property
     def clean(self) -> bool:
         return self.status in CLEAN
+
+    @property
+    def ran_through(self) -> bool:
+        """Ran to its end without an error (its loss gate's verdict aside): its curve can be a reference."""
+        return self.status in RAN_THROUGH
 
 
 class RunResults(Strict):

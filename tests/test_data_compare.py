@@ -94,10 +94,10 @@ def test_compare_other_data_and_bad_input(tmp_path):
 
 
 def test_record_reference_refuses_what_cannot_judge(tmp_path):
-    failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="invalid")
+    failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="failed")
     proc = start("--record-reference", str(failed))
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"error: {failed}: no round ran clean (ok or unjudged): round 1 invalid; an invalid or failed round is no reference"
+        f"error: {failed}: no round ran through (ok, unjudged or invalid by its own gate): round 1 failed; a failed round is no reference"
     )
     short = fake_run([{"phases": [fake_phase(steps=20)]}])
     (tmp_path / "short.json").write_text(json.dumps(short.dump()))

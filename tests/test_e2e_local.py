@@ -250,6 +250,7 @@ def test_reference_file_is_checked_before_anything_runs(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["reference"] == str(tmp_path / "ok.json")
     assert _dry("--reference", str(results_file("unjudged.json", status="unjudged"))).returncode == 0
+    assert _dry("--reference", str(results_file("invalid.json", status="invalid"))).returncode == 0  # its curve only differed
     assert _dry("--reference", str(curve_file(tmp_path / "curve.json", {s: 5.0 for s in range(1, 26)}))).returncode == 0
     (tmp_path / "junk.json").write_text(json.dumps({"loss": 1}))
     (tmp_path / "zero.json").write_text(json.dumps({"steps": list(range(1, 31)), "loss": [5.0] * 22 + [0.0] * 8}))
@@ -258,8 +259,10 @@ def test_reference_file_is_checked_before_anything_runs(tmp_path):
         "missing.json": "no such file",
         "gb.json": (results_file("gb.json", global_batch=16), "global batch 16 there, 8 here")[1],
         "model.json": (results_file("model.json", model="llama3_8b"), "a run of 'llama3_8b', not of 'llama3_tiny'")[1],
-        "failed.json": (results_file("failed.json", status="failed"), "no round ran clean (ok or unjudged): round 1 failed")[1],
-        "invalid.json": (results_file("invalid.json", status="invalid"), "no round ran clean (ok or unjudged): round 1 invalid")[1],
+        "failed.json": (
+            results_file("failed.json", status="failed"),
+            "no round ran through (ok, unjudged or invalid by its own gate): round 1 failed",
+        )[1],
         "junk.json": "neither a reference curve",
         "zero.json": "step 23: reference loss 0.0",
         "other.json": "a curve of 'gpt3_tiny', not of 'llama3_tiny'",

@@ -130,14 +130,18 @@ def _results_file(path, status):
     return path
 
 
-@pytest.mark.parametrize("status, usable", [("ok", True), ("unjudged", True), ("invalid", False), ("failed", False)])
-def test_a_reference_run_must_have_run_clean(tmp_path, status, usable):
+@pytest.mark.parametrize("status, usable", [("ok", True), ("unjudged", True), ("invalid", True), ("failed", False)])
+def test_a_reference_run_must_have_run_through(tmp_path, status, usable):
+    """A failed round is no reference; an invalid one is (its curve only differed from another)."""
     path = _results_file(tmp_path / "results.json", status)
     if usable:
         r = metrics.read_reference(path, "train")
         assert r.path == str(path) and sorted(r.loss) == list(range(1, 31)) and math.isfinite(r.loss[30])
     else:
-        with pytest.raises(ValueError, match=rf"^{path}: no round ran clean \(ok or unjudged\): round 1 {status}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{path}: no round ran through \(ok, unjudged or invalid by its own gate\): round 1 {status}; a failed round",
+        ):
             metrics.read_reference(path, "train")
 
 

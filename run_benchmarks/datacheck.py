@@ -346,12 +346,13 @@ def no_reference_reason(plan: Any, phase: str) -> str | None:
     return f"no reference for this data (fingerprint {fp}; start_task.py --record-reference RUN/results.json makes one)"
 
 
-def judge(loss: dict[int, float], reference: Any, warmup: int, plan: Any, phase: str) -> Any:
-    """The loss gate (metrics.judge_loss), with the reason a phase on real data has no reference."""
+def judge(loss: dict[int, float], reference: Any, warmup: int, plan: Any, phase: str, why_none: str | None = None) -> Any:
+    """The loss gate (metrics.judge_loss), with the reason a phase has no reference: ``why_none``
+    (the caller's: e.g. the committed curve is of another global batch), or real data's own."""
     from run_benchmarks import metrics
 
     gate = metrics.judge_loss(loss, reference, warmup)
-    reason = no_reference_reason(plan, phase) if reference is None else None
+    reason = (why_none or no_reference_reason(plan, phase)) if reference is None else None
     if reason and gate.verdict == "not judged" and gate.nonfinite_step is None:
         gate = gate.model_copy(update={"reason": reason})
     return gate

@@ -78,7 +78,7 @@ def load_references(plan: Plan) -> dict[str, Reference | None]:
     batch, from a clean round when it is a results.json. InputError names the file otherwise."""
     out: dict[str, Reference | None] = {}
     for phase in plan.phases:
-        paths = reference_paths(plan, phase)
+        paths = [] if other_batch_reason(plan, phase) else reference_paths(plan, phase)
         refs = [(path, datacheck.same_data(plan, phase, _checked_reference(plan, path, phase))) for path in paths]
         kept = [r for _, r in refs if r is not None]
         if kept and len(kept) < len(refs):  # some files made on this run's data, some on other data
@@ -127,11 +127,42 @@ def _same_training(plan: Plan, path: Path, phase: str) -> None:
                 + "; loss curves compare step by step only at the same global batch"
             )
         return
-    # a curve file: it may name its model and phase
+    # a curve file: it may name its model, phase and global batch
     if data.get("model") is not None and data["model"] != plan.case.model:
         raise ValueError(f"{path}: a curve of {data['model']!r}, not of {plan.case.model!r}")
     if data.get("phase") is not None and data["phase"] != phase:
         raise ValueError(f"{path}: a curve of phase {data['phase']!r}, compared with phase {phase!r}")
+    ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
+    if data.get("global_batch") is not None and data["global_batch"] != ours:
+        raise OtherBatch(path, data["global_batch"], ours, phase)
+
+
+class OtherBatch(ValueError):
+    """A reference curve made at another global batch than the run's."""
+
+    def __init__(self, path: Path, theirs: Any, ours: Any, phase: str) -> None:
+        self.path, self.theirs, self.ours = path, theirs, ours
+        super().__init__(
+            f"{path}: a curve of global batch {theirs} there, {ours} here"
+            + ("" if phase == "train" else f" (phase {phase})")
+            + "; loss curves compare step by step only at the same global batch"
+        )
+
+
+def other_batch_reason(plan: Plan, phase: str) -> str | None:
+    """Why a phase has no committed reference although its config has one: the committed curve
+    is of another global batch (a run shortened by ``--set train.global_batch``); None otherwise.
+    Such a phase is not judged; an explicit ``--reference`` of another batch is bad input."""
+    if plan.reference:
+        return None
+    for path in reference_paths(plan, phase):
+        try:
+            _same_training(plan, path, phase)
+        except OtherBatch as exc:
+            return f"no reference at global batch {exc.ours} (the committed curve {path.name} is of global batch {exc.theirs})"
+        except ValueError:
+            return None
+    return None
 
 
 def _used_gpus(plan: Plan, node_rank: int) -> set[int] | None:
@@ -182,7 +213,7 @@ def _phase_result(
     return PhaseResult(
         phase=phase,
         **fig,
-        gate=datacheck.judge(fig["loss"], reference, warmup, plan, phase),
+        gate=datacheck.judge(fig["loss"], reference, warmup, plan, phase, other_batch_reason(plan, phase)),
         reference=reference,
         meta=meta,
         step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),

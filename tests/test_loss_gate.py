@@ -348,3 +348,36 @@ def test_record_a_reference_from_repeats(tmp_path):
             metrics.read_reference(target)
     finally:
         target.unlink(missing_ok=True)
+
+
+def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
+    """A curve file that names its global batch compares only with runs of that batch: given with
+    --reference it is bad input naming the file; committed for the config (baichuan2_13b's H200
+    curve, made at the standard 64), a run shortened to 32 is not judged and says why."""
+    from run_benchmarks import orchestrator
+    from run_benchmarks import plan as planning
+    from run_benchmarks.casename import CaseName
+    from run_benchmarks.config import ClusterConfig
+
+    other = tmp_path / "gb16.json"
+    other.write_text(json.dumps({"model": "llama3_tiny", "global_batch": 16, "steps": list(range(1, 31)), "loss": [5.0] * 30}))
+    proc = _dry(other)
+    assert proc.returncode == 2 and f"{other}: a curve of global batch 16 there, 8 here" in proc.stderr, proc.stderr
+    same = tmp_path / "gb8.json"
+    same.write_text(json.dumps({"model": "llama3_tiny", "global_batch": 8, "steps": list(range(1, 31)), "loss": [5.0] * 30}))
+    assert _dry(same).returncode == 0
+
+    cn = CaseName.parse("baichuan2_13b:deepspeed:H200:1:4")
+    short = planning.build(cn, "nvidia", ClusterConfig(), tmp_path, sets=["train.global_batch=32"])
+    assert orchestrator.load_references(short) == {"train": None}
+    assert orchestrator.other_batch_reason(short, "train") == (
+        "no reference at global batch 32 (the committed curve config_H200x1x4.json is of global batch 64)"
+    )
+    standard = planning.build(cn, "nvidia", ClusterConfig(), tmp_path)
+    assert orchestrator.other_batch_reason(standard, "train") is None
+    (ref,) = orchestrator.load_references(standard).values()
+    assert ref is not None and ref.path.endswith("reference/baichuan2_13b/config_H200x1x4.json") and len(ref.loss) == 30
+    from run_benchmarks import datacheck
+
+    gate = datacheck.judge({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", orchestrator.other_batch_reason(short, "train"))
+    assert gate.verdict == "not judged" and gate.reason.startswith("no reference at global batch 32")

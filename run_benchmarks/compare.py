@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from run_benchmarks import datacheck, metrics, registry
+from run_benchmarks import plan as planning
 from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
@@ -330,6 +331,65 @@ def html_page(c: dict[str, Any]) -> str:
     return report.PAGE.substitute(title=report.e(f"flagbench compare {sides[-1].res.model}"), body="\n".join(body))
 
 
+# --------------------------------------------------------------------------- --judge
+
+
+def _reference_of(res: tr.RunResults, phase: str, files: list[Path]) -> tr.Reference:
+    """The reference a phase of ``res`` is judged against offline: the files' curves (several:
+    their mean and spread), each of the run's model and of the phase's global batch where the
+    file says (InputError naming the file otherwise)."""
+    ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
+    refs = []
+    for f in files:
+        try:
+            ref = metrics.read_reference(f, phase)
+            metrics.check_curve(ref)
+        except ValueError as exc:
+            raise InputError(f"--reference {exc}") from None
+        data = json.loads(f.read_text())
+        if "rounds" in data:
+            other = tr.parse(data, str(f))
+            model, theirs = other.model, planning.phase_value(other.settings.get("train") or {}, phase, "global_batch")
+        else:
+            model, theirs = data.get("model"), data.get("global_batch")
+        if model is not None and model != res.model:
+            raise InputError(f"--reference {f}: of {model!r}, the run is of {res.model!r}")
+        if theirs is not None and ours is not None and theirs != ours:
+            raise InputError(f"--reference {f}: global batch {theirs} there, {ours} in the run (phase {phase})")
+        refs.append(ref)
+    try:
+        return metrics.combine(refs)
+    except ValueError as exc:
+        raise InputError(f"--reference {exc}") from None
+
+
+def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any]]:
+    """Each run's rounds that ran through, each phase's curve judged again by the loss gate
+    (metrics.judge_loss) against ``references``: what the run would have said against them. The
+    runs' files are not changed. One row per run, round and phase, with the verdict recorded."""
+    if not references:
+        raise InputError("--judge needs at least one --reference FILE to judge against")
+    rows = []
+    for path in paths:
+        res = tr.load(path)
+        for rnd in (r for r in res.rounds if r.ran_through):
+            for p in rnd.phases:
+                gate = metrics.judge_loss(p.loss, _reference_of(res, p.phase, references), p.window.warmup_steps)
+                rows.append(
+                    {
+                        "run": path.name,
+                        "round": rnd.round,
+                        "phase": p.phase,
+                        "recorded": f"{p.gate.verdict}: {p.gate.reason}",
+                        "verdict": gate.verdict,
+                        "reason": gate.reason,
+                    }
+                )
+        if not any(r["run"] == path.name for r in rows):
+            raise InputError(f"{path}: no round ran through (every round failed): nothing to judge")
+    return rows
+
+
 def print_table(c: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -351,10 +411,29 @@ def print_table(c: dict[str, Any]) -> None:
         console.print(d)
 
 
+def print_judged(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="loss gate, judged again")
+    for col in ("run", "round", "phase", "recorded", "verdict", "reason"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r["run"], str(r["round"]), r["phase"], r["recorded"], r["verdict"], r["reason"])
+    Console(width=240).print(t)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="start_task.py", description=__doc__.split("\n\n")[0])
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--compare", nargs="+", metavar="RESULTS.json", help="runs to compare; the last is the reference run")
+    group.add_argument(
+        "--judge",
+        nargs="+",
+        metavar="RESULTS.json",
+        help="judge runs' loss curves again against --reference files (several: their mean and spread); the files stay as they are",
+    )
+    ap.add_argument("--reference", action="append", default=[], metavar="FILE", help="with --judge: a curve to judge against (repeatable)")
     group.add_argument(
         "--record-reference",
         nargs="+",
@@ -370,6 +449,12 @@ def main(argv: list[str]) -> int:
     try:
         if args.record_reference:
             print("\n".join(record_reference([Path(a).expanduser().resolve() for a in args.record_reference], args.replace)))
+            return 0
+        if args.judge:
+            rows = judge_again(
+                [Path(a).expanduser().resolve() for a in args.judge], [Path(r).expanduser().resolve() for r in args.reference]
+            )
+            print_judged(rows)
             return 0
         c = comparison([Path(p).expanduser().resolve() for p in args.compare])
         out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()

@@ -241,7 +241,9 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         from run_benchmarks import ceiling
 
         return ceiling.main(argv)
-    if any(a in ("--record-reference", "--compare") or a.startswith(("--record-reference=", "--compare=")) for a in argv):
+    if any(
+        a in ("--record-reference", "--compare", "--judge") or a.startswith(("--record-reference=", "--compare=", "--judge=")) for a in argv
+    ):
         from run_benchmarks import compare  # a run's curve made a reference, or runs set side by side: nothing runs
 
         return compare.main(argv)

@@ -381,3 +381,39 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
 
     gate = datacheck.judge({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", orchestrator.other_batch_reason(short, "train"))
     assert gate.verdict == "not judged" and gate.reason.startswith("no reference at global batch 32")
+
+
+def test_judge_again_offline_against_repeats(tmp_path):
+    """start_task.py --judge RUN --reference A --reference B: the run's curves judged again against
+    the repeats' mean (the recorded verdict beside), the files left as they are; repeats that
+    disagree by 2 % or more judge nothing; no --reference, or one of another batch: exit 2."""
+    import subprocess
+    import sys
+
+    from run_benchmarks.registry import ROOT
+    from tests.test_results_models import fake_phase, fake_run
+
+    def run_file(name, scale, gb=8):
+        res = fake_run([{"phases": [fake_phase(loss_scale=scale)]}])
+        res.settings["train"]["global_batch"] = gb
+        (tmp_path / name).write_text(json.dumps(res.dump()))
+        return str(tmp_path / name)
+
+    def judge(*argv):
+        cmd = [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--judge", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+
+    run = run_file("run.json", 1.0)
+    before = (tmp_path / "run.json").read_bytes()
+    near = judge(run, "--reference", run_file("a.json", 1.0), "--reference", run_file("b.json", 1.01))
+    assert near.returncode == 0, near.stderr
+    out = " ".join(near.stdout.split())
+    assert "aligned: MRE" in out and "against the mean of 2 runs (their spread 1.00%)" in out, out
+    far = judge(run, "--reference", run_file("c.json", 1.0), "--reference", run_file("d.json", 1.05))
+    assert "not judged" in far.stdout and "differ by 5.00% among themselves" in " ".join(far.stdout.split()), far.stdout
+    assert (tmp_path / "run.json").read_bytes() == before
+    alone = judge(run)
+    assert alone.returncode == 2 and "--judge needs at least one --reference FILE" in alone.stderr
+    other = run_file("gb16.json", 1.0, gb=16)
+    batch = judge(run, "--reference", other)
+    assert batch.returncode == 2 and f"--reference {other}: global batch 16 there, 8 in the run" in batch.stderr, batch.stderr

@@ -219,7 +219,7 @@ def _phase_result(
         step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
         # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
         layout=results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((meta or {}).get("parallel") or {})}),
-        peak_mem_gib=metrics.memory_summary(parsed, phase)["peak_mem_gib"],
+        **{k: metrics.memory_summary(parsed, phase)[k] for k in ("peak_mem_gib", "reserved_mem_gib")},
         device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
         steps=steps,
     )
@@ -314,6 +314,7 @@ def evaluate_round(
         mfu_palm=one.mfu_palm if one else None,
         window=one.window if one else None,
         peak_mem_gib=mem["peak_mem_gib"],
+        reserved_mem_gib=mem["reserved_mem_gib"],
         total_mem_gib=mem["total_mem_gib"],
         per_rank_mem_gib=mem["per_rank_gib"],
         device_mem=metrics.device_memory(monitor_nodes, None),

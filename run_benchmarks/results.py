@@ -62,6 +62,12 @@ def _gib(used: float | None, total: float | None) -> str:
     return f"{used:.2f}/{total:.0f}" if total else f"{used:.2f}"
 
 
+def allocated_cell(peak: float | None, reserved: float | None, total: float | None) -> str:
+    """The allocator's peak over the device's total, with what its cache reserved where reported:
+    ``118.00/140 (reserved 125.80)``; the gap is memory held but unused (fragmentation)."""
+    return _gib(peak, total) + ("" if reserved is None else f" (reserved {reserved:.2f})")
+
+
 def device_mem(m: DeviceMemory | None) -> str:
     """The monitor's device memory in use, ``used/total`` GiB as in the seeds' column; "-" without a device."""
     return "-" if m is None else _gib(m.used_gib, m.total_gib) + ("" if m.scope == "phase" else " (round)")
@@ -122,7 +128,7 @@ def rows(res: RunResults) -> list[list[str]]:
                     fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"),
                     spread_cell(p.throughput_spread),
                     loss_cell(p.gate, p.reference),
-                    fig(_gib(p.peak_mem_gib, rnd.total_mem_gib)),
+                    fig(allocated_cell(p.peak_mem_gib, p.reserved_mem_gib, rnd.total_mem_gib)),
                     fig(device_mem(p.device_mem)),
                     fig(_pct(p.mfu_6n)),
                     fig(_pct(p.mfu_palm)),

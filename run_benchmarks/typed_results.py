@@ -136,6 +136,7 @@ class PhaseResult(Strict):
     step_breakdown: dict[str, dict[str, Any]] = {}  # rank -> breakdown of its profiled step
     layout: str | None = None
     peak_mem_gib: float | None = None  # the allocator's peak over ranks (peak RSS on a CPU)
+    reserved_mem_gib: float | None = None  # the most the allocator's cache held on a rank (accelerators)
     device_mem: DeviceMemory | None = None  # the monitor's view; None where it saw no device
     steps: list[Step] = []  # every step record (schema 2; empty in schema 1)
     # the kernel ceiling the case measured on its device (run_meta's kernel_ceiling, training/ceiling.py)
@@ -178,6 +179,7 @@ class RoundResult(Strict):
     mfu_palm: float | None = None
     window: Window | None = None
     peak_mem_gib: float | None = None  # the allocator's peak over phases and ranks
+    reserved_mem_gib: float | None = None  # the most the allocator's cache held on a rank (accelerators)
     total_mem_gib: float | None = None  # the device's total as the framework reported it
     per_rank_mem_gib: dict[str, float] = {}
     device_mem: DeviceMemory | None = None  # the monitor's view over the round

@@ -48,3 +48,21 @@ def test_bad_lines_are_errors_not_exceptions():
 def test_emitter_refuses_incomplete_meta():
     with pytest.raises(ValueError, match="run_meta lacks"):
         ml.MetricLogger(stream=io.StringIO()).meta(model="x")
+
+
+def test_peak_memory_carries_the_allocators_reserve_where_there_is_one():
+    """A rank's peak_memory line holds the cache's reserve when the framework reports one; the
+    host takes the largest over ranks next to the allocated peak, None when no rank reported it."""
+    from run_benchmarks import metrics
+
+    buf = io.StringIO()
+    for rank, (peak, reserved) in enumerate([(100 << 30, 110 << 30), (105 << 30, 108 << 30)]):
+        ml.MetricLogger("r", rank=rank, stream=buf).peak_memory(peak, 140 << 30, "NVIDIA H200", reserved_bytes=reserved)
+    mem = metrics.memory_summary(ml.parse_lines(buf.getvalue().splitlines()))
+    assert (mem["peak_mem_gib"], mem["reserved_mem_gib"], mem["total_mem_gib"]) == (105, 110, 140)
+    cpu = io.StringIO()
+    ml.MetricLogger("r", rank=0, stream=cpu).peak_memory(1 << 30, None, "cpu")
+    assert (
+        "reserved_bytes" not in cpu.getvalue()
+        and metrics.memory_summary(ml.parse_lines(cpu.getvalue().splitlines()))["reserved_mem_gib"] is None
+    )

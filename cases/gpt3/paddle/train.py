@@ -362,9 +362,8 @@ class Trainer:
 
     def finish(self) -> None:
         """``peak_memory`` of this rank (and the allocator's reserve on an accelerator)."""
-        self.log.peak_memory(*self._memory())
-        if self.s.device != "cpu":
-            self.log.info("device_memory", {"max_reserved_bytes": int(self._device_module().max_memory_reserved(self.place))})
+        reserved = None if self.s.device == "cpu" else int(self._device_module().max_memory_reserved(self.place))
+        self.log.peak_memory(*self._memory(), reserved_bytes=reserved)
 
     def _device_module(self):
         """paddle's module of the device's memory calls (settings.device_module)."""

@@ -322,10 +322,7 @@ class Trainer:
         peak, total, name = self.acc.memory(self.device)
         if not self.acc.is_accelerator and self.acc.query is None:
             total = None  # the CPU: the process's resident peak, which no card's total bounds
-        self.log.peak_memory(peak, total, name)
-        reserved = self.acc.max_reserved(self.device)
-        if reserved is not None:  # the allocator's reserve: what an OOM margin is measured against
-            self.log.info("device_memory", {"max_reserved_bytes": reserved})
+        self.log.peak_memory(peak, total, name, reserved_bytes=self.acc.max_reserved(self.device))
 
 
 def ceiling_only(cfg: dict, log: MetricLogger) -> None:

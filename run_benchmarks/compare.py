@@ -336,26 +336,19 @@ def html_page(c: dict[str, Any]) -> str:
 
 def _reference_of(res: tr.RunResults, phase: str, files: list[Path]) -> tr.Reference:
     """The reference a phase of ``res`` is judged against offline: the files' curves (several:
-    their mean and spread), each of the run's model and of the phase's global batch where the
-    file says (InputError naming the file otherwise)."""
+    their mean and spread), each checked as a run's --reference is (orchestrator.same_training:
+    the run's model, the phase, its global batch; InputError naming the file otherwise)."""
+    from run_benchmarks import orchestrator
+
     ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
     refs = []
     for f in files:
         try:
             ref = metrics.read_reference(f, phase)
             metrics.check_curve(ref)
+            orchestrator.same_training(f, phase, res.model, ours)
         except ValueError as exc:
             raise InputError(f"--reference {exc}") from None
-        data = json.loads(f.read_text())
-        if "rounds" in data:
-            other = tr.parse(data, str(f))
-            model, theirs = other.model, planning.phase_value(other.settings.get("train") or {}, phase, "global_batch")
-        else:
-            model, theirs = data.get("model"), data.get("global_batch")
-        if model is not None and model != res.model:
-            raise InputError(f"--reference {f}: of {model!r}, the run is of {res.model!r}")
-        if theirs is not None and ours is not None and theirs != ours:
-            raise InputError(f"--reference {f}: global batch {theirs} there, {ours} in the run (phase {phase})")
         refs.append(ref)
     try:
         return metrics.combine(refs)
@@ -372,12 +365,18 @@ def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any
     rows = []
     for path in paths:
         res = tr.load(path)
-        for rnd in (r for r in res.rounds if r.ran_through):
+        through = [r for r in res.rounds if r.ran_through]
+        if not through:
+            raise InputError(f"{path}: no round ran through (every round failed): nothing to judge")
+        refs: dict[str, tr.Reference] = {}  # per phase: a run's rounds share its settings
+        for rnd in through:
             for p in rnd.phases:
-                gate = metrics.judge_loss(p.loss, _reference_of(res, p.phase, references), p.window.warmup_steps)
+                if p.phase not in refs:
+                    refs[p.phase] = _reference_of(res, p.phase, references)
+                gate = metrics.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
                 rows.append(
                     {
-                        "run": path.name,
+                        "run": res.run_id,
                         "round": rnd.round,
                         "phase": p.phase,
                         "recorded": f"{p.gate.verdict}: {p.gate.reason}",
@@ -385,8 +384,6 @@ def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any
                         "reason": gate.reason,
                     }
                 )
-        if not any(r["run"] == path.name for r in rows):
-            raise InputError(f"{path}: no round ran through (every round failed): nothing to judge")
     return rows
 
 

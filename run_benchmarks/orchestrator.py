@@ -112,14 +112,20 @@ def _checked_reference(plan: Plan, path: Path, phase: str) -> Reference:
 
 
 def _same_training(plan: Plan, path: Path, phase: str) -> None:
-    """Loss curves compare step by step only for the same model and phase at the same global batch."""
+    same_training(path, phase, plan.case.model, planning.phase_value(plan.settings["train"], phase, "global_batch"))
+
+
+def same_training(path: Path, phase: str, model: str, ours: Any) -> None:
+    """Loss curves compare step by step only for the same model and phase at the same global
+    batch: ``path`` (a reference, read by metrics.read_reference already) against a run of
+    ``model`` whose ``phase`` trains at global batch ``ours``. ValueError naming the file; a
+    curve file of another batch raises :class:`OtherBatch`."""
     data = json.loads(path.read_text())
     if "rounds" in data:  # an earlier run: read_reference has parsed it already, so it parses
         run = typed_results.parse(data, str(path))
-        if run.model != plan.case.model:
-            raise ValueError(f"{path}: a run of {run.model!r}, not of {plan.case.model!r}")
+        if run.model != model:
+            raise ValueError(f"{path}: a run of {run.model!r}, not of {model!r}")
         theirs = planning.phase_value(run.settings.get("train") or {}, phase, "global_batch")
-        ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
         if theirs != ours:
             raise ValueError(
                 f"{path}: global batch {theirs} there, {ours} here"
@@ -128,11 +134,10 @@ def _same_training(plan: Plan, path: Path, phase: str) -> None:
             )
         return
     # a curve file: it may name its model, phase and global batch
-    if data.get("model") is not None and data["model"] != plan.case.model:
-        raise ValueError(f"{path}: a curve of {data['model']!r}, not of {plan.case.model!r}")
+    if data.get("model") is not None and data["model"] != model:
+        raise ValueError(f"{path}: a curve of {data['model']!r}, not of {model!r}")
     if data.get("phase") is not None and data["phase"] != phase:
         raise ValueError(f"{path}: a curve of phase {data['phase']!r}, compared with phase {phase!r}")
-    ours = planning.phase_value(plan.settings["train"], phase, "global_batch")
     if data.get("global_batch") is not None and data["global_batch"] != ours:
         raise OtherBatch(path, data["global_batch"], ours, phase)
 
@@ -210,6 +215,7 @@ def _phase_result(
     fig = metrics.figures(steps, warmup, plan.world_size, plan.counts[phase], plan.hardware["peak_flops"])
     metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if r.value.get("phase", "train") == phase]
     meta = metas[0] if metas else None
+    mem = metrics.memory_summary(parsed, phase)
     return PhaseResult(
         phase=phase,
         **fig,
@@ -219,7 +225,8 @@ def _phase_result(
         step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
         # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
         layout=results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((meta or {}).get("parallel") or {})}),
-        **{k: metrics.memory_summary(parsed, phase)[k] for k in ("peak_mem_gib", "reserved_mem_gib")},
+        peak_mem_gib=mem["peak_mem_gib"],
+        reserved_mem_gib=mem["reserved_mem_gib"],
         device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
         steps=steps,
     )

@@ -95,10 +95,11 @@ def repeats_note(ref: Reference | None) -> str:
 def loss_cell(g: LossGate, ref: Reference | None = None) -> str:
     """The gate's verdict; against a mean of repeats, with their spread (a not-judged reason says it)."""
     note = repeats_note(ref)
+    figure = _mre(g.mre) + (f"; {note}" if note else "")
     if g.verdict == "aligned":
-        return f"aligned ({_mre(g.mre)}{'; ' + note if note else ''})"
+        return f"aligned ({figure})"
     if g.verdict == "not aligned":
-        return g.reason if g.nonfinite_step is not None else f"NOT aligned ({_mre(g.mre)}{'; ' + note if note else ''})"
+        return g.reason if g.nonfinite_step is not None else f"NOT aligned ({figure})"
     return f"not judged: {g.reason}"
 
 

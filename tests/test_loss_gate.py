@@ -416,4 +416,6 @@ def test_judge_again_offline_against_repeats(tmp_path):
     assert alone.returncode == 2 and "--judge needs at least one --reference FILE" in alone.stderr
     other = run_file("gb16.json", 1.0, gb=16)
     batch = judge(run, "--reference", other)
-    assert batch.returncode == 2 and f"--reference {other}: global batch 16 there, 8 in the run" in batch.stderr, batch.stderr
+    assert batch.returncode == 2 and f"--reference {other}: global batch 16 there, 8 here; loss curves compare" in batch.stderr, (
+        batch.stderr
+    )

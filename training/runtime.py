@@ -39,15 +39,19 @@ def visible_devices(vendor: dict[str, Any]) -> dict[str, str | None] | None:
     """The vendor's visible-devices variable (``vendor.visible_devices_env``) and its value in
     this process (None: unset), which a case records in its ``run_meta``; None when the vendor
     names no such variable."""
-    name = vendor.get("visible_devices_env")
-    return {str(name): os.environ.get(str(name))} if name else None
+    return _vendor_variable(vendor, "visible_devices_env")
 
 
 def allocator_options(vendor: dict[str, Any]) -> dict[str, str | None] | None:
     """The vendor's allocator variable (``vendor.allocator_env``, e.g. PYTORCH_CUDA_ALLOC_CONF,
     which ``parallel.expandable_segments`` sets) and its value in this process (None: unset), for
     the case's ``run_meta``; None when the vendor names no such variable."""
-    name = vendor.get("allocator_env")
+    return _vendor_variable(vendor, "allocator_env")
+
+
+def _vendor_variable(vendor: dict[str, Any], field: str) -> dict[str, str | None] | None:
+    """``{name: value in this process}`` of the variable the vendor's ``field`` names; None when it names none."""
+    name = vendor.get(field)
     return {str(name): os.environ.get(str(name))} if name else None
 
 

@@ -331,6 +331,60 @@ def linear_cross_entropy(
     return loss.view(s, b).transpose(0, 1).contiguous()
 
 
+# -- weight-gradient accumulation in the GEMM ---------------------------------------------
+
+
+def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ total_input`` as one product: the GEMM adds its float32
+    result to the gradient buffer (cuBLAS with beta 1), instead of writing the weight gradient in
+    the parameters' dtype and adding it to the buffer in a second kernel. ``total_input``
+    ``[tokens, in]``, ``grad_output`` ``[tokens, out]``, ``main_grad`` ``[out, in]``.
+
+    Bfloat16 / float16 inputs into a float32 buffer use torch's ``out_dtype`` GEMM (CUDA); where
+    the inputs already have the buffer's dtype it is ``addmm_``; elsewhere (mixed dtypes on a
+    CPU) the inputs are cast up first, the same sum with more memory traffic."""
+    a, b = grad_output.t(), total_input
+    if a.dtype == main_grad.dtype:
+        main_grad.addmm_(a, b)
+    elif main_grad.device.type == "cuda":
+        try:
+            torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+        except (TypeError, RuntimeError) as exc:
+            raise RuntimeError(
+                f"parallel.gradient_accumulation_fusion: torch {torch.__version__} cannot add a {a.dtype} product into a "
+                f"{main_grad.dtype} gradient buffer in one GEMM (torch.addmm with out_dtype, torch >= 2.8): {exc}; "
+                "set parallel.gradient_accumulation_fusion: false"
+            ) from exc
+    else:
+        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
+
+
+class _WgradAccumulation:
+    """What megatron-core calls ``fused_weight_gradient_mlp_cuda`` (apex's extension):
+    its two entry points, both :func:`wgrad_gemm_accum`."""
+
+    wgrad_gemm_accum_fp32 = staticmethod(wgrad_gemm_accum)
+    wgrad_gemm_accum_fp16 = staticmethod(wgrad_gemm_accum)
+
+
+def install_wgrad_accumulation() -> str:
+    """``parallel.gradient_accumulation_fusion``: megatron's linear layers then add each weight
+    gradient to the parameter's float32 ``main_grad`` inside its GEMM, through apex's
+    ``fused_weight_gradient_mlp_cuda`` where it is installed, else through
+    :func:`wgrad_gemm_accum` (torch alone). Megatron's own path without it writes every
+    weight gradient in bfloat16 and DDP's hook adds it to ``main_grad``: an extra read and
+    write of each gradient per micro batch. Call before the model is built; returns which
+    implementation runs (run_meta's ``wgrad_accumulation``)."""
+    from megatron.core.tensor_parallel import layers
+
+    if getattr(layers, "_grad_accum_fusion_available", False) and hasattr(layers, "fused_weight_gradient_mlp_cuda"):
+        if layers.fused_weight_gradient_mlp_cuda is not _WgradAccumulation:
+            return "apex fused_weight_gradient_mlp_cuda"
+    layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
+    layers._grad_accum_fusion_available = True
+    return "torch addmm into main_grad"
+
+
 def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The optimizers inside megatron's wrappers (a chain of them, each holding ``.optimizer``)."""
     chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]

@@ -24,6 +24,8 @@ listed there), and this case's own:
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
   ``transformer_impl`` (auto|local|transformer_engine), ``fused_adam`` (torch's AdamW
   as its fused kernel where megatron falls back to torch's optimizer; kernels.fuse_adam),
+  ``gradient_accumulation_fusion`` (each weight gradient added to its float32 main_grad
+  inside the GEMM; kernels.install_wgrad_accumulation),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
 * ``vendor.device``: any device type (training.accelerator gives the case its calls); the
   switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
@@ -89,6 +91,7 @@ class Layout:
     fused_linear_loss: str = "none"
     transformer_impl: str = "auto"
     fused_adam: bool = False
+    gradient_accumulation_fusion: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
 
@@ -155,6 +158,9 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         fused_adam=_bool(_get(parallel, "fused_adam", "parallel", False), "parallel.fused_adam"),
+        gradient_accumulation_fusion=_bool(
+            _get(parallel, "gradient_accumulation_fusion", "parallel", False), "parallel.gradient_accumulation_fusion"
+        ),
         optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
         optimizer_offload_fraction=_float(
             _get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"

@@ -115,6 +115,8 @@ class Trainer:
         s, lay = self.s, self.s.layout
         self.ceiling = self.measure_ceiling()
         self.tconfig = modeling.transformer_config(s)
+        # before the model: megatron's linear layers check for the fused path when built
+        self.wgrad_accumulation = kernels.install_wgrad_accumulation() if lay.gradient_accumulation_fusion else "off"
         model = modeling.build_model(s, self.tconfig)  # on the device (use_cpu_initialization=False)
         # every layout starts from the TP1/PP1 model's weights; written before Float16Module,
         # DDP and the optimizer take their copies
@@ -254,6 +256,7 @@ class Trainer:
                 fused_linear_loss=lay.fused_linear_loss,
                 fused_adam=lay.fused_adam,
                 adam_kernel=self.adam_kernel,
+                wgrad_accumulation=self.wgrad_accumulation,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),

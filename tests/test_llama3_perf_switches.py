@@ -64,6 +64,7 @@ def test_switch_values_are_read_and_checked(tmp_path):
         ),
         "parallel.sequence_parallel needs parallel.tp > 1": ({"sequence_parallel": True, "fused_elementwise": "compile"}, False),
         "parallel.fused_adam must be true or false": ({"fused_adam": "yes"}, False),
+        "parallel.gradient_accumulation_fusion must be true or false": ({"gradient_accumulation_fusion": "on"}, False),
         "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload": (
             {"fused_adam": True, "optimizer_cpu_offload": True},
             True,
@@ -104,6 +105,8 @@ def test_case_and_vendor_configs_carry_the_switches():
         assert par.get("fused_rope", "none") in st.FUSED_ROPE and par.get("fused_linear_loss", "none") in st.FUSED_LINEAR_LOSS, f.name
     assert case["standard"]["parallel"]["fused_rope"] == "none" and case["standard"]["parallel"]["fused_linear_loss"] == "none"
     assert case["standard"]["parallel"]["fused_adam"] is False and "parallel.fused_adam" in case["vendor_may_change"]
+    assert case["standard"]["parallel"]["gradient_accumulation_fusion"] is False
+    assert "parallel.gradient_accumulation_fusion" in case["vendor_may_change"]
     assert {"parallel.fused_rope", "parallel.fused_linear_loss"} <= set(case["vendor_may_change"])
 
 
@@ -162,6 +165,18 @@ try:
 except RuntimeError as exc:
     errors["liger"] = str(exc)
 out["errors"] = errors
+# the check a forced attention kernel passes at the case's own shape: causal GQA attention passes;
+# one that sees later tokens, one with the wrong scale and one whose K/V gradient is wrong are named
+F = torch.nn.functional
+sc = 0.25
+def attention(causal=True, scale=sc, grad_k=1.0):
+    def run(q, k, v):
+        k = k * grad_k + k.detach() * (1 - grad_k)  # the same values, a scaled gradient
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+    return run
+cpu = torch.device("cpu")
+out["faults"] = [kernels.attention_fault(f, (1, 4, 64, 16), 2, torch.float32, cpu, sc)
+                 for f in (attention(), attention(causal=False), attention(scale=2 * sc), attention(grad_k=0.5))]
 print("RESULT " + json.dumps(out))
 """
 
@@ -207,6 +222,12 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     assert "parallel.attention: cudnn runs torch's cuDNN attention kernel, which needs a CUDA device" in errors["cudnn_mode"]
     assert errors["cudnn_model"].startswith(errors["cudnn_mode"])  # megatron adds where it was building
     assert "parallel.fused_elementwise: liger runs Triton kernels on CUDA devices" in errors["liger"]
+
+    right, leaky, scaled, bad_grad = res["faults"]
+    assert right is None
+    assert leaky.startswith("not causal: the first 32 positions' output changes by")
+    assert scaled.startswith("output off the reference attention")
+    assert bad_grad.startswith("dk off the reference attention")
 
 
 _LOSS_ROPE_CHECK = r"""
@@ -380,7 +401,13 @@ from cases.llama3.megatron.train import Trainer
 from training.metriclog import MetricLogger, parse_lines
 
 out = {}
-for name, par in {"default": {}, "fused": {"fused_adam": True}, "fused_plain_optimizer": {"fused_adam": True, "distributed_optimizer": False}}.items():
+variants = {
+    "default": {},
+    "fused": {"fused_adam": True},
+    "fused_plain_optimizer": {"fused_adam": True, "distributed_optimizer": False},
+    "wgrad_fused": {"gradient_accumulation_fusion": True},
+}
+for name, par in variants.items():
     stream = io.StringIO()
     t = Trainer({**cfg, "parallel": {**cfg["parallel"], **par}}, MetricLogger(stream=stream), "train")
     t.build()
@@ -393,6 +420,8 @@ for name, par in {"default": {}, "fused": {"fused_adam": True}, "fused_plain_opt
         "losses": [r.value["loss"] for r in records if r.key == "train_step"],
         "kernel": meta["adam_kernel"],
         "switch": meta["fused_adam"],
+        "wgrad": meta["wgrad_accumulation"],
+        "accumulated": t.s.layout.grad_accum,
         "flags": sorted({(g["foreach"], g["fused"]) for o in inner for g in o.param_groups}, key=str),
         "step_device": sorted({str(s["step"].device) for o in inner for s in o.state.values()}),
         "params": [p.detach().flatten()[:64].tolist() for p in t.model.parameters()],
@@ -402,17 +431,25 @@ try:
     kernels.fuse_adam(t.optimizer, True)
 except RuntimeError as exc:
     out["after_step"] = str(exc)
+# bfloat16 products into a float32 buffer (on a CPU: cast up first; on CUDA: one out_dtype GEMM)
+gen = torch.Generator().manual_seed(5)
+x, dy, buf = torch.randn(6, 3, generator=gen).bfloat16(), torch.randn(6, 4, generator=gen).bfloat16(), torch.ones(4, 3)
+kernels.wgrad_gemm_accum(x, dy, buf)
+out["mixed"] = float((buf - (1 + dy.float().t() @ x.float())).abs().max())
 print("RESULT " + json.dumps(out))
 """
 
 
 @pytest.mark.framework("megatron")
-def test_fused_adam_steps_as_torch_foreach_adam_does(tmp_path):
+def test_fused_adam_and_wgrad_accumulation_step_as_the_default_path_does(tmp_path):
     """``parallel.fused_adam``: the case's own trainer (megatron's optimizer without apex or
     TransformerEngine, i.e. torch's AdamW, behind the distributed optimizer and behind the plain
     one) switched to torch's fused kernel: run_meta names the kernel, the step counters live on
     the parameters' device, and three steps give the default kernel's losses and weights to
-    float32 rounding; switching after a step is refused."""
+    float32 rounding; switching after a step is refused. ``parallel.gradient_accumulation_fusion``:
+    megatron's linear layers add each micro batch's weight gradient to main_grad through the
+    case's stand-in for apex's kernel; three steps of several micro batches each give the
+    default path's losses and weights, and a bfloat16 product lands in a float32 buffer exactly."""
     line = one_rank_check(_ADAM_CHECK, tmp_path)
     res = json.loads(line[len("RESULT ") :])
     default, fused, plain = res["default"], res["fused"], res["fused_plain_optimizer"]
@@ -428,3 +465,9 @@ def test_fused_adam_steps_as_torch_foreach_adam_does(tmp_path):
         for a, b in zip(default["params"], other["params"], strict=True):
             assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
     assert "has stepped already" in res["after_step"]
+    wgrad = res["wgrad_fused"]
+    assert (default["wgrad"], wgrad["wgrad"]) == ("off", "torch addmm into main_grad") and wgrad["accumulated"] > 1
+    assert wgrad["losses"] == pytest.approx(default["losses"], rel=1e-6)
+    for a, b in zip(default["params"], wgrad["params"], strict=True):
+        assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert res["mixed"] < 1e-5

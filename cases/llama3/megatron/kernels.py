@@ -200,6 +200,87 @@ def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dt
     )
 
 
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention as the check of another kernel takes it: K/V repeated over their groups
+    (no GQA path involved), on torch's flash or memory-efficient backend on CUDA devices (no
+    float32 score matrix at the case's sequence length), torch's choice elsewhere."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
+def attention_fault(
+    attend: Any, q_shape: tuple, groups: int, dtype: torch.dtype, device: torch.device, scale: float, tolerance: float = 0.05
+) -> str | None:
+    """What is wrong with ``attend(q, k, v)`` (``[b, heads, s, d]`` query, K/V with ``groups``
+    heads) as causal attention at this very shape, or None.
+
+    Two checks on seeded random inputs: (1) causality, exactly: with the keys and values of the
+    second half of the sequence replaced, the first half of the output stays what it was; (2)
+    the output and the gradients of q, k and v (for a random incoming gradient) agree with
+    :func:`reference_attention` within ``tolerance`` of their largest value. A kernel can pass
+    on a short problem and fail at the case's length, so the case checks at its own."""
+    b, heads, s, d = q_shape
+    gen = torch.Generator(device=device).manual_seed(4321)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    q, k, v, g = draw(b, heads, s, d), draw(b, groups, s, d), draw(b, groups, s, d), draw(b, heads, s, d)
+    half = s // 2
+    with torch.no_grad():
+        out = attend(q, k, v)
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, half:], v2[:, :, half:] = draw(b, groups, s - half, d), draw(b, groups, s - half, d)
+        moved = float((attend(q, k2, v2)[:, :, :half].float() - out[:, :, :half].float()).abs().max())
+    if moved > 1e-3 * float(out.float().abs().max()):
+        return (
+            f"not causal: the first {half} positions' output changes by {moved:.3g} when only the keys and values "
+            f"of positions {half}-{s - 1} change"
+        )
+    with torch.enable_grad():  # also where the caller runs without a graph
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        a, r = attend(*mine), reference_attention(*ref, scale)
+        (a.float() * g.float()).sum().backward()
+        (r.float() * g.float()).sum().backward()
+    for name, x, y in (
+        ("output", a, r),
+        ("dq", mine[0].grad, ref[0].grad),
+        ("dk", mine[1].grad, ref[1].grad),
+        ("dv", mine[2].grad, ref[2].grad),
+    ):
+        off = float((x.float() - y.float()).abs().max() / (y.float().abs().max() + 1e-6))
+        if off > tolerance:
+            return f"{name} off the reference attention (flash / memory-efficient, K/V repeated) by {off:.3g} of its largest value"
+    return None
+
+
+_CUDNN_AT_SHAPE: dict[tuple, None] = {}
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: str) -> torch.Tensor:
+    """:func:`_sdpa_cudnn`, checked once per process and shape with :func:`attention_fault` at the
+    shape it is called with (the case's micro batch, heads and sequence length) before its first
+    use; raises where the kernel is not causal attention there."""
+    key = (tuple(q.shape), k.shape[1], q.dtype, q.device, scale, gqa)
+    if key not in _CUDNN_AT_SHAPE:
+        fault = attention_fault(lambda a, b, c: _sdpa_cudnn(a, b, c, scale, gqa), tuple(q.shape), k.shape[1], q.dtype, q.device, scale)
+        if fault:
+            raise RuntimeError(
+                f"parallel.attention: cudnn: torch {torch.__version__}'s cuDNN attention (GQA {gqa}) at this layer's shape "
+                f"(batch {q.shape[0]}, {q.shape[1]} query heads over {k.shape[1]} KV groups, sequence {q.shape[2]}, "
+                f"head dim {q.shape[3]}, {q.dtype}) is {fault}; use parallel.attention: sdpa"
+            )
+        _CUDNN_AT_SHAPE[key] = None
+    return _sdpa_cudnn(q, k, v, scale, gqa)
+
+
 # -- fused RoPE ----------------------------------------------------------------------------
 
 

@@ -114,7 +114,9 @@ class CuDNNCoreAttention(SDPACoreAttention):
     their own heads (GQA through ``enable_gqa``, no copies) where this torch's cuDNN backend
     runs that, else each K/V head is repeated over its group (``kernels.cudnn_attention_mode``
     decides once per process, when the first layer is built, and raises where the backend
-    does not run at all).
+    does not run at all); the first call at each shape checks the kernel there
+    (``kernels.cudnn_attention``: causal, and agreeing with flash attention), since a kernel that
+    passes on a short problem can fail at the case's sequence length.
     """
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any):
@@ -126,7 +128,7 @@ class CuDNNCoreAttention(SDPACoreAttention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.training and self.dropout:
             raise ValueError("CuDNNCoreAttention runs without attention dropout")
-        return kernels._sdpa_cudnn(q, k, v, self.scale, self.gqa)
+        return kernels.cudnn_attention(q, k, v, self.scale, self.gqa)
 
 
 CORE_ATTENTION = {"sdpa": SDPACoreAttention, "cudnn": CuDNNCoreAttention}
@@ -146,7 +148,7 @@ def kernel_ceiling(s: Settings, device: torch.device, accelerator: Accelerator |
     dtype = DTYPES[s.precision]
     if lay.attention == "cudnn":
         gqa = kernels.cudnn_attention_mode(heads, groups, d, dtype, device)
-        attend, name = (lambda q, k, v: kernels._sdpa_cudnn(q, k, v, scale, gqa)), f"cudnn, GQA {gqa}"
+        attend, name = (lambda q, k, v: kernels.cudnn_attention(q, k, v, scale, gqa)), f"cudnn, GQA {gqa}"
     else:
         attend = lambda q, k, v: sdpa_attention(q, k, v, scale)
         name = "sdpa" if lay.attention == "sdpa" else f"sdpa (standing in for {lay.attention})"

@@ -151,8 +151,12 @@ def test_the_collective_backend_is_the_vendors():
 CUDA_ONLY = {
     ("cases/llama3/megatron/kernels.py", "_check_cuda"): "liger-kernel's Triton kernels",
     ("cases/llama3/megatron/kernels.py", "cudnn_attention_mode"): "torch's cuDNN attention",
-    ("cases/llama3/megatron/kernels.py", "reference_attention"): "torch's flash / memory-efficient SDPA backends, the cuDNN check's reference",
+    (
+        "cases/llama3/megatron/kernels.py",
+        "reference_attention",
+    ): "torch's flash / memory-efficient SDPA backends, the cuDNN check's reference",
     ("cases/llama3/megatron/kernels.py", "wgrad_gemm_accum"): "torch's out_dtype GEMM (addmm.dtype_out exists for CUDA alone)",
+    ("cases/llama3/megatron/kernels.py", "float32_product"): "torch's out_dtype GEMM (mm.dtype_out exists for CUDA alone)",
     ("cases/llama3/megatron/modeling.py", "CuDNNCoreAttention.__init__"): "torch's cuDNN attention",
     ("cases/llama3/megatron/modeling.py", "use_transformer_engine"): "TransformerEngine",
     ("cases/llama3/megatron/settings.py", "check_device"): "the check of the CUDA-only switches",

@@ -327,6 +327,15 @@ def install_compiled_rope() -> None:
 FUSED_LOSS_CHUNK = 2048  # tokens per chunk: the logits of a chunk are [chunk, vocab / tp] in float32
 
 
+def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in float32: on CUDA with bfloat16 / float16 inputs one GEMM that writes float32
+    (torch's ``out_dtype``; the sum is float32 inside the GEMM either way), elsewhere the product
+    in the inputs' dtype, cast up."""
+    if a.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.matmul(a, b).float()
+
+
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
     if group is not None:
         torch.distributed.all_reduce(t, op=op, group=group)
@@ -345,6 +354,11 @@ class LinearCrossEntropy(torch.autograd.Function):
     parallelism the reduce-scatter of the gather in front sums it) and ``dW += d^T x`` (float32
     sum over chunks). Megatron's path keeps the logits ([tokens, vocab / tp]) and its float32 softmax
     for the backward instead; this one recomputes one product per chunk.
+
+    On CUDA the logits come out of their GEMM in float32 (:func:`float32_product`) and each
+    chunk's ``d^T x`` is added to ``dW`` inside its GEMM (:func:`wgrad_gemm_accum`): no bf16
+    logits cast up in a second kernel, no separate float32 addition per chunk; neither product
+    is rounded to bf16 on its way, so the loss is at least as exact as megatron's path.
     """
 
     @staticmethod
@@ -357,7 +371,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
-            logits = torch.matmul(x[i : i + chunk], weight.t()).float()
+            logits = float32_product(x[i : i + chunk], weight.t())
             top = logits.max(dim=-1).values
             _all_reduce(top, torch.distributed.ReduceOp.MAX, group)
             total = torch.exp(logits - top[:, None]).sum(dim=-1)
@@ -381,14 +395,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows = torch.arange(min(chunk, x.shape[0]), device=x.device)
         for i in range(0, x.shape[0], chunk):
             xc = x[i : i + chunk]
-            d = torch.exp(torch.matmul(xc, weight.t()).float() - lse[i : i + chunk, None])  # softmax
+            d = torch.exp(float32_product(xc, weight.t()) - lse[i : i + chunk, None])  # softmax
             local = labels[i : i + chunk] - ctx.first
             inside = (local >= 0) & (local < vocab_part)
             r = rows[: xc.shape[0]]
             d[r[inside], local[inside]] -= 1.0
             d = (d * grad[i : i + chunk, None].float()).to(x.dtype)
             dx[i : i + chunk] = torch.matmul(d, weight)
-            dw += torch.matmul(d.t(), xc)
+            wgrad_gemm_accum(xc, d, dw)  # dw += d^T xc, summed in float32 inside the GEMM
         if ctx.reduce_dx:
             _all_reduce(dx, torch.distributed.ReduceOp.SUM, ctx.group)
         return dx, dw.to(weight.dtype), None, None, None, None

@@ -11,11 +11,12 @@ gradients by the incoming one. Peak extra memory: one chunk's logits in float32 
 them) plus the gradient of ``W`` in float32, instead of every token's logits.
 
 The arithmetic follows the plain path: logits from a matrix product in the inputs' dtype,
-rounded to it, then cross-entropy in float32 (mean over the tokens whose label is not
+rounded to it (on CUDA with bf16 / fp16 inputs the GEMM writes them in float32 instead, one
+kernel fewer and one rounding fewer: training/gemm.py), then cross-entropy in float32 (mean over the tokens whose label is not
 ``ignore_index``) plus an optional z-loss ``z * mean over all tokens of (max logit)^2``; the
 logits' gradient is rounded to the inputs' dtype before the two products, as autograd does
-through ``.float()``. The gradient of ``W`` is summed over chunks in float32 and rounded once,
-so it differs from the plain path's single product by rounding only.
+through ``.float()``. The gradient of ``W`` is summed over chunks in float32 (inside each chunk's GEMM) and rounded
+once, so it differs from the plain path's single product by rounding only.
 
 Torch only; nothing of a framework. Used by a case's output layer where
 ``parallel.fused_linear_loss: chunked`` asks for it.
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from training import gemm
 
 #: tokens per chunk unless the caller says otherwise
 DEFAULT_CHUNK = 2048
@@ -50,7 +53,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, n, chunk):
             xc, lc = x[start : start + chunk], labels[start : start + chunk]
-            logits = (xc @ weight.t()).float()  # rounded to the inputs' dtype by the product, then widened
+            logits = gemm.float32_product(xc, weight.t())  # float32 out of the GEMM on CUDA; elsewhere rounded, then widened
             keep = lc != ignore_index
             safe = torch.where(keep, lc, torch.zeros_like(lc))
             lse = torch.logsumexp(logits, dim=-1)
@@ -73,7 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_x is not None:
                 grad_x[start : start + chunk] = g @ weight
             if grad_w is not None:
-                grad_w += (g.t() @ xc).float()
+                gemm.accumulate_product(grad_w, g.t(), xc)  # summed in float32 inside the GEMM
         ctx.save_for_backward(grad_x, grad_w)
         ctx.w_dtype = weight.dtype
         return total

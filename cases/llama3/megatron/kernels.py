@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from training import fused
+from training import fused, gemm
 
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
 
@@ -327,15 +327,6 @@ def install_compiled_rope() -> None:
 FUSED_LOSS_CHUNK = 2048  # tokens per chunk: the logits of a chunk are [chunk, vocab / tp] in float32
 
 
-def float32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in float32: on CUDA with bfloat16 / float16 inputs one GEMM that writes float32
-    (torch's ``out_dtype``; the sum is float32 inside the GEMM either way), elsewhere the product
-    in the inputs' dtype, cast up."""
-    if a.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.matmul(a, b).float()
-
-
 def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
     if group is not None:
         torch.distributed.all_reduce(t, op=op, group=group)
@@ -355,8 +346,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     sum over chunks). Megatron's path keeps the logits ([tokens, vocab / tp]) and its float32 softmax
     for the backward instead; this one recomputes one product per chunk.
 
-    On CUDA the logits come out of their GEMM in float32 (:func:`float32_product`) and each
-    chunk's ``d^T x`` is added to ``dW`` inside its GEMM (:func:`wgrad_gemm_accum`): no bf16
+    On CUDA the logits come out of their GEMM in float32 and each chunk's ``d^T x`` is added to
+    ``dW`` inside its GEMM (training/gemm.py): no bf16
     logits cast up in a second kernel, no separate float32 addition per chunk; neither product
     is rounded to bf16 on its way, so the loss is at least as exact as megatron's path.
     """
@@ -371,7 +362,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         for i in range(0, n, chunk):
-            logits = float32_product(x[i : i + chunk], weight.t())
+            logits = gemm.float32_product(x[i : i + chunk], weight.t())
             top = logits.max(dim=-1).values
             _all_reduce(top, torch.distributed.ReduceOp.MAX, group)
             total = torch.exp(logits - top[:, None]).sum(dim=-1)
@@ -395,14 +386,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows = torch.arange(min(chunk, x.shape[0]), device=x.device)
         for i in range(0, x.shape[0], chunk):
             xc = x[i : i + chunk]
-            d = torch.exp(float32_product(xc, weight.t()) - lse[i : i + chunk, None])  # softmax
+            d = torch.exp(gemm.float32_product(xc, weight.t()) - lse[i : i + chunk, None])  # softmax
             local = labels[i : i + chunk] - ctx.first
             inside = (local >= 0) & (local < vocab_part)
             r = rows[: xc.shape[0]]
             d[r[inside], local[inside]] -= 1.0
             d = (d * grad[i : i + chunk, None].float()).to(x.dtype)
             dx[i : i + chunk] = torch.matmul(d, weight)
-            wgrad_gemm_accum(xc, d, dw)  # dw += d^T xc, summed in float32 inside the GEMM
+            gemm.accumulate_product(dw, d.t(), xc)  # dw += d^T xc, summed in float32 inside the GEMM
         if ctx.reduce_dx:
             _all_reduce(dx, torch.distributed.ReduceOp.SUM, ctx.group)
         return dx, dw.to(weight.dtype), None, None, None, None
@@ -430,28 +421,13 @@ def linear_cross_entropy(
 
 
 def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """``main_grad += grad_output^T @ total_input`` as one product: the GEMM adds its float32
-    result to the gradient buffer (cuBLAS with beta 1), instead of writing the weight gradient in
-    the parameters' dtype and adding it to the buffer in a second kernel. ``total_input``
-    ``[tokens, in]``, ``grad_output`` ``[tokens, out]``, ``main_grad`` ``[out, in]``.
-
-    Bfloat16 / float16 inputs into a float32 buffer use torch's ``out_dtype`` GEMM (CUDA); where
-    the inputs already have the buffer's dtype it is ``addmm_``; elsewhere (mixed dtypes on a
-    CPU) the inputs are cast up first, the same sum with more memory traffic."""
-    a, b = grad_output.t(), total_input
-    if a.dtype == main_grad.dtype:
-        main_grad.addmm_(a, b)
-    elif main_grad.device.type == "cuda":
-        try:
-            torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
-        except (TypeError, RuntimeError) as exc:
-            raise RuntimeError(
-                f"parallel.gradient_accumulation_fusion: torch {torch.__version__} cannot add a {a.dtype} product into a "
-                f"{main_grad.dtype} gradient buffer in one GEMM (torch.addmm with out_dtype, torch >= 2.8): {exc}; "
-                "set parallel.gradient_accumulation_fusion: false"
-            ) from exc
-    else:
-        main_grad.addmm_(a.to(main_grad.dtype), b.to(main_grad.dtype))
+    """apex's ``wgrad_gemm_accum_fp32`` / ``_fp16``: ``main_grad += grad_output^T @ total_input``
+    (``[tokens, in]``, ``[tokens, out]``, ``[out, in]``) inside one GEMM
+    (:func:`training.gemm.accumulate_product`)."""
+    try:
+        gemm.accumulate_product(main_grad, grad_output.t(), total_input)
+    except RuntimeError as exc:
+        raise RuntimeError(f"parallel.gradient_accumulation_fusion: {exc}; set parallel.gradient_accumulation_fusion: false") from exc
 
 
 class _WgradAccumulation:

@@ -431,11 +431,18 @@ try:
     kernels.fuse_adam(t.optimizer, True)
 except RuntimeError as exc:
     out["after_step"] = str(exc)
-# bfloat16 products into a float32 buffer (on a CPU: cast up first; on CUDA: one out_dtype GEMM)
+# bfloat16 products into a float32 buffer: on a CPU the product in bf16, then added (on CUDA
+# with torch >= 2.8 one out_dtype GEMM); an older CUDA torch without apex is refused up front
 gen = torch.Generator().manual_seed(5)
 x, dy, buf = torch.randn(6, 3, generator=gen).bfloat16(), torch.randn(6, 4, generator=gen).bfloat16(), torch.ones(4, 3)
 kernels.wgrad_gemm_accum(x, dy, buf)
-out["mixed"] = float((buf - (1 + dy.float().t() @ x.float())).abs().max())
+out["mixed"] = float((buf - (1 + (dy.t() @ x).float())).abs().max())
+from training import gemm
+gemm._PROBED[("cuda", torch.bfloat16)] = False  # as a torch without out_dtype GEMMs would answer
+try:
+    kernels.install_wgrad_accumulation(torch.device("cuda"), torch.bfloat16)
+except RuntimeError as exc:
+    out["old_torch"] = str(exc)
 print("RESULT " + json.dumps(out))
 """
 
@@ -471,3 +478,4 @@ def test_fused_adam_and_wgrad_accumulation_step_as_the_default_path_does(tmp_pat
     for a, b in zip(default["params"], wgrad["params"], strict=True):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
     assert res["mixed"] < 1e-5
+    assert res["old_torch"].startswith("parallel.gradient_accumulation_fusion: neither apex's fused_weight_gradient_mlp_cuda nor a torch")

@@ -424,10 +424,7 @@ def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_
     """apex's ``wgrad_gemm_accum_fp32`` / ``_fp16``: ``main_grad += grad_output^T @ total_input``
     (``[tokens, in]``, ``[tokens, out]``, ``[out, in]``) inside one GEMM
     (:func:`training.gemm.accumulate_product`)."""
-    try:
-        gemm.accumulate_product(main_grad, grad_output.t(), total_input)
-    except RuntimeError as exc:
-        raise RuntimeError(f"parallel.gradient_accumulation_fusion: {exc}; set parallel.gradient_accumulation_fusion: false") from exc
+    gemm.accumulate_product(main_grad, grad_output.t(), total_input)
 
 
 class _WgradAccumulation:
@@ -438,19 +435,26 @@ class _WgradAccumulation:
     wgrad_gemm_accum_fp16 = staticmethod(wgrad_gemm_accum)
 
 
-def install_wgrad_accumulation() -> str:
+def install_wgrad_accumulation(device: torch.device, dtype: torch.dtype) -> str:
     """``parallel.gradient_accumulation_fusion``: megatron's linear layers then add each weight
     gradient to the parameter's float32 ``main_grad`` inside its GEMM, through apex's
     ``fused_weight_gradient_mlp_cuda`` where it is installed, else through
     :func:`wgrad_gemm_accum` (torch alone). Megatron's own path without it writes every
     weight gradient in bfloat16 and DDP's hook adds it to ``main_grad``: an extra read and
-    write of each gradient per micro batch. Call before the model is built; returns which
-    implementation runs (run_meta's ``wgrad_accumulation``)."""
+    write of each gradient per micro batch. Call before the model is built, with the device and
+    the parameters' dtype; refuses a CUDA device where neither apex nor torch's out_dtype GEMM is
+    there. Returns which implementation runs (run_meta's ``wgrad_accumulation``)."""
     from megatron.core.tensor_parallel import layers
 
     if getattr(layers, "_grad_accum_fusion_available", False) and hasattr(layers, "fused_weight_gradient_mlp_cuda"):
         if layers.fused_weight_gradient_mlp_cuda is not _WgradAccumulation:
             return "apex fused_weight_gradient_mlp_cuda"
+    if device.type == "cuda" and dtype != torch.float32 and not gemm.out_dtype_gemm(device, dtype):
+        raise RuntimeError(
+            f"parallel.gradient_accumulation_fusion: neither apex's fused_weight_gradient_mlp_cuda nor a torch whose "
+            f"GEMMs write float32 from {dtype} (torch.addmm with out_dtype, torch >= 2.8; this is {torch.__version__}) "
+            "is here; set parallel.gradient_accumulation_fusion: false"
+        )
     layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
     layers._grad_accum_fusion_available = True
     return "torch addmm into main_grad"

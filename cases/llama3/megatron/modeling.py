@@ -276,7 +276,7 @@ def transformer_config(s: Settings) -> TransformerConfig:
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=lay.gradient_accumulation_fusion,  # kernels.install_wgrad_accumulation
+        gradient_accumulation_fusion=lay.gradient_accumulation_fusion,  # the trainer installs kernels.install_wgrad_accumulation
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
         # the MLP calls an activation module (kernels.py) on the whole fc1 output
@@ -336,8 +336,6 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model (all layers when pp == 1)."""
     if s.layout.fused_rope == "compile":
         kernels.install_compiled_rope()
-    if s.layout.gradient_accumulation_fusion:
-        kernels.install_wgrad_accumulation()
     model_class = FusedLossGPTModel if s.layout.fused_linear_loss == "chunked" else GPTModel
     return model_class(
         config=config,

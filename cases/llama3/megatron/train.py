@@ -116,7 +116,9 @@ class Trainer:
         self.ceiling = self.measure_ceiling()
         self.tconfig = modeling.transformer_config(s)
         # before the model: megatron's linear layers check for the fused path when built
-        self.wgrad_accumulation = kernels.install_wgrad_accumulation() if lay.gradient_accumulation_fusion else "off"
+        self.wgrad_accumulation = (
+            kernels.install_wgrad_accumulation(self.device, modeling.DTYPES[s.precision]) if lay.gradient_accumulation_fusion else "off"
+        )
         model = modeling.build_model(s, self.tconfig)  # on the device (use_cpu_initialization=False)
         # every layout starts from the TP1/PP1 model's weights; written before Float16Module,
         # DDP and the optimizer take their copies

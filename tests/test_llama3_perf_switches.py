@@ -174,9 +174,14 @@ def attention(causal=True, scale=sc, grad_k=1.0):
         k = k * grad_k + k.detach() * (1 - grad_k)  # the same values, a scaled gradient
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
     return run
-cpu = torch.device("cpu")
-out["faults"] = [kernels.attention_fault(f, (1, 4, 64, 16), 2, torch.float32, cpu, sc)
+q_like = torch.empty(64, 1, 4, 16).permute(1, 2, 0, 3)  # [b, heads, s, d] views of [s, b, heads, d], as megatron's
+k_like = torch.empty(64, 1, 2, 16).permute(1, 2, 0, 3)
+out["faults"] = [kernels.attention_fault(f, q_like, k_like, sc)
                  for f in (attention(), attention(causal=False), attention(scale=2 * sc), attention(grad_k=0.5))]
+try:
+    kernels.checked_attention("sdpa", attention(causal=False), q_like, k_like, k_like, sc, "the fix")
+except RuntimeError as exc:
+    out["refused"] = str(exc)
 print("RESULT " + json.dumps(out))
 """
 
@@ -228,6 +233,11 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     assert leaky.startswith("not causal: the first 32 positions' output changes by")
     assert scaled.startswith("output off the reference attention")
     assert bad_grad.startswith("dk off the reference attention")
+    assert res["refused"].startswith("parallel.attention: sdpa: torch ") and res["refused"].endswith(
+        "attention at this layer's shape (batch 1, 4 query heads over 2 KV groups, sequence 64, head dim 16, torch.float32) is "
+        + leaky
+        + "; the fix"
+    )
 
 
 _LOSS_ROPE_CHECK = r"""

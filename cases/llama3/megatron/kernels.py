@@ -214,29 +214,30 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def attention_fault(
-    attend: Any, q_shape: tuple, groups: int, dtype: torch.dtype, device: torch.device, scale: float, tolerance: float = 0.05
-) -> str | None:
-    """What is wrong with ``attend(q, k, v)`` (``[b, heads, s, d]`` query, K/V with ``groups``
-    heads) as causal attention at this very shape, or None.
+def attention_fault(attend: Any, q_like: torch.Tensor, k_like: torch.Tensor, scale: float, tolerance: float = 0.05) -> str | None:
+    """What is wrong with ``attend(q, k, v)`` as causal attention for inputs like ``q_like``
+    (``[b, heads, s, d]``) and ``k_like`` (K/V with their own, fewer heads), or None.
 
-    Two checks on seeded random inputs: (1) causality, exactly: with the keys and values of the
-    second half of the sequence replaced, the first half of the output stays what it was; (2)
-    the output and the gradients of q, k and v (for a random incoming gradient) agree with
-    :func:`reference_attention` within ``tolerance`` of their largest value. A kernel can pass
-    on a short problem and fail at the case's length, so the case checks at its own."""
-    b, heads, s, d = q_shape
-    gen = torch.Generator(device=device).manual_seed(4321)
+    The inputs are seeded random tensors of those shapes, dtype, device and strides (a layer's
+    permuted views stay permuted views). Two checks: (1) causality, exactly: with the keys and
+    values of the second half of the sequence replaced, the first half of the output stays what
+    it was; (2) the output and the gradients of q, k and v (for a random incoming gradient)
+    agree with :func:`reference_attention` within ``tolerance`` of their largest value. A
+    kernel can pass on a short problem and fail at the case's length, so the case checks at its
+    own (:func:`checked_attention`)."""
+    gen = torch.Generator(device=q_like.device).manual_seed(4321)
 
-    def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+    def draw(like: torch.Tensor) -> torch.Tensor:
+        t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        return t.copy_(torch.randn(like.shape, dtype=like.dtype, device=like.device, generator=gen))
 
-    q, k, v, g = draw(b, heads, s, d), draw(b, groups, s, d), draw(b, groups, s, d), draw(b, heads, s, d)
+    q, k, v, g = draw(q_like), draw(k_like), draw(k_like), draw(q_like)
+    s = q.shape[2]
     half = s // 2
     with torch.no_grad():
         out = attend(q, k, v)
         k2, v2 = k.clone(), v.clone()
-        k2[:, :, half:], v2[:, :, half:] = draw(b, groups, s - half, d), draw(b, groups, s - half, d)
+        k2[:, :, half:], v2[:, :, half:] = draw(k_like)[:, :, half:], draw(k_like)[:, :, half:]
         moved = float((attend(q, k2, v2)[:, :, :half].float() - out[:, :, :half].float()).abs().max())
     if moved > 1e-3 * float(out.float().abs().max()):
         return (
@@ -261,24 +262,32 @@ def attention_fault(
     return None
 
 
-_CUDNN_AT_SHAPE: dict[tuple, None] = {}
+_CHECKED: set[tuple] = set()
+
+
+def checked_attention(what: str, attend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fix: str) -> torch.Tensor:
+    """``attend(q, k, v)``, checked first with :func:`attention_fault` once per process and input
+    layout (shape, strides, dtype, device): the case's micro batch, heads and sequence length, as
+    the layer hands them over. Raises, naming ``parallel.attention: <what>``, the shape, the fault
+    and ``fix``, where the kernel is not causal attention there."""
+    key = (what, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q.dtype, q.device, scale)
+    if key not in _CHECKED:
+        fault = attention_fault(attend, q, k, scale)
+        if fault:
+            raise RuntimeError(
+                f"parallel.attention: {what}: torch {torch.__version__}'s attention at this layer's shape (batch {q.shape[0]}, "
+                f"{q.shape[1]} query heads over {k.shape[1]} KV groups, sequence {q.shape[2]}, head dim {q.shape[3]}, "
+                f"{q.dtype}) is {fault}; {fix}"
+            )
+        _CHECKED.add(key)
+    return attend(q, k, v)
 
 
 def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: str) -> torch.Tensor:
-    """:func:`_sdpa_cudnn`, checked once per process and shape with :func:`attention_fault` at the
-    shape it is called with (the case's micro batch, heads and sequence length) before its first
-    use; raises where the kernel is not causal attention there."""
-    key = (tuple(q.shape), k.shape[1], q.dtype, q.device, scale, gqa)
-    if key not in _CUDNN_AT_SHAPE:
-        fault = attention_fault(lambda a, b, c: _sdpa_cudnn(a, b, c, scale, gqa), tuple(q.shape), k.shape[1], q.dtype, q.device, scale)
-        if fault:
-            raise RuntimeError(
-                f"parallel.attention: cudnn: torch {torch.__version__}'s cuDNN attention (GQA {gqa}) at this layer's shape "
-                f"(batch {q.shape[0]}, {q.shape[1]} query heads over {k.shape[1]} KV groups, sequence {q.shape[2]}, "
-                f"head dim {q.shape[3]}, {q.dtype}) is {fault}; use parallel.attention: sdpa"
-            )
-        _CUDNN_AT_SHAPE[key] = None
-    return _sdpa_cudnn(q, k, v, scale, gqa)
+    """:func:`_sdpa_cudnn` through :func:`checked_attention`."""
+    return checked_attention(
+        f"cudnn (GQA {gqa})", lambda a, b, c: _sdpa_cudnn(a, b, c, scale, gqa), q, k, v, scale, "use parallel.attention: sdpa"
+    )
 
 
 # -- fused RoPE ----------------------------------------------------------------------------

@@ -98,8 +98,20 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of ``[b, heads, s, d]`` inputs (K/V with their own, fewer heads)."""
-        return sdpa_attention(q, k, v, self.scale, self.dropout if self.training else 0.0)
+        """Causal attention of ``[b, heads, s, d]`` inputs (K/V with their own, fewer heads); the
+        kernel torch picks is checked at the layer's shape before its first use
+        (``kernels.checked_attention``) unless attention dropout makes it random."""
+        if self.training and self.dropout:
+            return sdpa_attention(q, k, v, self.scale, self.dropout)
+        return kernels.checked_attention(
+            "sdpa",
+            lambda a, b, c: sdpa_attention(a, b, c, self.scale),
+            q,
+            k,
+            v,
+            self.scale,
+            "torch picked this kernel itself: hold it to another with parallel.attention (cudnn, local)",
+        )
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout: float = 0.0) -> torch.Tensor:

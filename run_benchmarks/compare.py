@@ -32,7 +32,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
-from run_benchmarks.results import _gib, _pct, device_mem, repeats_note, spread_cell
+from run_benchmarks.results import _gib, _pct, ceiling_cell, device_mem, repeats_note, spread_cell
 
 # --------------------------------------------------------------------------- --record-reference
 
@@ -153,17 +153,40 @@ def _mean(xs: list[float | None]) -> float | None:
 
 
 class Side:
-    """One run as the comparison reads it: its clean rounds' figures per phase."""
+    """One run as the comparison reads it: its clean rounds' figures per phase; with
+    ``with_invalid``, also those of rounds its own loss gate made invalid (they ran through),
+    each row then saying so in its ``status``."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, with_invalid: bool = False):
         self.path = path
         self.res = tr.load(path)
-        clean = [r for r in self.res.rounds if r.clean]
-        self.rounds = clean
+        kept = [r for r in self.res.rounds if (r.ran_through if with_invalid else r.clean)]
+        self.rounds = kept
         self.label = f"{self.res.vendor} {self.res.hardware} x{self.res.world_size} {self.res.config_name}"
-        if not clean:
+        if not kept:
             statuses = ", ".join(f"round {r.round} {r.status}" for r in self.res.rounds) or "no round"
-            raise InputError(f"{path}: no round ran clean (ok or unjudged): {statuses}; its figures are no results")
+            if with_invalid:
+                raise InputError(f"{path}: no round ran through (ok, unjudged or invalid by its own gate): {statuses}")
+            hint = (
+                " (--with-invalid shows a run whose loss gate failed, marked so)"
+                if any(r.status == "invalid" for r in self.res.rounds)
+                else ""
+            )
+            raise InputError(f"{path}: no round ran clean (ok or unjudged): {statuses}; its figures are no results{hint}")
+
+    def status(self, phase: str) -> str:
+        """The kept rounds' statuses as ``phase`` saw them: ``ok``, ``invalid (<its gate's reason>)``
+        where this phase's loss did not align, ``invalid (another phase's loss)`` where it did."""
+        parts = []
+        for r in self.rounds:
+            gates = [p.gate for p in r.phases if p.phase == phase]
+            if r.status != "invalid":
+                parts.append(r.status)
+            elif gates and gates[0].verdict == "not aligned":
+                parts.append(f"invalid ({gates[0].reason})")
+            else:
+                parts.append("invalid (another phase's loss)")
+        return ", ".join(dict.fromkeys(parts))
 
     def phase(self, name: str) -> list[tr.PhaseResult]:
         return [p for r in self.rounds for p in r.phases if p.phase == name]
@@ -190,11 +213,12 @@ def _mre(loss: dict[int, float], ref: dict[int, float]) -> tuple[float | None, s
     return sum(vals) / len(vals), f"steps {steps[0]}-{steps[-1]}"
 
 
-def comparison(paths: list[Path]) -> dict[str, Any]:
-    """Every run against the last: rows per phase, differing settings, loss curves."""
+def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
+    """Every run against the last: rows per phase, differing settings, loss curves; with
+    ``with_invalid`` the rounds a loss gate made invalid count too, marked in ``status``."""
     if len(paths) < 2:
         raise InputError("--compare needs at least two results.json files: RUN_A RUN_B (B the reference run)")
-    sides = [Side(p) for p in paths]
+    sides = [Side(p, with_invalid) for p in paths]
     ref = sides[-1]
     models = {s.res.model for s in sides}
     if len(models) != 1:
@@ -233,8 +257,10 @@ def comparison(paths: list[Path]) -> dict[str, Any]:
                     "MFU PaLM": _pct(s.fig(phase, "mfu_palm")),
                     "mem allocated (GiB)": _gib(s.fig(phase, "peak_mem_gib"), None),
                     "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
+                    "of ceiling": ceiling_cell(s.fig(phase, "ceiling_efficiency"), s.fig(phase, "ceiling_tokens_per_gpu_s")),
                     "loss MRE vs reference": mre,
                     "compared": note,
+                    "status": s.status(phase),
                 }
             )
     flats = [_flat(s.res.settings) for s in sides]
@@ -248,7 +274,7 @@ def comparison(paths: list[Path]) -> dict[str, Any]:
         vals = [str(getattr(s.res, attr)) for s in sides]
         if len(set(vals)) > 1:
             differ.insert(0, [attr] + vals)
-    return {"sides": sides, "rows": rows, "differ": differ, "phases": phases}
+    return {"sides": sides, "rows": rows, "differ": differ, "phases": phases, "with_invalid": with_invalid}
 
 
 COLUMNS = [
@@ -262,24 +288,33 @@ COLUMNS = [
     "MFU PaLM",
     "mem allocated (GiB)",
     "mem in use (GiB)",
+    "of ceiling",
     "loss MRE vs reference",
     "compared",
+    "status",
 ]
 
 
 def markdown(c: dict[str, Any]) -> str:
     sides = c["sides"]
     lines = [f"# {sides[-1].res.model}: {len(sides) - 1} run(s) against the reference run", ""]
+    kept = "round(s) that ran through" if c.get("with_invalid") else "clean round(s)"
     lines += [
-        f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} clean round(s))"
+        f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} {kept})"
         for i, s in enumerate(sides)
     ]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[k]).replace("|", "/") for k in COLUMNS) + " |" for r in c["rows"]]
     lines += [
         "",
-        "Figures are the mean over each run's clean rounds; ratio is tokens/p/s over the reference run's; the "
-        "loss MRE is over the steps both runs have from step 21 on, on the same data only.",
+        (
+            "Figures are the mean over each run's rounds that ran through, those its own loss gate made invalid "
+            "included (status says which)"
+            if c.get("with_invalid")
+            else "Figures are the mean over each run's clean rounds"
+        )
+        + "; ratio is tokens/p/s over the reference run's; of ceiling is tokens/p/s over the kernel ceiling timed "
+        "in the run; the loss MRE is over the steps both runs have from step 21 on, on the same data only.",
         "",
         "## Settings that differ",
         "",
@@ -439,6 +474,11 @@ def main(argv: list[str]) -> int:
     )
     ap.add_argument("--replace", action="store_true", help="with --record-reference: replace a reference that exists")
     ap.add_argument("--out", metavar="DIR", help="with --compare: where compare.md and compare.html go (default logs/compare-<time>)")
+    ap.add_argument(
+        "--with-invalid",
+        action="store_true",
+        help="with --compare: count rounds whose own loss gate failed (they ran through), marked invalid in the status column",
+    )
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:
@@ -453,7 +493,7 @@ def main(argv: list[str]) -> int:
             )
             print_judged(rows)
             return 0
-        c = comparison([Path(p).expanduser().resolve() for p in args.compare])
+        c = comparison([Path(p).expanduser().resolve() for p in args.compare], args.with_invalid)
         out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
         try:
             out.mkdir(parents=True, exist_ok=True)

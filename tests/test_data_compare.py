@@ -53,10 +53,10 @@ def test_compare_two_runs_table_markdown_and_page(tmp_path):
     md = (out / "compare.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| pretrain") or line.startswith("| finetune")]
     assert rows == [
-        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.60 | - | 1.00% | steps 21-30 |",
-        "| pretrain | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | reference |  |",
-        "| finetune | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 900.0 | - | 0.900 | 0.9% | 0.8% | 0.60 | - | 1.00% | steps 21-30 |",
-        "| finetune | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | reference |  |",
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.60 | - | - | 1.00% | steps 21-30 | ok |",
+        "| pretrain | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | reference |  | ok |",
+        "| finetune | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 900.0 | - | 0.900 | 0.9% | 0.8% | 0.60 | - | - | 1.00% | steps 21-30 | ok |",
+        "| finetune | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | reference |  | ok |",
     ]
     assert "| vendor | iluvatar | nvidia |" in md and "| parallel.tp | 2 | 1 |" in md
     assert "1.500" in proc.stdout and "settings that differ" in proc.stdout  # the same table in the terminal
@@ -76,14 +76,28 @@ def test_compare_other_data_and_bad_input(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert (
-        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.40 | - | - | "
-        "other data (pretrain01234567 vs synthetic): loss not compared |" in md
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.40 | - | - | - | "
+        "other data (pretrain01234567 vs synthetic): loss not compared | ok |" in md
     )  # no MRE across data sets
     failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="failed")
     bad = start("--compare", str(vendor), str(failed), "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and bad.stderr.strip() == (
         f"error: {failed}: no round ran clean (ok or unjudged): round 1 failed; its figures are no results"
     )
+    # a run its own loss gate made invalid: no result unless asked for, then shown and marked
+    phases = [fake_phase(ph, tps=1200.0, verdict="not aligned", mre=0.031) for ph in ("pretrain", "finetune")]
+    run = fake_run([{"status": "invalid", "phases": phases}], run_id="llava_tiny_invalid", vendor="nvidia", case=LLAVA)
+    invalid = tmp_path / "invalid.json"
+    invalid.write_text(json.dumps(run.model_copy(update={"model": "llava_tiny"}).dump()))
+    refused = start("--compare", str(invalid), str(nvidia), "--out", str(tmp_path / "z"))
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(
+        "round 1 invalid; its figures are no results (--with-invalid shows a run whose loss gate failed, marked so)"
+    )
+    shown = start("--compare", str(invalid), str(nvidia), "--with-invalid", "--out", str(tmp_path / "w"))
+    assert shown.returncode == 0, shown.stderr
+    md = (tmp_path / "w" / "compare.md").read_text()
+    assert "| 1,200.0 | - | 1.200 |" in md and md.count("| invalid (MRE) |") == 2 and "(1 round(s) that ran through)" in md
+    assert "those its own loss gate made invalid included (status says which)" in md
     one = start("--compare", str(vendor))
     assert one.returncode == 2 and "--compare needs at least two results.json files" in one.stderr
     other_model = fake_run()

@@ -253,7 +253,7 @@ def attention_fault(attend: Any, q_like: torch.Tensor, k_like: torch.Tensor, sca
         (a.float() * g.float()).sum().backward()
         (r.float() * g.float()).sum().backward()
     for name, x, y in (
-        ("output", a, r),
+        ("output", a.detach(), r.detach()),
         ("dq", mine[0].grad, ref[0].grad),
         ("dk", mine[1].grad, ref[1].grad),
         ("dv", mine[2].grad, ref[2].grad),

@@ -75,8 +75,8 @@ def gather(trainer) -> dict | None:
         name = names[local]
         shards = [torch.empty_like(p) for _ in range(tp)]
         dist.all_gather(shards, p.detach().contiguous(), group=tp_group)
-        # copies: on one process and in float32 ``.float().cpu()`` hands back the live parameter,
-        # which building megatron's own model for --megatron-std may then change
+        # copied at once: the dump is a snapshot that later work in this process (--megatron-std
+        # builds another model) cannot reach
         stage[name] = join_shards(name, [x.float().cpu().clone() for x in shards], *megatron_split(name))
     every = [None] * dist.get_world_size()
     dist.gather_object(stage if trainer.tp_rank == 0 and trainer.dp_rank == 0 else None, every if dist.get_rank() == 0 else None, dst=0)

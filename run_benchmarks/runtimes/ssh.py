@@ -564,9 +564,12 @@ class SSHRuntime(Runtime):
             raise InputError(f"host {exc}") from None
 
     def progress(self, round_dir: Path) -> list[dict[str, Any] | None]:
-        """Each live node's progress.json, written on its host by the node agent."""
+        """Each live node's progress.json, written on its host by the node agent; once the
+        round is over (its nodes' folders brought back), the copies here."""
         from run_benchmarks import progress
 
+        if not self.live:
+            return super().progress(round_dir)
         out: list[dict[str, Any] | None] = []
         for n in list(self.live):
             path = self.work(n.host) / "runs" / self.run_id / round_dir.name / f"node{n.k}" / progress.FILE

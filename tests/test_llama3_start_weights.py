@@ -60,3 +60,24 @@ def test_layouts_start_from_the_tp1_pp1_model(tmp_path):
         expect = 0.01 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0.02
         assert p["std"] == pytest.approx(expect, rel=0.05), name
         assert p["megatron_std"] == pytest.approx(expect, rel=0.05), name
+
+
+_TWO_FILES = """
+import sys, torch
+a = torch.linspace(-1, 1, 12).view(3, 4)
+b = a.clone()
+b[2, 1] = 0.5
+torch.save({"weights": {"w": a, "n": torch.ones(4)}}, sys.argv[1])
+torch.save({"weights": {"w": b, "n": torch.ones(4)}}, sys.argv[2])
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_compare_says_which_elements_differ_and_by_how_much(tmp_path):
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    subprocess.run([py, "-c", _TWO_FILES, a, b], check=True, timeout=300)
+    cmp = subprocess.run([py, "cases/llama3/megatron/weights_check.py", "--compare", a, b], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert cmp.returncode == 1, cmp.stdout + cmp.stderr
+    assert f"{b}: w differs in 1 of 12 elements (first at flat index 9; largest |difference| 0.136 at 9, 0.636363626 vs 0.5)" in cmp.stdout, cmp.stdout
+    assert " n " not in cmp.stdout

@@ -112,7 +112,7 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
             "phase": p.phase,
             "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, "
             + (made[0] if len(made) == 1 else f"the mean of {len(made)} runs: {', '.join(made)}"),
-            "global_batch": res.settings.get("train", {}).get("global_batch"),
+            "global_batch": planning.phase_value(res.settings.get("train") or {}, p.phase, "global_batch"),
             "steps": steps,
             "loss": [curve.loss[s] for s in steps],
             "data": ident,

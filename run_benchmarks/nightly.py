@@ -78,6 +78,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
         cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
         try:
             plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets))
+            plan.reference = planning.reference_files(e.reference, base, "reference")
             plan.data = datacheck.check(plan)  # its data read whole, as start_task.py does: bad data is bad input
             orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
@@ -418,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir)
         if args.check:
             for j in night.jobs:
-                print(f"{_label(j)}: {j.entry.rounds} round(s), config {j.plan.config_name}, tolerances {j.tolerances.model_dump()}")
+                refs = "".join(f", reference {p}" for p in j.plan.reference)
+                print(f"{_label(j)}: {j.entry.rounds} round(s), config {j.plan.config_name}{refs}, tolerances {j.tolerances.model_dump()}")
             print(f"history {night.db_path}\nlogs    {night.log_dir}\nreports {night.report_dir}")
             return EXIT_OK
         db = history.connect(night.db_path)

@@ -291,6 +291,19 @@ def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_p
     return Resolved(cfg_path, vcfg.validated, vcfg.hook, settings, overrides, user_overrides, counts, hardware, memory)
 
 
+def reference_files(paths: list[str], base: Path | None = None, label: str = "--reference") -> list[Path]:
+    """The files of ``--reference`` (or a run list's ``reference``), absolute; relative ones are
+    taken from ``base`` (None: the current folder). InputError for one that is not a file."""
+    out = []
+    for p in paths:
+        path = Path(p).expanduser()
+        path = (path if path.is_absolute() or base is None else base / path).resolve()
+        if not path.is_file():
+            raise InputError(f"{label} {path}: no such file")
+        out.append(path)
+    return out
+
+
 def build(
     cn: CaseName,
     vendor_name: str,

@@ -41,7 +41,15 @@ class RunListEntry(_Strict):
     rounds: int = Field(3, ge=1, le=100)
     variant: str | None = None
     sets: list[str] = Field([], alias="set")  # start_task.py --set KEY=VALUE
+    # start_task.py --reference: the loss curve(s) to judge against instead of the committed one
+    # (a run shortened by set: train.global_batch=... has none); relative to the run list's folder
+    reference: list[str] = []
     tolerances: CaseTolerances = CaseTolerances()
+
+    @field_validator("reference", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        return [] if v is None else [v] if isinstance(v, str) else v
 
     @field_validator("case")
     @classmethod

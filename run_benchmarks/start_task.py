@@ -265,10 +265,7 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
         plan.command = ["run_benchmarks/start_task.py", *argv]
         run_dir.append(plan.run_dir)
-        plan.reference = [Path(r).expanduser().resolve() for r in args.reference]
-        for ref in plan.reference:
-            if not ref.is_file():
-                raise InputError(f"--reference {ref}: no such file")
+        plan.reference = planning.reference_files(args.reference)
         from run_benchmarks import datacheck, orchestrator
 
         plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs

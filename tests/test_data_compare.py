@@ -132,3 +132,24 @@ def test_record_reference_refuses_what_cannot_judge(tmp_path):
         proc.returncode == 2
         and proc.stderr.strip() == f"error: {target}: a reference for this config and data exists; --replace replaces it"
     )
+
+
+def test_recorded_curves_name_their_phases_global_batch(tmp_path):
+    """Each phase's curve records that phase's global batch (llava: pretrain and finetune train
+    at their own), which the gate checks a run against."""
+    fp = "feedc0de00000001"
+    data = {ph: {"kind": "real", "checked": True, "fingerprint": fp} for ph in ("pretrain", "finetune")}
+    path = two_phase_run(tmp_path / "run.json", "cpu", (1000.0, 1000.0), 1.0, data=data)
+    run = json.loads(path.read_text())
+    run["settings"]["train"]["phases"] = {"pretrain": {"global_batch": 32}, "finetune": {"global_batch": 4}}
+    path.write_text(json.dumps(run))
+    folder = ROOT / "cases/llava/deepspeed/reference/llava_tiny"
+    files = {ph: folder / f"config_cpux1x2.{ph}.data-{fp}.json" for ph in ("pretrain", "finetune")}
+    try:
+        proc = start("--record-reference", str(path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        got = {ph: json.loads(f.read_text()) for ph, f in files.items()}
+        assert {ph: (d["phase"], d["global_batch"]) for ph, d in got.items()} == {"pretrain": ("pretrain", 32), "finetune": ("finetune", 4)}
+    finally:
+        for f in files.values():
+            f.unlink(missing_ok=True)

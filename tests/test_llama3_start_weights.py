@@ -77,7 +77,11 @@ def test_compare_says_which_elements_differ_and_by_how_much(tmp_path):
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
     subprocess.run([py, "-c", _TWO_FILES, a, b], check=True, timeout=300)
-    cmp = subprocess.run([py, "cases/llama3/megatron/weights_check.py", "--compare", a, b], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmp = subprocess.run(
+        [py, "cases/llama3/megatron/weights_check.py", "--compare", a, b], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert cmp.returncode == 1, cmp.stdout + cmp.stderr
-    assert f"{b}: w differs in 1 of 12 elements (first at flat index 9; largest |difference| 0.136 at 9, 0.636363626 vs 0.5)" in cmp.stdout, cmp.stdout
+    assert (
+        f"{b}: w differs in 1 of 12 elements (first at flat index 9; largest |difference| 0.136 at 9, 0.636363626 vs 0.5)" in cmp.stdout
+    ), cmp.stdout
     assert " n " not in cmp.stdout

@@ -12,6 +12,7 @@ import pytest
 
 from run_benchmarks import metrics
 from run_benchmarks.orchestrator import round_status
+from run_benchmarks.registry import ROOT
 from run_benchmarks.typed_results import LossGate, Reference, Repeat
 
 NAN, INF = float("nan"), float("inf")
@@ -273,8 +274,6 @@ def _dry(*refs):
     import subprocess
     import sys
 
-    from run_benchmarks.registry import ROOT
-
     argv = [
         sys.executable,
         str(ROOT / "run_benchmarks" / "start_task.py"),
@@ -419,3 +418,29 @@ def test_judge_again_offline_against_repeats(tmp_path):
     assert batch.returncode == 2 and f"--reference {other}: global batch 16 there, 8 here; loss curves compare" in batch.stderr, (
         batch.stderr
     )
+
+
+def test_every_committed_curve_names_the_phase_and_global_batch_of_its_config():
+    """A committed reference curve says which phase and global batch it was made at, and they
+    are its config's: a run shortened to another batch is then unjudged (or its --reference
+    refused), never judged step by step against another training."""
+    import re
+
+    from run_benchmarks import plan as planning
+    from run_benchmarks import registry
+    from run_benchmarks.casename import CaseName
+
+    files = sorted(ROOT.glob("cases/*/*/reference/*/*.json"))
+    assert len(files) >= 13
+    for f in files:
+        doc = json.loads(f.read_text())
+        stem = f.name.split(".")
+        phase = stem[1] if len(stem) > 2 and not stem[1].startswith("data-") else "train"
+        hw, nnodes, nprocs, variant = re.fullmatch(r"config_(\w+?)x(\d+)x(\d+)(?:_(\w+))?", doc["config"]).groups()
+        assert stem[0] == doc["config"] and doc["model"] == f.parent.name, f
+        cn = CaseName.parse(f"{doc['model']}:{f.parts[-4]}:{hw}:{nnodes}:{nprocs}")
+        vendor = registry.load_vendor("cpu" if hw == "cpu" else "nvidia")
+        entry = registry.find_case(cn)
+        settings = planning.resolve(cn, vendor, entry, registry.vendor_config_path(vendor.name, cn, variant)).settings
+        assert doc.get("phase") == phase, f
+        assert doc.get("global_batch") == planning.phase_value(settings["train"], phase, "global_batch"), f

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import history, nightly
+from run_benchmarks import history, nightly, orchestrator
 from run_benchmarks.registry import ROOT
 
 GOOD_CASE = "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 2, set: [train.steps=10]}\n"
@@ -28,7 +28,7 @@ BAD = [
     (
         "unknown case field",
         HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, round: 3}\n",
-        "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, set, tolerances",
+        "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, set, reference, tolerances",
     ),
     (
         "rounds not a number",
@@ -103,6 +103,18 @@ BAD = [
         HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [data.data_dir=/]}\n",
         "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on cpu): data.data_dir / holds 0 Megatron corpora",
     ),
+    (
+        "reference not a file",
+        HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, reference: curves/nope.json}\n",
+        "field 'cases.0' (llama3_tiny:megatron:cpu:1:2 on cpu): reference ",  # the path follows: below the run list's folder
+    ),
+    (
+        "reference of another global batch",
+        HEAD
+        + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.global_batch=16], "
+        + f"reference: {ROOT}/cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.json}}\n",
+        "global batch 8 there, 16 here; loss curves compare step by step only at the same global batch",
+    ),
     ("missing cluster file", HEAD + "cluster: nope.yaml\ncases:\n" + GOOD_CASE, "nope.yaml: file not found"),
     (
         "bad cluster file",
@@ -127,6 +139,8 @@ def test_bad_run_list(what, text, fragment, tmp_path, capsys, monkeypatch):
     assert rc == 2, err
     assert err.startswith("error: ") and "\n" not in err, err
     assert fragment in err, err
+    if what == "reference not a file":
+        assert err.endswith(f"reference {path.parent / 'curves' / 'nope.json'}: no such file"), err
     if what not in ("missing cluster file", "bad cluster file"):
         assert str(path) in err, err  # the run list is named ...
     assert sorted(p.name for p in cfg.iterdir()) == ["cluster.yaml", "nightly.yaml"]  # ... and nothing is written
@@ -182,6 +196,36 @@ def test_relative_paths_follow_the_run_list(tmp_path):
     assert night.jobs[0].plan.user_overrides == [{"param": "train.steps", "value": 10, "standard": 30}]
     flags = nightly.prepare(path, db=str(tmp_path / "x.sqlite"), log_dir=str(tmp_path / "l"), report_dir=str(tmp_path / "r"))
     assert (flags.db_path, flags.log_dir, flags.report_dir) == (tmp_path / "x.sqlite", tmp_path / "l", tmp_path / "r")
+
+
+def test_a_case_judged_against_its_own_reference(tmp_path, capsys):
+    """A run shortened to another global batch has no committed curve (its rounds would be
+    unjudged): the run list names one, one file or several, relative to its own folder."""
+    (tmp_path / "ci" / "curves").mkdir(parents=True)
+    committed = ROOT / "cases" / "llama3" / "megatron" / "reference" / "llama3_tiny"
+    for name in ("config_cpux1x1.json", "config_cpux1x2.json"):
+        (tmp_path / "ci" / "curves" / name).write_bytes((committed / name).read_bytes())
+    path = tmp_path / "ci" / "nightly.yaml"
+    path.write_text(
+        HEAD
+        + "cases:\n"
+        + "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, reference: curves/config_cpux1x1.json}\n"
+        + "  - {case: 'llama3_tiny:megatron:cpu:1:1', vendor: cpu, reference: null}\n"
+        + "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, variant: TP2,\n"
+        + "     reference: [curves/config_cpux1x1.json, curves/config_cpux1x2.json]}\n"
+    )
+    one, committed_one, two = nightly.prepare(path).jobs
+    assert committed_one.plan.reference == []
+    curves = tmp_path / "ci" / "curves"
+    assert one.plan.reference == [curves / "config_cpux1x1.json"]
+    assert two.plan.reference == [curves / "config_cpux1x1.json", curves / "config_cpux1x2.json"]
+    ref = orchestrator.load_references(one.plan)["train"]
+    assert ref.path == str(curves / "config_cpux1x1.json")  # not the committed config_cpux1x2.json
+    mean = orchestrator.load_references(two.plan)["train"]
+    assert len(mean.repeats) == 2 and all(mean.loss[s] == pytest.approx(ref.loss[s] / 2 + mean.repeats[1].loss[s] / 2) for s in ref.loss)
+    assert nightly.main(["--check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"config config_cpux1x2, reference {curves / 'config_cpux1x1.json'}, tolerances" in out
 
 
 def test_exit_status_2_from_start_task_and_module(tmp_path):

@@ -139,7 +139,6 @@ def difference(a, b) -> str:
     """How two tensors that are not equal differ: a shape, or how many elements, by how much and
     where (a few elements off in their last bits is a math library's rounding; all of them, another
     draw or a later write)."""
-    import torch
 
     if a.shape != b.shape:
         return f"has shape {tuple(b.shape)}, not {tuple(a.shape)},"
@@ -163,7 +162,9 @@ def compare(paths: list[str]) -> int:
         if set(other) != set(first):
             bad.append(f"{path}: names differ from {paths[0]}: {sorted(set(other) ^ set(first))[:6]}")
             continue
-        bad += [f"{path}: {n} {difference(first[n], other[n])} from {paths[0]}" for n in sorted(first) if not torch.equal(first[n], other[n])]
+        bad += [
+            f"{path}: {n} {difference(first[n], other[n])} from {paths[0]}" for n in sorted(first) if not torch.equal(first[n], other[n])
+        ]
     print("\n".join(bad) if bad else f"{len(first)} tensors equal in {len(paths)} files")
     return 1 if bad else 0
 

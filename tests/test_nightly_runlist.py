@@ -185,6 +185,15 @@ def test_check_plans_the_example_run_list(capsys):
     assert f"logs    {ROOT / 'logs' / 'nightly'}" in out  # relative to the run list's folder
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "examples" / "gpu").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_gpu_run_lists_plan_here(path, capsys):
+    """The GPU machine's run lists (docs/gpu-runs.md) are planned in full on this CPU machine:
+    configs, overrides, layouts, memory of the states and the references they name."""
+    assert nightly.main(["--check", str(path)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert out.count(", reference ") == len(nightly.prepare(path).jobs)
+
+
 def test_relative_paths_follow_the_run_list(tmp_path):
     (tmp_path / "ci").mkdir()
     path = tmp_path / "ci" / "nightly.yaml"

@@ -44,6 +44,32 @@ def torch_extensions_dir() -> str:
     )
 
 
+def deepspeed_launch(py: str, tmp: Path, cfg: dict, train_py: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """A DeepSpeed case's ``train_py`` on 2 local CPU ranks of ``cfg`` (its resolved config,
+    written to ``tmp/resolved.json``), started as the harness does (``python -m
+    deepspeed.launcher.runner --num_gpus 2``); its output is kept in ``tmp/stdout.log`` and
+    ``tmp/stderr.log``."""
+    import json
+
+    path = tmp / "resolved.json"
+    path.write_text(json.dumps(cfg, indent=1))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+        "FB_RUN_ID": cfg["run_id"],
+        "OMP_NUM_THREADS": "1",
+        # DeepSpeed JIT-builds its CPU shared-memory comm op once (about a minute); keep it in a cache
+        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+    }
+    cmd = [py, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2"]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(train_py), "--config", str(path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (tmp / "stdout.log").write_text(proc.stdout)
+    (tmp / "stderr.log").write_text(proc.stderr)
+    return proc
+
+
 def pytest_in(py: str, test_file: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run pytest on ``test_file`` under another Python (a framework environment's), from the
     repository root with it on ``PYTHONPATH`` and without building environments."""

@@ -14,14 +14,12 @@ from __future__ import annotations
 import glob
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, free_port, torch_extensions_dir
+from tests.case_helpers import deepspeed_launch, framework_python
 from tests.deepspeed_runs import (
     Run,
     assert_data_inside_step,
@@ -116,34 +114,7 @@ def resolved(tmp: Path, **over) -> dict:
 
 
 def launch(py: str, tmp: Path, cfg: dict, timeout: int = 900):
-    path = tmp / "resolved.json"
-    path.write_text(json.dumps(cfg, indent=1))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "FB_RUN_ID": cfg["run_id"],
-        "OMP_NUM_THREADS": "1",
-        # DeepSpeed JIT-builds its CPU shared-memory comm op once; keep the build in a cache of the tests
-        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
-    }
-    cmd = [
-        py,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(CASE_DIR / "train.py"),
-        "--config",
-        str(path),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    (tmp / "stdout.log").write_text(proc.stdout)
-    (tmp / "stderr.log").write_text(proc.stderr)
+    proc = deepspeed_launch(py, tmp, cfg, CASE_DIR / "train.py", timeout)
     return proc, parse_lines(proc.stdout.splitlines(), source="stdout")
 
 

@@ -9,7 +9,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks.casename import CaseName
 from run_benchmarks.config import ClusterConfig
 from run_benchmarks.runtimes.base import NodeOutcome
-from training.metriclog import MetricLogger
+from training.metriclog import REQUIRED_META, MetricLogger
 
 
 def _round(tmp_path, device_name, hardware="H100"):
@@ -24,25 +24,7 @@ def _round(tmp_path, device_name, hardware="H100"):
     (node / "ranks").mkdir(parents=True)
     with open(node / "ranks" / "stdout.log", "w") as fh:
         log = MetricLogger(run="r", rank=0, stream=fh)
-        meta = {
-            k: 1
-            for k in (
-                "model",
-                "framework",
-                "framework_version",
-                "params_exact",
-                "params_nominal",
-                "num_layers",
-                "hidden_size",
-                "num_heads",
-                "num_kv_groups",
-                "seq_length",
-                "vocab_size",
-                "global_batch",
-                "precision",
-                "world_size",
-            )
-        }
+        meta = {k: 1 for k in REQUIRED_META if k != "parallel"}
         log.meta(**meta, parallel={"tp": 2})
         for s in (1, 2):
             log.step(s, 10.0, 65536, 3.0, 1e-5)

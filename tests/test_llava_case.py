@@ -16,19 +16,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.case_helpers import (
-    framework_python,
-    free_port,
-    torch_extensions_dir,
-    torch_unit,
-)
+from tests.case_helpers import deepspeed_launch, framework_python, torch_unit
 from tests.deepspeed_runs import (
     Run,
     assert_data_inside_step,
@@ -416,36 +409,7 @@ def resolved(tmp: Path) -> dict:
 
 def launch(tmp: Path, cfg: dict, timeout: int = 900):
     py = framework_python("FB_TEST_DEEPSPEED_PYTHON", "no deepspeed environment to run the case in")
-    path = tmp / "resolved.json"
-    path.write_text(json.dumps(cfg, indent=1))
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "PYTHONUNBUFFERED": "1",
-        "FB_RUN_ID": cfg["run_id"],
-        "OMP_NUM_THREADS": "1",
-        # DeepSpeed JIT-builds its CPU shared-memory comm op once (about a minute); keep it in a cache
-        "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
-    }
-    cmd = [
-        py,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_nodes",
-        "1",
-        "--num_gpus",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(CASE_DIR / "train.py"),
-        "--config",
-        str(path),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    (tmp / "stdout.log").write_text(proc.stdout)
-    (tmp / "stderr.log").write_text(proc.stderr)
+    proc = deepspeed_launch(py, tmp, cfg, CASE_DIR / "train.py", timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     return parse_lines(proc.stdout.splitlines(), source="stdout")
 

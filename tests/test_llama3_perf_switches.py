@@ -489,3 +489,148 @@ def test_fused_adam_and_wgrad_accumulation_step_as_the_default_path_does(tmp_pat
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
     assert res["mixed"] < 1e-5
     assert res["old_torch"].startswith("parallel.gradient_accumulation_fusion: neither apex's fused_weight_gradient_mlp_cuda nor a torch")
+
+
+def test_halves_overlap_settings(tmp_path):
+    st = _settings()
+    ok = st.from_config(resolved_config(tmp_path, 2, "x", parallel={"tp": 2, "tp_comm_overlap": "halves"}, micro_batch=2), world_size=2)
+    assert ok.layout.tp_comm_overlap == "halves"
+    assert st.from_config(resolved_config(tmp_path, 1, "x"), world_size=1).layout.tp_comm_overlap == "none"  # today's path
+    refused = {
+        "parallel.tp_comm_overlap must be one of none, halves, got 'userbuffers'": ({"tp": 2, "tp_comm_overlap": "userbuffers"}, 2),
+        "parallel.tp_comm_overlap: halves overlaps the tensor-parallel all-reduces; with parallel.tp 1 there are none": (
+            {"tp_comm_overlap": "halves"},
+            2,
+        ),
+        "parallel.tp_comm_overlap: halves splits each micro batch in two; train.micro_batch is 1, set an even one": (
+            {"tp": 2, "tp_comm_overlap": "halves"},
+            1,
+        ),
+        "without parallel.sequence_parallel; set one of them off": (
+            {"tp": 2, "tp_comm_overlap": "halves", "sequence_parallel": True, "fused_elementwise": "compile"},
+            2,
+        ),
+        "which full recompute would replay; use recompute none or selective": (
+            {"tp": 2, "tp_comm_overlap": "halves", "recompute": "full"},
+            2,
+        ),
+        "runs megatron's local layers; TransformerEngine brings its own overlap": (
+            {"tp": 2, "tp_comm_overlap": "halves", "transformer_impl": "transformer_engine"},
+            2,
+        ),
+    }
+    for message, (parallel, micro) in refused.items():
+        world = parallel.get("tp", 1)
+        with pytest.raises(st.SettingsError) as err:
+            st.from_config(resolved_config(tmp_path, world, "x", parallel=parallel, micro_batch=micro), world_size=world)
+        assert message in str(err.value)
+    case = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    assert case["standard"]["parallel"]["tp_comm_overlap"] == "none" and "parallel.tp_comm_overlap" in case["vendor_may_change"]
+
+
+_HALVES_CHECK = r"""
+import json, sys
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])
+import torch, torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from cases.llama3.megatron import kernels, modeling, settings, startweights
+
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+model_parallel_cuda_manual_seed(1234)
+gen = torch.Generator().manual_seed(13)  # the same tokens on both ranks, as tensor parallelism has them
+tokens = torch.randint(0, 1024, (2, 128), generator=gen)
+labels = torch.randint(0, 1024, (2, 128), generator=gen)
+position_ids = torch.arange(128).expand(2, 128)
+kernels.FUSED_LOSS_CHUNK = 48
+events, recording = [], [False]
+start = dist.all_reduce
+
+
+class Logged:  # the async all-reduce's handle, its wait said
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self):
+        events.append("wait")
+        return self.work.wait()
+
+
+def all_reduce(tensor, *args, **kwargs):
+    work = start(tensor, *args, **kwargs)
+    if recording[0] and kwargs.get("async_op"):
+        events.append("start")
+        return Logged(work)
+    return work
+
+
+dist.all_reduce = all_reduce
+out = {"rank": dist.get_rank()}
+variants = {"tp": {}, "halves": {"tp_comm_overlap": "halves"}, "halves_loss": {"tp_comm_overlap": "halves", "fused_linear_loss": "chunked"}}
+for name, par in variants.items():
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 2)
+    config = modeling.transformer_config(s)
+    model = modeling.build_model(s, config)
+    startweights.overwrite(model, s)
+    layer = model.decoder.layers[0]
+    shapes = []
+    layer.input_layernorm.register_forward_hook(lambda m, a, o: shapes.append(list(a[0].shape)))
+    for each in model.decoder.layers:
+        for module, what in ((each.self_attention, "attention"), (each.mlp, "mlp")):
+            module.register_forward_pre_hook(lambda m, a, what=what: recording[0] and events.append(what))
+    ddp = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=False), module=model)
+    events.clear()
+    recording[0] = True
+    loss = ddp(tokens, position_ids, None, labels=labels).float().mean()
+    recording[0] = False
+    schedule = list(events)
+    loss.backward()
+    finalize_model_grads([ddp])
+    out[name] = {
+        "loss": loss.item(),
+        "layer": type(layer).__name__,
+        "norm_input": shapes,
+        "schedule": schedule,
+        "own_reduce": [layer.self_attention.linear_proj.explicit_expert_comm, layer.mlp.linear_fc2.explicit_expert_comm],
+        "grads": {n: p.main_grad.flatten().tolist() for n, p in model.named_parameters()},
+    }
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_halves_overlap_matches_tensor_parallel(tmp_path):
+    """``parallel.tp_comm_overlap: halves`` on two tensor-parallel gloo ranks: each layer runs the
+    micro batch of 2 as two halves of 1 in the overlapping order (one half's attention
+    all-reduce starts before the other half's attention, and is waited for only after it), the
+    row-parallel layers hand on their partial sums, and the loss and every gradient shard equal
+    those of megatron's own layer; so do they with the chunked fused loss after the layers."""
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, micro_batch=2)))
+    script = tmp_path / "check.py"
+    script.write_text(_HALVES_CHECK)
+    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(path)]
+    proc = subprocess.run([*cmd, str(tmp_path / "out")], cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    one_layer = ["attention", "start", "attention", "start", "wait", "mlp", "start", "wait", "mlp", "start", "wait", "wait"]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"out.{rank}").read_text())
+        tp = res["tp"]
+        assert tp["layer"] == "TransformerLayer" and tp["own_reduce"] == [False, False]
+        assert tp["norm_input"] == [[128, 2, 64]] and tp["schedule"] == ["attention", "mlp"] * 2  # megatron's: synchronous
+        for name in ("halves", "halves_loss"):
+            other = res[name]
+            assert other["layer"] == "HalvesOverlapLayer" and other["own_reduce"] == [True, True]
+            assert other["norm_input"] == [[128, 1, 64], [128, 1, 64]]
+            assert other["schedule"] == one_layer * 2, other["schedule"]
+            assert other["loss"] == pytest.approx(tp["loss"], rel=1e-6)
+            assert other["grads"].keys() == tp["grads"].keys()
+            for n, g in tp["grads"].items():
+                assert other["grads"][n] == pytest.approx(g, rel=1e-4, abs=1e-7), (name, n)

@@ -25,6 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from cases.llama3.megatron import kernels
 from cases.llama3.megatron.settings import Settings
@@ -207,11 +208,96 @@ def layer_spec(s: Settings) -> ModuleSpec:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if s.layout.attention in CORE_ATTENTION:
         spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[s.layout.attention]
+    if s.layout.tp_comm_overlap == "halves":
+        if use_transformer_engine(s):
+            raise RuntimeError(
+                "parallel.tp_comm_overlap: halves runs megatron's local layers, not TransformerEngine's (set transformer_impl: local)"
+            )
+        spec.module = HalvesOverlapLayer
     if fused != "none":
         spec.submodules.input_layernorm = kernels.NORMS[fused]
         spec.submodules.pre_mlp_layernorm = kernels.NORMS[fused]
         _set_mlp_activation(spec, kernels.ACTIVATIONS[fused])
     return spec
+
+
+class _StartAllReduce(torch.autograd.Function):
+    """Sum ``x`` over the tensor-parallel group in place, asynchronously: the work handle goes to
+    ``pending``, whoever uses ``x`` waits on it first. The gradient passes unchanged, as it does
+    through megatron's own all-reduce after a row-parallel linear layer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, pending: list) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        pending.append(torch.distributed.all_reduce(x, group=group, async_op=True))
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None, None
+
+
+class HalvesOverlapLayer(TransformerLayer):
+    """megatron's transformer layer run as two halves of its micro batch (``parallel.tp_comm_overlap:
+    halves``), so that the tensor-parallel all-reduces after the attention's and the MLP's
+    row-parallel layers run while the other half computes:
+
+        attention(A), all-reduce(A) starts; attention(B), all-reduce(B) starts;
+        A: residual, MLP, all-reduce starts (B's attention all-reduce runs meanwhile);
+        B: residual, MLP, all-reduce starts (A's runs meanwhile); both residuals.
+
+    Three of the four all-reduces of a layer have the other half's work queued behind them; the
+    last is waited for at the layer's end. The row-parallel layers hand on their partial sums
+    (megatron's ``explicit_expert_comm``) and this layer reduces them. Every half is computed as
+    the whole batch would be, sample by sample. The halves leave the layer stacked so that the next
+    layer takes each as it is, without a copy (one copy at the first layer; under pipeline
+    parallelism every layer hands on a contiguous tensor, as a stage's output is sent whole)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        if cfg.hidden_dropout or cfg.add_bias_linear or cfg.sequence_parallel:
+            raise RuntimeError("parallel.tp_comm_overlap: halves needs no hidden dropout, no linear biases and no sequence parallelism")
+        for lin in (self.self_attention.linear_proj, self.mlp.linear_fc2):
+            if not hasattr(lin, "explicit_expert_comm") or not getattr(lin, "skip_bias_add", False):
+                raise RuntimeError(
+                    f"parallel.tp_comm_overlap: halves: this megatron-core's {type(lin).__name__} cannot hand on its partial sums"
+                )
+            lin.explicit_expert_comm = True  # no all-reduce of its own: this layer's
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+
+    def _reduce(self, output: tuple) -> tuple[torch.Tensor, list]:
+        pending: list = []
+        return _StartAllReduce.apply(output[0], self.tp_group, pending), pending
+
+    @staticmethod
+    def _done(started: tuple[torch.Tensor, list]) -> torch.Tensor:
+        x, pending = started
+        pending.pop().wait()
+        return x
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, rotary_pos_emb: Any = None, **kwargs: Any) -> tuple:
+        given = sorted(k for k, v in kwargs.items() if v is not None)
+        if given:
+            raise RuntimeError(
+                f"parallel.tp_comm_overlap: halves: the layer was given {', '.join(given)}, which its schedule does not handle"
+            )
+        s, b, h = hidden_states.shape
+        halves = [x.contiguous() for x in hidden_states.unflatten(1, (2, b // 2)).unbind(1)]
+        attention = [
+            self._reduce(self.self_attention(self.input_layernorm(x), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb))
+            for x in halves
+        ]
+        mids, mlps = [], []
+        for x, att in zip(halves, attention):
+            mid = x + self._done(att)
+            mids.append(mid)
+            mlps.append(self._reduce(self.mlp(self.pre_mlp_layernorm(mid))))
+        out = torch.stack([mid + self._done(m) for mid, m in zip(mids, mlps)])  # [2, s, b/2, h]
+        out = out.transpose(0, 1).reshape(s, b, h)  # a view when b is 2
+        if self.config.pipeline_model_parallel_size > 1:  # a stage's output is sent, and freed, whole
+            out = out.contiguous()
+        return out, None
 
 
 def _set_mlp_activation(spec: ModuleSpec, module: type) -> None:

@@ -25,7 +25,9 @@ listed there), and this case's own:
   ``transformer_impl`` (auto|local|transformer_engine), ``fused_adam`` (torch's AdamW
   as its fused kernel where megatron falls back to torch's optimizer; kernels.fuse_adam),
   ``gradient_accumulation_fusion`` (each weight gradient added to its float32 main_grad
-  inside the GEMM; kernels.install_wgrad_accumulation),
+  inside the GEMM; kernels.install_wgrad_accumulation), ``tp_comm_overlap`` (none|halves: each
+  layer runs its micro batch as two halves, one half's tensor-parallel all-reduces running while
+  the other half computes; modeling.HalvesOverlapLayer),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
 * ``vendor.device``: any device type (training.accelerator gives the case its calls); the
   switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
@@ -53,6 +55,7 @@ FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
 FUSED_ROPE = ("none", "compile")
 FUSED_LINEAR_LOSS = ("none", "chunked")
 TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
+TP_COMM_OVERLAP = ("none", "halves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Layout:
     transformer_impl: str = "auto"
     fused_adam: bool = False
     gradient_accumulation_fusion: bool = False
+    tp_comm_overlap: str = "none"
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
 
@@ -161,6 +165,7 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         gradient_accumulation_fusion=_bool(
             _get(parallel, "gradient_accumulation_fusion", "parallel", False), "parallel.gradient_accumulation_fusion"
         ),
+        tp_comm_overlap=_choice(_get(parallel, "tp_comm_overlap", "parallel", "none"), "parallel.tp_comm_overlap", TP_COMM_OVERLAP),
         optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
         optimizer_offload_fraction=_float(
             _get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"
@@ -206,6 +211,8 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         )
     if layout.sequence_parallel:
         _divides("seq_length over tensor parallelism (sequence parallel)", layout.tp, shape.seq_length, fix)
+    if layout.tp_comm_overlap == "halves":
+        _check_halves(layout)
     if layout.overlap_param_gather and not layout.distributed_optimizer:
         raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
     if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
@@ -214,6 +221,24 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         raise SettingsError(
             "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload "
             "megatron's host optimizer chooses its own: set one of them to false"
+        )
+
+
+def _check_halves(layout: Layout) -> None:
+    """``tp_comm_overlap: halves`` (modeling.HalvesOverlapLayer): each layer runs its micro batch
+    as two halves so that one half's tensor-parallel all-reduces run while the other computes."""
+    why = "parallel.tp_comm_overlap: halves"
+    if layout.tp == 1:
+        raise SettingsError(f"{why} overlaps the tensor-parallel all-reduces; with parallel.tp 1 there are none")
+    if layout.micro_batch % 2:
+        raise SettingsError(f"{why} splits each micro batch in two; train.micro_batch is {layout.micro_batch}, set an even one")
+    if layout.sequence_parallel:
+        raise SettingsError(f"{why} overlaps the all-reduces of tensor parallelism without parallel.sequence_parallel; set one of them off")
+    if layout.recompute == "full":
+        raise SettingsError(f"{why} runs its own layer schedule, which full recompute would replay; use recompute none or selective")
+    if layout.transformer_impl == "transformer_engine":
+        raise SettingsError(
+            f"{why} runs megatron's local layers; TransformerEngine brings its own overlap (set transformer_impl local or auto)"
         )
 
 

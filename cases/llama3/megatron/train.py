@@ -259,6 +259,7 @@ class Trainer:
                 fused_adam=lay.fused_adam,
                 adam_kernel=self.adam_kernel,
                 wgrad_accumulation=self.wgrad_accumulation,
+                tp_comm_overlap=lay.tp_comm_overlap,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),

@@ -298,7 +298,7 @@ COLUMNS = [
 def markdown(c: dict[str, Any]) -> str:
     sides = c["sides"]
     lines = [f"# {sides[-1].res.model}: {len(sides) - 1} run(s) against the reference run", ""]
-    kept = "round(s) that ran through" if c.get("with_invalid") else "clean round(s)"
+    kept = "round(s) that ran through" if c["with_invalid"] else "clean round(s)"
     lines += [
         f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} {kept})"
         for i, s in enumerate(sides)
@@ -310,7 +310,7 @@ def markdown(c: dict[str, Any]) -> str:
         (
             "Figures are the mean over each run's rounds that ran through, those its own loss gate made invalid "
             "included (status says which)"
-            if c.get("with_invalid")
+            if c["with_invalid"]
             else "Figures are the mean over each run's clean rounds"
         )
         + "; ratio is tokens/p/s over the reference run's; of ceiling is tokens/p/s over the kernel ceiling timed "

@@ -607,10 +607,11 @@ with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:
 @pytest.mark.framework("megatron")
 def test_halves_overlap_matches_tensor_parallel(tmp_path):
     """``parallel.tp_comm_overlap: halves`` on two tensor-parallel gloo ranks: each layer runs the
-    micro batch of 2 as two halves of 1 in the overlapping order (one half's attention
-    all-reduce starts before the other half's attention, and is waited for only after it), the
-    row-parallel layers hand on their partial sums, and the loss and every gradient shard equal
-    those of megatron's own layer; so do they with the chunked fused loss after the layers."""
+    micro batch of 2 as two halves of 1 in the overlapping order (one half's all-reduce starts
+    before the other half's work and is waited for only after it; the first layer's last sum is
+    waited for in the second layer, after its attention of the first half), the row-parallel
+    layers hand on their partial sums, and the loss and every gradient shard equal those of
+    megatron's own layer; so do they with the chunked fused loss after the layers."""
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, micro_batch=2)))
@@ -619,7 +620,9 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
     cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(path)]
     proc = subprocess.run([*cmd, str(tmp_path / "out")], cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    one_layer = ["attention", "start", "attention", "start", "wait", "mlp", "start", "wait", "mlp", "start", "wait", "wait"]
+    # layer 1 hands B's last MLP sum on to layer 2, which waits for it after its attention(A)
+    first = ["attention", "start", "attention", "start", "wait", "mlp", "start", "wait", "mlp", "start", "wait"]
+    last = ["attention", "start", "wait", "attention", "start", "wait", "mlp", "start", "wait", "mlp", "start", "wait", "wait"]
     for rank in (0, 1):
         res = json.loads((tmp_path / f"out.{rank}").read_text())
         tp = res["tp"]
@@ -629,7 +632,7 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
             other = res[name]
             assert other["layer"] == "HalvesOverlapLayer" and other["own_reduce"] == [True, True]
             assert other["norm_input"] == [[128, 1, 64], [128, 1, 64]]
-            assert other["schedule"] == one_layer * 2, other["schedule"]
+            assert other["schedule"] == first + last, other["schedule"]
             assert other["loss"] == pytest.approx(tp["loss"], rel=1e-6)
             assert other["grads"].keys() == tp["grads"].keys()
             for n, g in tp["grads"].items():

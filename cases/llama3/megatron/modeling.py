@@ -238,20 +238,25 @@ class _StartAllReduce(torch.autograd.Function):
 
 
 class HalvesOverlapLayer(TransformerLayer):
-    """megatron's transformer layer run as two halves of its micro batch (``parallel.tp_comm_overlap:
-    halves``), so that the tensor-parallel all-reduces after the attention's and the MLP's
-    row-parallel layers run while the other half computes:
+    """megatron's transformer layer run as two halves A and B of its micro batch
+    (``parallel.tp_comm_overlap: halves``), so that the tensor-parallel all-reduces after the
+    attention's and the MLP's row-parallel layers run while the other half computes:
 
-        attention(A), all-reduce(A) starts; attention(B), all-reduce(B) starts;
-        A: residual, MLP, all-reduce starts (B's attention all-reduce runs meanwhile);
-        B: residual, MLP, all-reduce starts (A's runs meanwhile); both residuals.
+        attention(A), its all-reduce starts; [B's MLP sum of the layer before arrives];
+        attention(B), its all-reduce starts (A's runs meanwhile);
+        A: residual, MLP, all-reduce starts (B's attention sum runs meanwhile);
+        B: residual, MLP, all-reduce starts (A's MLP sum runs meanwhile); A's residual.
 
-    Three of the four all-reduces of a layer have the other half's work queued behind them; the
-    last is waited for at the layer's end. The row-parallel layers hand on their partial sums
-    (megatron's ``explicit_expert_comm``) and this layer reduces them. Every half is computed as
-    the whole batch would be, sample by sample. The halves leave the layer stacked so that the next
-    layer takes each as it is, without a copy (one copy at the first layer; under pipeline
-    parallelism every layer hands on a contiguous tensor, as a stage's output is sent whole)."""
+    B's MLP sum is handed to the next layer, which needs it only after its attention(A): every
+    all-reduce has the other half's work queued behind it except the last layer's last. The
+    row-parallel layers hand on their partial sums (megatron's ``explicit_expert_comm``) and this
+    layer reduces them. Every half is computed as the whole batch would be, sample by sample.
+
+    Between two linked layers (:func:`link_halves`, in :func:`build_model`) the hidden states
+    hold B without its last MLP sum, which the next layer adds: only the stage's last layer hands
+    on finished hidden states. The halves leave a layer stacked so that the next takes each as it
+    is, without a copy (one copy at the stage's first layer); a stage's output is contiguous under
+    pipeline parallelism, as it is sent whole. A layer not linked finishes both halves itself."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -265,6 +270,8 @@ class HalvesOverlapLayer(TransformerLayer):
                 )
             lin.explicit_expert_comm = True  # no all-reduce of its own: this layer's
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.handoff: list = []  # B's MLP sum on its way, from the layer before to this one
+        self.takes_over = self.hands_on = False
 
     def _reduce(self, output: tuple) -> tuple[torch.Tensor, list]:
         pending: list = []
@@ -276,28 +283,47 @@ class HalvesOverlapLayer(TransformerLayer):
         pending.pop().wait()
         return x
 
+    def _attention(self, x: torch.Tensor, attention_mask: Any, rotary_pos_emb: Any) -> tuple[torch.Tensor, list]:
+        return self._reduce(self.self_attention(self.input_layernorm(x), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb))
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, rotary_pos_emb: Any = None, **kwargs: Any) -> tuple:
         given = sorted(k for k, v in kwargs.items() if v is not None)
         if given:
             raise RuntimeError(
                 f"parallel.tp_comm_overlap: halves: the layer was given {', '.join(given)}, which its schedule does not handle"
             )
+        if self.takes_over and len(self.handoff) != 1:
+            raise RuntimeError(f"parallel.tp_comm_overlap: halves: layer {self.layer_number} has no sum handed on from the layer before")
+        behind = self.handoff.pop() if self.takes_over else None
+        self.handoff.clear()
         s, b, h = hidden_states.shape
-        halves = [x.contiguous() for x in hidden_states.unflatten(1, (2, b // 2)).unbind(1)]
-        attention = [
-            self._reduce(self.self_attention(self.input_layernorm(x), attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb))
-            for x in halves
-        ]
-        mids, mlps = [], []
-        for x, att in zip(halves, attention):
-            mid = x + self._done(att)
-            mids.append(mid)
-            mlps.append(self._reduce(self.mlp(self.pre_mlp_layernorm(mid))))
-        out = torch.stack([mid + self._done(m) for mid, m in zip(mids, mlps)])  # [2, s, b/2, h]
-        out = out.transpose(0, 1).reshape(s, b, h)  # a view when b is 2
-        if self.config.pipeline_model_parallel_size > 1:  # a stage's output is sent, and freed, whole
+        x_a, x_b = (x.contiguous() for x in hidden_states.unflatten(1, (2, b // 2)).unbind(1))
+        att_a = self._attention(x_a, attention_mask, rotary_pos_emb)
+        if behind is not None:
+            x_b = x_b + self._done(behind)
+        att_b = self._attention(x_b, attention_mask, rotary_pos_emb)
+        mid_a = x_a + self._done(att_a)
+        mlp_a = self._reduce(self.mlp(self.pre_mlp_layernorm(mid_a)))
+        mid_b = x_b + self._done(att_b)
+        mlp_b = self._reduce(self.mlp(self.pre_mlp_layernorm(mid_b)))
+        out_a = mid_a + self._done(mlp_a)
+        if self.hands_on:
+            self.handoff.append(mlp_b)
+            out_b = mid_b
+        else:
+            out_b = mid_b + self._done(mlp_b)
+        out = torch.stack([out_a, out_b]).transpose(0, 1).reshape(s, b, h)  # [2, s, b/2, h] seen as [s, b, h]: a view when b is 2
+        if self.config.pipeline_model_parallel_size > 1 and not self.hands_on:
             out = out.contiguous()
         return out, None
+
+
+def link_halves(layers: Any) -> None:
+    """The layers of one stage, in order, hand B's last MLP sum on to the next (HalvesOverlapLayer)."""
+    shared: list = []
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        layer.handoff, layer.takes_over, layer.hands_on = shared, i > 0, i < len(layers) - 1
 
 
 def _set_mlp_activation(spec: ModuleSpec, module: type) -> None:
@@ -435,7 +461,7 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     if s.layout.fused_rope == "compile":
         kernels.install_compiled_rope()
     model_class = FusedLossGPTModel if s.layout.fused_linear_loss == "chunked" else GPTModel
-    return model_class(
+    model = model_class(
         config=config,
         transformer_layer_spec=decoder_spec(s, config),
         vocab_size=s.shape.vocab_size,
@@ -448,6 +474,9 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
         rotary_percent=1.0,
         rotary_base=int(s.shape.rope_base),
     )
+    if s.layout.tp_comm_overlap == "halves":
+        link_halves(model.decoder.layers)
+    return model
 
 
 def local_param_count(model: torch.nn.Module) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -18,6 +19,15 @@ import pytest
 F = TypeVar("F", bound=Callable[..., Any])
 
 ROOT = Path(__file__).resolve().parent.parent
+START = str(ROOT / "run_benchmarks" / "start_task.py")
+
+
+def start_task(*args: str, timeout: float = 900, cwd: Path | str | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``start_task.py args`` under this Python, its output captured; ``env`` added to this
+    process's environment."""
+    return subprocess.run(
+        [sys.executable, START, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**os.environ, **env}
+    )
 
 
 def framework_python(var: str, skip_reason: str) -> str:

@@ -7,10 +7,8 @@ are tests/test_ceiling_deepspeed.py's."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -18,9 +16,9 @@ from run_benchmarks import ceiling as ceiling_cli
 from run_benchmarks import registry, results
 from run_benchmarks import typed_results as tr
 from run_benchmarks.registry import ROOT
+from tests.case_helpers import start_task
 from training import ceiling, flops
 
-START = str(ROOT / "run_benchmarks" / "start_task.py")
 LLAMA3_8B = dict(hidden=4096, ffn=14336, heads=32, groups=8, head_dim=128, vocab=128256)
 
 
@@ -76,8 +74,7 @@ def test_a_phase_takes_its_ceiling_figures_from_its_meta():
     assert old.rounds[0].phases[0].ceiling_tokens_per_gpu_s is None
 
 
-def start(*args, timeout=600):
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+start = functools.partial(start_task, timeout=600)
 
 
 @pytest.mark.framework("megatron")

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,7 @@ from cases.baichuan2.deepspeed import ceiling as baichuan2_ceiling
 from cases.llava.deepspeed import ceiling as llava_ceiling
 from run_benchmarks import typed_results as tr
 from run_benchmarks.registry import ROOT
-from tests.case_helpers import torch_unit
+from tests.case_helpers import start_task, torch_unit
 from training import ceiling, flops, flops_llava
 
 try:
@@ -34,7 +32,6 @@ except ImportError:  # the host's test environment: the unit tests run in the fr
     torch = None
 
 needs_torch = torch_unit(torch is not None)
-START = str(ROOT / "run_benchmarks" / "start_task.py")
 BAICHUAN2 = yaml.safe_load((ROOT / "cases/baichuan2/deepspeed/case.yaml").read_text())["models"]
 LLAVA = yaml.safe_load((ROOT / "cases/llava/deepspeed/case.yaml").read_text())["models"]
 
@@ -248,8 +245,7 @@ def test_units_in_framework_env(deepspeed_units):
 # --------------------------------------------------------------------------- on the CPU, end to end
 
 
-def start(*args, timeout=900):
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout)
+start = start_task
 
 
 @pytest.mark.framework("deepspeed")

@@ -4,21 +4,19 @@ is); and --record-reference's refusals."""
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from run_benchmarks.registry import ROOT
+from tests.case_helpers import start_task
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 from tests.test_results_models import fake_phase, fake_run
 
-START = str(ROOT / "run_benchmarks" / "start_task.py")
 LLAVA = "llava_tiny:deepspeed:cpu:1:2"
 
 
-def start(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=120)
+start = functools.partial(start_task, timeout=120)
 
 
 def two_phase_run(

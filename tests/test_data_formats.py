@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -28,8 +27,7 @@ import pytest
 
 from run_benchmarks import typed_results as tr
 from run_benchmarks.registry import ROOT
-
-START = str(ROOT / "run_benchmarks" / "start_task.py")
+from tests.case_helpers import start_task
 
 MEGATRON_WRITER = textwrap.dedent("""
     # Megatron's own builder: python - SPEC.json; SPEC: [{"prefix", "dtype", "vocab", "tokens", "seed"}]
@@ -130,8 +128,7 @@ def llava_data(py: str, root: Path, tok_dir: Path, n_words: int = 40) -> None:
     framework_run(py, LLAVA_WRITER, str(root), str(tok_dir), str(n_words))
 
 
-def start(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout)
+start = start_task
 
 
 def run_case(case: str, log_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, tr.RunResults | None]:

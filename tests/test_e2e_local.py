@@ -8,7 +8,6 @@ files for the gate tests, since those change with the case's starting weights.
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,14 +16,12 @@ from pathlib import Path
 import pytest
 
 from run_benchmarks import typed_results as tr
-from run_benchmarks.registry import ROOT
+from tests.case_helpers import START, start_task
 
-START = str(ROOT / "run_benchmarks" / "start_task.py")
 LLAMA = "llama3_tiny:megatron:cpu:1:2"
 
 
-def start(*args, timeout=900, **env):
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
+start = start_task
 
 
 def run_case(log_dir: Path, *args, case=LLAMA, **env):

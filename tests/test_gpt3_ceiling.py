@@ -10,9 +10,9 @@ tests/test_gpt3_run.py's one-process run.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -21,11 +21,10 @@ import yaml
 
 from cases.gpt3.paddle import ceiling as gpt3_ceiling
 from cases.gpt3.paddle import settings as S
-from tests.case_helpers import framework_python
+from tests.case_helpers import framework_python, start_task
 from training import flops
 
 ROOT = Path(__file__).resolve().parent.parent
-START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 
@@ -156,8 +155,7 @@ def test_the_gemms_are_the_built_models_layers_and_the_attention_is_causal():
     assert name == "core attention (QK^T, additive -1e4 causal mask, softmax, AV)" and err < 1e-4
 
 
-def start(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, START, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+start = functools.partial(start_task, timeout=300, cwd=ROOT)
 
 
 @pytest.mark.framework("paddle")

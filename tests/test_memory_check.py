@@ -4,22 +4,20 @@ any process starts; on this host, on the hosts of an SSH cluster, and in --dry-r
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
 import sys
 
 import psutil
 import pytest
 
-from run_benchmarks.registry import ROOT
+from tests.case_helpers import start_task
 from training.memory import megatron_states, zero_states
 
-START = str(ROOT / "run_benchmarks" / "start_task.py")
 GiB = 2**30
 
 
-def start(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, START, *args], capture_output=True, text=True, timeout=300)
+start = functools.partial(start_task, timeout=300)
 
 
 def test_zero_states_by_stage_and_offload():

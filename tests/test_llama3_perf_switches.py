@@ -578,6 +578,8 @@ for name, par in variants.items():
     layer = model.decoder.layers[0]
     shapes = []
     layer.input_layernorm.register_forward_hook(lambda m, a, o: shapes.append(list(a[0].shape)))
+    final_in = []  # what the last layer hands the final norm
+    model.decoder.final_layernorm.register_forward_hook(lambda m, a, o: final_in.append(a[0].is_contiguous()))
     for each in model.decoder.layers:
         for module, what in ((each.self_attention, "attention"), (each.mlp, "mlp")):
             module.register_forward_pre_hook(lambda m, a, what=what: recording[0] and events.append(what))
@@ -593,6 +595,7 @@ for name, par in variants.items():
         "loss": loss.item(),
         "layer": type(layer).__name__,
         "norm_input": shapes,
+        "final_norm_contiguous": final_in,
         "schedule": schedule,
         "own_reduce": [layer.self_attention.linear_proj.explicit_expert_comm, layer.mlp.linear_fc2.explicit_expert_comm],
         "grads": {n: p.main_grad.flatten().tolist() for n, p in model.named_parameters()},
@@ -631,7 +634,7 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
         for name in ("halves", "halves_loss"):
             other = res[name]
             assert other["layer"] == "HalvesOverlapLayer" and other["own_reduce"] == [True, True]
-            assert other["norm_input"] == [[128, 1, 64], [128, 1, 64]]
+            assert other["norm_input"] == [[128, 1, 64], [128, 1, 64]] and other["final_norm_contiguous"] == [True]
             assert other["schedule"] == first + last, other["schedule"]
             assert other["loss"] == pytest.approx(tp["loss"], rel=1e-6)
             assert other["grads"].keys() == tp["grads"].keys()

@@ -255,8 +255,9 @@ class HalvesOverlapLayer(TransformerLayer):
     Between two linked layers (:func:`link_halves`, in :func:`build_model`) the hidden states
     hold B without its last MLP sum, which the next layer adds: only the stage's last layer hands
     on finished hidden states. The halves leave a layer stacked so that the next takes each as it
-    is, without a copy (one copy at the stage's first layer); a stage's output is contiguous under
-    pipeline parallelism, as it is sent whole. A layer not linked finishes both halves itself."""
+    is, without a copy (one copy at the stage's first layer); the stage's last layer hands on a
+    contiguous tensor (to the final norm, or sent to the next stage whole). A layer not linked
+    finishes both halves itself."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -313,7 +314,7 @@ class HalvesOverlapLayer(TransformerLayer):
         else:
             out_b = mid_b + self._done(mlp_b)
         out = torch.stack([out_a, out_b]).transpose(0, 1).reshape(s, b, h)  # [2, s, b/2, h] seen as [s, b, h]: a view when b is 2
-        if self.config.pipeline_model_parallel_size > 1 and not self.hands_on:
+        if not self.hands_on:  # the final norm or the next stage takes it contiguous, as from megatron's own layer
             out = out.contiguous()
         return out, None
 

@@ -569,9 +569,16 @@ def all_reduce(tensor, *args, **kwargs):
 
 dist.all_reduce = all_reduce
 out = {"rank": dist.get_rank()}
-variants = {"tp": {}, "halves": {"tp_comm_overlap": "halves"}, "halves_loss": {"tp_comm_overlap": "halves", "fused_linear_loss": "chunked"}}
+variants = {
+    "tp": {},
+    "halves": {"tp_comm_overlap": "halves"},
+    "halves_loss": {"tp_comm_overlap": "halves", "fused_linear_loss": "chunked"},
+    "halves_wgrad": {"tp_comm_overlap": "halves", "gradient_accumulation_fusion": True},  # as the 2 x H200 config runs
+}
 for name, par in variants.items():
     s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 2)
+    if s.layout.gradient_accumulation_fusion:
+        kernels.install_wgrad_accumulation(torch.device("cpu"), torch.float32)
     config = modeling.transformer_config(s)
     model = modeling.build_model(s, config)
     startweights.overwrite(model, s)
@@ -614,7 +621,8 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
     before the other half's work and is waited for only after it; the first layer's last sum is
     waited for in the second layer, after its attention of the first half), the row-parallel
     layers hand on their partial sums, and the loss and every gradient shard equal those of
-    megatron's own layer; so do they with the chunked fused loss after the layers."""
+    megatron's own layer; so do they with the chunked fused loss after the layers, and with the
+    weight gradients added to main_grad inside their GEMMs."""
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, micro_batch=2)))
@@ -631,7 +639,7 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
         tp = res["tp"]
         assert tp["layer"] == "TransformerLayer" and tp["own_reduce"] == [False, False]
         assert tp["norm_input"] == [[128, 2, 64]] and tp["schedule"] == ["attention", "mlp"] * 2  # megatron's: synchronous
-        for name in ("halves", "halves_loss"):
+        for name in ("halves", "halves_loss", "halves_wgrad"):
             other = res[name]
             assert other["layer"] == "HalvesOverlapLayer" and other["own_reduce"] == [True, True]
             assert other["norm_input"] == [[128, 1, 64], [128, 1, 64]] and other["final_norm_contiguous"] == [True]

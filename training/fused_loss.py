@@ -12,11 +12,12 @@ them) plus the gradient of ``W`` in float32, instead of every token's logits.
 
 The arithmetic follows the plain path: logits from a matrix product in the inputs' dtype,
 rounded to it (on CUDA with bf16 / fp16 inputs the GEMM writes them in float32 instead, one
-kernel fewer and one rounding fewer: training/gemm.py), then cross-entropy in float32 (mean over the tokens whose label is not
-``ignore_index``) plus an optional z-loss ``z * mean over all tokens of (max logit)^2``; the
-logits' gradient is rounded to the inputs' dtype before the two products, as autograd does
-through ``.float()``. The gradient of ``W`` is summed over chunks in float32 (inside each chunk's GEMM) and rounded
-once, so it differs from the plain path's single product by rounding only.
+kernel fewer and one rounding fewer: training/gemm.py), then cross-entropy in float32 (mean
+over the tokens whose label is not ``ignore_index``) plus an optional z-loss ``z * mean over
+all tokens of (max logit)^2``; the logits' gradient is rounded to the inputs' dtype before the
+two products, as autograd does through ``.float()``. The gradient of ``W`` is summed over
+chunks in float32 (inside each chunk's GEMM) and rounded once, so it differs from the plain
+path's single product by rounding only.
 
 Torch only; nothing of a framework. Used by a case's output layer where
 ``parallel.fused_linear_loss: chunked`` asks for it.

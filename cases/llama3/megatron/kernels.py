@@ -358,9 +358,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     for the backward instead; this one recomputes one product per chunk.
 
     On CUDA the logits come out of their GEMM in float32 and each chunk's ``d^T x`` is added to
-    ``dW`` inside its GEMM (training/gemm.py): no bf16
-    logits cast up in a second kernel, no separate float32 addition per chunk; neither product
-    is rounded to bf16 on its way, so the loss is at least as exact as megatron's path.
+    ``dW`` inside its GEMM (training/gemm.py): no bf16 logits cast up in a second kernel, no
+    separate float32 addition per chunk; neither product is rounded to bf16 on its way, so the
+    loss is at least as exact as megatron's path.
     """
 
     @staticmethod

@@ -75,9 +75,7 @@ def gather(trainer) -> dict | None:
         name = names[local]
         shards = [torch.empty_like(p) for _ in range(tp)]
         dist.all_gather(shards, p.detach().contiguous(), group=tp_group)
-        # copied at once: the dump is a snapshot that later work in this process (--megatron-std
-        # builds another model) cannot reach
-        stage[name] = join_shards(name, [x.float().cpu().clone() for x in shards], *megatron_split(name))
+        stage[name] = join_shards(name, [x.float().cpu() for x in shards], *megatron_split(name))
     every = [None] * dist.get_world_size()
     dist.gather_object(stage if trainer.tp_rank == 0 and trainer.dp_rank == 0 else None, every if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
@@ -139,7 +137,6 @@ def difference(a, b) -> str:
     """How two tensors that are not equal differ: a shape, or how many elements, by how much and
     where (a few elements off in their last bits is a math library's rounding; all of them, another
     draw or a later write)."""
-
     if a.shape != b.shape:
         return f"has shape {tuple(b.shape)}, not {tuple(a.shape)},"
     off = (a != b) & ~(a.isnan() & b.isnan())

@@ -194,15 +194,23 @@ def test_measure_parts_times_only_the_products_that_run():
 def test_attention_inputs_reach_the_kernel_in_their_layout(layout):
     seen = []
 
+    grads = []
+
     def attend(q, k, v):
         seen.append((q.shape, k.shape, q.is_contiguous(), q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()))
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.register_hook(grads.append)
+        return out
 
     block = ceiling.Attention("a", attend, "sdpa", 2, 4, 4, 8, 16, count=1, layout=layout)
     ceiling.time_attention(block, torch.float32, torch.device("cpu"), warmup=0, repeat=1, trials=1)
     q_shape, k_shape, contiguous, packed = seen[0]
     assert q_shape == k_shape == (2, 4, 8, 16) and not contiguous  # views, as the layers hand them
     assert packed == (layout == "bs3hd")  # q, k and v of one packed projection
+    # the output's gradient comes back as a layer's output projection hands it: contiguous in the
+    # token-major layout ([s, b, heads, d] for sbhd, [b, s, heads, d] otherwise), not in [b, heads, s, d]
+    token_major = (2, 0, 1, 3) if layout == "sbhd" else (0, 2, 1, 3)
+    assert grads and grads[0].permute(*token_major).is_contiguous() and not grads[0].is_contiguous()
 
 
 @needs_torch

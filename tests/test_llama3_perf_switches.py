@@ -176,8 +176,20 @@ def attention(causal=True, scale=sc, grad_k=1.0):
     return run
 q_like = torch.empty(64, 1, 4, 16).permute(1, 2, 0, 3)  # [b, heads, s, d] views of [s, b, heads, d], as megatron's
 k_like = torch.empty(64, 1, 2, 16).permute(1, 2, 0, 3)
-out["faults"] = [kernels.attention_fault(f, q_like, k_like, sc)
+out["faults"] = [kernels.attention_fault(f, q_like, k_like, k_like, sc)
                  for f in (attention(), attention(causal=False), attention(scale=2 * sc), attention(grad_k=0.5))]
+# a backward that is wrong only for a contiguous [b, heads, s, d] incoming gradient (as torch's cuDNN
+# attention was on H200): right for the gradient the layer hands back, named for the other layout
+class HalfGradIfContiguous(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5 if g.is_contiguous() else g
+layout_bound = lambda q, k, v: HalfGradIfContiguous.apply(attention()(q, k, v))
+out["layout_faults"] = [kernels.attention_fault(layout_bound, q_like, k_like, k_like, sc),
+                        kernels.attention_fault(layout_bound, q_like, k_like, k_like, sc, hand_on=lambda o: o)]
 try:
     kernels.checked_attention("sdpa", attention(causal=False), q_like, k_like, k_like, sc, "the fix")
 except RuntimeError as exc:
@@ -233,6 +245,10 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     assert leaky.startswith("not causal: the first 32 positions' output changes by")
     assert scaled.startswith("output off the reference attention")
     assert bad_grad.startswith("dk off the reference attention")
+    layer_layout, other_layout = res["layout_faults"]
+    assert layer_layout is None and other_layout.startswith(
+        "dq off the reference attention (flash / memory-efficient, K/V repeated) by 0.5 of"
+    )
     assert res["refused"].startswith("parallel.attention: sdpa: torch ") and res["refused"].endswith(
         "attention at this layer's shape (batch 1, 4 query heads over 2 KV groups, sequence 64, head dim 16, torch.float32) is "
         + leaky

@@ -236,8 +236,11 @@ def time_gemm(g: Gemm, dtype: Any, device: Any, **kw: Any) -> dict[str, float]:
 
 def time_attention(block: Attention, dtype: Any, device: Any, **kw: Any) -> float:
     """Seconds per call of one attention block: ``block.attend`` on query, key and value handed
-    in ``block.layout``, and with ``block.backward`` the backward of its output (an upstream
-    gradient of the output's shape) to q, k and v."""
+    in ``block.layout``, and with ``block.backward`` the backward of its ``[b, heads, s, d]``
+    output to q, k and v, the upstream gradient laid out as a layer hands it back (contiguous in
+    ``[s, b, heads, d]`` for ``sbhd``, in ``[b, s, heads, d]`` otherwise: the gradient of the
+    layer's output projection, seen through its reshape): a kernel's backward can take another
+    path for another gradient layout."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -270,8 +273,12 @@ def time_attention(block: Attention, dtype: Any, device: Any, **kw: Any) -> floa
         out = block.attend(*inputs())
         if not block.backward:
             return
-        if not grad:  # the upstream gradient, of the output's shape (the kernel's own layout)
-            grad.append(torch.randn(out.shape, dtype=dtype, device=device, generator=gen))
+        if not grad:  # the upstream gradient as a layer hands it back: contiguous in its token-major layout
+            b_, h_, s_, d_ = out.shape
+            if block.layout == "sbhd":
+                grad.append(torch.randn(s_, b_, h_, d_, dtype=dtype, device=device, generator=gen).permute(1, 2, 0, 3))
+            else:
+                grad.append(torch.randn(b_, s_, h_, d_, dtype=dtype, device=device, generator=gen).permute(0, 2, 1, 3))
         out.backward(grad[0])
         for t in leaves:
             t.grad = None

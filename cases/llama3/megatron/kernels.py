@@ -144,9 +144,10 @@ def _sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> str:
     """How this process runs cuDNN attention for this head layout: ``native`` GQA or ``repeat``.
 
-    Checked once per process and layout on a small causal problem, forward and backward,
-    against float32 attention; raises with torch's reasons when the cuDNN backend runs
-    neither way here (no CUDA device, a torch without cuDNN attention, an unsupported card).
+    Checked once per process and layout on a small causal problem, forward and backward (the
+    output handed on as the layer hands it, :func:`sbhd_hand_on`), against float32 attention;
+    raises with torch's reasons when the cuDNN backend runs neither way here (no CUDA device, a
+    torch without cuDNN attention, an unsupported card).
     """
     if device.type != "cuda":
         raise RuntimeError(
@@ -170,7 +171,8 @@ def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dt
     ref = F.scaled_dot_product_attention(
         ref_in[0], ref_in[1].repeat_interleave(rep, 1), ref_in[2].repeat_interleave(rep, 1), is_causal=True, scale=scale
     )
-    ref.backward(g0.float())
+    grad = sbhd_hand_on(g0).contiguous()  # the gradient as the layer's projection hands it back
+    sbhd_hand_on(ref).backward(grad.float())
     errors = []
     for mode in ("native", "repeat") if heads != groups else ("native",):
         ins = [t.clone().requires_grad_() for t in (q0, k0, v0)]
@@ -178,7 +180,7 @@ def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dt
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 out = _sdpa_cudnn(*ins, scale=scale, gqa=mode)
-                out.backward(g0)
+                sbhd_hand_on(out).backward(grad)
                 torch.cuda.synchronize(device)
         except RuntimeError as exc:
             reasons = "; ".join(str(w.message).splitlines()[0] for w in caught if "cuDNN" in str(w.message) or "cudnn" in str(w.message))
@@ -200,6 +202,14 @@ def cudnn_attention_mode(heads: int, groups: int, head_dim: int, dtype: torch.dt
     )
 
 
+def sbhd_hand_on(out: torch.Tensor) -> torch.Tensor:
+    """``[b, heads, s, d]`` attention output as megatron's core attention hands it to the output
+    projection: ``[s, b, heads * d]``. The gradient comes back through it from the projection's
+    backward (a contiguous tensor of that shape), so the kernel's backward sees the incoming
+    gradient in the layout of this view, not a contiguous ``[b, heads, s, d]`` one."""
+    return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention as the check of another kernel takes it: K/V repeated over their groups
     (no GQA path involved), on torch's flash or memory-efficient backend on CUDA devices (no
@@ -214,32 +224,45 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def attention_fault(attend: Any, q_like: torch.Tensor, k_like: torch.Tensor, scale: float, tolerance: float = 0.1) -> str | None:
+def attention_fault(
+    attend: Any,
+    q_like: torch.Tensor,
+    k_like: torch.Tensor,
+    v_like: torch.Tensor,
+    scale: float,
+    hand_on: Any = sbhd_hand_on,
+    tolerance: float = 0.1,
+) -> str | None:
     """What is wrong with ``attend(q, k, v)`` as causal attention for inputs like ``q_like``
-    (``[b, heads, s, d]``) and ``k_like`` (K/V with their own, fewer heads), or None.
+    (``[b, heads, s, d]``), ``k_like`` and ``v_like`` (K and V with their own, fewer heads), or None.
 
     The inputs are seeded random tensors of those shapes, dtype, device and strides (a layer's
     permuted views stay permuted views). Two checks: (1) causality, exactly: with the keys and
     values of the second half of the sequence replaced, the first half of the output stays what
-    it was; (2) the output and the gradients of q, k and v (for a random incoming gradient)
-    agree with :func:`reference_attention` within ``tolerance`` of their largest value: wide
-    enough for two correct bf16 kernels summing in other orders, narrow against a wrong scale, a
-    lost mask or a wrong gradient, which miss by tens of percent. A kernel can pass on a short
-    problem and fail at the case's length, so the case checks at its own
-    (:func:`checked_attention`)."""
+    it was; (2) the output and the gradients of q, k and v agree with
+    :func:`reference_attention` within ``tolerance`` of their largest value: wide enough for two
+    correct bf16 kernels summing in other orders, narrow against a wrong scale, a lost mask or a
+    wrong gradient, which miss by tens of percent. The gradient is the one the layer gives: a
+    random contiguous gradient of ``hand_on(output)`` (how the layer hands the output on), so the
+    kernel's backward sees the incoming gradient in the layer's own layout. Backward kernels can
+    depend on that layout (torch 2.11's cuDNN attention on H200, 2026-11-27: correct for the
+    gradient of :func:`sbhd_hand_on`, dq off by more than its largest value for a contiguous
+    ``[b, heads, s, d]`` gradient to contiguous inputs), so a check through another layout
+    judges a kernel the layer does not run. A kernel can pass on a short problem and fail at the
+    case's length, so the case checks at its own (:func:`checked_attention`)."""
     gen = torch.Generator(device=q_like.device).manual_seed(4321)
 
     def draw(like: torch.Tensor) -> torch.Tensor:
         t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
         return t.copy_(torch.randn(like.shape, dtype=like.dtype, device=like.device, generator=gen))
 
-    q, k, v, g = draw(q_like), draw(k_like), draw(k_like), draw(q_like)
+    q, k, v = draw(q_like), draw(k_like), draw(v_like)
     s = q.shape[2]
     half = s // 2
     with torch.no_grad():
         out = attend(q, k, v)
         k2, v2 = k.clone(), v.clone()
-        k2[:, :, half:], v2[:, :, half:] = draw(k_like)[:, :, half:], draw(k_like)[:, :, half:]
+        k2[:, :, half:], v2[:, :, half:] = draw(k_like)[:, :, half:], draw(v_like)[:, :, half:]
         moved = float((attend(q, k2, v2)[:, :, :half].float() - out[:, :, :half].float()).abs().max())
     if moved > 1e-3 * float(out.float().abs().max()):
         return (
@@ -250,8 +273,10 @@ def attention_fault(attend: Any, q_like: torch.Tensor, k_like: torch.Tensor, sca
         mine = [t.clone().requires_grad_() for t in (q, k, v)]
         ref = [t.clone().requires_grad_() for t in (q, k, v)]
         a, r = attend(*mine), reference_attention(*ref, scale)
-        (a.float() * g.float()).sum().backward()
-        (r.float() * g.float()).sum().backward()
+        handed = hand_on(a)
+        grad = torch.randn(handed.shape, dtype=handed.dtype, device=handed.device, generator=gen)
+        handed.backward(grad)
+        hand_on(r).backward(grad.to(r.dtype))
     for name, x, y in (
         ("output", a.detach(), r.detach()),
         ("dq", mine[0].grad, ref[0].grad),
@@ -267,14 +292,17 @@ def attention_fault(attend: Any, q_like: torch.Tensor, k_like: torch.Tensor, sca
 _CHECKED: set[tuple] = set()
 
 
-def checked_attention(what: str, attend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fix: str) -> torch.Tensor:
+def checked_attention(
+    what: str, attend: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, fix: str, hand_on: Any = sbhd_hand_on
+) -> torch.Tensor:
     """``attend(q, k, v)``, checked first with :func:`attention_fault` once per process and input
-    layout (shape, strides, dtype, device): the case's micro batch, heads and sequence length, as
-    the layer hands them over. Raises, naming ``parallel.attention: <what>``, the shape, the fault
-    and ``fix``, where the kernel is not causal attention there."""
-    key = (what, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), q.dtype, q.device, scale)
+    layout (shapes, strides, dtype, device): the case's micro batch, heads and sequence length,
+    as the layer hands them over, the output handed on by ``hand_on`` as the layer does. Raises,
+    naming ``parallel.attention: <what>``, the shape, the fault and ``fix``, where the kernel is
+    not causal attention there."""
+    key = (what, tuple(q.shape), q.stride(), tuple(k.shape), k.stride(), v.stride(), q.dtype, q.device, scale, hand_on)
     if key not in _CHECKED:
-        fault = attention_fault(attend, q, k, scale)
+        fault = attention_fault(attend, q, k, v, scale, hand_on)
         if fault:
             raise RuntimeError(
                 f"parallel.attention: {what}: torch {torch.__version__}'s attention at this layer's shape (batch {q.shape[0]}, "

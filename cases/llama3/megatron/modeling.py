@@ -93,10 +93,9 @@ class SDPACoreAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError(f"{type(self).__name__} supports neither packed sequences nor an attention bias")
-        sq, b = query.shape[0], query.shape[1]
         # megatron hands [s, b, heads, d]; the kernels take [b, heads, s, d]
         out = self.attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        return kernels.sbhd_hand_on(out)  # [s, b, heads * d]: the attention checks hand it on the same way
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of ``[b, heads, s, d]`` inputs (K/V with their own, fewer heads); the

@@ -256,6 +256,75 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     )
 
 
+_CHECK_SEES_THE_LAYER = r"""
+import json, sys
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])
+import torch, torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from cases.llama3.megatron import kernels, modeling, settings, startweights
+from training import fused
+
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+model_parallel_cuda_manual_seed(1234)
+fused.COMPILE_BACKEND = CompileCounterWithBackend("aot_eager")
+calls, where = [], ["layer"]
+plain_sdpa, plain_fault = modeling.sdpa_attention, kernels.attention_fault
+
+def recording_sdpa(q, k, v, scale, dropout=0.0):
+    out = plain_sdpa(q, k, v, scale, dropout)
+    if out.requires_grad:  # a call whose backward runs: the check's with gradients, or the layer's
+        call = {"where": where[0], "strides": [list(t.stride()) for t in (q, k, v)], "grad": None}
+        out.register_hook(lambda g: call.update(grad=list(g.stride())))
+        calls.append(call)
+    return out
+
+def flagged_fault(*args, **kwargs):
+    where[0] = "check"
+    try:
+        return plain_fault(*args, **kwargs)
+    finally:
+        where[0] = "layer"
+
+modeling.sdpa_attention, kernels.attention_fault = recording_sdpa, flagged_fault
+gen = torch.Generator().manual_seed(7)
+tokens = torch.randint(0, 1024, (2, 128), generator=gen)
+labels = torch.randint(0, 1024, (2, 128), generator=gen)
+position_ids = torch.arange(128).expand(2, 128)
+out = {}
+for rope in ("none", "compile"):  # megatron's RoPE, then the compiled region (its outputs' strides)
+    calls.clear(); kernels._CHECKED.clear()
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "fused_rope": rope}}, 1)
+    model = modeling.build_model(s, modeling.transformer_config(s))
+    startweights.overwrite(model, s)
+    model(tokens, position_ids, None, labels=labels).float().mean().backward()
+    out[rope] = list(calls)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_the_attention_check_runs_the_layers_layouts(tmp_path):
+    """The attention check hands the kernel what the layer's training step hands it: q, k and v
+    with the layer's strides (each its own; V is a slice of the fused QKV output in megatron) and,
+    in the backward, the gradient with the strides the layer's output projection gives it. A
+    backward kernel can be right for one gradient layout and wrong for another (torch's cuDNN
+    attention on H200, docs/cases/llama3.md), so a check through other layouts judges a kernel the
+    layer does not run."""
+    res = json.loads(one_rank_check(_CHECK_SEES_THE_LAYER, tmp_path)[len("RESULT ") :])
+    for rope, calls in res.items():
+        checks = [c for c in calls if c["where"] == "check"]
+        layers = [c for c in calls if c["where"] == "layer"]
+        assert len(checks) == 1 and len(layers) == 2, (rope, calls)  # checked once, then both layers ran
+        for layer in layers:
+            assert layer["grad"] is not None, rope  # the layer's backward reached the kernel's output
+            assert (checks[0]["strides"], checks[0]["grad"]) == (layer["strides"], layer["grad"]), rope
+        assert layers[0]["strides"][2] != layers[0]["strides"][1], rope  # V's own strides, not K's
+
+
 _LOSS_ROPE_CHECK = r"""
 import json, sys
 from training import runtime

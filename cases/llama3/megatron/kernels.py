@@ -252,16 +252,20 @@ def attention_fault(
     case's length, so the case checks at its own (:func:`checked_attention`)."""
     gen = torch.Generator(device=q_like.device).manual_seed(4321)
 
+    def laid_out_as(like: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``values`` in a tensor with ``like``'s strides, gaps included (clone would close them:
+        V is a slice of the fused QKV output)."""
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device).copy_(values)
+
     def draw(like: torch.Tensor) -> torch.Tensor:
-        t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
-        return t.copy_(torch.randn(like.shape, dtype=like.dtype, device=like.device, generator=gen))
+        return laid_out_as(like, torch.randn(like.shape, dtype=like.dtype, device=like.device, generator=gen))
 
     q, k, v = draw(q_like), draw(k_like), draw(v_like)
     s = q.shape[2]
     half = s // 2
     with torch.no_grad():
         out = attend(q, k, v)
-        k2, v2 = k.clone(), v.clone()
+        k2, v2 = laid_out_as(k, k), laid_out_as(v, v)
         k2[:, :, half:], v2[:, :, half:] = draw(k_like)[:, :, half:], draw(v_like)[:, :, half:]
         moved = float((attend(q, k2, v2)[:, :, :half].float() - out[:, :, :half].float()).abs().max())
     if moved > 1e-3 * float(out.float().abs().max()):
@@ -270,8 +274,8 @@ def attention_fault(
             f"of positions {half}-{s - 1} change"
         )
     with torch.enable_grad():  # also where the caller runs without a graph
-        mine = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        mine = [laid_out_as(t, t).requires_grad_() for t in (q, k, v)]
+        ref = [laid_out_as(t, t).requires_grad_() for t in (q, k, v)]
         a, r = attend(*mine), reference_attention(*ref, scale)
         handed = hand_on(a)
         grad = torch.randn(handed.shape, dtype=handed.dtype, device=handed.device, generator=gen)

@@ -23,6 +23,9 @@ from training.flops import mfu
 ALIGN_FROM_STEP = 21  # seed 000: loss compared from step 21 on
 ALIGN_TOLERANCE = 0.02  # aligned when the mean relative error is below 2 %
 MIN_COMPARED_STEPS = 5  # fewer compared steps judge nothing
+#: against repeats that differ by the tolerance or more, a run further from their mean than this
+#: many times their spread is not aligned: the repeats' own noise does not reach that far
+BEYOND_SPREAD = 2.0
 GIB = 1024**3
 
 
@@ -106,8 +109,10 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
     A NaN or inf loss after the warm-up fails (``nonfinite_step``), whether or not the
     reference has that step. Compared are the reference's steps from 21 to its last; each
     must be in the run, at least MIN_COMPARED_STEPS of them; aligned when the MRE < 2 %.
-    Against a mean of repeats whose spread is 2 % or more the MRE is kept but nothing is
-    judged: the reference's own noise is as large as the tolerance.
+    Against a mean of repeats whose spread is 2 % or more the reference's own noise is as large
+    as the tolerance: the MRE is kept and the phase is not judged, unless the MRE is more than
+    BEYOND_SPREAD times the spread (not aligned: further from the repeats than they are from each
+    other by that margin, as a model that sees the tokens it predicts is).
     """
     bad = first_nonfinite(loss, warmup_steps)
     if bad is not None:
@@ -131,8 +136,14 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
         raise BadReference(f"{reference.path}: {exc}") from None
     over = f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
     tol = f"{100 * ALIGN_TOLERANCE:g}%"
-    if reference.spread is not None and reference.spread >= ALIGN_TOLERANCE:
-        # the reference's own repeats disagree by the tolerance: no verdict either way
+    if reference.spread is not None and reference.spread >= ALIGN_TOLERANCE and mre > BEYOND_SPREAD * reference.spread:
+        verdict = "not aligned"
+        reason = (
+            f"{over} against the mean of {len(reference.repeats)} runs, more than {BEYOND_SPREAD:g} times "
+            f"their spread ({100 * reference.spread:.2f}%): beyond the repeats' own noise"
+        )
+    elif reference.spread is not None and reference.spread >= ALIGN_TOLERANCE:
+        # the reference's own repeats disagree by the tolerance: no verdict within their noise
         verdict = "not judged"
         reason = (
             f"reference repeats differ by {100 * reference.spread:.2f}% among themselves (at least {tol}): "

@@ -185,8 +185,15 @@ def test_the_verdict_switches_off_at_the_tolerance():
         "MRE 0.00% over steps 21-25"
     )
     assert round_status([], {"train": g}) == ("unjudged", [f"phase train: loss not judged: {g.reason}"])
-    # far off the mean, yet still not judged: the reference cannot tell
-    assert metrics.judge_loss({s: 60.0 for s in range(1, 26)}, at, warmup_steps=5).verdict == "not judged"
+    # off the mean by up to twice the repeats' spread: still not judged, the reference cannot tell
+    assert metrics.judge_loss({s: 50.5 * 1.039 for s in range(1, 26)}, at, warmup_steps=5).verdict == "not judged"
+    # further than that: not aligned, whatever the tolerance the repeats could resolve
+    far = metrics.judge_loss({s: 60.0 for s in range(1, 26)}, at, warmup_steps=5)
+    assert (far.verdict, far.aligned) == ("not aligned", False) and far.mre == pytest.approx(9.5 / 50.5)
+    assert far.reason == (
+        "MRE 18.81% over steps 21-25 against the mean of 2 runs, more than 2 times their spread (2.00%): beyond the repeats' own noise"
+    )
+    assert round_status([], {"train": far})[0] == "invalid"
     below = metrics.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 50.99)])
     assert below.spread == pytest.approx(0.0198)
     g = metrics.judge_loss(run, below, warmup_steps=5)

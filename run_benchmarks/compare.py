@@ -8,8 +8,8 @@ trained on the same data), the layout and every setting that differs. A table he
 code) in ``--out`` (default ``logs/compare-<time>``).
 
 ``start_task.py --record-reference RUN/results.json [RUN2/results.json ...]``: the curves of
-the run's first round that ran through (ok, unjudged or invalid by its own gate; several runs of one config: their per-step mean, with the runs'
-curves as ``repeats`` and their ``spread``) become the case's reference for its config and its data:
+the run's rounds that ran through (ok, unjudged or invalid by its own gate; several rounds or runs of one config: their
+per-step mean, with each round's curve as a repeat and their ``spread``) become the case's reference for its config and data:
 ``reference/<model>/<config>[.<phase>].json`` for the synthetic set,
 ``<config>[.<phase>].data-<fingerprint>.json`` for real data (docs/datasets.md).
 
@@ -37,14 +37,14 @@ from run_benchmarks.results import _gib, _pct, ceiling_cell, device_mem, repeats
 # --------------------------------------------------------------------------- --record-reference
 
 
-def _round_ran_through(res: tr.RunResults, path: Path) -> tr.RoundResult:
+def _rounds_ran_through(res: tr.RunResults, path: Path) -> list[tr.RoundResult]:
     through = [r for r in res.rounds if r.ran_through]
     if not through:
         statuses = ", ".join(f"round {r.round} {r.status}" for r in res.rounds) or "no round"
         raise InputError(
             f"{path}: no round ran through (ok, unjudged or invalid by its own gate): {statuses}; a failed round is no reference"
         )
-    return through[0]
+    return through
 
 
 def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, path: Path) -> None:
@@ -68,17 +68,17 @@ def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, pat
 def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
     """Write the runs' curves as the case's reference for their config and data; one line per file.
 
-    One run: the curves of its first round that ran through (metrics.read_reference says why an
-    invalid one counts). Several (repeats of one config): their per-step
-    mean, with the repeats themselves and their spread (metrics.mean_reference), so the gate
-    knows its noise floor. A reference already there is replaced only with ``replace`` (a
+    Every round that ran through is a repeat of the config (metrics.read_reference says why an
+    invalid one counts): one such round in all gives the curve as it is; several (rounds of one
+    run, or runs of one config) their per-step mean, with the repeats themselves and their
+    spread (metrics.mean_reference), so the gate knows its noise floor. A reference already there is replaced only with ``replace`` (a
     committed curve is no scratch file)."""
     runs = [(path, tr.load(path)) for path in paths]
     path, res = runs[0]
     for other, r in runs[1:]:
         _same_config(res, path, r, other)
-    rounds = [_round_ran_through(r, p) for p, r in runs]
-    rnd = rounds[0]
+    rounds = [(p, r, q) for p, r in runs for q in _rounds_ran_through(r, p)]
+    rnd = rounds[0][2]
     try:
         cn = CaseName.parse(res.case)
         case_dir = registry.find_case(cn).path
@@ -93,8 +93,8 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
                 f"{path}: phase {p.phase}: its data has no fingerprint ({ident.get('reason', 'not checked')}); "
                 "run where the data is readable to record a reference for it"
             )
-        repeats = [tr.Repeat(path=str(q), loss=next(x.loss for x in r.phases if x.phase == p.phase)) for q, r in zip(paths, rounds)]
         try:
+            repeats = [x for q, r in runs for x in metrics.round_repeats(str(q), _rounds_ran_through(r, q), p.phase)]
             curve = metrics.mean_reference(str(path), repeats) if len(repeats) > 1 else tr.Reference(path=str(path), loss=p.loss)
             metrics.check_curve(curve)
         except ValueError as exc:
@@ -105,7 +105,7 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
         if target.is_file() and not replace:
             raise InputError(f"{target}: a reference for this config and data exists; --replace replaces it")
         steps = sorted(curve.loss)
-        made = [f"run {r.run_id} round {q.round}" for (_, r), q in zip(runs, rounds)]
+        made = [f"run {r.run_id} round {q.round}" for _, r, q in rounds]
         doc: dict[str, Any] = {
             "model": res.model,
             "config": res.config_name,

@@ -168,14 +168,30 @@ def round_loss(gates: Sequence[LossGate]) -> tuple[float | None, bool | None]:
     return (max(mres) if mres else None), (False if False in flags else (True if flags and all(flags) else None))
 
 
+def round_repeats(path: str, rounds: Sequence[Any], phase: str) -> list[Repeat]:
+    """The curves of ``phase`` in a run's rounds that ran through (typed RoundResults), each a
+    repeat of the run's config: named ``path`` where there is one, ``path (round N)`` where there
+    are several. ValueError naming the file and round where a round lacks the phase."""
+    repeats = []
+    for rnd in rounds:
+        curves = {p.phase: p.loss for p in rnd.phases}
+        if not curves.get(phase):
+            raise ValueError(f"{path}: round {rnd.round} has no loss curve for phase {phase!r} (has {', '.join(curves) or 'none'})")
+        repeats.append(Repeat(path=path if len(rounds) == 1 else f"{path} (round {rnd.round})", loss=curves[phase]))
+    return repeats
+
+
 def read_reference(path: Path, phase: str = "train") -> Reference:
     """A loss curve: a committed ``{"steps": [...], "loss": [...]}`` file, or a phase of an earlier
-    run's results.json (its first round that ran through: ``ok``, ``unjudged`` as a first
-    reference run is, or ``invalid``: a curve that differed from the one it was judged against,
-    which says the two differ, not which is right; refusing such runs would keep only the
-    repeats that happened to agree and hide the spread). ValueError naming the file when it is
-    neither, lacks the phase, or has no such round (only failed ones); curve files naming
-    another phase or model are checked by the caller.
+    run's results.json: its rounds that ran through (``ok``, ``unjudged`` as a first reference
+    run is, or ``invalid``: a curve that differed from the one it was judged against, which says
+    the two differ, not which is right; refusing such runs would keep only the repeats that
+    happened to agree and hide the spread). One such round is the curve; several (the case
+    name's ``:repeat``, a nightly case's ``rounds``) are repeats of one config, their mean the
+    curve and their spread the gate's noise floor (:func:`mean_reference`). ValueError naming
+    the file when it is neither, lacks
+    the phase, or has no such round (only failed ones); curve files naming another phase or
+    model are checked by the caller.
     """
     try:
         data = json.loads(path.read_text())
@@ -194,10 +210,10 @@ def read_reference(path: Path, phase: str = "train") -> Reference:
             raise ValueError(
                 f"{path}: no round ran through (ok, unjudged or invalid by its own gate): {statuses}; a failed round is no reference"
             )
-        curves = {p.phase: p.loss for p in through[0].phases}
-        if not curves.get(phase):
-            raise ValueError(f"{path}: round {through[0].round} has no loss curve for phase {phase!r} (has {', '.join(curves) or 'none'})")
-        return Reference(path=str(path), loss=curves[phase])
+        repeats = round_repeats(str(path), through, phase)
+        if len(repeats) == 1:
+            return Reference(path=str(path), loss=repeats[0].loss)
+        return mean_reference(str(path), repeats)  # BadReference (a ValueError) names the round
     if not isinstance(data, dict) or not isinstance(data.get("steps"), list) or not isinstance(data.get("loss"), list):
         raise ValueError(f'{path}: neither a reference curve ({{"steps": [...], "loss": [...]}}) nor a results.json')
     loss = _curve(data, str(path))

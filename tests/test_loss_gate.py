@@ -146,6 +146,28 @@ def test_a_reference_run_must_have_run_through(tmp_path, status, usable):
             metrics.read_reference(path, "train")
 
 
+def test_the_rounds_of_a_reference_run_are_its_repeats(tmp_path):
+    """A run of several rounds given as the reference: each round that ran through is a repeat, the
+    curve their mean and the gate's noise floor their spread; a failed round is left out."""
+    from tests.test_results_models import fake_phase, fake_run
+
+    path = tmp_path / "results.json"
+    rounds = [
+        {"phases": [fake_phase(loss_scale=1.0)]},
+        {"status": "failed"},
+        {"phases": [fake_phase(loss_scale=1.02)], "status": "invalid"},
+    ]
+    path.write_text(json.dumps(fake_run(rounds).dump()))
+    r = metrics.read_reference(path, "train")
+    assert [x.path for x in r.repeats] == [f"{path} (round 1)", f"{path} (round 3)"]
+    assert r.loss[25] == pytest.approx((r.repeats[0].loss[25] + r.repeats[1].loss[25]) / 2)
+    assert r.spread == pytest.approx(0.02)  # round 3 against round 1: 2 %; round 1 against round 3: 0.02/1.02
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(fake_run([{}, {"phases": [fake_phase(steps=27)]}]).dump()))
+    with pytest.raises(ValueError, match=rf"^{short} \(round 2\): steps 28-30 missing, which another repeat has"):
+        metrics.read_reference(short, "train")
+
+
 # --------------------------------------------------------------------------- reference repeats: the gate's noise floor
 
 
@@ -338,7 +360,17 @@ def test_record_a_reference_from_repeats(tmp_path):
     with pytest.raises(InputError, match=rf"^{other}: config 'config_cpux1x2_TP2', but 'config_cpux1x2' in {paths[0]}"):
         compare.record_reference([paths[0], other])
     target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.data-0123456789abcdef.json"
+    two = tmp_path / "two-rounds.json"  # one run of two rounds: the rounds are the repeats
+    two.write_text(
+        json.dumps(fake_run([{}, {"phases": [fake_phase(loss_scale=1.01)]}], run_id="run9").model_copy(update={"data": data}).dump())
+    )
     try:
+        (line,) = compare.record_reference([two])
+        assert line.endswith(", the mean of 2 runs, their spread 1.00%)")
+        doc = json.loads(target.read_text())
+        assert [r["path"] for r in doc["repeats"]] == [f"{two} (round 1)", f"{two} (round 2)"]
+        assert "the mean of 2 runs: run run9 round 1, run run9 round 2" in doc["produced_on"]
+        target.unlink()
         (line,) = compare.record_reference(paths)
         assert line.startswith(f"wrote {target} (phase train, steps 1-30, data 0123456789abcdef, the mean of 3 runs, their spread ")
         doc = json.loads(target.read_text())

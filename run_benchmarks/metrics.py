@@ -157,6 +157,19 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
     return LossGate(verdict=verdict, mre=mre, compared_steps=n, first_step=steps[0], last_step=steps[-1], reason=reason)
 
 
+def resolution_note(reference: Reference | None) -> str | None:
+    """What a reference of repeats can judge, said before a run where their spread is the
+    tolerance or more (:func:`judge_loss`): None for one curve or repeats that resolve it."""
+    if reference is None or reference.spread is None or reference.spread < ALIGN_TOLERANCE:
+        return None
+    tol = f"{100 * ALIGN_TOLERANCE:g}%"
+    return (
+        f"its {len(reference.repeats)} repeats differ by {100 * reference.spread:.2f}% among themselves, so the {tol} rule "
+        f"cannot be resolved: a run more than {100 * BEYOND_SPREAD * reference.spread:.2f}% from their mean is not aligned, "
+        "one within that is not judged"
+    )
+
+
 # --------------------------------------------------------------------------- reference curves
 
 

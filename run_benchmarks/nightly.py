@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from run_benchmarks import datacheck, history, orchestrator, typed_results
+from run_benchmarks import datacheck, history, metrics, orchestrator, typed_results
 from run_benchmarks import plan as planning
 from run_benchmarks.casename import CaseName
 from run_benchmarks.config import ClusterConfig, cluster_with, load
@@ -47,6 +47,7 @@ class NightlyCase:
     plan: planning.Plan
     tolerances: Tolerances
     hardware_key: str
+    reference_notes: list[str] = dataclasses.field(default_factory=list)  # what its references can judge (metrics.resolution_note)
 
 
 @dataclasses.dataclass
@@ -80,13 +81,14 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
             plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets))
             plan.reference = planning.reference_files(e.reference, base, "reference")
             plan.data = datacheck.check(plan)  # its data read whole, as start_task.py does: bad data is bad input
-            orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
+            references = orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
             raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
         hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
         hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
-        jobs.append(NightlyCase(i, e, plan, tol, hw))
+        notes = [f"reference ({ph}): {n}" for ph, ref in references.items() if (n := metrics.resolution_note(ref))]
+        jobs.append(NightlyCase(i, e, plan, tol, hw, notes))
     return Night(
         path=path,
         text=path.read_text(encoding="utf-8"),
@@ -421,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             for j in night.jobs:
                 refs = "".join(f", reference {p}" for p in j.plan.reference)
                 print(f"{_label(j)}: {j.entry.rounds} round(s), config {j.plan.config_name}{refs}, tolerances {j.tolerances.model_dump()}")
+                for note in j.reference_notes:
+                    print(f"  {note}")
             print(f"history {night.db_path}\nlogs    {night.log_dir}\nreports {night.report_dir}")
             return EXIT_OK
         db = history.connect(night.db_path)

@@ -267,12 +267,16 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         plan.command = ["run_benchmarks/start_task.py", *argv]
         run_dir.append(plan.run_dir)
         plan.reference = planning.reference_files(args.reference)
-        from run_benchmarks import datacheck, orchestrator
+        from run_benchmarks import datacheck, metrics, orchestrator
 
         plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs
         for line in datacheck.describe(plan.data):
             console.print(line, markup=False)
-        orchestrator.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
+        references = orchestrator.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
+        for phase, ref in references.items():
+            note = metrics.resolution_note(ref)
+            if note:
+                console.print(f"reference ({phase}): {note}", markup=False, soft_wrap=True)
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)

@@ -325,7 +325,13 @@ def test_repeated_reference_on_the_command_line(tmp_path):
     b.write_text(json.dumps(fake_run([{"phases": [fake_phase(loss_scale=1.01)]}]).dump()))
     ok = _dry(a, b)
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["reference"] == [str(a), str(b)]
+    assert json.loads(ok.stdout)["reference"] == [str(a), str(b)] and "cannot be resolved" not in ok.stderr  # 1 % apart
+    wide = tmp_path / "wide.json"  # 3 % from a: the plan says, before anything runs, what the pair can judge
+    wide.write_text(json.dumps(fake_run([{"phases": [fake_phase(loss_scale=1.03)]}]).dump()))
+    said = _dry(a, wide)
+    assert said.returncode == 0, said.stderr
+    assert "reference (train): its 2 repeats differ by 3.00% among themselves, so the 2% rule cannot be resolved: " in said.stderr
+    assert "a run more than 6.00% from their mean is not aligned, one within that is not judged" in said.stderr
     other_phase = tmp_path / "sft.json"
     other_phase.write_text(json.dumps({"model": "llama3_tiny", "phase": "sft", "steps": list(range(1, 31)), "loss": [5.0] * 30}))
     short = tmp_path / "short.json"

@@ -194,6 +194,8 @@ def test_the_gpu_run_lists_plan_here(path, capsys):
     jobs = nightly.prepare(path).jobs
     planned = [line for line in out.splitlines() if " round(s), config " in line]
     assert len(planned) == len(jobs) and all(", reference " in line for line in planned)  # every run is judged
+    if path.name == "llama3_8b_H200x2.yaml":  # judged against repeats that cannot resolve 2 %: the plan says so
+        assert out.count("reference (train): its 4 repeats differ by 6.09% among themselves") == len(jobs)
 
 
 def test_relative_paths_follow_the_run_list(tmp_path):

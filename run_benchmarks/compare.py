@@ -71,14 +71,15 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
     Every round that ran through is a repeat of the config (metrics.read_reference says why an
     invalid one counts): one such round in all gives the curve as it is; several (rounds of one
     run, or runs of one config) their per-step mean, with the repeats themselves and their
-    spread (metrics.mean_reference), so the gate knows its noise floor. A reference already there is replaced only with ``replace`` (a
-    committed curve is no scratch file)."""
+    spread (metrics.mean_reference), so the gate knows its noise floor. A reference already
+    there is replaced only with ``replace`` (a committed curve is no scratch file)."""
     runs = [(path, tr.load(path)) for path in paths]
     path, res = runs[0]
     for other, r in runs[1:]:
         _same_config(res, path, r, other)
-    rounds = [(p, r, q) for p, r in runs for q in _rounds_ran_through(r, p)]
-    rnd = rounds[0][2]
+    through = [(p, r, _rounds_ran_through(r, p)) for p, r in runs]
+    rounds = [(r, q) for _, r, qs in through for q in qs]
+    rnd = rounds[0][1]
     try:
         cn = CaseName.parse(res.case)
         case_dir = registry.find_case(cn).path
@@ -94,7 +95,7 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
                 "run where the data is readable to record a reference for it"
             )
         try:
-            repeats = [x for q, r in runs for x in metrics.round_repeats(str(q), _rounds_ran_through(r, q), p.phase)]
+            repeats = [x for q, _, qs in through for x in metrics.round_repeats(str(q), qs, p.phase)]
             curve = metrics.mean_reference(str(path), repeats) if len(repeats) > 1 else tr.Reference(path=str(path), loss=p.loss)
             metrics.check_curve(curve)
         except ValueError as exc:
@@ -105,7 +106,7 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
         if target.is_file() and not replace:
             raise InputError(f"{target}: a reference for this config and data exists; --replace replaces it")
         steps = sorted(curve.loss)
-        made = [f"run {r.run_id} round {q.round}" for _, r, q in rounds]
+        made = [f"run {r.run_id} round {q.round}" for r, q in rounds]
         doc: dict[str, Any] = {
             "model": res.model,
             "config": res.config_name,

@@ -136,14 +136,13 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
         raise BadReference(f"{reference.path}: {exc}") from None
     over = f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
     tol = f"{100 * ALIGN_TOLERANCE:g}%"
-    if reference.spread is not None and reference.spread >= ALIGN_TOLERANCE and mre > BEYOND_SPREAD * reference.spread:
+    if cannot_resolve(reference) and mre > BEYOND_SPREAD * reference.spread:
         verdict = "not aligned"
         reason = (
             f"{over} against the mean of {len(reference.repeats)} runs, more than {BEYOND_SPREAD:g} times "
             f"their spread ({100 * reference.spread:.2f}%): beyond the repeats' own noise"
         )
-    elif reference.spread is not None and reference.spread >= ALIGN_TOLERANCE:
-        # the reference's own repeats disagree by the tolerance: no verdict within their noise
+    elif cannot_resolve(reference):  # no verdict within the repeats' own noise
         verdict = "not judged"
         reason = (
             f"reference repeats differ by {100 * reference.spread:.2f}% among themselves (at least {tol}): "
@@ -157,10 +156,15 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
     return LossGate(verdict=verdict, mre=mre, compared_steps=n, first_step=steps[0], last_step=steps[-1], reason=reason)
 
 
+def cannot_resolve(reference: Reference | None) -> bool:
+    """Whether ``reference`` is repeats whose own spread is the tolerance or more."""
+    return reference is not None and reference.spread is not None and reference.spread >= ALIGN_TOLERANCE
+
+
 def resolution_note(reference: Reference | None) -> str | None:
     """What a reference of repeats can judge, said before a run where their spread is the
     tolerance or more (:func:`judge_loss`): None for one curve or repeats that resolve it."""
-    if reference is None or reference.spread is None or reference.spread < ALIGN_TOLERANCE:
+    if not cannot_resolve(reference):
         return None
     tol = f"{100 * ALIGN_TOLERANCE:g}%"
     return (
@@ -202,9 +206,8 @@ def read_reference(path: Path, phase: str = "train") -> Reference:
     happened to agree and hide the spread). One such round is the curve; several (the case
     name's ``:repeat``, a nightly case's ``rounds``) are repeats of one config, their mean the
     curve and their spread the gate's noise floor (:func:`mean_reference`). ValueError naming
-    the file when it is neither, lacks
-    the phase, or has no such round (only failed ones); curve files naming another phase or
-    model are checked by the caller.
+    the file when it is neither, lacks the phase, or has no such round (only failed ones); curve
+    files naming another phase or model are checked by the caller.
     """
     try:
         data = json.loads(path.read_text())

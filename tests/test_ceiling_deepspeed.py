@@ -253,13 +253,10 @@ def test_units_in_framework_env(deepspeed_units):
 # --------------------------------------------------------------------------- on the CPU, end to end
 
 
-start = start_task
-
-
 @pytest.mark.framework("deepspeed")
 def test_baichuan2_ceiling_alone_on_the_cpu(deepspeed_python):
     base = ("--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:1:2", "--python", deepspeed_python, "--ceiling")
-    proc = start(*base, "--json")
+    proc = start_task(*base, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     c = json.loads(proc.stdout)
     # baichuan2_tiny: hidden 160, 10 heads of 16, ffn 432, vocab 2048, 4 layers, seq 128, micro batch 4
@@ -276,14 +273,14 @@ def test_baichuan2_ceiling_alone_on_the_cpu(deepspeed_python):
     att = c["parts"]["attention"]
     assert (att["batch"], att["heads"], att["seq"], att["head_dim"], att["causal"], att["count"]) == (4, 10, 128, 16, True, 4)
     assert att["fwd_bwd_ms"] > 0 and c["tokens_per_gpu_s"] == pytest.approx(512 / c["micro_batch_s"])
-    text = start(*base)
+    text = start_task(*base)
     assert text.returncode == 0 and "tokens/p/s" in text.stdout and "W_pack" in text.stdout, text.stdout + text.stderr
 
 
 @pytest.mark.framework("deepspeed")
 def test_llava_ceiling_alone_per_phase_on_the_cpu(deepspeed_python):
     base = ("--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--python", deepspeed_python, "--ceiling")
-    proc = start(*base, "--json")
+    proc = start_task(*base, "--json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     both = json.loads(proc.stdout)
     assert list(both) == ["pretrain", "finetune"]
@@ -300,7 +297,7 @@ def test_llava_ceiling_alone_per_phase_on_the_cpu(deepspeed_python):
         assert "fwd_bwd_ms" in p["lm.attention"] and p["lm.attention"]["causal"]
         assert "fwd_ms" in p["vision.attention"] and not p["vision.attention"]["causal"] and p["vision.attention"]["seq"] == 17
         assert c["tokens_per_gpu_s"] == pytest.approx(8 * length / c["micro_batch_s"])
-    text = start(*base)
+    text = start_task(*base)
     assert text.returncode == 0, text.stdout + text.stderr
     assert "phase pretrain" in text.stdout and "phase finetune" in text.stdout and "(forward only)" in text.stdout
 

@@ -128,11 +128,8 @@ def llava_data(py: str, root: Path, tok_dir: Path, n_words: int = 40) -> None:
     framework_run(py, LLAVA_WRITER, str(root), str(tok_dir), str(n_words))
 
 
-start = start_task
-
-
 def run_case(case: str, log_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, tr.RunResults | None]:
-    proc = start("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args)
+    proc = start_task("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args)
     runs = sorted(p for p in log_dir.iterdir() if p.is_dir()) if log_dir.is_dir() else []
     return proc, (tr.load(runs[-1] / "results.json") if runs else None)
 
@@ -194,12 +191,12 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
     first = tmp_path / "first" / res.run_id / "results.json"
     ref_file = ROOT / "cases/llama3/megatron/reference/llama3_tiny" / f"config_cpux1x1.data-{ident['fingerprint']}.json"
     try:
-        rec = start("--record-reference", str(first), timeout=120)
+        rec = start_task("--record-reference", str(first), timeout=120)
         assert rec.returncode == 0, rec.stdout + rec.stderr
         assert rec.stdout.strip() == f"wrote {ref_file} (phase train, steps 1-25, data {ident['fingerprint']})"
         doc = json.loads(ref_file.read_text())
         assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 26)]
-        again = start("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
+        again = start_task("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
         assert (
             again.returncode == 2
             and again.stderr.strip() == f"error: {ref_file}: a reference for this config and data exists; --replace replaces it"
@@ -220,7 +217,7 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
 @pytest.mark.framework("megatron")
 def test_llama3_on_a_blend_of_two_corpora(tmp_path, megatron_data):
     data = megatron_data["blend"]
-    dry = start("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--data-dir", str(data), "--dry-run", "--json")
+    dry = start_task("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--data-dir", str(data), "--dry-run", "--json")
     assert dry.returncode == 2 and "holds 2 Megatron corpora" in dry.stderr and "name one with data.prefix" in dry.stderr
     proc, res = run_case(
         "llama3_tiny:megatron:cpu:1:1",
@@ -271,7 +268,7 @@ def test_llava_on_llava_json_both_stages(tmp_path, deepspeed_python):
     data, tok = tmp_path / "data", tmp_path / "tokenizer"
     llava_data(deepspeed_python, data, tok)
     args = ["--data-dir", str(data), "--set", f"data.tokenizer_path={tok}", "--set", "train.steps=6", "--set", "train.warmup_steps=2"]
-    failed = start("--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--log-dir", str(tmp_path / "no"), *args)
+    failed = start_task("--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--log-dir", str(tmp_path / "no"), *args)
     missing = data / "ocr_vqa/images/missing.jpg"
     assert failed.returncode == 2 and not (tmp_path / "no").exists(), failed.stdout + failed.stderr
     assert failed.stderr.startswith(

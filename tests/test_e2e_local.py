@@ -21,12 +21,9 @@ from tests.case_helpers import START, start_task
 LLAMA = "llama3_tiny:megatron:cpu:1:2"
 
 
-start = start_task
-
-
 def run_case(log_dir: Path, *args, case=LLAMA, **env):
     """start_task.py on a tiny case; returns the process and its results (None when it wrote none)."""
-    proc = start("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args, **env)
+    proc = start_task("--vendor", "cpu", "--case_name", case, "--log-dir", str(log_dir), *args, **env)
     runs = [p for p in log_dir.iterdir() if p.is_dir()] if log_dir.is_dir() else []
     assert len(runs) <= 1
     return proc, (tr.load(runs[0] / "results.json") if runs else None)
@@ -108,7 +105,7 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     assert p2.gate.reason.endswith(" over steps 21-30 against the mean of 2 runs (their spread 1.00%)")
     assert "; mean of 2 runs, spread 1.00%)" in proc2.stdout
     # the mean, its spread and the verdict recomputed from the results.json alone
-    verified = start("--verify", str(tmp_path / "tp2" / res2.run_id / "results.json"), timeout=120)
+    verified = start_task("--verify", str(tmp_path / "tp2" / res2.run_id / "results.json"), timeout=120)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     # the two layouts really differ in arithmetic, yet not beyond the gate
     assert p2.loss != p.loss
@@ -209,14 +206,14 @@ def test_two_phases_each_judged(tmp_path, deepspeed_python):
 @pytest.mark.framework("megatron")
 def test_verify_a_fresh_file_and_an_edited_one(base, tmp_path):
     run_dir = base[2]
-    good = start("--verify", str(run_dir / "results.json"), timeout=120)
+    good = start_task("--verify", str(run_dir / "results.json"), timeout=120)
     assert good.returncode == 0, good.stdout + good.stderr
     assert good.stdout.strip().splitlines()[-1] == f"{run_dir / 'results.json'}: every figure of 1 round(s) matches its records"
     data = json.loads((run_dir / "results.json").read_text())
     data["rounds"][0]["phases"][0]["tokens_per_gpu_s"] *= 1.1
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(data))
-    bad = start("--verify", str(edited), timeout=120)
+    bad = start_task("--verify", str(edited), timeout=120)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     recorded = data["rounds"][0]["phases"][0]["tokens_per_gpu_s"]
     assert f"{edited}: round 1 phase train: tokens_per_gpu_s recorded {recorded!r}, recomputed " in bad.stdout

@@ -26,6 +26,9 @@ MIN_COMPARED_STEPS = 5  # fewer compared steps judge nothing
 #: against repeats that differ by the tolerance or more, a run further from their mean than this
 #: many times their spread is not aligned: the repeats' own noise does not reach that far
 BEYOND_SPREAD = 2.0
+#: a curve jumps where its loss climbs back above its first step's loss, rising by at least this
+#: fraction from the step before: after such a jump curves that differ only by rounding part
+JUMP_RISE = 0.05
 GIB = 1024**3
 
 
@@ -103,6 +106,48 @@ def _nonfinite(x: float) -> str:
     return "NaN" if math.isnan(x) else "inf" if x > 0 else "-inf"
 
 
+def loss_jump(loss: Mapping[int, float], until: int | None = None) -> tuple[int, float, float] | None:
+    """The first step (up to ``until``, when given) at which a curve's loss climbs above its first
+    step's loss, at least JUMP_RISE above the step before it: ``(step, loss before, loss)``; None
+    where the curve has no such step. Non-finite losses are skipped."""
+    steps = [s for s in sorted(loss) if math.isfinite(loss[s]) and (until is None or s <= until)]
+    if not steps:
+        return None
+    first = loss[steps[0]]
+    for before, s in zip(steps, steps[1:]):
+        if loss[s] > first and loss[s] >= loss[before] * (1 + JUMP_RISE):
+            return s, loss[before], loss[s]
+    return None
+
+
+def reference_jump(reference: Reference) -> str | None:
+    """Where a reference's loss jumps (:func:`loss_jump`) up to its last compared step, said in
+    words: the earliest jump of its repeats (of its own curve where it has none); None without one."""
+    last = max(reference.loss, default=None)
+    curves = [r.loss for r in reference.repeats] or [reference.loss]
+    jumps = [(j, c) for c in curves if (j := loss_jump(c, last))]
+    if not jumps:
+        return None
+    (step, before, after), c = min(jumps, key=lambda x: x[0][0])
+    return f"at step {step} ({before:.2f} to {after:.2f}, above its first step's {c[min(c)]:.2f})"
+
+
+def _jump_reason(reference: Reference, loss: Mapping[int, float], steps: Sequence[int]) -> str:
+    """What a not-aligned verdict adds where a curve jumps before the end of the compared steps."""
+    out = ""
+    where = reference_jump(reference)
+    if where:
+        out += (
+            f"; the reference's loss jumps {where}: runs that differ only by rounding part after such a jump, "
+            "so this verdict may turn on rounding"
+            + ("" if reference.repeats else "; repeats of the reference (--reference given several times) measure how far")
+        )
+    own = loss_jump(loss, steps[-1])
+    if own and not where:
+        out += f"; the run's loss jumps at step {own[0]} ({own[1]:.2f} to {own[2]:.2f}, above its first step's)"
+    return out
+
+
 def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_steps: int) -> LossGate:
     """One phase's loss curve against its reference: aligned, not aligned or not judged, with why.
 
@@ -144,15 +189,16 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
         )
     elif cannot_resolve(reference):  # no verdict within the repeats' own noise
         verdict = "not judged"
+        where = reference_jump(reference)
         reason = (
             f"reference repeats differ by {100 * reference.spread:.2f}% among themselves (at least {tol}): "
-            f"this batch and length cannot resolve the {tol} rule; {over}"
+            f"this batch and length cannot resolve the {tol} rule" + (f" (their loss jumps {where})" if where else "") + f"; {over}"
         )
     else:
         verdict = "aligned" if mre < ALIGN_TOLERANCE else "not aligned"
         if reference.spread is not None:
             over += f" against the mean of {len(reference.repeats)} runs (their spread {100 * reference.spread:.2f}%)"
-        reason = over + ("" if verdict == "aligned" else f" (at least {tol})")
+        reason = over + ("" if verdict == "aligned" else f" (at least {tol})" + _jump_reason(reference, loss, steps))
     return LossGate(verdict=verdict, mre=mre, compared_steps=n, first_step=steps[0], last_step=steps[-1], reason=reason)
 
 
@@ -162,15 +208,31 @@ def cannot_resolve(reference: Reference | None) -> bool:
 
 
 def resolution_note(reference: Reference | None) -> str | None:
-    """What a reference of repeats can judge, said before a run where their spread is the
-    tolerance or more (:func:`judge_loss`): None for one curve or repeats that resolve it."""
-    if not cannot_resolve(reference):
+    """What a reference can judge, said before a run: where it is repeats whose spread is the
+    tolerance or more (:func:`judge_loss`), and where its loss jumps (:func:`reference_jump`);
+    None for a reference that resolves the rule and has no jump."""
+    if reference is None:
         return None
+    where = reference_jump(reference)
     tol = f"{100 * ALIGN_TOLERANCE:g}%"
+    if cannot_resolve(reference):
+        return (
+            f"its {len(reference.repeats)} repeats differ by {100 * reference.spread:.2f}% among themselves, so the {tol} rule "
+            f"cannot be resolved: a run more than {100 * BEYOND_SPREAD * reference.spread:.2f}% from their mean is not aligned, "
+            "one within that is not judged" + (f"; their loss jumps {where}" if where else "")
+        )
+    if not where:
+        return None
+    steps = compared_steps(reference)
+    span = f"steps {steps[0]}-{steps[-1]}" if steps else "its later steps"
     return (
-        f"its {len(reference.repeats)} repeats differ by {100 * reference.spread:.2f}% among themselves, so the {tol} rule "
-        f"cannot be resolved: a run more than {100 * BEYOND_SPREAD * reference.spread:.2f}% from their mean is not aligned, "
-        "one within that is not judged"
+        f"its loss jumps {where}; the gate compares {span}, and runs that differ only by rounding part after such a "
+        "jump, so a verdict there may turn on rounding; "
+        + (
+            f"its {len(reference.repeats)} repeats (spread {100 * reference.spread:.2f}%) may not show how far"
+            if reference.repeats
+            else "repeats of the reference (--reference given several times) measure how far"
+        )
     )
 
 

@@ -242,6 +242,72 @@ def test_a_repeat_lacking_a_compared_step_is_named():
         metrics.mean_reference("/runs/both", [long, nan])
 
 
+def jumping(level: float = 4.0, last: int = 30, at: int = 14, to: float = 9.0) -> dict[int, float]:
+    """A curve from 8.0 down to ``level`` by step 10 that jumps to ``to`` at step ``at`` and is back at ``level`` after."""
+    loss = {s: (8.0 - (8.0 - level) * (s - 1) / 9 if s < 10 else level) for s in range(1, last + 1)}
+    loss[at] = to
+    return loss
+
+
+def test_a_jump_of_the_loss_is_found():
+    assert metrics.loss_jump(curve()) is None
+    assert metrics.loss_jump(jumping()) == (14, 4.0, 9.0)
+    assert metrics.loss_jump(jumping(), until=13) is None
+    # above the first step's loss but by less than 5 % over the step before: not a jump
+    assert metrics.loss_jump({1: 10.0, 2: 9.9, 3: 10.3}) is None
+    # 5 % up from the step before but still below where the curve began: an ordinary wobble
+    assert metrics.loss_jump({1: 10.0, 2: 8.0, 3: 8.5}) is None
+    assert metrics.loss_jump({1: 10.0, 2: 8.0, 3: NAN, 4: 12.0}) == (4, 8.0, 12.0)  # a NaN step is skipped
+    assert metrics.loss_jump({}) is None and metrics.loss_jump({1: 3.0}) is None
+
+
+def test_a_verdict_after_a_jump_of_the_reference_says_so():
+    one = Reference(path="/refs/jump.json", loss=jumping())
+    said = "the reference's loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00): runs that differ only by rounding part after such a jump, so this verdict may turn on rounding"
+    far = metrics.judge_loss({s: v * 1.03 for s, v in jumping().items()}, one, warmup_steps=5)
+    assert far.verdict == "not aligned"
+    assert (
+        far.reason
+        == f"MRE 3.00% over steps 21-30 (at least 2%); {said}; repeats of the reference (--reference given several times) measure how far"
+    )
+    near = metrics.judge_loss({s: v * 1.01 for s, v in jumping().items()}, one, warmup_steps=5)
+    assert (near.verdict, near.reason) == ("aligned", "MRE 1.00% over steps 21-30")  # an aligned verdict needs no excuse
+    note = metrics.resolution_note(one)
+    assert note == (
+        "its loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00); the gate compares steps 21-30, and runs that "
+        "differ only by rounding part after such a jump, so a verdict there may turn on rounding; repeats of the reference "
+        "(--reference given several times) measure how far"
+    )
+    assert metrics.resolution_note(ref()) is None and metrics.resolution_note(None) is None
+    # repeats that agree (spread below 2 %) but jump: the verdict stands, with the warning and no advice to repeat
+    pair = metrics.mean_reference(
+        "/runs/ab", [Repeat(path="/runs/a.json", loss=jumping()), Repeat(path="/runs/b.json", loss=jumping(4.04))]
+    )
+    g = metrics.judge_loss({s: 4.3 for s in range(1, 31)}, pair, warmup_steps=5)
+    assert g.verdict == "not aligned" and g.reason.endswith(f"(at least 2%); {said}")
+    assert metrics.resolution_note(pair).endswith("its 2 repeats (spread 1.00%) may not show how far")
+    # repeats that cannot resolve 2 %: not judged, and the reason says where they jump
+    wide = metrics.mean_reference(
+        "/runs/ac", [Repeat(path="/runs/a.json", loss=jumping()), Repeat(path="/runs/c.json", loss=jumping(4.2, at=15))]
+    )
+    g = metrics.judge_loss({s: 4.1 for s in range(1, 31)}, wide, warmup_steps=5)
+    assert g.verdict == "not judged"
+    assert "cannot resolve the 2% rule (their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)); MRE" in g.reason
+    assert metrics.resolution_note(wide).endswith(
+        "one within that is not judged; their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)"
+    )
+    # the run jumps where the reference does not: its not-aligned reason names the run's jump
+    own = metrics.judge_loss(jumping(at=25, to=9.0), Reference(path="/refs/flat.json", loss={**jumping(), 14: 4.0}), warmup_steps=5)
+    assert own.verdict == "not aligned" and own.reason.endswith("; the run's loss jumps at step 25 (4.00 to 9.00, above its first step's)")
+
+
+def test_the_committed_baichuan2_curve_jumps_at_step_14():
+    """The 4 x H200 standard runs of baichuan2_13b (global batch 64) climb from about 6.8 to 17 at
+    step 14, above their first loss of 12.24 (docs/results/README.md): the gate says so before a run."""
+    r = metrics.read_reference(ROOT / "cases/baichuan2/deepspeed/reference/baichuan2_13b/config_H200x1x4.json")
+    assert metrics.reference_jump(r).startswith("at step 14 (") and "above its first step's 12.24" in metrics.resolution_note(r)
+
+
 def _repeats_file(tmp_path, spread_off: float):
     """A results.json judged against the mean of two repeats ``spread_off`` apart, as the orchestrator writes it."""
     from tests.test_verify import consistent

@@ -16,7 +16,7 @@ from typing import Any
 
 from run_benchmarks import typed_results
 from run_benchmarks.errors import InputError
-from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, Repeat, Spread, Step, Window
+from run_benchmarks.typed_results import DeviceClocks, DeviceMemory, LossGate, Reference, Repeat, Spread, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
 
@@ -559,3 +559,37 @@ def device_memory(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]],
         return DeviceMemory(used_gib=got[0], total_gib=got[1], scope="phase")
     got = peak(False)
     return None if got is None else DeviceMemory(used_gib=got[0], total_gib=got[1], scope="round")
+
+
+def device_clocks(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]], span: tuple[float, float] | None) -> DeviceClocks | None:
+    """The SM clock over a phase's steps (``span``), from every sample of every GPU the run used
+    (``nodes`` as :func:`device_memory`'s): median, 10th percentile, the devices' maximum, and the
+    share of samples the driver held the clock down for each reason. None without a span or
+    without clock samples inside it (a CPU run, a monitor that does not read clocks)."""
+    if span is None:
+        return None
+    clocks: list[float] = []
+    maxima: list[float] = []
+    held: dict[str, int] = {}
+    for samples, gpus in nodes:
+        for s in samples:
+            if not span[0] <= float(s.get("t", 0)) <= span[1]:
+                continue
+            for g in s.get("gpus") or []:
+                if g.get("sm_clock_mhz") is None or (gpus is not None and int(g.get("index", -1)) not in gpus):
+                    continue
+                clocks.append(float(g["sm_clock_mhz"]))
+                if g.get("sm_clock_max_mhz") is not None:
+                    maxima.append(float(g["sm_clock_max_mhz"]))
+                for reason in g.get("clock_held") or []:
+                    held[reason] = held.get(reason, 0) + 1
+    if not clocks:
+        return None
+    clocks.sort()
+    return DeviceClocks(
+        samples=len(clocks),
+        sm_median_mhz=statistics.median(clocks),
+        sm_low_mhz=clocks[int(0.1 * (len(clocks) - 1))],
+        sm_max_mhz=max(maxima) if maxima else None,
+        held={r: n / len(clocks) for r, n in sorted(held.items())},
+    )

@@ -2,7 +2,9 @@
 
 Each sample is one JSON line: ``{"t": ..., "host": {cpu_percent, mem_used_gib,
 mem_total_gib}, "gpus": [{index, util_percent, mem_used_gib, mem_total_gib,
-power_w, temp_c}]}``.  GPU readers are chosen by the vendor's ``monitor``
+power_w, temp_c}]}``; NVML's also carry ``sm_clock_mhz``, ``sm_clock_max_mhz`` and
+``clock_held``, the reasons the driver gives for holding the SM clock below its maximum
+(``HELD_REASONS``).  GPU readers are chosen by the vendor's ``monitor``
 field: ``nvml`` (nvidia-ml-py), ``ixsmi`` (Iluvatar's ixsmi CSV query output),
 ``none``, or the vendor's own ``module:function`` (see ``gpu_reader``).  Run as ``python -m
 run_benchmarks.monitors --kind nvml --out F`` (or ``--kind vendors.acme.monitor:sample``, the code
@@ -39,6 +41,17 @@ def host_sample() -> dict[str, Any]:
     }
 
 
+#: NVML's clock-event reasons that slow a busy GPU, by the name a sample gives them (an idle GPU,
+#: application clocks, sync boost and the display are left out: they are not a busy GPU held down)
+HELD_REASONS = {
+    "power cap": "nvmlClocksEventReasonSwPowerCap",
+    "slowdown": "nvmlClocksEventReasonHwSlowdown",
+    "thermal (driver)": "nvmlClocksEventReasonSwThermalSlowdown",
+    "thermal (hardware)": "nvmlClocksEventReasonHwThermalSlowdown",
+    "power brake": "nvmlClocksEventReasonHwPowerBrakeSlowdown",
+}
+
+
 class NVMLReader:
     def __init__(self) -> None:
         import pynvml
@@ -46,6 +59,23 @@ class NVMLReader:
         self.nv = pynvml
         pynvml.nvmlInit()
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self.held = {name: getattr(pynvml, attr) for name, attr in HELD_REASONS.items() if hasattr(pynvml, attr)}
+
+    def _or_none(self, get: Callable[[], Any]) -> Any:
+        try:
+            return get()
+        except self.nv.NVMLError:  # a device or driver that does not tell
+            return None
+
+    def clocks(self, h: Any) -> dict[str, Any]:
+        """The SM clock now and its maximum (MHz), and why the driver holds it down (HELD_REASONS)."""
+        nv = self.nv
+        mask = self._or_none(lambda: nv.nvmlDeviceGetCurrentClocksEventReasons(h))
+        return {
+            "sm_clock_mhz": self._or_none(lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
+            "sm_clock_max_mhz": self._or_none(lambda: float(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM))),
+            "clock_held": None if mask is None else [name for name, bit in self.held.items() if mask & bit],
+        }
 
     def __call__(self) -> list[dict[str, Any]]:
         nv, out = self.nv, []
@@ -60,6 +90,7 @@ class NVMLReader:
                     "mem_total_gib": mem.total / GIB,
                     "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
                     "temp_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+                    **self.clocks(h),
                 }
             )
         return out

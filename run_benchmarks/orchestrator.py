@@ -228,6 +228,7 @@ def _phase_result(
         peak_mem_gib=mem["peak_mem_gib"],
         reserved_mem_gib=mem["reserved_mem_gib"],
         device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
+        device_clocks=metrics.device_clocks(monitor_nodes, metrics.phase_span(steps)),
         steps=steps,
     )
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from run_benchmarks.typed_results import DeviceMemory, LossGate, Reference, RunResults, Spread
+from run_benchmarks.typed_results import DeviceClocks, DeviceMemory, LossGate, Reference, RunResults, Spread
 
 COLUMNS = [
     "config",
@@ -174,8 +174,27 @@ def markdown(res: RunResults) -> str:
             + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides)
         )
     notes += beside_lines(res.runtime_info)
+    notes += clock_lines(res)
     notes += breakdown_lines(res)
     return head + "\n".join(lines + notes) + "\n"
+
+
+def clock_text(c: DeviceClocks) -> str:
+    """``SM median 1,755 MHz (p10 1,710) of 1,980, held down by the power cap in 64% of samples``."""
+    text = f"SM median {c.sm_median_mhz:,.0f} MHz (p10 {c.sm_low_mhz:,.0f})" + (f" of {c.sm_max_mhz:,.0f}" if c.sm_max_mhz else "")
+    held = [f"the {r} in {100 * share:.0f}% of samples" for r, share in sorted(c.held.items(), key=lambda x: -x[1])]
+    return text + (", held down by " + ", ".join(held) if held else ", never held down")
+
+
+def clock_lines(res: RunResults) -> list[str]:
+    """The GPUs' SM clock over each phase's steps (the monitor's NVML samples of the GPUs the run used)."""
+    out = [
+        f"- round {rnd.round}, phase {p.phase} ({p.device_clocks.samples} samples): {clock_text(p.device_clocks)}"
+        for rnd in res.rounds
+        for p in rnd.phases
+        if p.device_clocks is not None
+    ]
+    return ["", "GPU clocks over the phase's steps (NVML):", *out] if out else []
 
 
 def beside_lines(info: dict[str, Any]) -> list[str]:

@@ -119,6 +119,17 @@ class DeviceMemory(Strict):
     scope: Literal["phase", "round"]  # sampled over the phase's steps, or over the whole round
 
 
+class DeviceClocks(Strict):
+    """The SM clock of the GPUs the run used over a phase's steps, as the monitor saw it (NVML):
+    what the run's speed and its share of the kernel ceiling (timed before training) stood on."""
+
+    samples: int  # the GPU samples inside the phase (one per GPU per monitor interval)
+    sm_median_mhz: float
+    sm_low_mhz: float  # the 10th percentile of the samples
+    sm_max_mhz: float | None = None  # the devices' maximum SM clock
+    held: dict[str, float] = {}  # reason (monitors.HELD_REASONS) -> share of the samples the driver gave it
+
+
 class PhaseResult(Strict):
     phase: str
     steps_run: int
@@ -138,6 +149,7 @@ class PhaseResult(Strict):
     peak_mem_gib: float | None = None  # the allocator's peak over ranks (peak RSS on a CPU)
     reserved_mem_gib: float | None = None  # the most the allocator's cache held on a rank (accelerators)
     device_mem: DeviceMemory | None = None  # the monitor's view; None where it saw no device
+    device_clocks: DeviceClocks | None = None  # the SM clock over the phase's steps; None where the monitor gave none
     steps: list[Step] = []  # every step record (schema 2; empty in schema 1)
     # the kernel ceiling the case measured on its device (run_meta's kernel_ceiling, training/ceiling.py)
     # and the phase's tokens/p/s over it; None where none was measured

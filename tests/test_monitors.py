@@ -49,3 +49,33 @@ def test_nvml_reader_without_a_driver_gives_host_metrics_only():
         pytest.skip("an NVIDIA driver is present: NVML answers here")
     assert monitors.gpu_reader("nvml") is None  # no exception: the round goes on with host metrics
     assert monitors.gpu_reader("none") is None
+
+
+def test_nvml_samples_carry_the_sm_clock_and_why_it_is_held_down():
+    """No NVIDIA driver runs here: the reader's NVML calls answer from a stand-in module holding
+    nvidia-ml-py's own constants, so what is read and how the reason mask is named is checked."""
+    import types
+
+    import pynvml
+
+    class Stand(types.SimpleNamespace):
+        pass
+
+    mask = pynvml.nvmlClocksEventReasonSwPowerCap | pynvml.nvmlClocksEventReasonGpuIdle | pynvml.nvmlClocksEventReasonHwThermalSlowdown
+    nv = Stand(
+        **{k: getattr(pynvml, k) for k in dir(pynvml) if k.startswith("nvmlClocksEventReason") or k.startswith("NVML_")},
+        NVMLError=pynvml.NVMLError,
+        nvmlDeviceGetClockInfo=lambda h, kind: 1755 if kind == pynvml.NVML_CLOCK_SM else 0,
+        nvmlDeviceGetMaxClockInfo=lambda h, kind: 1980,
+        nvmlDeviceGetCurrentClocksEventReasons=lambda h: mask,
+    )
+    reader = monitors.NVMLReader.__new__(monitors.NVMLReader)
+    reader.nv, reader.handles = nv, ["gpu0"]
+    reader.held = {name: getattr(pynvml, attr) for name, attr in monitors.HELD_REASONS.items()}
+    assert reader.clocks("gpu0") == {"sm_clock_mhz": 1755.0, "sm_clock_max_mhz": 1980.0, "clock_held": ["power cap", "thermal (hardware)"]}
+
+    def unsupported(*_):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    nv.nvmlDeviceGetCurrentClocksEventReasons = nv.nvmlDeviceGetMaxClockInfo = unsupported
+    assert reader.clocks("gpu0") == {"sm_clock_mhz": 1755.0, "sm_clock_max_mhz": None, "clock_held": None}

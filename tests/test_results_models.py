@@ -208,6 +208,32 @@ def test_device_memory_per_phase_from_the_monitor():
     assert metrics.device_memory([([{"t": 1.0, "gpus": []}], {0})], None) is None  # a CPU run
 
 
+def test_gpu_clocks_per_phase_from_the_monitor():
+    """The SM clock over a phase's steps: the GPUs the run used, the samples inside the phase, the
+    share of them the driver held the clock down, by reason; in results.md under the table."""
+    from run_benchmarks import metrics
+
+    def sample(t: float, clocks: list[float], held: list[list[str]]) -> dict:
+        gpus = [{"index": i, "sm_clock_mhz": c, "sm_clock_max_mhz": 1980.0, "clock_held": h} for i, (c, h) in enumerate(zip(clocks, held))]
+        return {"t": t, "gpus": gpus}
+
+    busy = [["power cap"], ["power cap", "thermal (driver)"], []]
+    samples = [sample(1.0, [1980, 1980, 300], [[], [], []]), sample(2.0, [1700, 1750, 1980], busy), sample(3.0, [1800, 1650, 1980], busy)]
+    nodes = [(samples, {0, 1})]  # GPU 2 is another job's
+    c = metrics.device_clocks(nodes, (1.5, 3.5))
+    assert c == tr.DeviceClocks(
+        samples=4, sm_median_mhz=1725.0, sm_low_mhz=1650.0, sm_max_mhz=1980.0, held={"power cap": 1.0, "thermal (driver)": 0.5}
+    )
+    assert metrics.device_clocks(nodes, None) is None and metrics.device_clocks(nodes, (5.0, 6.0)) is None
+    assert metrics.device_clocks([([{"t": 2.0, "gpus": [{"index": 0, "mem_used_gib": 3.0}]}], None)], (1.0, 3.0)) is None  # no clocks read
+    md = results.markdown(fake_run([{"phases": [fake_phase().model_copy(update={"device_clocks": c})]}]))
+    assert (
+        "GPU clocks over the phase's steps (NVML):\n- round 1, phase train (4 samples): SM median 1,725 MHz (p10 1,650) of 1,980, "
+        "held down by the power cap in 100% of samples, the thermal (driver) in 50% of samples" in md
+    )
+    assert "GPU clocks" not in results.markdown(fake_run())  # a CPU run, or a file made before clocks were sampled
+
+
 def test_the_run_itself_has_a_status_and_a_cause_also_when_no_round_ran():
     from run_benchmarks.errors import InputError
 

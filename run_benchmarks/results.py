@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from run_benchmarks.typed_results import DeviceClocks, DeviceMemory, LossGate, Reference, RunResults, Spread
+from run_benchmarks.typed_results import DeviceClocks, DeviceMemory, LossGate, PhaseResult, Reference, RunResults, Spread
 
 COLUMNS = [
     "config",
@@ -186,14 +186,25 @@ def clock_text(c: DeviceClocks) -> str:
     return text + (", held down by " + ", ".join(held) if held else ", never held down")
 
 
+def ceiling_clock(p: PhaseResult) -> float | None:
+    """The SM clock the phase's kernel ceiling was timed at (training/ceiling.py), where recorded."""
+    c = (p.meta or {}).get("kernel_ceiling")
+    mhz = c.get("sm_clock_mhz") if isinstance(c, dict) else None
+    return float(mhz) if isinstance(mhz, (int, float)) and not isinstance(mhz, bool) else None
+
+
 def clock_lines(res: RunResults) -> list[str]:
-    """The GPUs' SM clock over each phase's steps (the monitor's NVML samples of the GPUs the run used)."""
-    out = [
-        f"- round {rnd.round}, phase {p.phase} ({p.device_clocks.samples} samples): {clock_text(p.device_clocks)}"
-        for rnd in res.rounds
-        for p in rnd.phases
-        if p.device_clocks is not None
-    ]
+    """The GPUs' SM clock over each phase's steps (the monitor's NVML samples of the GPUs the run
+    used), and the clock its kernel ceiling was timed at, where either was recorded."""
+    out = []
+    for rnd in res.rounds:
+        for p in rnd.phases:
+            at = ceiling_clock(p)
+            if p.device_clocks is None and at is None:
+                continue
+            steps = "no samples" if p.device_clocks is None else f"{p.device_clocks.samples} samples): {clock_text(p.device_clocks)}"
+            line = f"- round {rnd.round}, phase {p.phase} (" + (steps if p.device_clocks else f"{steps})")
+            out.append(line + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz"))
     return ["", "GPU clocks over the phase's steps (NVML):", *out] if out else []
 
 

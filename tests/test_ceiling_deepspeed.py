@@ -13,6 +13,7 @@ carries the ceiling of each phase, measured before training.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -187,6 +188,24 @@ def test_measure_parts_times_only_the_products_that_run():
     assert c["tokens_per_gpu_s"] == pytest.approx(32 / c["micro_batch_s"]) and c["x"] == 1 and c["tokens_per_micro_batch"] == 32
     with pytest.raises(ValueError, match="repeat"):
         ceiling.measure_parts(gemms[:1] * 2, [], tokens=1, tp=1, dtype=torch.float32, device=cpu)
+    # the CPU tells no SM clock: none recorded
+    assert "sm_clock_mhz" not in c and not any("sm_clock_mhz" in v for v in p.values())
+    from training.accelerator import Accelerator
+
+    assert Accelerator({"device": "cpu"}).sm_clock_mhz(cpu) is None
+    # a device that tells (no GPU here: the clock answers from a list standing in for NVML's reading):
+    # each part records the clock read as its timing ended, the ceiling their median
+    readings = iter([1980.0, 1965.0, 1500.0, 1980.0, 1410.0])
+    timers = dataclasses.replace(ceiling.torch_timers(cpu), clock_mhz=lambda _device: next(readings))
+    c = ceiling.measure_parts(gemms, blocks, tokens=32, tp=1, dtype=torch.float32, device=cpu, num_layers=5, repeat=1, timers=timers)
+    assert [c["parts"][n]["sm_clock_mhz"] for n in ("frozen", "fed", "trained", "causal", "full")] == [
+        1980.0,
+        1965.0,
+        1500.0,
+        1980.0,
+        1410.0,
+    ]
+    assert c["sm_clock_mhz"] == 1965.0
 
 
 @needs_torch

@@ -232,6 +232,12 @@ def test_gpu_clocks_per_phase_from_the_monitor():
         "held down by the power cap in 100% of samples, the thermal (driver) in 50% of samples" in md
     )
     assert "GPU clocks" not in results.markdown(fake_run())  # a CPU run, or a file made before clocks were sampled
+    timed = fake_phase().model_copy(
+        update={"device_clocks": c, "meta": {"kernel_ceiling": {"tokens_per_gpu_s": 13000.0, "sm_clock_mhz": 1980.0}}}
+    )
+    assert "the thermal (driver) in 50% of samples; the kernel ceiling was timed at 1,980 MHz" in results.markdown(
+        fake_run([{"phases": [timed]}])
+    )
 
 
 def test_the_run_itself_has_a_status_and_a_cause_also_when_no_round_ran():

@@ -103,6 +103,17 @@ class Accelerator:
             return "cpu"
         return str(self.module.get_device_properties(device).name)
 
+    def sm_clock_mhz(self, device: torch.device) -> float | None:
+        """The device's SM clock now, in MHz, where its module tells (``torch.cuda.clock_rate``
+        reads it through NVML); None on the CPU, or where the stack or NVML does not answer."""
+        rate = getattr(self.module, "clock_rate", None) if self.module is not None else None
+        if rate is None:
+            return None
+        try:
+            return float(rate(device))
+        except Exception:  # no pynvml in this environment, or a device NVML does not know
+            return None
+
     def max_reserved(self, device: torch.device) -> int | None:
         """The caching allocator's peak reserve (what an out-of-memory margin is measured
         against), or None where the device has no such allocator (the CPU)."""

@@ -179,12 +179,14 @@ class Timers:
     under ``<product>_s``; ``attention(block, dtype, device, repeat)``: seconds per call of the
     block (forward, and backward where ``block.backward``); ``device_name(device)``: the device
     as its stack names it; ``release()``: after the measurement, the allocator's cached blocks
-    given back to the device."""
+    given back to the device; ``clock_mhz(device)``: the device's SM clock just after a part was
+    timed, None where the stack does not tell."""
 
     gemm: Callable[[Gemm, Any, Any, int], Mapping[str, float]]
     attention: Callable[[Attention, Any, Any, int], float]
     device_name: Callable[[Any], str]
     release: Callable[[], None]
+    clock_mhz: Callable[[Any], float | None] = lambda _device: None
 
 
 def median_seconds(
@@ -295,6 +297,7 @@ def torch_timers(device: Any, accelerator: Accelerator | None = None) -> Timers:
         attention=lambda block, dtype, dev, repeat: time_attention(block, dtype, dev, repeat=repeat, accelerator=acc),
         device_name=acc.device_name,
         release=acc.empty_cache,
+        clock_mhz=acc.sm_clock_mhz,
     )
 
 
@@ -333,9 +336,19 @@ def measure_parts(
         raise ValueError("kernel ceiling: no GEMMs to time")
     timing = timers if timers is not None else torch_timers(device, accelerator)
     parts: dict[str, dict[str, Any]] = {}
+    clocks: list[float] = []
+
+    def clock() -> dict[str, float]:  # the SM clock the part ran at, read as its timing ends
+        mhz = timing.clock_mhz(device)
+        if mhz is None:
+            return {}
+        clocks.append(mhz)
+        return {"sm_clock_mhz": mhz}
+
     gemm_s = gemm_flops = 0.0
     for g in gemms:
         t = timing.gemm(g, dtype, device, repeat)
+        at = clock()
         total = sum(t.values())
         times = g.times(num_layers)
         gemm_s += times * total
@@ -349,10 +362,12 @@ def measure_parts(
             "count": times,
             "products": list(g.products),
             "tflops": round(g.flops / total / 1e12, 2),
+            **at,
         }
     att_s = att_flops = 0.0
     for a in attentions:
         t = timing.attention(a, dtype, device, repeat)
+        at = clock()
         att_s += a.count * t
         att_flops += a.count * a.flops
         parts[a.name] = {
@@ -367,6 +382,7 @@ def measure_parts(
             "count": a.count,
             "causal": a.causal,
             "backward": a.backward,
+            **at,
         }
     micro = gemm_s + att_s
     timing.release()
@@ -383,6 +399,9 @@ def measure_parts(
         "tp": tp,
         "tokens_per_micro_batch": tokens,
         "repeat": repeat,
+        # the SM clock read as each part's timing ended (their median), where the device tells:
+        # the clock the ceiling was timed at, beside the one the run's steps ran at (device_clocks)
+        **({"sm_clock_mhz": statistics.median(clocks)} if clocks else {}),
         "parts": parts,
     }
 

@@ -87,6 +87,24 @@ def table(
     return "\n".join(lines)
 
 
+def process_env(plan: planning.Plan, root: Path) -> dict[str, str]:
+    """The environment of the one ``--ceiling`` process: this host's, the vendor's, one rank of
+    one, and the code root first on PYTHONPATH with this host's PYTHONPATH after it, as a local
+    round keeps it (runtimes/local.py), so packages carried there are found alike."""
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        **os.environ,
+        **plan.vendor.env,
+        "PYTHONPATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "FB_RUN_ID": plan.run_id,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+    }
+
+
 def measure(plan: planning.Plan, python: str, root: Path, timeout_s: float = 600) -> dict[str, dict[str, Any]]:
     """Run the case's entry with ``--ceiling`` in a scratch folder; its kernel_ceiling record of
     every phase of the case (phase -> value; a case without phases has one, ``train``), or
@@ -95,17 +113,7 @@ def measure(plan: planning.Plan, python: str, root: Path, timeout_s: float = 600
     with tempfile.TemporaryDirectory(prefix="flagbench-ceiling-") as tmp:
         cfg = Path(tmp) / "resolved.json"
         cfg.write_text(json.dumps(plan.resolved(0, str(Path(tmp) / "output"), str(Path(tmp) / "cache")), indent=2))
-        env = {
-            **os.environ,
-            **plan.vendor.env,
-            "PYTHONPATH": str(root),
-            "PYTHONUNBUFFERED": "1",
-            "FB_RUN_ID": plan.run_id,
-            "RANK": "0",
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_WORLD_SIZE": "1",
-        }
+        env = process_env(plan, root)
         try:
             proc = subprocess.run(
                 [python, str(entry), "--config", str(cfg), "--ceiling"],

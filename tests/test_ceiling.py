@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 
 import pytest
 
@@ -101,6 +102,31 @@ def test_ceiling_alone_on_the_cpu(megatron_python):
     # options that do not apply: bad input, nothing runs
     cl = start(*base, "--cluster", "x.yaml")
     assert cl.returncode == 2 and "--cluster does not apply" in cl.stderr
+
+
+@pytest.mark.framework("megatron")
+def test_ceiling_alone_finds_packages_carried_on_pythonpath(megatron_python):
+    """A machine's own Python with the frameworks carried on PYTHONPATH (how a GPU machine without
+    a built environment runs, docs/gpu-runs.md): --ceiling finds them, as a local round does."""
+    import subprocess
+
+    info = subprocess.run(
+        [
+            megatron_python,
+            "-c",
+            "import sys, sysconfig; print(sys._base_executable, sysconfig.get_paths()['purelib'], sys.version_info[:2])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    base, site, version = info.stdout.split(maxsplit=2)
+    if version.strip() != str(sys.version_info[:2]):  # the harness reads PYTHONPATH too: one Python version for both
+        pytest.skip(f"the megatron environment is Python {version.strip()}, this one {sys.version_info[:2]}")
+    argv = ("--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1", "--python", base, "--ceiling", "--json")
+    proc = start(*argv, PYTHONPATH=site)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["tokens_per_gpu_s"] > 0
 
 
 def test_a_case_that_measures_no_ceiling_is_refused(monkeypatch, capsys):

@@ -65,6 +65,11 @@ def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, pat
             raise InputError(f"{path}: {what} {ours!r}, but {theirs!r} in {first_path}; a reference's repeats are runs of one config")
 
 
+def _curves(runs: int, distinct: int) -> str:
+    """``3`` for three runs of three curves, ``2 distinct curves of 3`` where some are equal."""
+    return str(runs) if distinct == runs else f"{max(distinct, 1)} distinct curve(s) of {runs}"
+
+
 def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
     """Write the runs' curves as the case's reference for their config and data; one line per file.
 
@@ -112,7 +117,7 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
             "config": res.config_name,
             "phase": p.phase,
             "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, "
-            + (made[0] if len(made) == 1 else f"the mean of {len(made)} runs: {', '.join(made)}"),
+            + (made[0] if len(made) == 1 else f"the mean of {_curves(len(made), len(curve.repeats))} runs: {', '.join(made)}"),
             "global_batch": planning.phase_value(res.settings.get("train") or {}, p.phase, "global_batch"),
             "steps": steps,
             "loss": [curve.loss[s] for s in steps],
@@ -121,12 +126,16 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
         if curve.repeats:
             doc["spread"] = curve.spread
             doc["repeats"] = [{"path": r.path, "steps": sorted(r.loss), "loss": [r.loss[s] for s in sorted(r.loss)]} for r in curve.repeats]
+        doc["_same"] = len(repeats) - max(len(curve.repeats), 1)  # repeats equal to another at every step, left out
         out.append((target, doc))
     for target, doc in out:  # every phase checked before any file is written
+        same = doc.pop("_same")
         existed = target.is_file()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         repeats = f", the mean of {len(doc['repeats'])} runs, their spread {100 * doc['spread']:.2f}%" if "repeats" in doc else ""
+        if same:
+            repeats += f"; {same} run(s) equal to another at every step left out, each curve counted once"
         lines.append(
             f"{'replaced' if existed else 'wrote'} {target} (phase {doc['phase']}, steps {doc['steps'][0]}-{doc['steps'][-1]}, "
             f"data {doc['data'].get('fingerprint')}{repeats})"

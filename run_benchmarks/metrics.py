@@ -338,7 +338,8 @@ def _with_repeats(path: Path, data: Mapping[str, Any], loss: dict[int, float]) -
 
 def mean_reference(path: str, repeats: Sequence[Repeat]) -> Reference:
     """The reference made from two or more repeats of one config: their per-step mean, the
-    repeats themselves and their :func:`repeat_spread`.
+    repeats themselves and their :func:`repeat_spread`, each curve counted once
+    (:func:`distinct_curves`; repeats that are all one curve give that curve alone).
 
     Every step from 21 on that one repeat has must be in every repeat, each a finite loss
     (BadReference naming the repeat and the steps); the mean covers the steps they all have.
@@ -357,8 +358,22 @@ def mean_reference(path: str, repeats: Sequence[Repeat]) -> Reference:
         if bad is not None:
             raise BadReference(f"{r.path}: step {bad}: loss {r.loss[bad]} (a repeat needs a finite loss at every compared step)")
     common = set(repeats[0].loss).intersection(*(r.loss for r in repeats[1:]))
+    repeats = distinct_curves(repeats)
+    if len(repeats) == 1:  # every repeat the same curve: one curve, whose spread nothing measured
+        return Reference(path=path, loss={s: repeats[0].loss[s] for s in sorted(common)})
     mean = {s: sum(r.loss[s] for r in repeats) / len(repeats) for s in sorted(common)}
     return Reference(path=path, loss=mean, repeats=list(repeats), spread=repeat_spread(repeats))
+
+
+def distinct_curves(repeats: Sequence[Repeat]) -> list[Repeat]:
+    """The repeats with each curve once: one equal to an earlier repeat at every step (a second
+    run on a machine that computes alike run after run) is left out, so that a machine run twice
+    neither weighs twice in the mean nor narrows the spread with a copy of itself."""
+    kept: list[Repeat] = []
+    for r in repeats:
+        if not any(r.loss == k.loss for k in kept):
+            kept.append(r)
+    return kept
 
 
 def repeat_spread(repeats: Sequence[Repeat]) -> float | None:

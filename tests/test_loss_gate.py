@@ -193,7 +193,16 @@ def test_the_mean_of_repeats_and_their_leave_one_out_spread():
     both = metrics.combine([one, Reference(path="/runs/c.json", loss=c.loss)])
     assert both.path == "/runs/a.json; /runs/c.json" and both.spread == pytest.approx(0.1) and both.loss[22] == pytest.approx(4.2)
     # a file that carries repeats brings them, not its mean
-    assert len(metrics.combine([r, one]).repeats) == 4
+    d = repeat("/runs/d.json", 4.3)
+    assert len(metrics.combine([r, Reference(path=d.path, loss=d.loss)]).repeats) == 4
+    # a curve equal at every step to another (a machine that computes alike run after run, run
+    # twice) counts once: in the mean, in the spread and among the repeats
+    assert [x.path for x in metrics.combine([r, one]).repeats] == ["/runs/a.json", "/runs/b.json", "/runs/c.json"]
+    twice = metrics.mean_reference("/runs/abb", [a, b, repeat("/runs/b2.json", 4.2)])
+    assert [x.path for x in twice.repeats] == ["/runs/a.json", "/runs/b.json"] and twice.spread == metrics.repeat_spread([a, b])
+    assert twice.loss[22] == pytest.approx(4.1)  # not (4.0 + 4.2 + 4.2) / 3
+    same = metrics.mean_reference("/runs/bb", [b, repeat("/runs/b2.json", 4.2)])  # one curve: judged as one curve
+    assert same.repeats == [] and same.spread is None and same.loss == b.loss
 
 
 def test_the_verdict_switches_off_at_the_tolerance():
@@ -456,6 +465,14 @@ def test_record_a_reference_from_repeats(tmp_path):
         target.write_text(json.dumps(doc))
         with pytest.raises(ValueError, match=rf"^{target}: step 25: loss [\d.]+, but the mean of its repeats is"):
             metrics.read_reference(target)
+        # a run equal at every step to another (one machine, run twice): its curve counts once
+        again = tmp_path / "run0-again.json"
+        again.write_text(paths[0].read_text().replace('"run0"', '"run0b"'))
+        (line,) = compare.record_reference([*paths, again], replace=True)
+        assert line.endswith("; 1 run(s) equal to another at every step left out, each curve counted once)"), line
+        doc = json.loads(target.read_text())
+        assert len(doc["repeats"]) == 3 and doc["spread"] == pytest.approx(0.015 / 1.005)
+        assert "the mean of 3 distinct curve(s) of 4 runs: run run0 round 1" in doc["produced_on"]
     finally:
         target.unlink(missing_ok=True)
 

@@ -142,6 +142,7 @@ def judge(
     n = len(baseline)
     tag = (lambda ph: f" phase {ph}") if len(stats) > 1 else (lambda ph: "")
     base = {ph: {m: _median([b.get(ph, {}).get(m, {}).get("median") for b in baseline]) for m in METRIC_LABELS} for ph in stats}
+    clock = {ph: _median([b.get(ph, {}).get("sm_clock_mhz", {}).get("median") for b in baseline]) for ph in stats}
     if rounds_failed:
         why = f": {first_error.strip().splitlines()[0]}" if first_error else ""
         findings.append(
@@ -189,11 +190,20 @@ def judge(
                         "change": change,
                         "tolerance": direction * pct / 100,
                         "message": f"{label}{tag(ph)}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
-                        f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%",
+                        f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%"
+                        + (_clock_note(st.get("sm_clock_mhz", {}).get("median"), clock[ph]) if direction < 0 else ""),
                     }
                 )
     status = "regressed" if findings else "pass" if n else "baseline: none"
     return Verdict(status, n, base, findings)
+
+
+def _clock_note(now: float | None, baseline: float | None) -> str:
+    """Beside a speed finding: the GPUs' SM clock over the steps (median) now and in the baseline,
+    where both were recorded, so a slower night on a hotter or power-capped machine says so."""
+    if now is None or not baseline:
+        return ""
+    return f"; the GPUs' SM clock {now:,.0f} MHz vs {baseline:,.0f} in the baseline ({100 * (now / baseline - 1):+.1f}%)"
 
 
 def _median(values: list[float | None]) -> float | None:

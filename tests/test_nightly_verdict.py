@@ -56,6 +56,25 @@ def test_mfu_drop_and_memory_rise():
     assert verdict(stats(1000.0, mem=9.0, mfu=0.40), base).status == "pass"  # less memory is fine
 
 
+def test_a_slower_night_names_the_gpus_clock_beside_its_baseline():
+    def clocked(tps: float, mhz: float | None) -> dict:
+        st = stats(tps)
+        st["train"]["sm_clock_mhz"] = {"n": 1, "median": mhz}
+        return st
+
+    base = [clocked(1000.0, 1530.0), clocked(1000.0, 1530.0)]
+    (f,) = verdict(clocked(850.0, 1420.0), base).findings
+    assert f["message"].endswith("tolerance -10%; the GPUs' SM clock 1,420 MHz vs 1,530 in the baseline (-7.2%)")
+    # a clock recorded on one side only (a baseline from before clocks were sampled): nothing said
+    (f,) = verdict(clocked(850.0, 1420.0), [stats(1000.0), stats(1000.0)]).findings
+    assert f["message"].endswith("tolerance -10%")
+    (f,) = verdict(clocked(850.0, None), base).findings
+    assert "SM clock" not in f["message"]
+    # memory findings carry no clock
+    v = verdict({"train": {**clocked(1000.0, 1000.0)["train"], "peak_mem_gib": {"n": 1, "median": 2.0}}}, base)
+    assert [x["metric"] for x in v.findings] == ["peak memory (GiB)"] and "SM clock" not in v.findings[0]["message"]
+
+
 def test_unknown_figures_are_not_compared():
     v = verdict(stats(1000.0, mem=None, mfu=None), [stats(1000.0, mem=1.0, mfu=0.4)])
     assert v.status == "pass"

@@ -126,10 +126,9 @@ def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
         if curve.repeats:
             doc["spread"] = curve.spread
             doc["repeats"] = [{"path": r.path, "steps": sorted(r.loss), "loss": [r.loss[s] for s in sorted(r.loss)]} for r in curve.repeats]
-        doc["_same"] = len(repeats) - max(len(curve.repeats), 1)  # repeats equal to another at every step, left out
-        out.append((target, doc))
-    for target, doc in out:  # every phase checked before any file is written
-        same = doc.pop("_same")
+        same = len(repeats) - max(len(curve.repeats), 1)  # repeats equal to another at every step, left out
+        out.append((target, doc, same))
+    for target, doc, same in out:  # every phase checked before any file is written
         existed = target.is_file()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(doc, indent=1, default=str) + "\n")

@@ -32,7 +32,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
-from run_benchmarks.results import _gib, _pct, ceiling_cell, device_mem, repeats_note, spread_cell
+from run_benchmarks.results import _gib, _pct, ceiling_cell, clock_cell, device_mem, repeats_note, spread_cell
 
 # --------------------------------------------------------------------------- --record-reference
 
@@ -267,6 +267,7 @@ def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
                     "mem allocated (GiB)": _gib(s.fig(phase, "peak_mem_gib"), None),
                     "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
                     "of ceiling": ceiling_cell(s.fig(phase, "ceiling_efficiency"), s.fig(phase, "ceiling_tokens_per_gpu_s")),
+                    "SM MHz": clock_cell(last.device_clocks) if last else "-",
                     "loss MRE vs reference": mre,
                     "compared": note,
                     "status": s.status(phase),
@@ -298,6 +299,7 @@ COLUMNS = [
     "mem allocated (GiB)",
     "mem in use (GiB)",
     "of ceiling",
+    "SM MHz",
     "loss MRE vs reference",
     "compared",
     "status",
@@ -323,7 +325,9 @@ def markdown(c: dict[str, Any]) -> str:
             else "Figures are the mean over each run's clean rounds"
         )
         + "; ratio is tokens/p/s over the reference run's; of ceiling is tokens/p/s over the kernel ceiling timed "
-        "in the run; the loss MRE is over the steps both runs have from step 21 on, on the same data only.",
+        "in the run; SM MHz is the median SM clock of its GPUs over the steps of its last round, with the reason "
+        "the driver held it down most often (docs/metrics.md); the loss MRE is over the steps both runs have from "
+        "step 21 on, on the same data only.",
         "",
         "## Settings that differ",
         "",

@@ -179,6 +179,15 @@ def markdown(res: RunResults) -> str:
     return head + "\n".join(lines + notes) + "\n"
 
 
+def clock_cell(c: DeviceClocks | None) -> str:
+    """The SM clock over a phase's steps in a table cell: ``1,530 (power cap 84%)``, the reason
+    held most often beside the median; "-" where the monitor read no clock."""
+    if c is None:
+        return "-"
+    top = max(c.held.items(), key=lambda x: x[1], default=None)
+    return f"{c.sm_median_mhz:,.0f}" + (f" ({top[0]} {100 * top[1]:.0f}%)" if top else "")
+
+
 def clock_text(c: DeviceClocks) -> str:
     """``SM median 1,755 MHz (p10 1,710) of 1,980, held down by the power cap in 64% of samples``."""
     text = f"SM median {c.sm_median_mhz:,.0f} MHz (p10 {c.sm_low_mhz:,.0f})" + (f" of {c.sm_max_mhz:,.0f}" if c.sm_max_mhz else "")

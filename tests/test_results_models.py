@@ -232,6 +232,8 @@ def test_gpu_clocks_per_phase_from_the_monitor():
         "held down by the power cap in 100% of samples, the thermal (driver) in 50% of samples" in md
     )
     assert "GPU clocks" not in results.markdown(fake_run())  # a CPU run, or a file made before clocks were sampled
+    assert results.clock_cell(c) == "1,725 (power cap 100%)" and results.clock_cell(None) == "-"  # --compare's "SM MHz"
+    assert results.clock_cell(c.model_copy(update={"held": {}})) == "1,725"
     timed = fake_phase().model_copy(
         update={"device_clocks": c, "meta": {"kernel_ceiling": {"tokens_per_gpu_s": 13000.0, "sm_clock_mhz": 1980.0}}}
     )

@@ -64,8 +64,11 @@ def table(
         f"({ceiling['gemm_tflops']:.3g} TFLOP/s) + attention {1e3 * attention_s:.1f} ms"
         + ("" if att_rate is None else f" ({att_rate:.3g} TFLOP/s)")
         + layers,
-        f"  {'kernel':22s} {'shape':28s} {'count':>5s}   {'fwd ms':>8s} {'dgrad ms':>9s} {'wgrad ms':>9s}  TFLOP/s",
+        f"  {'kernel':22s} {'shape':28s} {'count':>5s}   {'fwd ms':>8s} {'dgrad ms':>9s} {'wgrad ms':>9s}  TFLOP/s"
+        + ("   SM MHz" if "sm_clock_mhz" in ceiling else ""),
     ]
+    if "sm_clock_mhz" in ceiling:  # the clock each part ended its timing at (training/ceiling.py)
+        lines.insert(3, f"  SM clock as the parts were timed: median {ceiling['sm_clock_mhz']:,.0f} MHz")
     for name, p in ceiling["parts"].items():
         count = f"x{p['count']}" if "count" in p else ""
         if "fwd_bwd_ms" in p or "kernel" in p:  # an attention block
@@ -77,14 +80,18 @@ def table(
                 times = f"{'forward + backward':>18s} {p['fwd_bwd_ms']:>9.3f}"
             else:
                 times = f"{p['fwd_ms']:>8.3f} {'(forward only)':>19s}"
-            lines.append(f"  {name:22s} {shape:28s} {count:>5s}   {times:28s}  {p['tflops']:7.3g}")
+            lines.append(f"  {name:22s} {shape:28s} {count:>5s}   {times:28s}  {p['tflops']:7.3g}" + _mhz(p))
         else:
             if "count" not in p:
                 count = "" if p.get("per_layer", True) else "x1"
             shape = f"{p['m']} x {p['n']} x {p['k']}"
             times = f"{_ms(p.get('fwd_ms'), 8)} {_ms(p.get('dgrad_ms'), 9)} {_ms(p.get('wgrad_ms'), 9)}"
-            lines.append(f"  {name:22s} {shape:28s} {count:>5s}   {times}  {p['tflops']:7.3g}")
+            lines.append(f"  {name:22s} {shape:28s} {count:>5s}   {times}  {p['tflops']:7.3g}" + _mhz(p))
     return "\n".join(lines)
+
+
+def _mhz(part: dict[str, Any]) -> str:
+    return f"  {part['sm_clock_mhz']:7,.0f}" if "sm_clock_mhz" in part else ""
 
 
 def process_env(plan: planning.Plan, root: Path) -> dict[str, str]:

@@ -129,6 +129,21 @@ def test_ceiling_alone_finds_packages_carried_on_pythonpath(megatron_python):
     assert json.loads(proc.stdout)["tokens_per_gpu_s"] > 0
 
 
+def test_the_ceiling_table_shows_the_clock_each_part_was_timed_at():
+    """A ceiling measured on one H200 (2026-11-27, docs/results/probes): each part's SM clock and
+    their median in --ceiling's text; a ceiling without clocks (the CPU) shows none."""
+    probe = ROOT / "docs/results/probes/2026-11-27_h200x1_ceiling-clocks/llama3_8b_H200x2_ceiling-1.json"
+    c = json.loads(probe.read_text())
+    text = ceiling_cli.table(c, "llama3_8b:megatron:H200:1:2", 989e12, 6 * 7.5e9)
+    assert "  SM clock as the parts were timed: median 1,778 MHz" in text
+    rows = {line.split()[0]: line.split()[-1] for line in text.splitlines()[5:]}
+    assert rows == {"qkv": "1,980", "attn_proj": "1,980", "fc1": "1,575", "fc2": "1,530", "output": "1,440", "attention": "1,980"}
+    for part in c["parts"].values():
+        del part["sm_clock_mhz"]
+    del c["sm_clock_mhz"]
+    assert "SM" not in ceiling_cli.table(c, "llama3_8b:megatron:H200:1:2", 989e12, 6 * 7.5e9)
+
+
 def test_a_case_that_measures_no_ceiling_is_refused(monkeypatch, capsys):
     """A case.yaml without ``ceiling: true`` (every case here has it now: one read with the
     flag off): bad input, nothing runs."""

@@ -59,18 +59,26 @@ class NVMLReader:
         self.nv = pynvml
         pynvml.nvmlInit()
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        self.held = {name: getattr(pynvml, attr) for name, attr in HELD_REASONS.items() if hasattr(pynvml, attr)}
+        # nvidia-ml-py before 12.535 names the reasons "ClocksThrottleReason" (the same bits)
+        self.held = {
+            name: getattr(pynvml, attr, getattr(pynvml, attr.replace("ClocksEvent", "ClocksThrottle"), None))
+            for name, attr in HELD_REASONS.items()
+        }
+        self.held = {name: bit for name, bit in self.held.items() if bit is not None}
+        self.reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
 
     def _or_none(self, get: Callable[[], Any]) -> Any:
         try:
             return get()
-        except self.nv.NVMLError:  # a device or driver that does not tell
+        except (self.nv.NVMLError, AttributeError, TypeError):  # a device, driver or binding that does not tell
             return None
 
     def clocks(self, h: Any) -> dict[str, Any]:
         """The SM clock now and its maximum (MHz), and why the driver holds it down (HELD_REASONS)."""
         nv = self.nv
-        mask = self._or_none(lambda: nv.nvmlDeviceGetCurrentClocksEventReasons(h))
+        mask = self._or_none(lambda: self.reasons(h))
         return {
             "sm_clock_mhz": self._or_none(lambda: float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))),
             "sm_clock_max_mhz": self._or_none(lambda: float(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM))),

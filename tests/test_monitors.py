@@ -69,13 +69,31 @@ def test_nvml_samples_carry_the_sm_clock_and_why_it_is_held_down():
         nvmlDeviceGetMaxClockInfo=lambda h, kind: 1980,
         nvmlDeviceGetCurrentClocksEventReasons=lambda h: mask,
     )
-    reader = monitors.NVMLReader.__new__(monitors.NVMLReader)
-    reader.nv, reader.handles = nv, ["gpu0"]
-    reader.held = {name: getattr(pynvml, attr) for name, attr in monitors.HELD_REASONS.items()}
+    import unittest.mock
+
+    with unittest.mock.patch.dict("sys.modules", {"pynvml": nv}):
+        nv.nvmlInit, nv.nvmlDeviceGetCount, nv.nvmlDeviceGetHandleByIndex = (lambda: None), (lambda: 1), (lambda i: f"gpu{i}")
+        reader = monitors.NVMLReader()
     assert reader.clocks("gpu0") == {"sm_clock_mhz": 1755.0, "sm_clock_max_mhz": 1980.0, "clock_held": ["power cap", "thermal (hardware)"]}
 
     def unsupported(*_):
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
-    nv.nvmlDeviceGetCurrentClocksEventReasons = nv.nvmlDeviceGetMaxClockInfo = unsupported
+    nv.nvmlDeviceGetMaxClockInfo = unsupported
+    reader.reasons = unsupported
     assert reader.clocks("gpu0") == {"sm_clock_mhz": 1755.0, "sm_clock_max_mhz": None, "clock_held": None}
+    # an older binding: the reasons under their former names, the same bits
+    names = {k.replace("ClocksEvent", "ClocksThrottle"): v for k, v in vars(nv).items() if k.startswith("nvmlClocksEventReason")}
+    rest = {
+        k: v for k, v in vars(nv).items() if not k.startswith("nvmlClocksEventReason") and k != "nvmlDeviceGetCurrentClocksEventReasons"
+    }
+    old = Stand(
+        **{**rest, **names, "nvmlDeviceGetCurrentClocksThrottleReasons": lambda h: mask, "nvmlDeviceGetMaxClockInfo": lambda h, kind: 1980}
+    )
+    with unittest.mock.patch.dict("sys.modules", {"pynvml": old}):
+        legacy = monitors.NVMLReader()
+    assert legacy.clocks("gpu0")["clock_held"] == ["power cap", "thermal (hardware)"]
+    # a binding without the reasons at all: the clock still, no reasons
+    bare = Stand(**{k: v for k, v in vars(old).items() if k != "nvmlDeviceGetCurrentClocksThrottleReasons"})
+    with unittest.mock.patch.dict("sys.modules", {"pynvml": bare}):
+        assert monitors.NVMLReader().clocks("gpu0") == {"sm_clock_mhz": 1755.0, "sm_clock_max_mhz": 1980.0, "clock_held": None}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -234,6 +234,12 @@ def resolution_note(reference: Reference | None) -> str | None:
             else "repeats of the reference (--reference given several times) measure how far"
         )
     )
+
+
+def reference_notes(references: Mapping[str, Reference | None]) -> list[str]:
+    """The :func:`resolution_note` of each phase's reference that has one, as start_task.py and a
+    run list's --check print them: ``reference (train): ...``."""
+    return [f"reference ({phase}): {note}" for phase, ref in references.items() if (note := resolution_note(ref))]
 
 
 # --------------------------------------------------------------------------- reference curves
@@ -548,7 +554,22 @@ def read_monitor(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def device_memory(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]], span: tuple[float, float] | None) -> DeviceMemory | None:
+MonitorNodes = Sequence[tuple[list[dict[str, Any]], set[int] | None]]
+
+
+def used_gpu_samples(nodes: MonitorNodes, span: tuple[float, float] | None) -> Iterator[dict[str, Any]]:
+    """Each GPU sample of the GPUs the run used (``nodes``: per node, its monitor samples and the
+    GPU indices its ranks used, None: all), of the samples inside ``span`` (every sample without one)."""
+    for samples, gpus in nodes:
+        for s in samples:
+            if span is not None and not span[0] <= float(s.get("t", 0)) <= span[1]:
+                continue
+            for g in s.get("gpus") or []:
+                if gpus is None or int(g.get("index", -1)) in gpus:
+                    yield g
+
+
+def device_memory(nodes: MonitorNodes, span: tuple[float, float] | None) -> DeviceMemory | None:
     """Device memory in use on the busiest GPU the run used, as the monitor saw it.
 
     ``nodes``: per node, its monitor samples and the GPU indices its ranks used (None: all).
@@ -556,27 +577,19 @@ def device_memory(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]],
     None when no monitor read a device (a CPU run).
     """
 
-    def peak(in_span: bool) -> tuple[float, float | None] | None:
-        best: tuple[float, float | None] | None = None
-        for samples, gpus in nodes:
-            for s in samples:
-                if in_span and (span is None or not span[0] <= float(s.get("t", 0)) <= span[1]):
-                    continue
-                for g in s.get("gpus") or []:
-                    used = g.get("mem_used_gib")
-                    if used is None or (gpus is not None and int(g.get("index", -1)) not in gpus):
-                        continue
-                    if best is None or used > best[0]:
-                        best = (float(used), g.get("mem_total_gib"))
-        return best
+    def peak(within: tuple[float, float] | None) -> tuple[float, float | None] | None:
+        found = [
+            (float(g["mem_used_gib"]), g.get("mem_total_gib")) for g in used_gpu_samples(nodes, within) if g.get("mem_used_gib") is not None
+        ]
+        return max(found, key=lambda x: x[0], default=None)
 
-    if span is not None and (got := peak(True)) is not None:
+    if span is not None and (got := peak(span)) is not None:
         return DeviceMemory(used_gib=got[0], total_gib=got[1], scope="phase")
-    got = peak(False)
+    got = peak(None)
     return None if got is None else DeviceMemory(used_gib=got[0], total_gib=got[1], scope="round")
 
 
-def device_clocks(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]], span: tuple[float, float] | None) -> DeviceClocks | None:
+def device_clocks(nodes: MonitorNodes, span: tuple[float, float] | None) -> DeviceClocks | None:
     """The SM clock over a phase's steps (``span``), from every sample of every GPU the run used
     (``nodes`` as :func:`device_memory`'s): median, 10th percentile, the devices' maximum, and the
     share of samples the driver held the clock down for each reason. None without a span or
@@ -586,18 +599,14 @@ def device_clocks(nodes: Sequence[tuple[list[dict[str, Any]], set[int] | None]],
     clocks: list[float] = []
     maxima: list[float] = []
     held: dict[str, int] = {}
-    for samples, gpus in nodes:
-        for s in samples:
-            if not span[0] <= float(s.get("t", 0)) <= span[1]:
-                continue
-            for g in s.get("gpus") or []:
-                if g.get("sm_clock_mhz") is None or (gpus is not None and int(g.get("index", -1)) not in gpus):
-                    continue
-                clocks.append(float(g["sm_clock_mhz"]))
-                if g.get("sm_clock_max_mhz") is not None:
-                    maxima.append(float(g["sm_clock_max_mhz"]))
-                for reason in g.get("clock_held") or []:
-                    held[reason] = held.get(reason, 0) + 1
+    for g in used_gpu_samples(nodes, span):
+        if g.get("sm_clock_mhz") is None:
+            continue
+        clocks.append(float(g["sm_clock_mhz"]))
+        if g.get("sm_clock_max_mhz") is not None:
+            maxima.append(float(g["sm_clock_max_mhz"]))
+        for reason in g.get("clock_held") or []:
+            held[reason] = held.get(reason, 0) + 1
     if not clocks:
         return None
     clocks.sort()

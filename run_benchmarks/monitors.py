@@ -60,11 +60,11 @@ class NVMLReader:
         pynvml.nvmlInit()
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         # nvidia-ml-py before 12.535 names the reasons "ClocksThrottleReason" (the same bits)
-        self.held = {
+        bits = {
             name: getattr(pynvml, attr, getattr(pynvml, attr.replace("ClocksEvent", "ClocksThrottle"), None))
             for name, attr in HELD_REASONS.items()
         }
-        self.held = {name: bit for name, bit in self.held.items() if bit is not None}
+        self.held = {name: bit for name, bit in bits.items() if bit is not None}
         self.reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
             pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None
         )

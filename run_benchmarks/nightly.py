@@ -87,8 +87,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
         hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
         hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
-        notes = [f"reference ({ph}): {n}" for ph, ref in references.items() if (n := metrics.resolution_note(ref))]
-        jobs.append(NightlyCase(i, e, plan, tol, hw, notes))
+        jobs.append(NightlyCase(i, e, plan, tol, hw, metrics.reference_notes(references)))
     return Night(
         path=path,
         text=path.read_text(encoding="utf-8"),

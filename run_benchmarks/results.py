@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from run_benchmarks.typed_results import DeviceClocks, DeviceMemory, LossGate, PhaseResult, Reference, RunResults, Spread
+from training.metriclog import K_KERNEL_CEILING
 
 COLUMNS = [
     "config",
@@ -197,7 +198,7 @@ def clock_text(c: DeviceClocks) -> str:
 
 def ceiling_clock(p: PhaseResult) -> float | None:
     """The SM clock the phase's kernel ceiling was timed at (training/ceiling.py), where recorded."""
-    c = (p.meta or {}).get("kernel_ceiling")
+    c = (p.meta or {}).get(K_KERNEL_CEILING)
     mhz = c.get("sm_clock_mhz") if isinstance(c, dict) else None
     return float(mhz) if isinstance(mhz, (int, float)) and not isinstance(mhz, bool) else None
 
@@ -211,9 +212,11 @@ def clock_lines(res: RunResults) -> list[str]:
             at = ceiling_clock(p)
             if p.device_clocks is None and at is None:
                 continue
-            steps = "no samples" if p.device_clocks is None else f"{p.device_clocks.samples} samples): {clock_text(p.device_clocks)}"
-            line = f"- round {rnd.round}, phase {p.phase} (" + (steps if p.device_clocks else f"{steps})")
-            out.append(line + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz"))
+            c = p.device_clocks
+            steps = " (no samples)" if c is None else f" ({c.samples} samples): {clock_text(c)}"
+            out.append(
+                f"- round {rnd.round}, phase {p.phase}{steps}" + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz")
+            )
     return ["", "GPU clocks over the phase's steps (NVML):", *out] if out else []
 
 

@@ -273,10 +273,8 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         for line in datacheck.describe(plan.data):
             console.print(line, markup=False)
         references = orchestrator.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
-        for phase, ref in references.items():
-            note = metrics.resolution_note(ref)
-            if note:
-                console.print(f"reference ({phase}): {note}", markup=False, soft_wrap=True)
+        for note in metrics.reference_notes(references):
+            console.print(note, markup=False, soft_wrap=True)
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)

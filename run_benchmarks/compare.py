@@ -32,7 +32,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks import typed_results as tr
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
-from run_benchmarks.results import _gib, _pct, ceiling_cell, clock_cell, device_mem, repeats_note, spread_cell
+from run_benchmarks.results import _pct, allocated_cell, ceiling_cell, clock_cell, device_mem, repeats_note, spread_cell
 
 # --------------------------------------------------------------------------- --record-reference
 
@@ -264,7 +264,7 @@ def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
                     "ratio": ratio,
                     "MFU 6N": _pct(s.fig(phase, "mfu_6n")),
                     "MFU PaLM": _pct(s.fig(phase, "mfu_palm")),
-                    "mem allocated (GiB)": _gib(s.fig(phase, "peak_mem_gib"), None),
+                    "mem allocated (GiB)": allocated_cell(s.fig(phase, "peak_mem_gib"), None, None, last.alloc_retries if last else None),
                     "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
                     "of ceiling": ceiling_cell(s.fig(phase, "ceiling_efficiency"), s.fig(phase, "ceiling_tokens_per_gpu_s")),
                     "SM MHz": clock_cell(last.device_clocks) if last else "-",

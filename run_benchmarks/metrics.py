@@ -520,7 +520,8 @@ def phase_span(steps: Sequence[Step]) -> tuple[float, float] | None:
 
 def memory_summary(parsed: ml.ParsedLog, phase: str | None = None) -> dict[str, Any]:
     """The allocator's peak over ranks (``peak_memory`` records), of one phase if given, the most
-    its cache reserved on any rank (where reported), and the device total the framework reported."""
+    its cache reserved on any rank and the most cache flushes for want of a free block on any rank
+    (``alloc_retries``; each where reported), and the device total the framework reported."""
     per_rank: dict[int, dict[str, Any]] = {}
     for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY):
         if phase is not None and r.value.get("phase", "train") != phase:
@@ -529,13 +530,15 @@ def memory_summary(parsed: ml.ParsedLog, phase: str | None = None) -> dict[str, 
         if cur is None or r.value["peak_bytes"] > cur["peak_bytes"]:
             per_rank[r.rank] = r.value
     if not per_rank:
-        return {"peak_mem_gib": None, "reserved_mem_gib": None, "total_mem_gib": None, "per_rank_gib": {}}
+        return {"peak_mem_gib": None, "reserved_mem_gib": None, "alloc_retries": None, "total_mem_gib": None, "per_rank_gib": {}}
     peak = max(v["peak_bytes"] for v in per_rank.values())
     totals = [v["total_bytes"] for v in per_rank.values() if v.get("total_bytes")]
     reserved = [v["reserved_bytes"] for v in per_rank.values() if v.get("reserved_bytes") is not None]
+    retries = [v["alloc_retries"] for v in per_rank.values() if v.get("alloc_retries") is not None]
     return {
         "peak_mem_gib": peak / GIB,
         "reserved_mem_gib": (max(reserved) / GIB) if reserved else None,
+        "alloc_retries": max(retries) if retries else None,
         "total_mem_gib": (max(totals) / GIB) if totals else None,
         "per_rank_gib": {str(k): v["peak_bytes"] / GIB for k, v in sorted(per_rank.items())},
     }

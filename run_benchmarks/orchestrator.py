@@ -227,6 +227,7 @@ def _phase_result(
         layout=results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((meta or {}).get("parallel") or {})}),
         peak_mem_gib=mem["peak_mem_gib"],
         reserved_mem_gib=mem["reserved_mem_gib"],
+        alloc_retries=mem["alloc_retries"],
         device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
         device_clocks=metrics.device_clocks(monitor_nodes, metrics.phase_span(steps)),
         steps=steps,

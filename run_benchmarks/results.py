@@ -63,10 +63,15 @@ def _gib(used: float | None, total: float | None) -> str:
     return f"{used:.2f}/{total:.0f}" if total else f"{used:.2f}"
 
 
-def allocated_cell(peak: float | None, reserved: float | None, total: float | None) -> str:
-    """The allocator's peak over the device's total, with what its cache reserved where reported:
-    ``118.00/140 (reserved 125.80)``; the gap is memory held but unused (fragmentation)."""
-    return _gib(peak, total) + ("" if reserved is None else f" (reserved {reserved:.2f})")
+def allocated_cell(peak: float | None, reserved: float | None, total: float | None, retries: int | None = None) -> str:
+    """The allocator's peak over the device's total, with what its cache reserved where reported
+    and how often it had to give its cache back for want of a free block, where it did:
+    ``118.00/140 (reserved 125.80, 3 allocator retries)``; the gap between the first two is memory
+    held but unused (fragmentation), and a retry stalls the device."""
+    notes = ([] if reserved is None else [f"reserved {reserved:.2f}"]) + (
+        [f"{retries} allocator retr{'y' if retries == 1 else 'ies'}"] if retries else []
+    )
+    return _gib(peak, total) + (f" ({', '.join(notes)})" if notes else "")
 
 
 def device_mem(m: DeviceMemory | None) -> str:
@@ -130,7 +135,7 @@ def rows(res: RunResults) -> list[list[str]]:
                     fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"),
                     spread_cell(p.throughput_spread),
                     loss_cell(p.gate, p.reference),
-                    fig(allocated_cell(p.peak_mem_gib, p.reserved_mem_gib, rnd.total_mem_gib)),
+                    fig(allocated_cell(p.peak_mem_gib, p.reserved_mem_gib, rnd.total_mem_gib, p.alloc_retries)),
                     fig(device_mem(p.device_mem)),
                     fig(_pct(p.mfu_6n)),
                     fig(_pct(p.mfu_palm)),

@@ -148,6 +148,9 @@ class PhaseResult(Strict):
     layout: str | None = None
     peak_mem_gib: float | None = None  # the allocator's peak over ranks (peak RSS on a CPU)
     reserved_mem_gib: float | None = None  # the most the allocator's cache held on a rank (accelerators)
+    # the most times a rank's allocator gave its cache back for want of a free block (accelerators;
+    # None where not reported, and in files made before it)
+    alloc_retries: int | None = None
     device_mem: DeviceMemory | None = None  # the monitor's view; None where it saw no device
     device_clocks: DeviceClocks | None = None  # the SM clock over the phase's steps; None where the monitor gave none
     steps: list[Step] = []  # every step record (schema 2; empty in schema 1)

@@ -39,7 +39,7 @@ def test_cpu_device_and_its_memory():
     acc.empty_cache()
     peak, total, name = acc.memory(dev)
     assert name == "cpu" and 0 < peak < total
-    assert acc.device_name(dev) == "cpu" and acc.max_reserved(dev) is None
+    assert acc.device_name(dev) == "cpu" and acc.max_reserved(dev) is None and acc.alloc_retries(dev) is None
     calls = []
     assert acc.seconds_per_call(lambda: calls.append(1), 4, dev) >= 0 and len(calls) == 4
     assert Accelerator.of(dev).type == "cpu" and Accelerator.of("cpu").query is None
@@ -78,6 +78,8 @@ def test_another_device_type_is_asked_through_its_torch_module(monkeypatch):
         "reset_peak_memory_stats": lambda d: said.append(("reset", d)),
         "max_memory_allocated": lambda d: 5 << 30,
         "max_memory_reserved": lambda d: 6 << 30,
+        "reset_accumulated_memory_stats": lambda d: said.append(("reset counts", d)),
+        "memory_stats": lambda d: {"num_alloc_retries": 2, "num_ooms": 0},
         "get_device_properties": lambda d: props,
         "empty_cache": lambda: said.append(("empty_cache",)),
         "Event": _Event,
@@ -90,9 +92,11 @@ def test_another_device_type_is_asked_through_its_torch_module(monkeypatch):
     acc.synchronize(dev)
     acc.reset_peak(dev)
     acc.empty_cache()
-    assert said == [("set_device", 1), ("synchronize", dev), ("reset", dev), ("empty_cache",)]
+    assert said == [("set_device", 1), ("synchronize", dev), ("reset", dev), ("reset counts", dev), ("empty_cache",)]
     assert acc.memory(dev) == (5 << 30, 64 << 30, "Acme X1") and acc.device_name(dev) == "Acme X1"
-    assert acc.max_reserved(dev) == 6 << 30
+    assert acc.max_reserved(dev) == 6 << 30 and acc.alloc_retries(dev) == 2
+    monkeypatch.setattr(torch.xpu, "memory_stats", lambda d: {})  # a stack that keeps no such count
+    assert acc.alloc_retries(dev) is None
     calls = []
     assert acc.seconds_per_call(lambda: calls.append(1), 5, dev) == pytest.approx(0.05) and len(calls) == 5
     said.clear()
@@ -212,3 +216,28 @@ def test_the_source_check_sees_a_cuda_call(tmp_path):
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
 def test_units_in_framework_env(deepspeed_units):
     assert deepspeed_units.of(__file__)["passed"] == 5
+
+
+@pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs a CUDA device: runs on the GPU machine")
+def test_a_cuda_allocators_retry_is_counted_and_reset_with_the_peak():
+    """On a real CUDA device: with the card filled by 1 GiB blocks and every other one freed, a
+    2 GiB block fits no cached hole, so the allocator gives its cache back and asks again; the
+    count says so, and reset_peak starts it afresh."""
+    from training.accelerator import Accelerator
+
+    acc = Accelerator({"device": "cuda"})
+    dev = acc.device(0)
+    blocks = []
+    try:
+        while True:
+            blocks.append(torch.empty(1 << 30, dtype=torch.uint8, device=dev))
+    except torch.OutOfMemoryError:
+        pass
+    del blocks[::2]
+    acc.reset_peak(dev)  # the failed fill retried too: count from here
+    assert acc.alloc_retries(dev) == 0 and len(blocks) >= 4
+    big = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+    assert acc.alloc_retries(dev) >= 1
+    del big, blocks
+    acc.reset_peak(dev)
+    assert acc.alloc_retries(dev) == 0

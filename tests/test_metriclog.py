@@ -50,19 +50,23 @@ def test_emitter_refuses_incomplete_meta():
         ml.MetricLogger(stream=io.StringIO()).meta(model="x")
 
 
-def test_peak_memory_carries_the_allocators_reserve_where_there_is_one():
-    """A rank's peak_memory line holds the cache's reserve when the framework reports one; the
-    host takes the largest over ranks next to the allocated peak, None when no rank reported it."""
+def test_peak_memory_carries_the_allocators_reserve_and_retries_where_there_are_some():
+    """A rank's peak_memory line holds the cache's reserve and its retries when the framework
+    reports them; the host takes the largest of each over ranks next to the allocated peak (the
+    retries of a rank with none reported count for nothing), None when no rank reported it."""
     from run_benchmarks import metrics
 
     buf = io.StringIO()
-    for rank, (peak, reserved) in enumerate([(100 << 30, 110 << 30), (105 << 30, 108 << 30)]):
-        ml.MetricLogger("r", rank=rank, stream=buf).peak_memory(peak, 140 << 30, "NVIDIA H200", reserved_bytes=reserved)
+    for rank, (peak, reserved, retries) in enumerate([(100 << 30, 110 << 30, 3), (105 << 30, 108 << 30, 0), (90 << 30, 95 << 30, None)]):
+        ml.MetricLogger("r", rank=rank, stream=buf).peak_memory(
+            peak, 140 << 30, "NVIDIA H200", reserved_bytes=reserved, alloc_retries=retries
+        )
     mem = metrics.memory_summary(ml.parse_lines(buf.getvalue().splitlines()))
-    assert (mem["peak_mem_gib"], mem["reserved_mem_gib"], mem["total_mem_gib"]) == (105, 110, 140)
+    assert (mem["peak_mem_gib"], mem["reserved_mem_gib"], mem["alloc_retries"], mem["total_mem_gib"]) == (105, 110, 3, 140)
+    recs = {r.rank: r.value for r in ml.parse_lines(buf.getvalue().splitlines()).of(ml.EV_MEMORY, ml.K_PEAK_MEMORY)}
+    assert recs[1]["alloc_retries"] == 0 and "alloc_retries" not in recs[2]  # none is a count too; not reported is absent
     cpu = io.StringIO()
     ml.MetricLogger("r", rank=0, stream=cpu).peak_memory(1 << 30, None, "cpu")
-    assert (
-        "reserved_bytes" not in cpu.getvalue()
-        and metrics.memory_summary(ml.parse_lines(cpu.getvalue().splitlines()))["reserved_mem_gib"] is None
-    )
+    assert "reserved_bytes" not in cpu.getvalue() and "alloc_retries" not in cpu.getvalue()
+    assert metrics.memory_summary(ml.parse_lines(cpu.getvalue().splitlines()))["reserved_mem_gib"] is None
+    assert metrics.memory_summary(ml.parse_lines(cpu.getvalue().splitlines()))["alloc_retries"] is None

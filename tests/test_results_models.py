@@ -280,3 +280,19 @@ def test_the_terminal_table_prints_an_error_with_brackets_as_it_is():
     console = Console(width=300, record=True)
     results.print_table(run, console)  # rich markup would refuse the closing-tag-like bracket
     assert "failed: rank 0: RuntimeError: [/__w/pytorch/third_party/gloo/pair.cc" in console.export_text()
+
+
+def test_allocator_retries_show_beside_the_allocated_peak():
+    """A phase whose allocator gave its cache back for want of a free block says how often, in
+    results.md's allocated cell and --compare's; none (0, or a file made before the count) says
+    nothing."""
+    mem = results.COLUMNS.index("mem allocated (GiB)")
+
+    def cell(update: dict) -> str:
+        return results.rows(fake_run([{"phases": [fake_phase().model_copy(update=update)]}]))[0][mem]
+
+    assert cell({"peak_mem_gib": 131.68, "reserved_mem_gib": 135.62, "alloc_retries": 3}).endswith("(reserved 135.62, 3 allocator retries)")
+    assert cell({"peak_mem_gib": 131.68, "alloc_retries": 1}).endswith("(1 allocator retry)")
+    assert "retr" not in cell({"peak_mem_gib": 131.68, "reserved_mem_gib": 135.62, "alloc_retries": 0})
+    assert "retr" not in cell({"peak_mem_gib": 131.68}) and fake_phase().alloc_retries is None
+    assert results.allocated_cell(118.0, None, None, 2) == "118.00 (2 allocator retries)"

@@ -75,8 +75,11 @@ class Accelerator:
             self.module.synchronize(device)
 
     def reset_peak(self, device: torch.device) -> None:
+        """Start the allocator's peaks and its counts (``alloc_retries``) afresh: a phase's own."""
         if self.module is not None and hasattr(self.module, "reset_peak_memory_stats"):
             self.module.reset_peak_memory_stats(device)
+        if self.module is not None and hasattr(self.module, "reset_accumulated_memory_stats"):
+            self.module.reset_accumulated_memory_stats(device)
 
     def empty_cache(self) -> None:
         """Give the allocator's cached blocks back to the device."""
@@ -120,6 +123,17 @@ class Accelerator:
         if self.module is None or not hasattr(self.module, "max_memory_reserved"):
             return None
         return int(self.module.max_memory_reserved(device))
+
+    def alloc_retries(self, device: torch.device) -> int | None:
+        """How often since ``reset_peak`` the caching allocator found no free block, gave its
+        whole cache back to the device and asked again (torch's ``num_alloc_retries``): each
+        such retry synchronizes the device, so a count above zero says the run is at its memory
+        limit and paying for it in time. None where the module keeps no such count (the CPU)."""
+        stats = getattr(self.module, "memory_stats", None) if self.module is not None else None
+        if stats is None:
+            return None
+        value = stats(device).get("num_alloc_retries")
+        return None if value is None else int(value)
 
     def seconds_per_call(self, fn: Callable[[], Any], n: int, device: torch.device) -> float:
         """Seconds per call of ``fn`` over ``n`` back-to-back calls.

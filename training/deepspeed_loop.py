@@ -517,7 +517,14 @@ class DeepSpeedPhase:
         """Every rank's ``peak_memory`` (on the CPU: the process's resident peak since it
         started, not the phase's, against the host's memory)."""
         peak, total, name = self.acc.memory(self.device)
-        self.logger.peak_memory(peak, total, name, phase=self.c.phase, reserved_bytes=self.acc.max_reserved(self.device))
+        self.logger.peak_memory(
+            peak,
+            total,
+            name,
+            phase=self.c.phase,
+            reserved_bytes=self.acc.max_reserved(self.device),
+            alloc_retries=self.acc.alloc_retries(self.device),
+        )
 
 
 def release(result: PhaseResult | None, device: torch.device | None = None) -> None:

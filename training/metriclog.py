@@ -43,7 +43,9 @@ EVENTS = (EV_META, EV_STEP, EV_MEMORY, EV_END, EV_ERROR, EV_INFO)
 # keys
 K_RUN_META = "run_meta"  # value: dict, see REQUIRED_META
 K_TRAIN_STEP = "train_step"  # value: dict, see REQUIRED_STEP
-K_PEAK_MEMORY = "peak_memory"  # value: {"peak_bytes": int, "total_bytes": int|None, "device": str[, "reserved_bytes": int]}
+K_PEAK_MEMORY = (
+    "peak_memory"  # value: {"peak_bytes": int, "total_bytes": int|None, "device": str[, "reserved_bytes": int][, "alloc_retries": int]}
+)
 K_RUN_END = "run_end"  # value: {"status": "ok"|"failed", "steps": int}
 K_RUN_ERROR = "run_error"  # value: {"message": str}
 K_STEP_BREAKDOWN = "step_breakdown"  # info; value: training.profiling.breakdown() of one profiled step
@@ -231,14 +233,24 @@ class MetricLogger:
         self.emit(EV_STEP, K_TRAIN_STEP, {**_phased(value, phase), **extra})
 
     def peak_memory(
-        self, peak_bytes: int, total_bytes: int | None, device: str, phase: str | None = None, reserved_bytes: int | None = None
+        self,
+        peak_bytes: int,
+        total_bytes: int | None,
+        device: str,
+        phase: str | None = None,
+        reserved_bytes: int | None = None,
+        alloc_retries: int | None = None,
     ) -> None:
         """The allocator's peak of this rank; ``reserved_bytes``: the most its cache held at once
-        (allocated plus cached free blocks: what an out-of-memory margin is measured against), where
-        the framework reports it (accelerators; not the CPU)."""
+        (allocated plus cached free blocks: what an out-of-memory margin is measured against), and
+        ``alloc_retries``: how often it gave its cache back and asked the device again for want of a
+        free block (training.accelerator.Accelerator.alloc_retries), each where the framework
+        reports it (accelerators; not the CPU)."""
         value: dict[str, Any] = {"peak_bytes": int(peak_bytes), "total_bytes": total_bytes, "device": device}
         if reserved_bytes is not None:
             value["reserved_bytes"] = int(reserved_bytes)
+        if alloc_retries is not None:
+            value["alloc_retries"] = int(alloc_retries)
         self.emit(EV_MEMORY, K_PEAK_MEMORY, _phased(value, phase))
 
     def end(self, status: str, steps: int, phase: str | None = None) -> None:

@@ -328,7 +328,9 @@ class Trainer:
         peak, total, name = self.acc.memory(self.device)
         if not self.acc.is_accelerator and self.acc.query is None:
             total = None  # the CPU: the process's resident peak, which no card's total bounds
-        self.log.peak_memory(peak, total, name, reserved_bytes=self.acc.max_reserved(self.device))
+        self.log.peak_memory(
+            peak, total, name, reserved_bytes=self.acc.max_reserved(self.device), alloc_retries=self.acc.alloc_retries(self.device)
+        )
 
 
 def ceiling_only(cfg: dict, log: MetricLogger) -> None:

@@ -67,8 +67,11 @@ def table(
         f"  {'kernel':22s} {'shape':28s} {'count':>5s}   {'fwd ms':>8s} {'dgrad ms':>9s} {'wgrad ms':>9s}  TFLOP/s"
         + ("   SM MHz" if "sm_clock_mhz" in ceiling else ""),
     ]
+    held = f", each part after {ceiling['hold_s']:g} s of its own load" if ceiling.get("hold_s") else ""
     if "sm_clock_mhz" in ceiling:  # the clock each part ended its timing at (training/ceiling.py)
-        lines.insert(3, f"  SM clock as the parts were timed: median {ceiling['sm_clock_mhz']:,.0f} MHz")
+        lines.insert(3, f"  SM clock as the parts were timed: median {ceiling['sm_clock_mhz']:,.0f} MHz{held}")
+    elif held:
+        lines.insert(3, f"  timed{held}")
     for name, p in ceiling["parts"].items():
         count = f"x{p['count']}" if "count" in p else ""
         if "fwd_bwd_ms" in p or "kernel" in p:  # an attention block

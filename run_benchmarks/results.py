@@ -201,11 +201,13 @@ def clock_text(c: DeviceClocks) -> str:
     return text + (", held down by " + ", ".join(held) if held else ", never held down")
 
 
-def ceiling_clock(p: PhaseResult) -> float | None:
-    """The SM clock the phase's kernel ceiling was timed at (training/ceiling.py), where recorded."""
+def ceiling_clock(p: PhaseResult) -> tuple[float | None, float]:
+    """The SM clock the phase's kernel ceiling was timed at (training/ceiling.py), where recorded,
+    and the seconds each part ran before it was timed (``train.ceiling_hold_s``; 0: none)."""
     c = (p.meta or {}).get(K_KERNEL_CEILING)
-    mhz = c.get("sm_clock_mhz") if isinstance(c, dict) else None
-    return float(mhz) if isinstance(mhz, (int, float)) and not isinstance(mhz, bool) else None
+    c = c if isinstance(c, dict) else {}
+    mhz, hold = c.get("sm_clock_mhz"), c.get("hold_s") or 0
+    return (float(mhz) if isinstance(mhz, (int, float)) and not isinstance(mhz, bool) else None), float(hold)
 
 
 def clock_lines(res: RunResults) -> list[str]:
@@ -214,13 +216,15 @@ def clock_lines(res: RunResults) -> list[str]:
     out = []
     for rnd in res.rounds:
         for p in rnd.phases:
-            at = ceiling_clock(p)
+            at, hold = ceiling_clock(p)
             if p.device_clocks is None and at is None:
                 continue
             c = p.device_clocks
             steps = " (no samples)" if c is None else f" ({c.samples} samples): {clock_text(c)}"
+            held = f", each part after {hold:g} s of its own load" if hold else ""
             out.append(
-                f"- round {rnd.round}, phase {p.phase}{steps}" + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz")
+                f"- round {rnd.round}, phase {p.phase}{steps}"
+                + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz{held}")
             )
     return ["", "GPU clocks over the phase's steps (NVML):", *out] if out else []
 

@@ -97,8 +97,14 @@ def test_ceiling_alone_on_the_cpu(megatron_python):
     assert c["tokens_per_gpu_s"] == pytest.approx(128 / (c["micro_batch_s"] * 2))
     assert all(v["fwd_ms"] > 0 and v["dgrad_ms"] > 0 and v["wgrad_ms"] > 0 for k, v in c["parts"].items() if k != "attention")
     assert c["parts"]["attention"]["fwd_bwd_ms"] > 0
+    assert "hold_s" not in c
     text = start(*base)
     assert text.returncode == 0 and "tokens/p/s" in text.stdout and "attention" in text.stdout, text.stdout + text.stderr
+    # each part timed after 0.2 s of its own load: recorded, and said in the text
+    held = start(*base, "--set", "parallel.tp=2", "--set", "train.ceiling_hold_s=0.2")
+    assert held.returncode == 0 and "  timed, each part after 0.2 s of its own load" in held.stdout, held.stdout + held.stderr
+    bad = start(*base, "--set", "train.ceiling_hold_s=-1")
+    assert bad.returncode != 0 and "train.ceiling_hold_s must be 0 or more seconds, got -1" in bad.stdout + bad.stderr
     # options that do not apply: bad input, nothing runs
     cl = start(*base, "--cluster", "x.yaml")
     assert cl.returncode == 2 and "--cluster does not apply" in cl.stderr
@@ -129,6 +135,23 @@ def test_ceiling_alone_finds_packages_carried_on_pythonpath(megatron_python):
     assert json.loads(proc.stdout)["tokens_per_gpu_s"] > 0
 
 
+def test_a_held_part_is_timed_after_its_own_load():
+    """train.ceiling_hold_s: a part's kernels run back to back for about that long (three trials of
+    enough calls) between a first timing, which gives the seconds per call, and the one kept."""
+    calls = []
+
+    def timed(n):
+        calls.append(n)
+        return {"fwd_s": 0.001, "dgrad_s": 0.002} if len(calls) < 3 else {"fwd_s": 0.003, "dgrad_s": 0.004}
+
+    assert ceiling.held(timed, 5, 0.0) == {"fwd_s": 0.001, "dgrad_s": 0.002} and calls == [5]
+    calls.clear()
+    assert ceiling.held(timed, 5, 3.0) == {"fwd_s": 0.003, "dgrad_s": 0.004}
+    assert calls == [5, 500, 5]  # 3 s over 3 trials at the slowest product's 2 ms: 500 calls a trial
+    calls.clear()
+    assert ceiling.held(lambda n: calls.append(n) or 0.5, 5, 1.0) == 0.5 and calls == [5, 5, 5]  # never fewer than repeat
+
+
 def test_the_ceiling_table_shows_the_clock_each_part_was_timed_at():
     """A ceiling measured on one H200 (2026-11-27, docs/results/probes): each part's SM clock and
     their median in --ceiling's text; a ceiling without clocks (the CPU) shows none."""
@@ -138,6 +161,8 @@ def test_the_ceiling_table_shows_the_clock_each_part_was_timed_at():
     assert "  SM clock as the parts were timed: median 1,778 MHz" in text
     rows = {line.split()[0]: line.split()[-1] for line in text.splitlines()[5:]}
     assert rows == {"qkv": "1,980", "attn_proj": "1,980", "fc1": "1,575", "fc2": "1,530", "output": "1,440", "attention": "1,980"}
+    held = ceiling_cli.table({**c, "hold_s": 2.0}, "llama3_8b:megatron:H200:1:2", 989e12, 6 * 7.5e9)
+    assert "  SM clock as the parts were timed: median 1,778 MHz, each part after 2 s of its own load" in held
     for part in c["parts"].values():
         del part["sm_clock_mhz"]
     del c["sm_clock_mhz"]

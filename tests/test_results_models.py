@@ -237,8 +237,12 @@ def test_gpu_clocks_per_phase_from_the_monitor():
     timed = fake_phase().model_copy(
         update={"device_clocks": c, "meta": {"kernel_ceiling": {"tokens_per_gpu_s": 13000.0, "sm_clock_mhz": 1980.0}}}
     )
-    assert "the thermal (driver) in 50% of samples; the kernel ceiling was timed at 1,980 MHz" in results.markdown(
+    assert "the thermal (driver) in 50% of samples; the kernel ceiling was timed at 1,980 MHz\n" in results.markdown(
         fake_run([{"phases": [timed]}])
+    )
+    held = timed.model_copy(update={"meta": {"kernel_ceiling": {"tokens_per_gpu_s": 12000.0, "sm_clock_mhz": 1500.0, "hold_s": 2.0}}})
+    assert "the kernel ceiling was timed at 1,500 MHz, each part after 2 s of its own load" in results.markdown(
+        fake_run([{"phases": [held]}])
     )
 
 

@@ -48,6 +48,7 @@ framework, only inside the timing functions.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -320,6 +321,7 @@ def measure_parts(
     accelerator: Accelerator | None = None,
     about: Mapping[str, Any] | None = None,
     timers: Timers | None = None,
+    hold_s: float = 0.0,
 ) -> dict[str, Any]:
     """Time the GEMMs and the attention blocks of one micro batch of ``tokens`` tokens on one
     GPU; the ceiling as a dict (JSON-ready): ``tokens_per_gpu_s``, the micro batch's kernel time
@@ -328,7 +330,11 @@ def measure_parts(
     with ``about``'s keys (what the case says of the shapes) on top. ``num_layers``: the count of
     a per-layer GEMM without its own. ``timers``: the framework's timing of the kernels (default:
     torch's, :func:`torch_timers` with ``accelerator``, the vendor's device calls, default those
-    of ``device``'s type, which time the kernels and name the device)."""
+    of ``device``'s type, which time the kernels and name the device). ``hold_s`` > 0: before
+    each kernel is timed it runs back to back for about that long (:func:`held`), so it is timed
+    at the clock the device holds under sustained load rather than the one a short burst gets."""
+    if not hold_s >= 0:
+        raise ValueError(f"kernel ceiling: hold_s must be 0 or more seconds, got {hold_s!r}")
     names = [g.name for g in gemms] + [a.name for a in attentions]
     if len(set(names)) != len(names):
         raise ValueError(f"kernel ceiling: part names repeat: {names}")
@@ -347,7 +353,7 @@ def measure_parts(
 
     gemm_s = gemm_flops = 0.0
     for g in gemms:
-        t = timing.gemm(g, dtype, device, repeat)
+        t = held(lambda n, g=g: timing.gemm(g, dtype, device, n), repeat, hold_s)
         at = clock()
         total = sum(t.values())
         times = g.times(num_layers)
@@ -366,7 +372,7 @@ def measure_parts(
         }
     att_s = att_flops = 0.0
     for a in attentions:
-        t = timing.attention(a, dtype, device, repeat)
+        t = held(lambda n, a=a: timing.attention(a, dtype, device, n), repeat, hold_s)
         at = clock()
         att_s += a.count * t
         att_flops += a.count * a.flops
@@ -399,11 +405,26 @@ def measure_parts(
         "tp": tp,
         "tokens_per_micro_batch": tokens,
         "repeat": repeat,
+        **({"hold_s": hold_s} if hold_s else {}),
         # the SM clock read as each part's timing ended (their median), where the device tells:
         # the clock the ceiling was timed at, beside the one the run's steps ran at (device_clocks)
         **({"sm_clock_mhz": statistics.median(clocks)} if clocks else {}),
         "parts": parts,
     }
+
+
+def held(timed: Callable[[int], Any], repeat: int, hold_s: float) -> Any:
+    """``timed(repeat)`` (a part's timing: seconds per call, or a dict of them per product), after
+    the same kernels ran back to back for about ``hold_s`` seconds: a first timing gives the
+    seconds per call, a second one with enough calls per trial that its three trials last
+    ``hold_s`` is the load (its figures dropped), and the timing right after it is the part's.
+    ``hold_s`` 0: ``timed(repeat)`` alone."""
+    if not hold_s:
+        return timed(repeat)
+    first = timed(repeat)
+    per_call = max(first.values()) if isinstance(first, Mapping) else first
+    timed(max(repeat, math.ceil(hold_s / (3 * per_call))) if per_call > 0 else repeat)
+    return timed(repeat)
 
 
 def measure(
@@ -424,11 +445,13 @@ def measure(
     accelerator: Accelerator | None = None,
     layout: str = "sbhd",
     timers: Timers | None = None,
+    hold_s: float = 0.0,
 ) -> dict[str, Any]:
     """A decoder-only model's ceiling (:func:`measure_parts`): its GEMMs and one causal
     attention block (``attend``, named ``attention``), forward and backward, in each of its
     ``num_layers`` layers, over micro batches of ``batch`` sequences of ``seq`` tokens, timed
-    by ``timers`` (default: torch's on ``device``, :func:`torch_timers`)."""
+    by ``timers`` (default: torch's on ``device``, :func:`torch_timers`), each part after
+    ``hold_s`` seconds of its own load (:func:`measure_parts`)."""
     block = Attention("attention", attend, attention, batch, heads, groups, seq, head_dim, count=num_layers, layout=layout)
     about = {"attention": attention, "micro_batch": batch, "seq_length": seq, "layers": num_layers}
     return measure_parts(
@@ -443,6 +466,7 @@ def measure(
         accelerator=accelerator,
         about=about,
         timers=timers,
+        hold_s=hold_s,
     )
 
 

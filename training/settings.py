@@ -26,6 +26,8 @@ Keys read, with their one default (``-``: required):
 ``train.init_std``          0.02
 ``train.seed``              1234
 ``train.profile_step``      0          K > 0: profile step K (training/profiling.py)
+``train.ceiling_hold_s``    0          seconds each kernel-ceiling part runs before it is
+                                       timed (training/ceiling.py: the sustained clock)
 ``parallel.tp``, ``.pp``    1          ``dp = world / (tp * pp)`` exactly; ``parallel.dp``,
                                        when given, must equal it
 ``parallel.recompute``      none       one of the case's choices; true/false: full/none
@@ -205,6 +207,7 @@ class Train:
     init_std: float
     seed: int
     profile_step: int
+    ceiling_hold_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +273,9 @@ def read_train(train: dict, dp: int) -> Train:
     profile = integer(get(train, "profile_step", "train", 0), "train.profile_step", 0)
     if profile > steps:
         raise SettingsError(f"train.profile_step = {profile} is beyond the run's {steps} steps")
+    hold = number(get(train, "ceiling_hold_s", "train", 0.0), "train.ceiling_hold_s")
+    if hold < 0:
+        raise SettingsError(f"resolved config: train.ceiling_hold_s must be 0 or more seconds, got {hold}")
     b1, b2 = adam_betas(train)
     return Train(
         steps=steps,
@@ -289,6 +295,7 @@ def read_train(train: dict, dp: int) -> Train:
         init_std=number(get(train, "init_std", "train", 0.02), "train.init_std"),
         seed=integer(get(train, "seed", "train", 1234), "train.seed"),
         profile_step=profile,
+        ceiling_hold_s=hold,
     )
 
 

@@ -91,6 +91,7 @@ def kernel_ceiling(s: Settings, device: torch.device, accelerator: Accelerator |
         repeat=repeat,
         accelerator=accelerator,
         layout="bs3hd",
+        hold_s=tr.ceiling_hold_s,
     )
 
 

@@ -261,6 +261,7 @@ def kernel_ceiling(s: Settings, place: str, vendor: Mapping[str, Any], flash: bo
         repeat=repeat,
         layout="bshd",
         timers=timers.timers(),
+        hold_s=s.ceiling_hold_s,
     )
     return value, timers
 

@@ -123,6 +123,7 @@ class Settings:
     data_prefix: str | None
     cache_dir: str | None
     synthetic_tokens: int | None
+    ceiling_hold_s: float = 0.0  # training/ceiling.py's hold before each part is timed
 
 
 def _bool(value: Any, where: str) -> bool:

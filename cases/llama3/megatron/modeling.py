@@ -181,6 +181,7 @@ def kernel_ceiling(s: Settings, device: torch.device, accelerator: Accelerator |
         device=device,
         repeat=repeat,
         accelerator=accelerator,
+        hold_s=s.ceiling_hold_s,
     )
 
 

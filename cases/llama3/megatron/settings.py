@@ -132,6 +132,7 @@ class Settings:
     cache_dir: str | None
     synthetic_tokens: int | None
     profile_step: int = 0
+    ceiling_hold_s: float = 0.0  # training/ceiling.py's hold before each part is timed
     output_dir: str | None = None
 
 

@@ -203,6 +203,7 @@ def kernel_ceiling(
         repeat=repeat,
         accelerator=accelerator,
         about=about,
+        hold_s=c.train.ceiling_hold_s,
     )
 
 

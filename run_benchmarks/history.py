@@ -37,7 +37,7 @@ from run_benchmarks.typed_results import PhaseResult, RunResults
 
 SCHEMA_VERSION = 2
 #: the figures aggregated per run and phase, over its clean rounds (ok or unjudged)
-METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib", "device_mem_used_gib", "sm_clock_mhz")
+METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib", "device_mem_used_gib", "sm_clock_mhz", "alloc_retries")
 OLYMPIC_MIN_ROUNDS = 5  # MLPerf-style: drop the fastest and the slowest from 5 rounds on
 
 SCHEMA = """
@@ -259,6 +259,7 @@ def _figures(p: PhaseResult) -> dict[str, float | None]:
         "peak_mem_gib": p.peak_mem_gib,
         "device_mem_used_gib": p.device_mem.used_gib if p.device_mem else None,
         "sm_clock_mhz": p.device_clocks.sm_median_mhz if p.device_clocks else None,  # the median over the phase's steps
+        "alloc_retries": None if p.alloc_retries is None else float(p.alloc_retries),  # the allocator's cache flushes
     }
 
 

@@ -107,6 +107,8 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
 # --------------------------------------------------------------------------- the verdict
 
 METRIC_LABELS = {"tokens_per_gpu_s": "tokens/p/s", "mfu_6n": "MFU-6N", "peak_mem_gib": "peak memory (GiB)"}
+#: figures not judged, named beside a speed finding (:func:`_beside_notes`)
+BESIDE = ("sm_clock_mhz", "alloc_retries")
 
 Stats = dict[str, dict[str, dict[str, Any]]]  # phase -> metric -> history.value_stats() over the clean rounds
 
@@ -140,8 +142,10 @@ def judge(
     findings: list[dict[str, Any]] = []
     n = len(baseline)
     tag = (lambda ph: f" phase {ph}") if len(stats) > 1 else (lambda ph: "")
-    base = {ph: {m: _median([b.get(ph, {}).get(m, {}).get("median") for b in baseline]) for m in METRIC_LABELS} for ph in stats}
-    clock = {ph: _median([b.get(ph, {}).get("sm_clock_mhz", {}).get("median") for b in baseline]) for ph in stats}
+    medians = {
+        ph: {m: _median([b.get(ph, {}).get(m, {}).get("median") for b in baseline]) for m in (*METRIC_LABELS, *BESIDE)} for ph in stats
+    }
+    base = {ph: {m: ms[m] for m in METRIC_LABELS} for ph, ms in medians.items()}  # the judged figures
     if rounds_failed:
         why = f": {first_error.strip().splitlines()[0]}" if first_error else ""
         findings.append(
@@ -190,19 +194,27 @@ def judge(
                         "tolerance": direction * pct / 100,
                         "message": f"{label}{tag(ph)}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
                         f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%"
-                        + (_clock_note(st.get("sm_clock_mhz", {}).get("median"), clock[ph]) if direction < 0 else ""),
+                        + (_beside_notes(st, medians[ph]) if direction < 0 else ""),
                     }
                 )
     status = "regressed" if findings else "pass" if n else "baseline: none"
     return Verdict(status, n, base, findings)
 
 
-def _clock_note(now: float | None, baseline: float | None) -> str:
-    """Beside a speed finding: the GPUs' SM clock over the steps (median) now and in the baseline,
-    where both were recorded, so a slower night on a hotter or power-capped machine says so."""
-    if now is None or not baseline:
-        return ""
-    return f"; the GPUs' SM clock {now:,.0f} MHz vs {baseline:,.0f} in the baseline ({100 * (now / baseline - 1):+.1f}%)"
+def _beside_notes(stats: dict[str, Any], baseline: dict[str, float | None]) -> str:
+    """Beside a speed finding, what a slower night may stand on (:data:`BESIDE`): the GPUs' SM
+    clock over the steps (median) now and in the baseline, where both were recorded, so a night
+    on a hotter or power-capped machine says so; and the allocator's cache flushes for want of a
+    free block (median over rounds), where the night had any, so a run at its memory limit says so."""
+    clock, clock_base = stats.get("sm_clock_mhz", {}).get("median"), baseline["sm_clock_mhz"]
+    retries, retries_base = stats.get("alloc_retries", {}).get("median"), baseline["alloc_retries"]
+    notes = ""
+    if clock is not None and clock_base:
+        notes += f"; the GPUs' SM clock {clock:,.0f} MHz vs {clock_base:,.0f} in the baseline ({100 * (clock / clock_base - 1):+.1f}%)"
+    if retries:
+        was = "not recorded" if retries_base is None else f"{retries_base:g}"
+        notes += f"; the allocator gave its cache back {retries:g} time(s) for want of a free block (baseline: {was})"
+    return notes
 
 
 def _median(values: list[float | None]) -> float | None:

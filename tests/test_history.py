@@ -156,6 +156,12 @@ def test_each_phase_and_status_is_kept(tmp_path):
     assert (history.rounds_text(rows["invalid"]), rows["invalid"]["good"], rows["invalid"]["loss_aligned"]) == ("0/0/2/0", 0, 0)
     assert history.stats_of(db, unj)["train"]["tokens_per_gpu_s"]["n"] == 1
     assert history.stats_of(db, inv)["train"]["tokens_per_gpu_s"]["n"] == 0  # not a result
+    # the allocator's retries are kept beside the figures (median over rounds), none where none was recorded
+    tight = fake_results("tight", [100.0, 100.0, 100.0])
+    for rnd, n in zip(tight.rounds, (4, 0, 6)):
+        rnd.phases[0] = rnd.phases[0].model_copy(update={"alloc_retries": n})
+    assert history.stats_of(db, store(db, tight))["train"]["alloc_retries"]["median"] == 4.0
+    assert history.stats_of(db, unj)["train"]["alloc_retries"]["n"] == 0
 
 
 SCHEMA_1 = """

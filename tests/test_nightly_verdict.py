@@ -126,3 +126,28 @@ def test_each_phase_has_its_own_baseline_and_findings():
     assert v.findings[1]["message"].startswith(
         "llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2) phase finetune: tokens/p/s median 500 vs baseline 995"
     )
+
+
+def test_a_slower_night_at_its_memory_limit_says_the_allocator_retried():
+    """A night whose allocator gave its cache back for want of a free block names how often beside
+    a speed finding (and the baseline's count, or that the baseline recorded none); a night
+    without retries, or with none recorded, says nothing of it."""
+
+    def with_retries(tps: float, retries: float | None, mhz: float | None = None) -> dict:
+        st = stats(tps)
+        st["train"]["alloc_retries"] = {"n": 1, "median": retries}
+        st["train"]["sm_clock_mhz"] = {"n": 1, "median": mhz}
+        return st
+
+    base = [with_retries(1000.0, 0.0, 1530.0), with_retries(1000.0, 0.0, 1530.0)]
+    (f,) = verdict(with_retries(850.0, 12.0, 1530.0), base).findings
+    assert f["message"].endswith(
+        "; the GPUs' SM clock 1,530 MHz vs 1,530 in the baseline (+0.0%); the allocator gave its cache back 12 time(s) for want of a free block (baseline: 0)"
+    )
+    (f,) = verdict(with_retries(850.0, 3.0), [stats(1000.0), stats(1000.0)]).findings
+    assert f["message"].endswith(
+        "tolerance -10%; the allocator gave its cache back 3 time(s) for want of a free block (baseline: not recorded)"
+    )
+    for quiet in (0.0, None):
+        (f,) = verdict(with_retries(850.0, quiet), base).findings
+        assert "allocator" not in f["message"]

@@ -63,6 +63,7 @@ def resolved(tmp: Path, **over) -> dict:
         "init_std": 0.02,
         "seed": 1234,
         "profile_step": 0,
+        "ceiling_hold_s": 0,
     }
     parallel = {
         "tp": 1,

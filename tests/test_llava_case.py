@@ -334,6 +334,7 @@ def resolved(tmp: Path) -> dict:
         "adam_eps": 1.0e-8,
         "seed": 1234,
         "profile_step": 0,
+        "ceiling_hold_s": 0,
         "phases": {
             "pretrain": {"global_batch": 16, "micro_batch": 8, "lr": 1.0e-2, "min_lr": 1.0e-3, "lr_warmup_steps": 3, "lr_decay_steps": 30},
             "finetune": {"global_batch": 16, "micro_batch": 8, "lr": 2.0e-3, "min_lr": 2.0e-4, "lr_warmup_steps": 3, "lr_decay_steps": 30},

@@ -148,6 +148,37 @@ def _jump_reason(reference: Reference, loss: Mapping[int, float], steps: Sequenc
     return out
 
 
+def agreement_steps(reference: Reference) -> list[int]:
+    """Where repeats still agree: the reference's steps before 21, from its first on, up to (not
+    including) the first at which one repeat lies ALIGN_TOLERANCE or more from the mean of the
+    others (leave one out, as :func:`repeat_spread`), or at which a repeat has no finite loss;
+    [] for a reference without repeats. Repeats that part after a jump of the loss agree before
+    it (baichuan2_13b's through step 13), and there the 2 % rule can be resolved."""
+    out: list[int] = []
+    n = len(reference.repeats)
+    if n < 2:
+        return out
+    for s in sorted(reference.loss):
+        values = [r.loss.get(s) for r in reference.repeats]
+        if s >= ALIGN_FROM_STEP or any(v is None or not math.isfinite(v) for v in values):
+            break
+        total = sum(values)
+        others = [(total - v) / (n - 1) for v in values]
+        if any(o == 0 or abs(v - o) / abs(o) >= ALIGN_TOLERANCE for v, o in zip(values, others)):
+            break
+        out.append(s)
+    return out
+
+
+def _agreement(loss: Mapping[int, float], reference: Reference) -> tuple[float, list[int]] | None:
+    """The run's MRE over the reference's :func:`agreement_steps`, where there are at least
+    MIN_COMPARED_STEPS of them and the run has each; None elsewhere."""
+    steps = agreement_steps(reference)
+    if len(steps) < MIN_COMPARED_STEPS or any(s not in loss for s in steps):
+        return None
+    return loss_mre(loss, {s: reference.loss[s] for s in steps}, from_step=steps[0])[0], steps
+
+
 def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_steps: int) -> LossGate:
     """One phase's loss curve against its reference: aligned, not aligned or not judged, with why.
 
@@ -157,7 +188,11 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
     Against a mean of repeats whose spread is 2 % or more the reference's own noise is as large
     as the tolerance: the MRE is kept and the phase is not judged, unless the MRE is more than
     BEYOND_SPREAD times the spread (not aligned: further from the repeats than they are from each
-    other by that margin, as a model that sees the tokens it predicts is).
+    other by that margin, as a model that sees the tokens it predicts is), or unless the run is
+    2 % or more from their mean over the early steps where the repeats still agree within 2 %
+    (:func:`agreement_steps`, at least MIN_COMPARED_STEPS of them: not aligned, the verdict's
+    figures those of that range): there the rule can be resolved, and a run whose arithmetic
+    differs leaves the repeats before they part.
     """
     bad = first_nonfinite(loss, warmup_steps)
     if bad is not None:
@@ -181,11 +216,22 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
         raise BadReference(f"{reference.path}: {exc}") from None
     over = f"MRE {100 * mre:.2f}% over steps {steps[0]}-{steps[-1]}"
     tol = f"{100 * ALIGN_TOLERANCE:g}%"
+    early = _agreement(loss, reference) if cannot_resolve(reference) else None
     if cannot_resolve(reference) and mre > BEYOND_SPREAD * reference.spread:
         verdict = "not aligned"
         reason = (
             f"{over} against the mean of {len(reference.repeats)} runs, more than {BEYOND_SPREAD:g} times "
             f"their spread ({100 * reference.spread:.2f}%): beyond the repeats' own noise"
+        )
+    elif early is not None and early[0] >= ALIGN_TOLERANCE:  # off the repeats where they still agree
+        e_mre, e_steps = early
+        reason = (
+            f"MRE {100 * e_mre:.2f}% over steps {e_steps[0]}-{e_steps[-1]} (at least {tol}), where the reference's "
+            f"{len(reference.repeats)} repeats agree within {tol} of each other: the run leaves them before they part "
+            f"(from step {ALIGN_FROM_STEP} on they differ by {100 * reference.spread:.2f}%; {over})"
+        )
+        return LossGate(
+            verdict="not aligned", mre=e_mre, compared_steps=len(e_steps), first_step=e_steps[0], last_step=e_steps[-1], reason=reason
         )
     elif cannot_resolve(reference):  # no verdict within the repeats' own noise
         verdict = "not judged"
@@ -194,6 +240,8 @@ def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_st
             f"reference repeats differ by {100 * reference.spread:.2f}% among themselves (at least {tol}): "
             f"this batch and length cannot resolve the {tol} rule" + (f" (their loss jumps {where})" if where else "") + f"; {over}"
         )
+        if early is not None:
+            reason += f"; over steps {early[1][0]}-{early[1][-1]}, where the repeats agree within {tol}, MRE {100 * early[0]:.2f}%"
     else:
         verdict = "aligned" if mre < ALIGN_TOLERANCE else "not aligned"
         if reference.spread is not None:
@@ -216,10 +264,17 @@ def resolution_note(reference: Reference | None) -> str | None:
     where = reference_jump(reference)
     tol = f"{100 * ALIGN_TOLERANCE:g}%"
     if cannot_resolve(reference):
+        agree = agreement_steps(reference)
         return (
             f"its {len(reference.repeats)} repeats differ by {100 * reference.spread:.2f}% among themselves, so the {tol} rule "
             f"cannot be resolved: a run more than {100 * BEYOND_SPREAD * reference.spread:.2f}% from their mean is not aligned, "
-            "one within that is not judged" + (f"; their loss jumps {where}" if where else "")
+            "one within that is not judged"
+            + (
+                f"; over steps {agree[0]}-{agree[-1]}, where they agree within {tol}, a run {tol} or more from them is not aligned"
+                if len(agree) >= MIN_COMPARED_STEPS
+                else ""
+            )
+            + (f"; their loss jumps {where}" if where else "")
         )
     if not where:
         return None

@@ -299,15 +299,44 @@ def test_a_verdict_after_a_jump_of_the_reference_says_so():
     wide = metrics.mean_reference(
         "/runs/ac", [Repeat(path="/runs/a.json", loss=jumping()), Repeat(path="/runs/c.json", loss=jumping(4.2, at=15))]
     )
-    g = metrics.judge_loss({s: 4.1 for s in range(1, 31)}, wide, warmup_steps=5)
+    g = metrics.judge_loss({s: wide.loss[s] if s < 10 else 4.1 for s in range(1, 31)}, wide, warmup_steps=5)
     assert g.verdict == "not judged"
     assert "cannot resolve the 2% rule (their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)); MRE" in g.reason
     assert metrics.resolution_note(wide).endswith(
-        "one within that is not judged; their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)"
+        "one within that is not judged; over steps 1-6, where they agree within 2%, a run 2% or more from them is not aligned; "
+        "their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)"
     )
     # the run jumps where the reference does not: its not-aligned reason names the run's jump
     own = metrics.judge_loss(jumping(at=25, to=9.0), Reference(path="/refs/flat.json", loss={**jumping(), 14: 4.0}), warmup_steps=5)
     assert own.verdict == "not aligned" and own.reason.endswith("; the run's loss jumps at step 25 (4.00 to 9.00, above its first step's)")
+
+
+def test_repeats_that_part_still_judge_the_steps_where_they_agree():
+    """Repeats that cannot resolve 2 % from step 21 on (they part after a jump) agree before it;
+    over those steps the rule holds: a run 2 % or more off them there is not aligned (the verdict's
+    figures are that range's), one within it stays not judged and its reason gives that MRE."""
+    a = jumping()
+    b = {s: v * (1.001 if s < 14 else 1.2) for s, v in a.items()}  # equal to 0.1 % through step 13, 20 % apart after
+    wide = metrics.mean_reference("/runs/ab", [Repeat(path="/runs/a.json", loss=a), Repeat(path="/runs/b.json", loss=b)])
+    assert metrics.cannot_resolve(wide) and metrics.agreement_steps(wide) == list(range(1, 14))
+    like = {s: wide.loss[s] * (1.004 if s < 14 else 1.05) for s in range(1, 31)}
+    g = metrics.judge_loss(like, wide, warmup_steps=5)
+    assert (g.verdict, g.first_step, g.last_step) == ("not judged", 21, 30)
+    assert g.reason.endswith("; over steps 1-13, where the repeats agree within 2%, MRE 0.40%")
+    off = {s: wide.loss[s] * (1.03 if s < 14 else 1.05) for s in range(1, 31)}  # 3 % off before they part, 5 % after
+    g = metrics.judge_loss(off, wide, warmup_steps=5)
+    assert (g.verdict, g.compared_steps, g.first_step, g.last_step) == ("not aligned", 13, 1, 13) and g.mre == pytest.approx(0.03)
+    assert g.reason.startswith(
+        "MRE 3.00% over steps 1-13 (at least 2%), where the reference's 2 repeats agree within 2% of each other: "
+        "the run leaves them before they part (from step 21 on they differ by "
+    )
+    assert round_status([], {"train": g})[0] == "invalid"
+    # too few steps of agreement (repeats apart from step 5 on), or none (one curve): no such verdict
+    early = {s: v * (1.001 if s < 5 else 1.2) for s, v in a.items()}
+    short = metrics.mean_reference("/runs/ae", [Repeat(path="/runs/a.json", loss=a), Repeat(path="/runs/e.json", loss=early)])
+    assert metrics.agreement_steps(short) == [1, 2, 3, 4]
+    assert metrics.judge_loss({s: short.loss[s] * (1.03 if s < 5 else 1.05) for s in range(1, 31)}, short, 5).verdict == "not judged"
+    assert metrics.agreement_steps(Reference(path="/refs/one.json", loss=a)) == []
 
 
 def test_the_committed_baichuan2_curve_jumps_at_step_14():

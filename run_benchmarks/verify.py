@@ -10,6 +10,8 @@ recomputed from the repeats it keeps); per round, the one-phase figures
 and the loss aggregates, and a status that agrees with the phases' verdicts. A schema-1
 file has no per-step records: what cannot be recomputed is said in one line, and MFU
 (from tokens/p/s and the counts) and the loss verdict (from its recorded curve) are checked.
+A ``code_version`` that is not a commit of the repository the harness runs from (a full clone)
+is said in a note: the code that made the figures cannot be checked out from here.
 
 Exit status: 0 every figure matches, 1 a mismatch (listed), 2 a file that cannot be read.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +156,33 @@ def _round(res: tr.RunResults, rnd: tr.RoundResult, check: Check) -> None:
         check.field(where, "status", rnd.status, round_status([], {ph: g for ph, g in gates.items() if g is not None})[0])
 
 
+def commit_note(path: Path, version: str | None) -> str | None:
+    """A note where ``version`` (results.json's ``code_version``, maybe ``+changes``) names no commit
+    of the repository the harness runs from; None where it does, where none is recorded, or where
+    this is no full git clone (no git, or a shallow one: its history cannot tell)."""
+    from run_benchmarks.registry import ROOT
+
+    if not version:
+        return None
+    sha = version.removesuffix("+changes")
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    shallow = git("rev-parse", "--is-shallow-repository")
+    if shallow is None or shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        return None
+    found = git("cat-file", "-e", f"{sha}^{{commit}}")
+    if found is None or found.returncode == 0:
+        return None
+    return (
+        f"{path}: code_version {version} is not a commit of this repository ({ROOT}): the code that made it cannot be checked out from here"
+    )
+
+
 def verify_file(path: Path) -> Check:
     """Every mismatch and note of one file; InputError when it cannot be read."""
     res = tr.load(path)
@@ -164,6 +194,9 @@ def verify_file(path: Path) -> Check:
         )
     for rnd in res.rounds:
         _round(res, rnd, check)
+    note = commit_note(path, res.code_version)
+    if note:
+        check.notes.append(note)
     if not check.mismatches:
         check.notes.append(
             f"{path}: every figure of {len(res.rounds)} round(s) matches its records"

@@ -153,3 +153,24 @@ def test_same():
     assert verify.same(math.nan, math.nan) and not verify.same(None, 0.0) and not verify.same(math.nan, 1.0)
     assert verify.same({1: [1.0, None]}, {1: [1.0, None]}) and not verify.same({1: 1.0}, {2: 1.0})
     assert verify.same(fake_phase().window, fake_phase().window)
+
+
+def test_a_code_version_that_is_no_commit_here_is_said(tmp_path):
+    """A results.json whose code_version names no commit of this repository (a mistyped one, or a
+    fork's) gets a note; a real commit, with or without +changes, none. Needs a full git clone."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    if head.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("not a full git clone: its history cannot tell")
+    bogus = "df9877807671779675f5ec27713a0df6c092c9f3"  # a HEAD's head and another commit's tail
+    path = write(tmp_path, consistent().model_copy(update={"code_version": bogus}))
+    assert findings(path) == (
+        0,
+        [
+            f"{path}: code_version {bogus} is not a commit of this repository ({ROOT}): the code that made it cannot be checked out from here",
+            f"{path}: every figure of 1 round(s) matches its records",
+        ],
+    )
+    for version in (head.stdout.strip(), head.stdout.strip() + "+changes"):
+        path = write(tmp_path, consistent().model_copy(update={"code_version": version}), "real.json")
+        assert findings(path) == (0, [f"{path}: every figure of 1 round(s) matches its records"])

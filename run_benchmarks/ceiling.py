@@ -26,6 +26,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.errors import InputError
+from run_benchmarks.results import hold_text
 from training import metriclog as ml
 
 
@@ -67,7 +68,7 @@ def table(
         f"  {'kernel':22s} {'shape':28s} {'count':>5s}   {'fwd ms':>8s} {'dgrad ms':>9s} {'wgrad ms':>9s}  TFLOP/s"
         + ("   SM MHz" if "sm_clock_mhz" in ceiling else ""),
     ]
-    held = f", each part after {ceiling['hold_s']:g} s of its own load" if ceiling.get("hold_s") else ""
+    held = hold_text(ceiling.get("hold_s"))
     if "sm_clock_mhz" in ceiling:  # the clock each part ended its timing at (training/ceiling.py)
         lines.insert(3, f"  SM clock as the parts were timed: median {ceiling['sm_clock_mhz']:,.0f} MHz{held}")
     elif held:

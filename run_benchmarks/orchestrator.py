@@ -338,21 +338,24 @@ def evaluate_round(
     )
 
 
-def code_version() -> str | None:
-    """The commit the harness runs from (``+changes`` when files differ from it), so a committed
-    result names the code that made it; ``FLAGBENCH_CODE_VERSION`` when set (a tree copied to another
-    machine), else None outside a git checkout."""
+def git(*args: str) -> str | None:
+    """``git <args>`` in the harness's own checkout: its output, stripped, or None where git is
+    missing, fails or takes over 10 s."""
     import subprocess
 
     from run_benchmarks.registry import ROOT
 
-    def git(*args: str) -> str | None:
-        try:
-            p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return p.stdout.strip() if p.returncode == 0 else None
+    try:
+        p = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
 
+
+def code_version() -> str | None:
+    """The commit the harness runs from (``+changes`` when files differ from it), so a committed
+    result names the code that made it; ``FLAGBENCH_CODE_VERSION`` when set (a tree copied to another
+    machine), else None outside a git checkout."""
     if os.environ.get("FLAGBENCH_CODE_VERSION"):  # a copied tree whose own git (if any) is not the code's: as its sender said
         return os.environ["FLAGBENCH_CODE_VERSION"]
     head = git("rev-parse", "HEAD")

@@ -201,6 +201,12 @@ def clock_text(c: DeviceClocks) -> str:
     return text + (", held down by " + ", ".join(held) if held else ", never held down")
 
 
+def hold_text(hold_s: float | None) -> str:
+    """``, each part after 3 s of its own load`` for a ceiling timed after a hold
+    (``train.ceiling_hold_s``), "" for one timed in bursts."""
+    return f", each part after {hold_s:g} s of its own load" if hold_s else ""
+
+
 def ceiling_clock(p: PhaseResult) -> tuple[float | None, float]:
     """The SM clock the phase's kernel ceiling was timed at (training/ceiling.py), where recorded,
     and the seconds each part ran before it was timed (``train.ceiling_hold_s``; 0: none)."""
@@ -221,10 +227,9 @@ def clock_lines(res: RunResults) -> list[str]:
                 continue
             c = p.device_clocks
             steps = " (no samples)" if c is None else f" ({c.samples} samples): {clock_text(c)}"
-            held = f", each part after {hold:g} s of its own load" if hold else ""
             out.append(
                 f"- round {rnd.round}, phase {p.phase}{steps}"
-                + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz{held}")
+                + ("" if at is None else f"; the kernel ceiling was timed at {at:,.0f} MHz{hold_text(hold)}")
             )
     return ["", "GPU clocks over the phase's steps (NVML):", *out] if out else []
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ from pydantic import BaseModel
 from run_benchmarks import metrics
 from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
-from run_benchmarks.orchestrator import round_status
+from run_benchmarks.orchestrator import git, round_status
 from training.flops import mfu
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
@@ -162,21 +161,9 @@ def commit_note(path: Path, version: str | None) -> str | None:
     this is no full git clone (no git, or a shallow one: its history cannot tell)."""
     from run_benchmarks.registry import ROOT
 
-    if not version:
+    if not version or git("rev-parse", "--is-shallow-repository") != "false":
         return None
-    sha = version.removesuffix("+changes")
-
-    def git(*args: str) -> subprocess.CompletedProcess | None:
-        try:
-            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-
-    shallow = git("rev-parse", "--is-shallow-repository")
-    if shallow is None or shallow.returncode != 0 or shallow.stdout.strip() != "false":
-        return None
-    found = git("cat-file", "-e", f"{sha}^{{commit}}")
-    if found is None or found.returncode == 0:
+    if git("cat-file", "-e", f"{version.removesuffix('+changes')}^{{commit}}") is not None:  # found
         return None
     return (
         f"{path}: code_version {version} is not a commit of this repository ({ROOT}): the code that made it cannot be checked out from here"

@@ -98,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
         help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
         "(e.g. another parallel layout of the same case) or a {steps, loss} file; given several times (repeats "
         "of one config), with their per-step mean, not judged when they differ by 2%% or more among themselves "
-        "(unless the run is more than twice that spread away from their mean: not aligned)",
+        "(unless the run is more than twice that spread away from their mean, or 2%% or more from it over the early "
+        "steps where they still agree within 2%%: not aligned)",
     )
     ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
     ap.add_argument(

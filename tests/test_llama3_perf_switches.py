@@ -63,6 +63,16 @@ def test_switch_values_are_read_and_checked(tmp_path):
             True,
         ),
         "parallel.sequence_parallel needs parallel.tp > 1": ({"sequence_parallel": True, "fused_elementwise": "compile"}, False),
+        "parallel.cross_entropy must be one of megatron, fused, liger, got 'te'": ({"cross_entropy": "te"}, True),
+        "parallel.cross_entropy: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
+        "(this vendor's device is cpu); use megatron or fused": ({"cross_entropy": "liger"}, False),
+        "parallel.cross_entropy: fused is megatron's fused cross-entropy, which hands its gradient back in bf16; "
+        "train.precision is fp32: use megatron or liger": ({"cross_entropy": "fused"}, True),
+        "parallel.cross_entropy: liger replaces the cross-entropy after the output layer; parallel.fused_linear_loss: "
+        "chunked computes the output layer and the loss in one: set one of them off": (
+            {"cross_entropy": "liger", "fused_linear_loss": "chunked"},
+            True,
+        ),
         "parallel.fused_adam must be true or false": ({"fused_adam": "yes"}, False),
         "parallel.gradient_accumulation_fusion must be true or false": ({"gradient_accumulation_fusion": "on"}, False),
         "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload": (
@@ -76,6 +86,9 @@ def test_switch_values_are_read_and_checked(tmp_path):
         with pytest.raises(st.SettingsError) as err:
             st.from_config(_cuda(cfg) if on_cuda else cfg, world_size=world)
         assert message in str(err.value)
+    for ce in ("megatron", "fused", "liger"):
+        cfg = _cuda(resolved_config(tmp_path, 1, "x", parallel={"cross_entropy": ce}, precision="bf16"))
+        assert st.from_config(cfg, world_size=1).layout.cross_entropy == ce
     for fused in ("compile", "liger"):  # the case's own norms run under sequence parallelism
         cfg = _cuda(resolved_config(tmp_path, 2, "x", parallel={"tp": 2, "sequence_parallel": True, "fused_elementwise": fused}))
         assert st.from_config(cfg, world_size=2).layout.sequence_parallel is True
@@ -108,6 +121,9 @@ def test_case_and_vendor_configs_carry_the_switches():
     assert case["standard"]["parallel"]["gradient_accumulation_fusion"] is False
     assert "parallel.gradient_accumulation_fusion" in case["vendor_may_change"]
     assert {"parallel.fused_rope", "parallel.fused_linear_loss"} <= set(case["vendor_may_change"])
+    assert case["standard"]["parallel"]["cross_entropy"] == "megatron" and "parallel.cross_entropy" in case["vendor_may_change"]
+    for f in files:
+        assert yaml.safe_load(f.read_text()).get("parallel", {}).get("cross_entropy", "megatron") in st.CROSS_ENTROPY, f.name
 
 
 _MODEL_CHECK = r"""
@@ -483,6 +499,127 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
             assert other["grads"].keys() == tp["grads"].keys()
             for name, g in tp["grads"].items():
                 assert other["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+
+
+_CROSS_ENTROPY_CHECK = r"""
+import json, sys
+from training import runtime
+cfg = runtime.setup(["--config", sys.argv[1]])
+import torch, torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+import megatron.core.fusions.fused_cross_entropy as fce
+import megatron.core.models.common.language_module.language_module as lm
+from cases.llama3.megatron import modeling, settings, startweights
+
+dist.init_process_group("gloo")
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
+model_parallel_cuda_manual_seed(1234)
+# megatron compiles its fused cross-entropy with Inductor; here the same graphs run through aot_eager
+for name in ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"):
+    fn = getattr(fce, name)
+    setattr(fce, name, torch.compile(getattr(fn, "_torchdynamo_orig_callable", fn), backend="aot_eager"))
+calls = []
+fused_ce = lm.fused_vocab_parallel_cross_entropy
+lm.fused_vocab_parallel_cross_entropy = lambda *a: calls.append(1) or fused_ce(*a)
+gen = torch.Generator().manual_seed(11)  # the same tokens on both ranks, as tensor parallelism has them
+tokens = torch.randint(0, 1024, (2, 128), generator=gen)
+labels = torch.randint(0, 1024, (2, 128), generator=gen)
+position_ids = torch.arange(128).expand(2, 128)
+out = {"rank": dist.get_rank()}
+for name in ("megatron", "fused"):
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "cross_entropy": name}}, 2)
+    config = modeling.transformer_config(s)
+    model = modeling.build_model(s, config)
+    startweights.overwrite(model, s)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    before = len(calls)
+    loss = ddp(tokens, position_ids, None, labels=labels)
+    (loss.float() * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).mean().backward()
+    finalize_model_grads([ddp])
+    out[name] = {
+        "loss": loss.float().mean().item(),
+        "dtype": str(loss.dtype),
+        "fused_calls": len(calls) - before,
+        "grads": {n: p.main_grad.float().flatten().tolist() for n, p in model.named_parameters()},
+    }
+with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:
+    json.dump(out, fh)
+"""
+
+
+@pytest.mark.framework("megatron")
+def test_megatrons_fused_cross_entropy_matches_its_own_under_tensor_parallelism(tmp_path):
+    """``parallel.cross_entropy: fused`` (megatron's fused vocabulary-parallel cross-entropy) on two
+    tensor-parallel ranks of the tiny model in bf16: the fused function runs once per forward, and
+    the loss and every gradient equal those of megatron's own cross-entropy from the same
+    starting weights (the logits' gradient is bf16 on both paths)."""
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, precision="bf16")))
+    script = tmp_path / "check.py"
+    script.write_text(_CROSS_ENTROPY_CHECK)
+    cmd = [
+        py,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        str(path),
+        str(tmp_path / "out"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"out.{rank}").read_text())
+        plain, fused = res["megatron"], res["fused"]
+        assert (plain["fused_calls"], fused["fused_calls"]) == (0, 1)
+        assert plain["dtype"] == fused["dtype"] == "torch.float32"
+        assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+        assert plain["grads"].keys() == fused["grads"].keys() and len(plain["grads"]) >= 10
+        for name, g in plain["grads"].items():
+            assert fused["grads"][name] == pytest.approx(g, rel=2e-2, abs=2e-3 * max(map(abs, g))), name
+
+
+def _cuda_with_liger() -> bool:
+    try:
+        import liger_kernel  # noqa: F401
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda_with_liger(), reason="needs a CUDA device with torch and liger-kernel: runs on the GPU machine")
+def test_liger_cross_entropy_equals_torchs_on_a_gpu():
+    """``parallel.cross_entropy: liger`` on one CUDA device (no TP): the per-token loss of bf16
+    logits and their gradient under a non-uniform incoming gradient equal torch's cross-entropy
+    of the same logits in float32."""
+    import torch
+    import torch.nn.functional as F
+
+    from cases.llama3.megatron import kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    s, b, v = 512, 2, 32000
+    logits = (torch.randn(s, b, v, device="cuda", generator=gen) * 4).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, v, (s, b), device="cuda", generator=gen)
+    weight = torch.rand(s, b, device="cuda", generator=gen)
+    loss = kernels.liger_cross_entropy(logits, labels, None)
+    (loss * weight).sum().backward()
+    ref_logits = logits.detach().float().requires_grad_()
+    ref = F.cross_entropy(ref_logits.view(-1, v), labels.view(-1), reduction="none").view(s, b)
+    (ref * weight).sum().backward()
+    assert loss.shape == (s, b) and loss.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    assert float((loss - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    assert float((logits.grad.float() - ref_logits.grad).abs().max()) < 1e-2 * float(ref_logits.grad.abs().max())
+    with pytest.raises(RuntimeError, match="parallel.cross_entropy: liger runs Triton kernels on CUDA devices"):
+        kernels.liger_cross_entropy(logits.detach().cpu(), labels.cpu(), None)
 
 
 _ADAM_CHECK = r"""

@@ -52,9 +52,9 @@ def _liger(what: str) -> Any:
     return f
 
 
-def _check_cuda(x: torch.Tensor, what: str) -> None:
+def _check_cuda(x: torch.Tensor, what: str, switch: str = "parallel.fused_elementwise") -> None:
     if x.device.type != "cuda":
-        raise RuntimeError(f"parallel.fused_elementwise: liger runs Triton kernels on CUDA devices; {what} got a {x.device.type} tensor")
+        raise RuntimeError(f"{switch}: liger runs Triton kernels on CUDA devices; {what} got a {x.device.type} tensor")
 
 
 class _Norm(torch.nn.RMSNorm):
@@ -458,6 +458,28 @@ def linear_cross_entropy(
     flat_labels = labels.transpose(0, 1).reshape(-1)
     loss = LinearCrossEntropy.apply(hidden.reshape(s * b, h), weight, flat_labels, group, chunk, reduce_dx)
     return loss.view(s, b).transpose(0, 1).contiguous()
+
+
+# -- the cross-entropy after the output layer ----------------------------------------------
+
+
+def liger_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any) -> torch.Tensor:
+    """``parallel.cross_entropy: liger``: per-token loss ``[s, b]`` of this rank's vocabulary share
+    of the logits ``[s, b, vocab / tp]`` against labels ``[s, b]``, through liger-kernel's
+    vocabulary-parallel cross-entropy (``LigerVocabParallelCEFunction``: one Triton kernel writes
+    exp(logit - max) in float32 with each token's local sum and target logit, the sums are
+    all-reduced over ``group`` (None: no TP), and the backward turns that buffer into the logits'
+    gradient in place). Megatron's arithmetic (no label smoothing); ignore_index -100 never
+    matches a token id. CUDA only."""
+    _check_cuda(logits, "the cross-entropy", "parallel.cross_entropy")
+    try:
+        from liger_kernel.ops.vocab_parallel_cross_entropy import LigerVocabParallelCEFunction
+    except ImportError as exc:
+        raise RuntimeError(
+            f"parallel.cross_entropy: liger needs liger-kernel 0.8.5 or later (its vocabulary-parallel cross-entropy): {exc}; "
+            "install it (pip install liger-kernel==0.8.5) or choose megatron or fused"
+        ) from exc
+    return LigerVocabParallelCEFunction.apply(logits, labels, group, -100, 0.0, "megatron", "partition")
 
 
 # -- weight-gradient accumulation in the GEMM ---------------------------------------------

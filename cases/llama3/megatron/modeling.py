@@ -403,6 +403,9 @@ def transformer_config(s: Settings) -> TransformerConfig:
         apply_rope_fusion=False,
         gradient_accumulation_fusion=lay.gradient_accumulation_fusion,  # the trainer installs kernels.install_wgrad_accumulation
         persist_layer_norm=False,
+        # parallel.cross_entropy: fused is megatron's own fused vocabulary-parallel cross-entropy
+        cross_entropy_loss_fusion=lay.cross_entropy == "fused",
+        cross_entropy_fusion_impl="native",
         deallocate_pipeline_outputs=True,
         # the MLP calls an activation module (kernels.py) on the whole fc1 output
         use_te_activation_func=fused_elementwise_in_use(s) != "none",
@@ -450,6 +453,18 @@ class FusedLossGPTModel(GPTModel):
         return kernels.linear_cross_entropy(hidden, self.output_layer.weight, labels, group, reduce_dx=False)
 
 
+class LigerLossGPTModel(GPTModel):
+    """GPTModel whose cross-entropy after the output layer is liger-kernel's vocabulary-parallel
+    one (``parallel.cross_entropy: liger``, kernels.liger_cross_entropy); the output layer and
+    everything before it are megatron's."""
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+        loss = kernels.liger_cross_entropy(logits, labels.transpose(0, 1).contiguous(), group)  # [s, b]
+        return loss.transpose(0, 1).contiguous()
+
+
 def _hand_on(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None, **kwargs: Any) -> tuple:
     """The output layer's forward under the fused loss: the hidden states, no bias."""
     if weight is not None:
@@ -461,7 +476,11 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model (all layers when pp == 1)."""
     if s.layout.fused_rope == "compile":
         kernels.install_compiled_rope()
-    model_class = FusedLossGPTModel if s.layout.fused_linear_loss == "chunked" else GPTModel
+    model_class = GPTModel
+    if s.layout.fused_linear_loss == "chunked":
+        model_class = FusedLossGPTModel
+    elif s.layout.cross_entropy == "liger":
+        model_class = LigerLossGPTModel
     model = model_class(
         config=config,
         transformer_layer_spec=decoder_spec(s, config),

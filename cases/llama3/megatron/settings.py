@@ -22,6 +22,9 @@ listed there), and this case's own:
   ``fused_rope`` (none|compile: megatron's unfused RoPE as one torch.compile region),
   ``fused_linear_loss`` (none|chunked: output layer and cross-entropy in one, a chunk of
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
+  ``cross_entropy`` (megatron|fused|liger: the vocabulary-parallel cross-entropy after the
+  output layer: megatron's own, megatron's fused one (bf16 only), or liger-kernel's Triton
+  kernels (cuda); not with ``fused_linear_loss: chunked``, which computes its own),
   ``transformer_impl`` (auto|local|transformer_engine), ``fused_adam`` (torch's AdamW
   as its fused kernel where megatron falls back to torch's optimizer; kernels.fuse_adam),
   ``gradient_accumulation_fusion`` (each weight gradient added to its float32 main_grad
@@ -54,6 +57,7 @@ ATTENTION = ("sdpa", "cudnn", "local", "te")
 FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
 FUSED_ROPE = ("none", "compile")
 FUSED_LINEAR_LOSS = ("none", "chunked")
+CROSS_ENTROPY = ("megatron", "fused", "liger")
 TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
 TP_COMM_OVERLAP = ("none", "halves")
 
@@ -92,6 +96,7 @@ class Layout:
     fused_elementwise: str = "none"
     fused_rope: str = "none"
     fused_linear_loss: str = "none"
+    cross_entropy: str = "megatron"
     transformer_impl: str = "auto"
     fused_adam: bool = False
     gradient_accumulation_fusion: bool = False
@@ -161,6 +166,7 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         fused_elementwise=_choice(_get(parallel, "fused_elementwise", "parallel", "none"), "parallel.fused_elementwise", FUSED_ELEMENTWISE),
         fused_rope=_choice(_get(parallel, "fused_rope", "parallel", "none"), "parallel.fused_rope", FUSED_ROPE),
         fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
+        cross_entropy=_choice(_get(parallel, "cross_entropy", "parallel", "megatron"), "parallel.cross_entropy", CROSS_ENTROPY),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         fused_adam=_bool(_get(parallel, "fused_adam", "parallel", False), "parallel.fused_adam"),
         gradient_accumulation_fusion=_bool(
@@ -214,6 +220,11 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         _divides("seq_length over tensor parallelism (sequence parallel)", layout.tp, shape.seq_length, fix)
     if layout.tp_comm_overlap == "halves":
         _check_halves(layout)
+    if layout.cross_entropy != "megatron" and layout.fused_linear_loss != "none":
+        raise SettingsError(
+            f"parallel.cross_entropy: {layout.cross_entropy} replaces the cross-entropy after the output layer; "
+            f"parallel.fused_linear_loss: {layout.fused_linear_loss} computes the output layer and the loss in one: set one of them off"
+        )
     if layout.overlap_param_gather and not layout.distributed_optimizer:
         raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
     if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
@@ -257,6 +268,20 @@ def check_device(layout: Layout, device: str) -> None:
             f"parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
             f"(this vendor's device is {device}); use none or compile"
         )
+    if layout.cross_entropy == "liger":
+        raise SettingsError(
+            f"parallel.cross_entropy: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
+            f"(this vendor's device is {device}); use megatron or fused"
+        )
+
+
+def check_precision(layout: Layout, precision: str) -> None:
+    """Switches made for one precision."""
+    if layout.cross_entropy == "fused" and precision != "bf16":
+        raise SettingsError(
+            f"parallel.cross_entropy: fused is megatron's fused cross-entropy, which hands its gradient back in bf16; "
+            f"train.precision is {precision}: use megatron or liger"
+        )
 
 
 def from_config(cfg: dict, world_size: int) -> Settings:
@@ -268,4 +293,5 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     layout = derive_layout(c.sections["parallel"], c.train.micro_batch, c.train.global_batch, world_size)
     check_layout_fits(shape, layout)
     check_device(layout, c.device)
+    check_precision(layout, c.train.precision)
     return Settings(**common.fields_of(Settings, common.flat(c)), shape=shape, layout=layout)

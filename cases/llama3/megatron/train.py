@@ -256,6 +256,7 @@ class Trainer:
                 fused_elementwise=modeling.fused_elementwise_in_use(s),
                 fused_rope=lay.fused_rope,
                 fused_linear_loss=lay.fused_linear_loss,
+                cross_entropy=lay.cross_entropy,
                 fused_adam=lay.fused_adam,
                 adam_kernel=self.adam_kernel,
                 wgrad_accumulation=self.wgrad_accumulation,

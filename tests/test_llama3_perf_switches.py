@@ -73,6 +73,19 @@ def test_switch_values_are_read_and_checked(tmp_path):
             {"cross_entropy": "liger", "fused_linear_loss": "chunked"},
             True,
         ),
+        "parallel.fused_add_norm runs in the case's own norms: set parallel.fused_elementwise to compile or liger": (
+            {"fused_add_norm": True},
+            False,
+        ),
+        "parallel.fused_add_norm and parallel.tp_comm_overlap: halves each run their own layer: set one of them off": (
+            {"tp": 2, "fused_add_norm": True, "fused_elementwise": "compile", "tp_comm_overlap": "halves"},
+            False,
+        ),
+        "parallel.fused_add_norm hands each layer's last sum to the next, which full recompute would replay": (
+            {"fused_add_norm": True, "fused_elementwise": "compile", "recompute": "full"},
+            False,
+        ),
+        "parallel.fused_add_norm must be true or false": ({"fused_add_norm": "fast"}, False),
         "parallel.fused_adam must be true or false": ({"fused_adam": "yes"}, False),
         "parallel.gradient_accumulation_fusion must be true or false": ({"gradient_accumulation_fusion": "on"}, False),
         "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload": (
@@ -122,6 +135,7 @@ def test_case_and_vendor_configs_carry_the_switches():
     assert "parallel.gradient_accumulation_fusion" in case["vendor_may_change"]
     assert {"parallel.fused_rope", "parallel.fused_linear_loss"} <= set(case["vendor_may_change"])
     assert case["standard"]["parallel"]["cross_entropy"] == "megatron" and "parallel.cross_entropy" in case["vendor_may_change"]
+    assert case["standard"]["parallel"]["fused_add_norm"] is False and "parallel.fused_add_norm" in case["vendor_may_change"]
     for f in files:
         assert yaml.safe_load(f.read_text()).get("parallel", {}).get("cross_entropy", "megatron") in st.CROSS_ENTROPY, f.name
 
@@ -430,7 +444,13 @@ labels = torch.randint(0, 1024, (2, 128), generator=gen)
 position_ids = torch.arange(128).expand(2, 128)
 out = {"rank": dist.get_rank()}
 kernels.FUSED_LOSS_CHUNK = 48  # several chunks, the last one short
-variants = {"tp": {}, "sp": {"sequence_parallel": True}, "sp_loss": {"sequence_parallel": True, "fused_linear_loss": "chunked"}}
+variants = {
+    "tp": {},
+    "sp": {"sequence_parallel": True},
+    "sp_loss": {"sequence_parallel": True, "fused_linear_loss": "chunked"},
+    "tp_add_norm": {"fused_add_norm": True},
+    "sp_add_norm": {"sequence_parallel": True, "fused_add_norm": True},
+}
 for name, par in variants.items():
     s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 2)
     config = modeling.transformer_config(s)
@@ -447,6 +467,7 @@ for name, par in variants.items():
         "norm_input": seen[0],
         "marked": sorted(n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)),
         "type": type(model).__name__,
+        "layers": sorted({type(layer).__name__ for layer in model.decoder.layers}),
         "grads": {n: p.main_grad.flatten().tolist() for n, p in model.named_parameters()},
     }
 with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:  # one file a rank: their stdout lines would interleave
@@ -459,7 +480,9 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
     """``parallel.sequence_parallel`` without TransformerEngine: with the compiled norms each of two
     tensor-parallel ranks normalizes half of the sequence, and after megatron's gradient
     finalization the loss and every gradient shard equal those of plain tensor parallelism; so
-    do they with the chunked fused loss on top (which gathers the sequence shares itself)."""
+    do they with the chunked fused loss on top (which gathers the sequence shares itself), and with
+    each residual sum fused into the norm after it (``fused_add_norm``), with and without sequence
+    parallelism."""
     py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
     path = tmp_path / "resolved.json"
     path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"})))
@@ -494,7 +517,9 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
             "decoder.layers.1.input_layernorm.weight",
             "decoder.layers.1.pre_mlp_layernorm.weight",
         ]
-        for other in (sp, sp_loss):
+        assert res["tp_add_norm"]["layers"] == res["sp_add_norm"]["layers"] == ["AddNormLayer"] and tp["layers"] == ["TransformerLayer"]
+        assert res["sp_add_norm"]["norm_input"] == [64, 2, 64] and res["sp_add_norm"]["marked"] == sp["marked"]
+        for other in (sp, sp_loss, res["tp_add_norm"], res["sp_add_norm"]):
             assert other["loss"] == pytest.approx(tp["loss"], rel=1e-6)
             assert other["grads"].keys() == tp["grads"].keys()
             for name, g in tp["grads"].items():
@@ -620,6 +645,37 @@ def test_liger_cross_entropy_equals_torchs_on_a_gpu():
     assert float((logits.grad.float() - ref_logits.grad).abs().max()) < 1e-2 * float(ref_logits.grad.abs().max())
     with pytest.raises(RuntimeError, match="parallel.cross_entropy: liger runs Triton kernels on CUDA devices"):
         kernels.liger_cross_entropy(logits.detach().cpu(), labels.cpu(), None)
+
+
+@pytest.mark.skipif(not _cuda_with_liger(), reason="needs a CUDA device with torch and liger-kernel: runs on the GPU machine")
+def test_liger_add_norm_equals_the_sum_then_the_norm_on_a_gpu():
+    """``parallel.fused_add_norm`` with liger's norms on one CUDA device: ``add_forward`` gives the
+    residual sum and its norm as megatron's add followed by the liger norm does, and the same
+    gradients for both inputs and the weight under non-uniform incoming gradients of both outputs."""
+    import torch
+
+    from cases.llama3.megatron import kernels
+
+    class Config:
+        normalization, sequence_parallel = "RMSNorm", False
+
+    torch.manual_seed(7)
+    norm = kernels.LigerRMSNorm(Config(), 4096, eps=1e-5).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, r = (torch.randn(1024, 2, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    gy, gs = (torch.randn(1024, 2, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    y, total = norm.add_forward(x, r)
+    torch.autograd.backward([y, total], [gy, gs])
+    fused = [t.grad.clone() for t in (x, r)] + [norm.weight.grad.clone()]
+    x.grad = r.grad = norm.weight.grad = None
+    total_ref = r + x
+    y_ref = norm(total_ref)
+    torch.autograd.backward([y_ref, total_ref], [gy, gs])
+    assert torch.equal(total, total_ref)
+    assert float((y.float() - y_ref.float()).abs().max()) <= 2e-2 * float(y_ref.float().abs().max())
+    for got, want in zip(fused, [x.grad, r.grad, norm.weight.grad]):
+        assert float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
 
 
 _ADAM_CHECK = r"""

@@ -42,6 +42,8 @@ def _liger(what: str) -> Any:
     try:
         if what == "rms_norm":
             from liger_kernel.ops.rms_norm import LigerRMSNormFunction as f
+        elif what == "add_rms_norm":
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as f
         else:
             from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction as f
     except ImportError as exc:
@@ -73,10 +75,20 @@ class _Norm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual sum ``residual + x`` and its RMSNorm, ``(norm, sum)``."""
+    total = residual + x
+    return fused.torch_rms_norm(total, weight, eps), total
+
+
 class CompiledRMSNorm(_Norm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # torch.nn.RMSNorm's own arithmetic (F.rms_norm), not the round-then-scale order
         return fused.compiled(fused.torch_rms_norm)(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``parallel.fused_add_norm``: ``(norm(residual + x), residual + x)`` as one compiled region."""
+        return fused.compiled(add_rms_norm)(x, residual, self.weight, self.eps)
 
 
 class LigerRMSNorm(_Norm):
@@ -84,6 +96,13 @@ class LigerRMSNorm(_Norm):
         _check_cuda(x, "LigerRMSNorm")
         # offset 0, casting mode "llama" (torch's order), not in place, default row mode
         return _liger("rms_norm").apply(x, self.weight, self.eps, 0.0, "llama", False, None)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``parallel.fused_add_norm``: ``(norm(residual + x), residual + x)`` in one liger kernel
+        each way (``LigerFusedAddRMSNormFunction``, casting mode "llama", not in place); its
+        backward adds the two gradients of the sum too."""
+        _check_cuda(x, "LigerRMSNorm")
+        return _liger("add_rms_norm").apply(x, residual, self.weight, self.eps, 0.0, "llama", False)
 
 
 class _SwiGLU(torch.nn.Module):

@@ -214,6 +214,10 @@ def layer_spec(s: Settings) -> ModuleSpec:
                 "parallel.tp_comm_overlap: halves runs megatron's local layers, not TransformerEngine's (set transformer_impl: local)"
             )
         spec.module = HalvesOverlapLayer
+    if s.layout.fused_add_norm:
+        if fused == "none":
+            raise RuntimeError("parallel.fused_add_norm runs in the case's own norms: set parallel.fused_elementwise to compile or liger")
+        spec.module = AddNormLayer
     if fused != "none":
         spec.submodules.input_layernorm = kernels.NORMS[fused]
         spec.submodules.pre_mlp_layernorm = kernels.NORMS[fused]
@@ -319,8 +323,55 @@ class HalvesOverlapLayer(TransformerLayer):
         return out, None
 
 
+class AddNormLayer(TransformerLayer):
+    """megatron's transformer layer with each residual sum and the RMSNorm after it as one kernel
+    (``parallel.fused_add_norm``; the norms' ``add_forward``, kernels.py):
+
+        norm(x) -> attention -> (norm(x + a), x + a) -> MLP -> hand m on
+
+    The sum after the MLP is left to the next layer of the stage, whose input norm adds it
+    (``(norm(h + m), h + m)``): between two linked layers (:func:`link_halves`) the hidden
+    states are the sum before the MLP, and only the stage's last layer hands on finished hidden
+    states. The arithmetic is megatron's (residual + output, then the norm of that sum); where
+    megatron adds and normalizes in two kernels each way, this runs one."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        if cfg.hidden_dropout or cfg.add_bias_linear:
+            raise RuntimeError("parallel.fused_add_norm needs no hidden dropout and no linear biases")
+        for norm in (self.input_layernorm, self.pre_mlp_layernorm):
+            if not hasattr(norm, "add_forward"):
+                raise RuntimeError(
+                    f"parallel.fused_add_norm: {type(norm).__name__} has no fused sum (set fused_elementwise compile or liger)"
+                )
+        self.handoff: list = []  # the MLP output of the layer before, not yet added
+        self.takes_over = self.hands_on = False
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, rotary_pos_emb: Any = None, **kwargs: Any) -> tuple:
+        given = sorted(k for k, v in kwargs.items() if v is not None)
+        if given:
+            raise RuntimeError(f"parallel.fused_add_norm: the layer was given {', '.join(given)}, which it does not handle")
+        if self.takes_over:
+            if len(self.handoff) != 1:
+                raise RuntimeError(f"parallel.fused_add_norm: layer {self.layer_number} has no MLP output handed on from the layer before")
+            normed, x = self.input_layernorm.add_forward(self.handoff.pop(), hidden_states)
+        else:
+            self.handoff.clear()
+            x = hidden_states
+            normed = self.input_layernorm(x)
+        attention, _ = self.self_attention(normed, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb)
+        normed, mid = self.pre_mlp_layernorm.add_forward(attention, x)
+        mlp, _ = self.mlp(normed)
+        if self.hands_on:
+            self.handoff.append(mlp)
+            return mid, None
+        return mid + mlp, None
+
+
 def link_halves(layers: Any) -> None:
-    """The layers of one stage, in order, hand B's last MLP sum on to the next (HalvesOverlapLayer)."""
+    """The layers of one stage, in order, hand their last sum on to the next (HalvesOverlapLayer:
+    B's last MLP sum; AddNormLayer: the last MLP output)."""
     shared: list = []
     layers = list(layers)
     for i, layer in enumerate(layers):
@@ -494,7 +545,7 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
         rotary_percent=1.0,
         rotary_base=int(s.shape.rope_base),
     )
-    if s.layout.tp_comm_overlap == "halves":
+    if s.layout.tp_comm_overlap == "halves" or s.layout.fused_add_norm:
         link_halves(model.decoder.layers)
     return model
 

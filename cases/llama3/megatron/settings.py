@@ -22,6 +22,8 @@ listed there), and this case's own:
   ``fused_rope`` (none|compile: megatron's unfused RoPE as one torch.compile region),
   ``fused_linear_loss`` (none|chunked: output layer and cross-entropy in one, a chunk of
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
+  ``fused_add_norm`` (each residual sum and the RMSNorm after it in one kernel, in the
+  norms of ``fused_elementwise`` compile|liger; modeling.AddNormLayer),
   ``cross_entropy`` (megatron|fused|liger: the vocabulary-parallel cross-entropy after the
   output layer: megatron's own, megatron's fused one (bf16 only), or liger-kernel's Triton
   kernels (cuda); not with ``fused_linear_loss: chunked``, which computes its own),
@@ -97,6 +99,7 @@ class Layout:
     fused_rope: str = "none"
     fused_linear_loss: str = "none"
     cross_entropy: str = "megatron"
+    fused_add_norm: bool = False
     transformer_impl: str = "auto"
     fused_adam: bool = False
     gradient_accumulation_fusion: bool = False
@@ -167,6 +170,7 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         fused_rope=_choice(_get(parallel, "fused_rope", "parallel", "none"), "parallel.fused_rope", FUSED_ROPE),
         fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
         cross_entropy=_choice(_get(parallel, "cross_entropy", "parallel", "megatron"), "parallel.cross_entropy", CROSS_ENTROPY),
+        fused_add_norm=_bool(_get(parallel, "fused_add_norm", "parallel", False), "parallel.fused_add_norm"),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         fused_adam=_bool(_get(parallel, "fused_adam", "parallel", False), "parallel.fused_adam"),
         gradient_accumulation_fusion=_bool(
@@ -218,6 +222,8 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         )
     if layout.sequence_parallel:
         _divides("seq_length over tensor parallelism (sequence parallel)", layout.tp, shape.seq_length, fix)
+    if layout.fused_add_norm:
+        _check_add_norm(layout)
     if layout.tp_comm_overlap == "halves":
         _check_halves(layout)
     if layout.cross_entropy != "megatron" and layout.fused_linear_loss != "none":
@@ -251,6 +257,20 @@ def _check_halves(layout: Layout) -> None:
     if layout.transformer_impl == "transformer_engine":
         raise SettingsError(
             f"{why} runs megatron's local layers; TransformerEngine brings its own overlap (set transformer_impl local or auto)"
+        )
+
+
+def _check_add_norm(layout: Layout) -> None:
+    """``fused_add_norm`` (modeling.AddNormLayer): the case's own norms add the residual, and the
+    layers hand the last sum on to the next."""
+    why = "parallel.fused_add_norm"
+    if layout.fused_elementwise == "none":
+        raise SettingsError(f"{why} runs in the case's own norms: set parallel.fused_elementwise to compile or liger")
+    if layout.tp_comm_overlap != "none":
+        raise SettingsError(f"{why} and parallel.tp_comm_overlap: {layout.tp_comm_overlap} each run their own layer: set one of them off")
+    if layout.recompute == "full":
+        raise SettingsError(
+            f"{why} hands each layer's last sum to the next, which full recompute would replay; use recompute none or selective"
         )
 
 

@@ -470,6 +470,12 @@ for name, par in variants.items():
         "layers": sorted({type(layer).__name__ for layer in model.decoder.layers}),
         "grads": {n: p.main_grad.flatten().tolist() for n, p in model.named_parameters()},
     }
+s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "fused_add_norm": True}}, 2)
+out["own_norms"] = [modeling.fused_add_norm_in_use(s), modeling.fused_elementwise_in_use(s)]
+uses_te = modeling.use_transformer_engine
+modeling.use_transformer_engine = lambda s: True  # where TransformerEngine imports, under transformer_impl auto
+out["te_norms"] = [modeling.fused_add_norm_in_use(s), modeling.fused_elementwise_in_use(s)]
+modeling.use_transformer_engine = uses_te
 with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:  # one file a rank: their stdout lines would interleave
     json.dump(out, fh)
 """
@@ -518,6 +524,7 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
             "decoder.layers.1.pre_mlp_layernorm.weight",
         ]
         assert res["tp_add_norm"]["layers"] == res["sp_add_norm"]["layers"] == ["AddNormLayer"] and tp["layers"] == ["TransformerLayer"]
+        assert res["own_norms"] == [True, "compile"] and res["te_norms"] == [False, "none"]  # TE's norms serve: the switch steps aside
         assert res["sp_add_norm"]["norm_input"] == [64, 2, 64] and res["sp_add_norm"]["marked"] == sp["marked"]
         for other in (sp, sp_loss, res["tp_add_norm"], res["sp_add_norm"]):
             assert other["loss"] == pytest.approx(tp["loss"], rel=1e-6)

@@ -214,9 +214,7 @@ def layer_spec(s: Settings) -> ModuleSpec:
                 "parallel.tp_comm_overlap: halves runs megatron's local layers, not TransformerEngine's (set transformer_impl: local)"
             )
         spec.module = HalvesOverlapLayer
-    if s.layout.fused_add_norm:
-        if fused == "none":
-            raise RuntimeError("parallel.fused_add_norm runs in the case's own norms: set parallel.fused_elementwise to compile or liger")
+    if fused_add_norm_in_use(s):
         spec.module = AddNormLayer
     if fused != "none":
         spec.submodules.input_layernorm = kernels.NORMS[fused]
@@ -400,6 +398,13 @@ def fused_elementwise_in_use(s: Settings) -> str:
     return "none" if use_transformer_engine(s) else s.layout.fused_elementwise
 
 
+def fused_add_norm_in_use(s: Settings) -> bool:
+    """``parallel.fused_add_norm`` as it applies: in the case's own norms
+    (:func:`fused_elementwise_in_use`); where TransformerEngine serves, its norms are fused into
+    the following GEMM instead and this is false (run_meta shows it)."""
+    return s.layout.fused_add_norm and fused_elementwise_in_use(s) != "none"
+
+
 def decoder_spec(s: Settings, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
     """What GPTModel builds its decoder from: the layer spec, or with fused elementwise kernels
     this stage's layers and the final norm (megatron's block takes the final norm from here)."""
@@ -545,7 +550,7 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
         rotary_percent=1.0,
         rotary_base=int(s.shape.rope_base),
     )
-    if s.layout.tp_comm_overlap == "halves" or s.layout.fused_add_norm:
+    if s.layout.tp_comm_overlap == "halves" or fused_add_norm_in_use(s):
         link_halves(model.decoder.layers)
     return model
 

@@ -257,7 +257,7 @@ class Trainer:
                 fused_rope=lay.fused_rope,
                 fused_linear_loss=lay.fused_linear_loss,
                 cross_entropy=lay.cross_entropy,
-                fused_add_norm=lay.fused_add_norm,
+                fused_add_norm=modeling.fused_add_norm_in_use(s),
                 fused_adam=lay.fused_adam,
                 adam_kernel=self.adam_kernel,
                 wgrad_accumulation=self.wgrad_accumulation,

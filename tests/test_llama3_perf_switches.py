@@ -179,6 +179,10 @@ for fused in ("none", "compile"):
         "meta": [modeling.attention_kernel(s), modeling.fused_elementwise_in_use(s)],  # run_meta's
     }
 out["frames_compiled"] = counter.frame_count
+# the case's norms, built on the host, follow megatron's layers to their device (here: meta)
+model = torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"), kernels.CompiledRMSNorm(config, 2))
+modeling.on_one_device(model)
+out["devices"] = sorted({str(p.device) for p in model.parameters()})
 errors = {}
 try:
     kernels.cudnn_attention_mode(4, 2, 16, torch.float32, torch.device("cpu"))
@@ -259,6 +263,7 @@ def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     assert (plain["use_te_activation_func"], fused["use_te_activation_func"]) == (False, True)
     assert (plain["meta"], fused["meta"]) == (["sdpa", "none"], ["sdpa", "compile"])  # no TransformerEngine here
     assert res["frames_compiled"] == 2  # rms_norm and swiglu, once each for 5 norms and 2 MLPs
+    assert res["devices"] == ["meta"]
 
     assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert plain["grads"].keys() == fused["grads"].keys() and len(plain["grads"]) == 15
@@ -534,7 +539,7 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
 
 
 _CROSS_ENTROPY_CHECK = r"""
-import json, sys
+import json, os, sys
 from training import runtime
 cfg = runtime.setup(["--config", sys.argv[1]])
 import torch, torch.distributed as dist
@@ -545,23 +550,27 @@ import megatron.core.fusions.fused_cross_entropy as fce
 import megatron.core.models.common.language_module.language_module as lm
 from cases.llama3.megatron import modeling, settings, startweights
 
-dist.init_process_group("gloo")
+device_type = cfg["vendor"]["device"]
+if device_type == "cuda":
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group(cfg["vendor"]["dist_backend"])
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
 model_parallel_cuda_manual_seed(1234)
-# megatron compiles its fused cross-entropy with Inductor; here the same graphs run through aot_eager
-for name in ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"):
-    fn = getattr(fce, name)
-    setattr(fce, name, torch.compile(getattr(fn, "_torchdynamo_orig_callable", fn), backend="aot_eager"))
+if device_type == "cpu":  # megatron compiles its fused cross-entropy with Inductor; on the CPU the same graphs run through aot_eager
+    for name in ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"):
+        fn = getattr(fce, name)
+        setattr(fce, name, torch.compile(getattr(fn, "_torchdynamo_orig_callable", fn), backend="aot_eager"))
 calls = []
 fused_ce = lm.fused_vocab_parallel_cross_entropy
 lm.fused_vocab_parallel_cross_entropy = lambda *a: calls.append(1) or fused_ce(*a)
+dev = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
 gen = torch.Generator().manual_seed(11)  # the same tokens on both ranks, as tensor parallelism has them
-tokens = torch.randint(0, 1024, (2, 128), generator=gen)
-labels = torch.randint(0, 1024, (2, 128), generator=gen)
-position_ids = torch.arange(128).expand(2, 128)
+tokens = torch.randint(0, 1024, (2, 128), generator=gen).to(dev)
+labels = torch.randint(0, 1024, (2, 128), generator=gen).to(dev)
+position_ids = torch.arange(128).expand(2, 128).to(dev)
 out = {"rank": dist.get_rank()}
-for name in ("megatron", "fused"):
-    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], "cross_entropy": name}}, 2)
+for name, par in json.loads(sys.argv[3]).items():
+    s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 2)
     config = modeling.transformer_config(s)
     model = modeling.build_model(s, config)
     startweights.overwrite(model, s)
@@ -569,11 +578,13 @@ for name in ("megatron", "fused"):
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     before = len(calls)
     loss = ddp(tokens, position_ids, None, labels=labels)
-    (loss.float() * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).mean().backward()
+    (loss.float() * torch.linspace(0.5, 1.5, loss.numel(), device=dev).view(loss.shape)).mean().backward()
     finalize_model_grads([ddp])
     out[name] = {
         "loss": loss.float().mean().item(),
         "dtype": str(loss.dtype),
+        "type": type(model).__name__,
+        "layers": sorted({type(layer).__name__ for layer in model.decoder.layers}),
         "fused_calls": len(calls) - before,
         "grads": {n: p.main_grad.float().flatten().tolist() for n, p in model.named_parameters()},
     }
@@ -582,40 +593,72 @@ with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:
 """
 
 
+def _two_rank_loss_check(tmp_path: Path, cfg: dict, variants: dict) -> list[dict]:
+    """:data:`_CROSS_ENTROPY_CHECK` on two tensor-parallel processes of ``cfg``'s device, one
+    forward and backward of the tiny model per variant (``parallel`` keys); each rank's results."""
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(cfg))
+    script = tmp_path / "check.py"
+    script.write_text(_CROSS_ENTROPY_CHECK)
+    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += [str(script), str(path), str(tmp_path / "out"), json.dumps(variants)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+
+
+def _same_loss_and_grads(plain: dict, other: dict, rel: float) -> None:
+    assert other["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    assert plain["grads"].keys() == other["grads"].keys() and len(plain["grads"]) >= 10
+    for name, g in plain["grads"].items():
+        assert other["grads"][name] == pytest.approx(g, rel=rel, abs=rel * 0.1 * max(map(abs, g))), name
+
+
 @pytest.mark.framework("megatron")
 def test_megatrons_fused_cross_entropy_matches_its_own_under_tensor_parallelism(tmp_path):
     """``parallel.cross_entropy: fused`` (megatron's fused vocabulary-parallel cross-entropy) on two
     tensor-parallel ranks of the tiny model in bf16: the fused function runs once per forward, and
     the loss and every gradient equal those of megatron's own cross-entropy from the same
     starting weights (the logits' gradient is bf16 on both paths)."""
-    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
-    path = tmp_path / "resolved.json"
-    path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, precision="bf16")))
-    script = tmp_path / "check.py"
-    script.write_text(_CROSS_ENTROPY_CHECK)
-    cmd = [
-        py,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        str(path),
-        str(tmp_path / "out"),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    for rank in (0, 1):
-        res = json.loads((tmp_path / f"out.{rank}").read_text())
+    cfg = resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, precision="bf16")
+    for res in _two_rank_loss_check(tmp_path, cfg, {"megatron": {"cross_entropy": "megatron"}, "fused": {"cross_entropy": "fused"}}):
         plain, fused = res["megatron"], res["fused"]
         assert (plain["fused_calls"], fused["fused_calls"]) == (0, 1)
         assert plain["dtype"] == fused["dtype"] == "torch.float32"
-        assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-5)
-        assert plain["grads"].keys() == fused["grads"].keys() and len(plain["grads"]) >= 10
-        for name, g in plain["grads"].items():
-            assert fused["grads"][name] == pytest.approx(g, rel=2e-2, abs=2e-3 * max(map(abs, g))), name
+        _same_loss_and_grads(plain, fused, 2e-2)
+
+
+def _cuda_devices() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+@pytest.mark.framework("megatron")
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices: runs on the GPU machine")
+def test_the_liger_switches_match_megatrons_path_on_two_gpus(tmp_path):
+    """On two CUDA devices (TP2, NCCL, bf16, the tiny model): ``cross_entropy: liger`` (liger's
+    vocabulary-parallel kernels, the sums all-reduced over the tensor-parallel group),
+    ``cross_entropy: fused`` (megatron's, compiled by Inductor) and ``fused_add_norm`` with liger's
+    norms give the loss and every gradient shard of megatron's own path with liger's norms, from
+    the same starting weights, within bf16 rounding."""
+    par = {"tp": 2, "fused_elementwise": "liger"}
+    cfg = _cuda(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel=par, precision="bf16"))
+    variants = {
+        "megatron": {},
+        "liger": {"cross_entropy": "liger"},
+        "fused": {"cross_entropy": "fused"},
+        "add_norm": {"cross_entropy": "liger", "fused_add_norm": True},
+    }
+    for res in _two_rank_loss_check(tmp_path, cfg, variants):
+        plain = res["megatron"]
+        assert (res["liger"]["type"], res["add_norm"]["type"], plain["type"]) == ("LigerLossGPTModel", "LigerLossGPTModel", "GPTModel")
+        assert res["add_norm"]["layers"] == ["AddNormLayer"] and res["fused"]["fused_calls"] == 1
+        for name in ("liger", "fused", "add_norm"):
+            _same_loss_and_grads(plain, res[name], 5e-2)
 
 
 def _cuda_with_liger() -> bool:

@@ -552,7 +552,18 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     )
     if s.layout.tp_comm_overlap == "halves" or fused_add_norm_in_use(s):
         link_halves(model.decoder.layers)
+    on_one_device(model)
     return model
+
+
+def on_one_device(model: torch.nn.Module) -> None:
+    """Megatron builds its own layers on the current device (``use_cpu_initialization=False``);
+    the case's own modules (kernels.py's norms) torch builds on its default device, the host.
+    Megatron's distributed optimizer would move them into its device buffer, its plain one
+    would not: this moves them to the device megatron's layers are on, whatever the optimizer."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        model.to(next(d for d in devices if d.type != "cpu"))
 
 
 def local_param_count(model: torch.nn.Module) -> int:

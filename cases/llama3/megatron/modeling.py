@@ -254,7 +254,7 @@ class HalvesOverlapLayer(TransformerLayer):
     row-parallel layers hand on their partial sums (megatron's ``explicit_expert_comm``) and this
     layer reduces them. Every half is computed as the whole batch would be, sample by sample.
 
-    Between two linked layers (:func:`link_halves`, in :func:`build_model`) the hidden states
+    Between two linked layers (:func:`link_layers`, in :func:`build_model`) the hidden states
     hold B without its last MLP sum, which the next layer adds: only the stage's last layer hands
     on finished hidden states. The halves leave a layer stacked so that the next takes each as it
     is, without a copy (one copy at the stage's first layer); the stage's last layer hands on a
@@ -328,7 +328,7 @@ class AddNormLayer(TransformerLayer):
         norm(x) -> attention -> (norm(x + a), x + a) -> MLP -> hand m on
 
     The sum after the MLP is left to the next layer of the stage, whose input norm adds it
-    (``(norm(h + m), h + m)``): between two linked layers (:func:`link_halves`) the hidden
+    (``(norm(h + m), h + m)``): between two linked layers (:func:`link_layers`) the hidden
     states are the sum before the MLP, and only the stage's last layer hands on finished hidden
     states. The arithmetic is megatron's (residual + output, then the norm of that sum); where
     megatron adds and normalizes in two kernels each way, this runs one."""
@@ -367,7 +367,7 @@ class AddNormLayer(TransformerLayer):
         return mid + mlp, None
 
 
-def link_halves(layers: Any) -> None:
+def link_layers(layers: Any) -> None:
     """The layers of one stage, in order, hand their last sum on to the next (HalvesOverlapLayer:
     B's last MLP sum; AddNormLayer: the last MLP output)."""
     shared: list = []
@@ -551,7 +551,7 @@ def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
         rotary_base=int(s.shape.rope_base),
     )
     if s.layout.tp_comm_overlap == "halves" or fused_add_norm_in_use(s):
-        link_halves(model.decoder.layers)
+        link_layers(model.decoder.layers)
     on_one_device(model)
     return model
 

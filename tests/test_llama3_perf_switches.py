@@ -236,7 +236,8 @@ def check_env(**extra: str) -> dict[str, str]:
     """This process's environment for a check script in the megatron-core environment: the
     repository on the path, one thread, no rank variables of its own, then ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)  # the GPU machine's wheels stay on it
+    return {**env, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def one_rank_check(script: str, tmp_path: Path) -> str:

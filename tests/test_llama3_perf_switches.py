@@ -547,6 +547,7 @@ import torch, torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
 import megatron.core.fusions.fused_cross_entropy as fce
 import megatron.core.models.common.language_module.language_module as lm
 from cases.llama3.megatron import modeling, settings, startweights
@@ -575,6 +576,8 @@ for name, par in json.loads(sys.argv[3]).items():
     config = modeling.transformer_config(s)
     model = modeling.build_model(s, config)
     startweights.overwrite(model, s)
+    inner = model
+    model = Float16Module(config, model)  # as the trainer wraps a bf16 model: every parameter bf16, the loss float32
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     before = len(calls)
@@ -584,8 +587,8 @@ for name, par in json.loads(sys.argv[3]).items():
     out[name] = {
         "loss": loss.float().mean().item(),
         "dtype": str(loss.dtype),
-        "type": type(model).__name__,
-        "layers": sorted({type(layer).__name__ for layer in model.decoder.layers}),
+        "type": type(inner).__name__,
+        "layers": sorted({type(layer).__name__ for layer in inner.decoder.layers}),
         "fused_calls": len(calls) - before,
         "grads": {n: p.main_grad.float().flatten().tolist() for n, p in model.named_parameters()},
     }

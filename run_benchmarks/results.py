@@ -278,11 +278,32 @@ def breakdown_lines(res: RunResults) -> list[str]:
                 out.append(row("idle under the profiler", b["idle_s"], of_ref=False))
                 out.append(row("idle in an ordinary step (estimate)", b.get("idle_estimate_s")))
                 out.append(row("optimizer region (host included)", b["optimizer_wall_s"]))
+                out += largest_lines(b.get("largest") or {})
                 out.append(
                     f"\nTrace: `{b.get('trace')}` in the rank's output folder; the profiled step is left out of the "
                     "throughput window. Kernels on several streams overlap, so the parts may add up to more than the step."
                 )
     return out
+
+
+def largest_lines(largest: dict[str, list[dict[str, Any]]], per_part: int = 3, chars: int = 100) -> list[str]:
+    """The largest kernels of each part of a profiled step (``largest`` of its breakdown) as a
+    markdown table, ``per_part`` a part, each name cut to ``chars``."""
+    rows = [
+        f"| {part} | `{k['name'][:chars].replace('`', chr(39))}` | {k['kernel_s']:.3f} | {k['calls']} |"
+        for part, kernels in largest.items()
+        for k in kernels[:per_part]
+    ]
+    if not rows:
+        return []
+    return [
+        "",
+        "Largest kernels of each part (summed over their calls):",
+        "",
+        "| part | kernel | time (s) | calls |",
+        "|---|---|---|---|",
+        *rows,
+    ]
 
 
 def print_table(res: RunResults, console: Console | None = None) -> None:

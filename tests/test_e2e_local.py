@@ -123,7 +123,15 @@ def test_tiny_llama3_two_processes(base, tmp_path):
         "profile_rank0_step8.json.gz",
         "profile_rank1_step8.json.gz",
     ]
-    assert "| gemm |" in (run2 / "results.md").read_text()
+    md = (run2 / "results.md").read_text()
+    assert "| gemm |" in md
+    # each part names its largest operators, summed over their calls, largest first
+    largest = b["largest"]
+    assert set(largest) == set(parts) and largest["communication"] and largest["gemm"][0]["name"].startswith("aten::")
+    for part, ops in largest.items():
+        times = [o["kernel_s"] for o in ops]
+        assert times == sorted(times, reverse=True) and sum(times) <= parts[part]["kernel_s"] + 1e-9 and all(o["calls"] >= 1 for o in ops)
+    assert "Largest kernels of each part" in md and f"| gemm | `{largest['gemm'][0]['name']}` |" in md
 
 
 @pytest.mark.framework("megatron")

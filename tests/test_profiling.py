@@ -2,7 +2,7 @@
 
 import pytest
 
-from training.profiling import OPTIMIZER_RANGE, breakdown, classify
+from training.profiling import LARGEST, NAME_CHARS, OPTIMIZER_RANGE, breakdown, classify
 
 
 def k(name, ts, dur, stream=7):
@@ -57,6 +57,34 @@ def test_gpu_breakdown_arithmetic():
     assert round(b["idle_s"] * 1e6) == 1000 - 750
     assert round(b["communication_exposed_s"] * 1e6) == 200
     assert round(b["optimizer_wall_s"] * 1e6) == 200
+    largest = {c: [(x["name"], round(x["kernel_s"] * 1e6), x["calls"]) for x in v] for c, v in b["largest"].items()}
+    assert largest == {
+        "gemm": [("sm90_xmma_gemm_bf16", 300, 1)],
+        "attention": [("flash_fwd_kernel", 100, 1)],
+        "communication": [("ncclDevKernel_AllReduce_Sum_bf16", 250, 1)],
+        "other": [("vectorized_elementwise_kernel", 50, 1)],
+        "optimizer": [("multi_tensor_apply_kernel", 100, 1)],
+    }
+
+
+def test_largest_kernels_sum_their_calls_and_keep_the_top_ones():
+    """A part's kernels of one name are summed over their calls, ordered by that sum, the first
+    LARGEST kept; a long (templated) name is cut to NAME_CHARS, so its calls still meet."""
+    long_name = "void at::native::elementwise_kernel<" + "x" * 400
+    events = [
+        k("add_kernel", 0, 10),
+        k("add_kernel", 10, 10),
+        k("add_kernel", 20, 10),
+        k(long_name + "a", 30, 25),
+        k(long_name + "b", 55, 25),
+    ]
+    events += [k(f"small_{i}", 100 + i, 1) for i in range(LARGEST + 2)]
+    other = breakdown(events, step_time_s=0.001)["largest"]["other"]
+    assert [(x["name"], round(x["kernel_s"] * 1e6), x["calls"]) for x in other[:2]] == [
+        (long_name[:NAME_CHARS], 50, 2),
+        ("add_kernel", 30, 3),
+    ]
+    assert len(other) == LARGEST and all(x["kernel_s"] == pytest.approx(1e-6) for x in other[2:])
 
 
 def test_cpu_breakdown_counts_self_time_once():
@@ -78,3 +106,12 @@ def test_cpu_breakdown_counts_self_time_once():
     assert round(b["busy_s"] * 1e6) == 100 + 100 + 40  # 0-100, 150-250 (collective, then mul), 260-300
     assert round(b["communication_exposed_s"] * 1e6) == 50  # 150-200: nothing else ran
     assert round(b["idle_s"] * 1e6) == 500 - 240
+    largest = {c: [(x["name"], round(x["kernel_s"] * 1e6)) for x in v] for c, v in b["largest"].items()}
+    # self time by name: mm's own 70 us and the helper it calls, counted as GEMM time
+    assert largest == {
+        "gemm": [("aten::mm", 70), ("aten::resolve_conj", 10)],
+        "other": [("aten::mul", 50), ("aten::linear", 20)],
+        "optimizer": [("aten::add_", 40)],
+        "communication": [("gloo:all_reduce", 100)],
+        "attention": [],
+    }

@@ -10,7 +10,9 @@ and reduced to one ``step_breakdown`` metric line::
      "categories": {"attention": {"kernel_s": ..., "share": ...}, "gemm": ...,
                     "communication": ..., "optimizer": ..., "other": ...},
      "communication_exposed_s": ...,          # collectives not hidden under compute
-     "optimizer_wall_s": ...}                 # the optimizer region, host work included
+     "optimizer_wall_s": ...,                 # the optimizer region, host work included
+     "largest": {"other": [{"name": ..., "kernel_s": ..., "calls": ...}, ...], ...}}
+                                              # each category's largest kernels by summed time
 
 ``kernel_s`` sums kernel durations (kernels on several streams may overlap, so the
 sum can exceed the busy time); ``share`` is ``kernel_s / step_time_s``.  A kernel
@@ -39,6 +41,8 @@ from typing import Any
 
 OPTIMIZER_RANGE = "fb_optimizer"
 CATEGORIES = ("attention", "gemm", "communication", "optimizer", "other")
+LARGEST = 5  # kernels named per category in ``largest``, by their summed time
+NAME_CHARS = 160  # a kernel's name as kept there (C++ template names run to thousands)
 
 _COMM = re.compile(r"nccl|rccl|hccl|cncl|bkcl|mccl|xccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv", re.I)
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|softmax_warp", re.I)
@@ -86,20 +90,21 @@ def _intersection(x: list[tuple[float, float]], y: list[tuple[float, float]]) ->
     return total
 
 
-def _cpu_pieces(ops: list[dict[str, Any]], in_optimizer: Any) -> tuple[list[tuple[str, float]], list[tuple[float, float]]]:
-    """One thread's operators as (category, self time) pieces, and the spans of its outermost ones.
+def _cpu_pieces(ops: list[dict[str, Any]], in_optimizer: Any) -> tuple[list[tuple[str, float, str]], list[tuple[float, float]]]:
+    """One thread's operators as (category, self time, name) pieces, and the spans of its
+    outermost ones.
 
     An operator takes its own category when its name has one, else its caller's: the
     helpers an ``aten::mm`` calls count as GEMM time, and each microsecond counts once.
     """
-    pieces: list[tuple[str, float]] = []
+    pieces: list[tuple[str, float, str]] = []
     top: list[tuple[float, float]] = []
-    stack: list[list[Any]] = []  # [end, category, self time]
+    stack: list[list[Any]] = []  # [end, category, self time, name]
 
     def close(upto: float) -> None:
         while stack and stack[-1][0] <= upto:
-            _, cat, own = stack.pop()
-            pieces.append((cat, own))
+            _, cat, own, name = stack.pop()
+            pieces.append((cat, own, name))
 
     for e in sorted(ops, key=lambda e: (e["ts"], -e["dur"])):
         close(e["ts"])
@@ -110,7 +115,7 @@ def _cpu_pieces(ops: list[dict[str, Any]], in_optimizer: Any) -> tuple[list[tupl
             stack[-1][2] -= e["dur"]
         else:
             top.append((e["ts"], e["ts"] + e["dur"]))
-        stack.append([e["ts"] + e["dur"], cat, float(e["dur"])])
+        stack.append([e["ts"] + e["dur"], cat, float(e["dur"]), str(e.get("name", ""))])
     close(float("inf"))
     return pieces, top
 
@@ -129,10 +134,19 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
 
     sums = {c: 0.0 for c in CATEGORIES}
     spans: dict[str, list[tuple[float, float]]] = {c: [] for c in CATEGORIES}
+    named: dict[tuple[str, str], list[float]] = {}  # (category, name) -> [time, calls]
+
+    def add(cat: str, name: str, dur: float) -> None:
+        sums[cat] += dur
+        entry = named.setdefault((cat, name[:NAME_CHARS]), [0.0, 0])
+        entry[0] += dur
+        entry[1] += 1
+
     if kernels:  # a GPU: kernels are leaves, each counted in one category
         for e in kernels:
-            cat = classify(str(e.get("name", "")), in_optimizer(e))
-            sums[cat] += e["dur"]
+            name = str(e.get("name", ""))
+            cat = classify(name, in_optimizer(e))
+            add(cat, name, e["dur"])
             spans[cat].append((e["ts"], e["ts"] + e["dur"]))
         every = _union([s for c in CATEGORIES for s in spans[c]])
         compute = _union([s for c in CATEGORIES if c != "communication" for s in spans[c]])
@@ -142,17 +156,19 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
         busiest = Counter(e.get("tid") for e in ops).most_common(1)
         main_tid = busiest[0][0] if busiest else None  # the training thread runs the most
         pieces, top = _cpu_pieces([e for e in ops if e.get("tid") == main_tid], in_optimizer)
-        for cat, own in pieces:
-            sums[cat] += own
-        spans["communication"] = [
-            (e["ts"], e["ts"] + e["dur"])
+        for cat, own, name in pieces:
+            add(cat, name, own)
+        collectives = [
+            e
             for e in events
             if e.get("cat") in ("user_annotation", "cpu_op")
             and "dur" in e
             and e.get("tid") != main_tid
             and _COMM.search(str(e.get("name", "")))
         ]
-        sums["communication"] += sum(b - a for a, b in spans["communication"])
+        spans["communication"] = [(e["ts"], e["ts"] + e["dur"]) for e in collectives]
+        for e in collectives:
+            add("communication", str(e["name"]), e["dur"])
         compute = _union(top)
         every = _union(top + spans["communication"])
         counted = len(pieces)
@@ -168,6 +184,13 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
         "communication_exposed_s": (_length(comm) - _intersection(comm, compute)) / 1e6,
         "optimizer_wall_s": _length(_union(cpu_opt)) / 1e6,
         "kernels": counted,
+        "largest": {
+            c: [
+                {"name": name, "kernel_s": t / 1e6, "calls": int(n)}
+                for (_, name), (t, n) in sorted(((k, v) for k, v in named.items() if k[0] == c), key=lambda kv: -kv[1][0])[:LARGEST]
+            ]
+            for c in CATEGORIES
+        },
     }
 
 

@@ -253,6 +253,22 @@ def one_rank_check(script: str, tmp_path: Path) -> str:
     return line
 
 
+def two_rank_check(script: str, tmp_path: Path, cfg: dict, *args: str) -> list[dict]:
+    """Run ``script`` (given resolved.json of ``cfg``, an output path and ``args``) as two ranks
+    launched by torch.distributed.run in the megatron-core environment; each rank's JSON, which
+    the script writes to ``<output path>.<rank>`` (their stdout lines would interleave)."""
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    path = tmp_path / "resolved.json"
+    path.write_text(json.dumps(cfg))
+    file = tmp_path / "check.py"
+    file.write_text(script)
+    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd += [str(file), str(path), str(tmp_path / "out"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)  # the launcher sets each rank's own
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    return [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+
+
 @pytest.mark.framework("megatron")
 def test_compiled_norm_and_swiglu_match_the_plain_model(tmp_path):
     line = one_rank_check(_MODEL_CHECK, tmp_path)
@@ -495,27 +511,8 @@ def test_sequence_parallel_with_fused_norms_matches_tensor_parallel(tmp_path):
     do they with the chunked fused loss on top (which gathers the sequence shares itself), and with
     each residual sum fused into the norm after it (``fused_add_norm``), with and without sequence
     parallelism."""
-    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
-    path = tmp_path / "resolved.json"
-    path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"})))
-    script = tmp_path / "check.py"
-    script.write_text(_SEQUENCE_PARALLEL_CHECK)
-    env = check_env()  # the launcher sets each rank's own
-    cmd = [
-        py,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        str(path),
-        str(tmp_path / "out"),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    results = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+    cfg = resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"})
+    results = two_rank_check(_SEQUENCE_PARALLEL_CHECK, tmp_path, cfg)
     assert sorted(r["rank"] for r in results) == [0, 1]
     for res in results:
         tp, sp, sp_loss = res["tp"], res["sp"], res["sp_loss"]
@@ -600,16 +597,7 @@ with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:
 def _two_rank_loss_check(tmp_path: Path, cfg: dict, variants: dict) -> list[dict]:
     """:data:`_CROSS_ENTROPY_CHECK` on two tensor-parallel processes of ``cfg``'s device, one
     forward and backward of the tiny model per variant (``parallel`` keys); each rank's results."""
-    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
-    path = tmp_path / "resolved.json"
-    path.write_text(json.dumps(cfg))
-    script = tmp_path / "check.py"
-    script.write_text(_CROSS_ENTROPY_CHECK)
-    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    cmd += [str(script), str(path), str(tmp_path / "out"), json.dumps(variants)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in (0, 1)]
+    return two_rank_check(_CROSS_ENTROPY_CHECK, tmp_path, cfg, json.dumps(variants))
 
 
 def _same_loss_and_grads(plain: dict, other: dict, rel: float) -> None:
@@ -955,19 +943,12 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
     layers hand on their partial sums, and the loss and every gradient shard equal those of
     megatron's own layer; so do they with the chunked fused loss after the layers, and with the
     weight gradients added to main_grad inside their GEMMs."""
-    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
-    path = tmp_path / "resolved.json"
-    path.write_text(json.dumps(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, micro_batch=2)))
-    script = tmp_path / "check.py"
-    script.write_text(_HALVES_CHECK)
-    cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()), str(script), str(path)]
-    proc = subprocess.run([*cmd, str(tmp_path / "out")], cwd=ROOT, env=check_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    cfg = resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2}, micro_batch=2)
+    results = two_rank_check(_HALVES_CHECK, tmp_path, cfg)
     # layer 1 hands B's last MLP sum on to layer 2, which waits for it after its attention(A)
     first = ["attention", "start", "attention", "start", "wait", "mlp", "start", "wait", "mlp", "start", "wait"]
     last = ["attention", "start", "wait", "attention", "start", "wait", "mlp", "start", "wait", "mlp", "start", "wait", "wait"]
-    for rank in (0, 1):
-        res = json.loads((tmp_path / f"out.{rank}").read_text())
+    for res in results:
         tp = res["tp"]
         assert tp["layer"] == "TransformerLayer" and tp["own_reduce"] == [False, False]
         assert tp["norm_input"] == [[128, 2, 64]] and tp["schedule"] == ["attention", "mlp"] * 2  # megatron's: synchronous

@@ -413,19 +413,43 @@ freqs = torch.randn(12, 1, 1, 16, generator=gen)
 mine = kernels.compiled_rope(t, freqs)
 theirs = rope_utils._apply_rotary_pos_emb_bshd(t, freqs)
 out["rope"] = float((mine - theirs).abs().max())
+# the QKV split and RoPE in one (fused_rope: qkv) against megatron's split, query copy and unfused
+# RoPE, forward and backward, in float64: [s, b, groups, (heads per group + 2) * d], rotary dim < d
+bshd = rope_utils._apply_rotary_pos_emb_bshd
+mixed = torch.randn(12, 2, 2, 4 * 16, generator=gen, dtype=torch.float64, requires_grad=True)
+freqs = torch.randn(12, 1, 1, 12, generator=gen, dtype=torch.float64)
+grads = [torch.randn(12, 2, 4, 16, generator=gen, dtype=torch.float64), torch.randn(12, 2, 2, 16, generator=gen, dtype=torch.float64),
+         torch.randn(12, 2, 2, 16, generator=gen, dtype=torch.float64)]
+qr, kr, vr = torch.split(mixed, [32, 16, 16], dim=3)
+ref = [bshd(qr.reshape(12, 2, 4, 16), freqs), bshd(kr, freqs), vr]
+sum((t * g).sum() for t, g in zip(ref, grads)).backward()
+ref_grad, mixed.grad = mixed.grad.clone(), None
+got = kernels.qkv_rope(mixed, freqs, freqs, [32, 16, 16])
+sum((t * g).sum() for t, g in zip(got, grads)).backward()
+out["qkv_fn"] = {"fwd": max(float((a - b).abs().max()) for a, b in zip(got, ref)), "bwd": float((mixed.grad - ref_grad).abs().max()),
+              "shapes": [list(t.shape) for t in got], "contiguous": [t.is_contiguous() for t in got]}
+try:
+    kernels.qkv_rope(mixed, freqs, freqs + 1, [32, 16, 16])
+except ValueError as exc:
+    out["qkv_fn"]["refused"] = str(exc)
 # the tiny model: plain, then both switches (small chunks), same starting weights
 tokens = torch.randint(0, 1024, (2, 128), generator=gen)
 labels = torch.randint(0, 1024, (2, 128), generator=gen)
 position_ids = torch.arange(128).expand(2, 128)
 kernels.FUSED_LOSS_CHUNK = 48
-for name, par in (("plain", {}), ("fused", {"fused_rope": "compile", "fused_linear_loss": "chunked"})):
+tables, calls = kernels.rope_tables, []
+kernels.rope_tables = lambda *a: calls.append(1) or tables(*a)  # counts the layers that took the qkv path
+variants = (("plain", {}), ("fused", {"fused_rope": "compile", "fused_linear_loss": "chunked"}), ("qkv", {"fused_rope": "qkv"}),
+            ("after", {}))
+for name, par in variants:
+    calls.clear()
     s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 1)
     model = modeling.build_model(s, modeling.transformer_config(s))
     startweights.overwrite(model, s)
     loss = model(tokens, position_ids, None, labels=labels).float().mean()
     loss.backward()
     out[name] = {"loss": loss.item(), "type": type(model).__name__, "rope": rope_utils._apply_rotary_pos_emb_bshd.__name__,
-                 "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()}}
+                 "qkv_calls": len(calls), "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters()}}
 print("RESULT " + json.dumps(out))
 """
 
@@ -437,12 +461,22 @@ def test_fused_linear_loss_and_rope_match_the_plain_model(tmp_path):
     # float64 inputs, the softmax in float32 as on the GPU: loss, dx and dW equal logits + cross_entropy to float32's precision
     assert max(res["fn"]) < 1e-5
     assert res["rope"] < 1e-6
-    plain, fused = res["plain"], res["fused"]
-    assert (plain["type"], fused["type"]) == ("GPTModel", "FusedLossGPTModel") and fused["rope"] == "compiled_rope"
-    assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)
-    assert plain["grads"].keys() == fused["grads"].keys()
-    for name, g in plain["grads"].items():
-        assert fused["grads"][name] == pytest.approx(g, rel=1e-4, abs=1e-7), name
+    # fused_rope: qkv: the same query, key and value and the same QKV gradient as megatron's path
+    qkv = res["qkv_fn"]
+    assert qkv["fwd"] < 1e-12 and qkv["bwd"] < 1e-12, qkv
+    assert qkv["shapes"] == [[12, 2, 4, 16], [12, 2, 2, 16], [12, 2, 2, 16]] and qkv["contiguous"] == [True] * 3
+    assert "two different rotary tables" in qkv["refused"]
+    plain = res["plain"]
+    for name in ("fused", "qkv", "after"):
+        other = res[name]
+        assert other["loss"] == pytest.approx(plain["loss"], rel=1e-6), name
+        assert plain["grads"].keys() == other["grads"].keys()
+        for param, g in plain["grads"].items():
+            assert other["grads"][param] == pytest.approx(g, rel=1e-4, abs=1e-7), (name, param)
+    assert (plain["type"], res["fused"]["type"]) == ("GPTModel", "FusedLossGPTModel") and res["fused"]["rope"] == "compiled_rope"
+    # qkv took megatron's unsplit-QKV path in each of the model's layers; a model built after it without the switch did not
+    assert res["qkv"]["qkv_calls"] == 2 and res["qkv"]["rope"] == res["after"]["rope"] == plain["rope"] != "compiled_rope"
+    assert plain["qkv_calls"] == res["fused"]["qkv_calls"] == res["after"]["qkv_calls"] == 0
 
 
 _SEQUENCE_PARALLEL_CHECK = r"""
@@ -636,7 +670,8 @@ def test_the_liger_switches_match_megatrons_path_on_two_gpus(tmp_path):
     vocabulary-parallel kernels, the sums all-reduced over the tensor-parallel group),
     ``cross_entropy: fused`` (megatron's, compiled by Inductor) and ``fused_add_norm`` with liger's
     norms give the loss and every gradient shard of megatron's own path with liger's norms, from
-    the same starting weights, within bf16 rounding."""
+    the same starting weights, within bf16 rounding; so does ``fused_rope: qkv`` on top of those
+    (Inductor's kernels for the QKV split and RoPE)."""
     par = {"tp": 2, "fused_elementwise": "liger"}
     cfg = _cuda(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel=par, precision="bf16"))
     variants = {
@@ -644,12 +679,13 @@ def test_the_liger_switches_match_megatrons_path_on_two_gpus(tmp_path):
         "liger": {"cross_entropy": "liger"},
         "fused": {"cross_entropy": "fused"},
         "add_norm": {"cross_entropy": "liger", "fused_add_norm": True},
+        "qkv_rope": {"cross_entropy": "liger", "fused_add_norm": True, "fused_rope": "qkv"},
     }
     for res in _two_rank_loss_check(tmp_path, cfg, variants):
         plain = res["megatron"]
         assert (res["liger"]["type"], res["add_norm"]["type"], plain["type"]) == ("LigerLossGPTModel", "LigerLossGPTModel", "GPTModel")
-        assert res["add_norm"]["layers"] == ["AddNormLayer"] and res["fused"]["fused_calls"] == 1
-        for name in ("liger", "fused", "add_norm"):
+        assert res["add_norm"]["layers"] == res["qkv_rope"]["layers"] == ["AddNormLayer"] and res["fused"]["fused_calls"] == 1
+        for name in ("liger", "fused", "add_norm", "qkv_rope"):
             _same_loss_and_grads(plain, res[name], 5e-2)
 
 
@@ -718,6 +754,46 @@ def test_liger_add_norm_equals_the_sum_then_the_norm_on_a_gpu():
     assert float((y.float() - y_ref.float()).abs().max()) <= 2e-2 * float(y_ref.float().abs().max())
     for got, want in zip(fused, [x.grad, r.grad, norm.weight.grad]):
         assert float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device: runs on the GPU machine")
+def test_qkv_rope_equals_the_split_then_the_rotation_on_a_gpu():
+    """``parallel.fused_rope: qkv`` on one CUDA device (Inductor's kernels), bf16 at a rank's
+    share of llama3_8b under TP2 (4 KV groups of 4 query heads, head dim 128): query, key and value
+    and the QKV gradient equal megatron's split followed by its rotation, worked in float32 from
+    the same bf16 inputs, within bf16 rounding; the query's gradient arrives in the layout
+    attention's backward gives it (``[b, h, s, d]`` permuted)."""
+    import torch
+
+    from cases.llama3.megatron import kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    s, b, groups, per_group, d = 1024, 2, 4, 4, 128
+    mixed = torch.randn(s, b, groups, (per_group + 2) * d, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
+    inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d))
+    angles = torch.outer(torch.arange(s, device="cuda", dtype=torch.float32), inv)
+    freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # megatron's [s, 1, 1, d], halves repeated
+    dq = torch.randn(b, groups * per_group, s, d, device="cuda", generator=gen).to(torch.bfloat16).permute(2, 0, 1, 3)
+    dk, dv = (torch.randn(s, b, groups, d, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
+    q, k, v = kernels.qkv_rope(mixed, freqs, freqs, [per_group * d, d, d])
+    torch.autograd.backward([q, k, v], [dq, dk, dv])
+    ref_mixed = mixed.detach().float().requires_grad_()
+    rq, rk, rv = torch.split(ref_mixed, [per_group * d, d, d], dim=3)
+    ref = [kernels.rope_bshd(rq.reshape(s, b, -1, d), freqs, 1.0), kernels.rope_bshd(rk, freqs, 1.0), rv]
+    torch.autograd.backward(ref, [dq.float(), dk.float(), dv.float()])
+    assert [t.shape for t in (q, k, v)] == [(s, b, groups * per_group, d), (s, b, groups, d), (s, b, groups, d)]
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (q, k, v))
+    for got, want in zip([q, k, v, mixed.grad], [t.detach() for t in ref] + [ref_mixed.grad]):
+        assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    assert torch.equal(v, mixed.detach()[..., (per_group + 1) * d :])  # value passes through as it is
 
 
 _ADAM_CHECK = r"""

@@ -28,6 +28,7 @@ Imported after ``training.runtime.setup()``, like modeling.py.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -373,15 +374,137 @@ def compiled_rope(
     return fused.compiled(rope_bshd)(t, freqs, float(mscale))
 
 
-def install_compiled_rope() -> None:
-    """Route megatron's unfused RoPE (every attention layer's query and key) through
-    :func:`compiled_rope`: megatron-core 0.16 and 0.19 call ``_apply_rotary_pos_emb_bshd``
-    through their module's globals."""
-    from megatron.core.models.common.embeddings import rope_utils
+# ``fused_rope: qkv``: the QKV split and the RoPE of query and key in one function each way.
+# megatron-core (0.16, 0.19) splits its fused QKV output into views, copies the query into its own
+# [s, b, heads, d] tensor, rotates query and key with cos and sin worked out per call, and in the
+# backward concatenates the three gradients into the QKV gradient. Its ``fused_single_qkv_rope``
+# path instead hands the unsplit output to ``apply_fused_qkv_rotary_pos_emb`` (TransformerEngine's
+# where that is installed); :func:`qkv_rope` stands in for it: query, key and value come out of one
+# compiled function, the backward writes the QKV gradient in one, and cos and sin are worked out
+# once for every layer of a forward (:func:`rope_tables`).
 
-    if not hasattr(rope_utils, "_apply_rotary_pos_emb_bshd"):
-        raise RuntimeError("parallel.fused_rope: this megatron-core has no rope_utils._apply_rotary_pos_emb_bshd to replace")
-    rope_utils._apply_rotary_pos_emb_bshd = compiled_rope
+_ROPE_TABLE: dict[str, tuple] = {}
+
+
+def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of megatron's rotary angles ``freqs`` as megatron's unfused RoPE forms
+    them (``(cos(freqs) * mscale).to(dtype)``), kept while the same ``freqs`` tensor comes back
+    unchanged (megatron builds it once per forward, or once per run from its cache), so the layers
+    of a step share one pair."""
+    key = (freqs._version, dtype, float(mscale), freqs.shape, freqs.device)
+    last = _ROPE_TABLE.get("last")
+    if last is not None and last[0]() is freqs and last[1] == key:
+        return last[2]
+    tables = ((torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
+    _ROPE_TABLE["last"] = (weakref.ref(freqs), key, tables)
+    return tables
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels (megatron's
+    non-interleaved rotation), the rest as is."""
+    rot = cos.shape[-1]
+    r, rest = x[..., :rot], x[..., rot:]
+    r1, r2 = torch.chunk(r, 2, dim=-1)
+    return torch.cat((r * cos + torch.cat((-r2, r1), dim=-1) * sin, rest), dim=-1)
+
+
+def _rotate_grad(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`_rotate` with respect to ``x``: ``g * cos`` plus the transposed
+    half-rotation of ``g * sin`` (``[y1, y2] -> [y2, -y1]``), the rest as is."""
+    rot = cos.shape[-1]
+    gr, rest = g[..., :rot], g[..., rot:]
+    s1, s2 = torch.chunk(gr * sin, 2, dim=-1)
+    return torch.cat((gr * cos + torch.cat((s2, -s1), dim=-1), rest), dim=-1)
+
+
+def qkv_split_rope(mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_width: int, head_dim: int) -> tuple:
+    """Megatron's ``[s, b, groups, (heads per group + 2) * d]`` QKV output to query
+    ``[s, b, heads, d]`` and key ``[s, b, groups, d]``, both rotated, and value ``[s, b, groups, d]``,
+    each its own tensor."""
+    s, b, groups, _ = mixed.shape
+    q = mixed[..., :q_width].unflatten(-1, (q_width // head_dim, head_dim))
+    q = _rotate(q, cos.unsqueeze(-2), sin.unsqueeze(-2)).reshape(s, b, groups * (q_width // head_dim), head_dim)
+    k = _rotate(mixed[..., q_width : q_width + head_dim], cos, sin)
+    v = mixed[..., q_width + head_dim :].clone(memory_format=torch.contiguous_format)
+    return q, k, v
+
+
+def qkv_split_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of the QKV output from those of query, key and value (:func:`qkv_split_rope`)."""
+    s, b, groups, head_dim = dk.shape
+    gq = _rotate_grad(dq.reshape(s, b, groups, -1, head_dim), cos.unsqueeze(-2), sin.unsqueeze(-2)).flatten(-2)
+    return torch.cat((gq, _rotate_grad(dk, cos, sin), dv), dim=-1)
+
+
+class QKVRoPE(torch.autograd.Function):
+    """:func:`qkv_split_rope` forward, :func:`qkv_split_rope_grad` backward, each one compiled
+    region; only cos and sin are kept for the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_width: int, head_dim: int) -> tuple:
+        ctx.save_for_backward(cos, sin)
+        return fused.compiled(qkv_split_rope)(mixed, cos, sin, q_width, head_dim)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple:
+        cos, sin = ctx.saved_tensors
+        return fused.compiled(qkv_split_rope_grad)(dq, dk, dv, cos, sin), None, None, None, None
+
+
+def qkv_rope(mixed_qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, split: list[int], *args: Any, **kwargs: Any) -> tuple:
+    """Stands in for ``apply_fused_qkv_rotary_pos_emb(mixed_qkv, q_pos_emb, k_pos_emb,
+    qkv_split_arg_list)`` in megatron's attention (``fused_single_qkv_rope``): the query, key and
+    value of self-attention, query and key rotated as megatron's unfused RoPE rotates them (no
+    interleaving; megatron passes no scale on this path)."""
+    if args or kwargs:
+        raise ValueError(f"parallel.fused_rope: qkv takes the QKV output, two rotary tables and the split only; got also {args} {kwargs}")
+    q_width, k_width, v_width = split
+    if k_width != v_width or q_width % k_width or mixed_qkv.shape[-1] != q_width + k_width + v_width:
+        raise ValueError(f"parallel.fused_rope: qkv: a QKV output of shape {tuple(mixed_qkv.shape)} does not split as {split}")
+    if q_freqs is not k_freqs and not torch.equal(q_freqs, k_freqs):
+        raise ValueError("parallel.fused_rope: qkv rotates query and key alike; megatron handed it two different rotary tables")
+    cos, sin = rope_tables(q_freqs, mixed_qkv.dtype)
+    return QKVRoPE.apply(mixed_qkv, cos, sin, q_width, k_width)
+
+
+_MEGATRON_ROPE: dict[str, Any] = {}
+
+
+def install_rope(mode: str, config: Any) -> None:
+    """Route megatron's RoPE as ``parallel.fused_rope`` says, and only so (a model built before
+    with another mode in this process is routed back): ``compile`` swaps the unfused
+    ``rope_utils._apply_rotary_pos_emb_bshd`` (every layer's query and key) for
+    :func:`compiled_rope`; ``qkv`` makes :func:`qkv_rope` the attention module's
+    ``apply_fused_qkv_rotary_pos_emb``, which megatron calls where ``config.fused_single_qkv_rope``
+    is set (modeling.transformer_config sets it for ``qkv``). Both megatron-core 0.16 and 0.19 look
+    these names up in their modules when they call them."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    for module, name in ((rope_utils, "_apply_rotary_pos_emb_bshd"), (attention, "HAVE_FUSED_QKV_ROPE")):
+        if not hasattr(module, name):
+            raise RuntimeError(f"parallel.fused_rope: this megatron-core has no {module.__name__}.{name}")
+    if not _MEGATRON_ROPE:
+        _MEGATRON_ROPE.update(
+            bshd=rope_utils._apply_rotary_pos_emb_bshd,
+            have_qkv=attention.HAVE_FUSED_QKV_ROPE,
+            qkv=getattr(attention, "apply_fused_qkv_rotary_pos_emb", None),
+        )
+    rope_utils._apply_rotary_pos_emb_bshd = compiled_rope if mode == "compile" else _MEGATRON_ROPE["bshd"]
+    if mode == "qkv":
+        if getattr(config, "rotary_interleaved", False) or getattr(config, "multi_latent_attention", False):
+            raise ValueError("parallel.fused_rope: qkv covers the non-interleaved RoPE of Llama only")
+        if not getattr(config, "fused_single_qkv_rope", False):
+            raise ValueError("parallel.fused_rope: qkv needs config.fused_single_qkv_rope, which routes megatron's attention through it")
+        attention.HAVE_FUSED_QKV_ROPE, attention.apply_fused_qkv_rotary_pos_emb = True, qkv_rope
+    else:
+        attention.HAVE_FUSED_QKV_ROPE = _MEGATRON_ROPE["have_qkv"]
+        if _MEGATRON_ROPE["qkv"] is None:
+            if hasattr(attention, "apply_fused_qkv_rotary_pos_emb"):
+                del attention.apply_fused_qkv_rotary_pos_emb
+        else:
+            attention.apply_fused_qkv_rotary_pos_emb = _MEGATRON_ROPE["qkv"]
 
 
 # -- fused output layer + cross-entropy ----------------------------------------------------

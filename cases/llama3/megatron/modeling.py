@@ -457,6 +457,8 @@ def transformer_config(s: Settings) -> TransformerConfig:
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
+        # parallel.fused_rope: qkv takes megatron's unsplit-QKV RoPE path (kernels.qkv_rope)
+        fused_single_qkv_rope=lay.fused_rope == "qkv",
         gradient_accumulation_fusion=lay.gradient_accumulation_fusion,  # the trainer installs kernels.install_wgrad_accumulation
         persist_layer_norm=False,
         # parallel.cross_entropy: fused is megatron's own fused vocabulary-parallel cross-entropy
@@ -530,8 +532,7 @@ def _hand_on(hidden_states: torch.Tensor, weight: Any = None, runtime_gather_out
 
 def build_model(s: Settings, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model (all layers when pp == 1)."""
-    if s.layout.fused_rope == "compile":
-        kernels.install_compiled_rope()
+    kernels.install_rope(s.layout.fused_rope, config)
     model_class = GPTModel
     if s.layout.fused_linear_loss == "chunked":
         model_class = FusedLossGPTModel

@@ -19,7 +19,9 @@ listed there), and this case's own:
   SwiGLU as torch.compile regions or liger-kernel's Triton kernels, liger on cuda
   only; they replace megatron's local modules, so not with transformer_impl
   transformer_engine, and under auto only where TransformerEngine is absent),
-  ``fused_rope`` (none|compile: megatron's unfused RoPE as one torch.compile region),
+  ``fused_rope`` (none|compile|qkv: megatron's unfused RoPE as one torch.compile region; or
+  the QKV split and the RoPE of query and key as one compiled function each way, cos and sin
+  worked out once a forward: kernels.qkv_rope),
   ``fused_linear_loss`` (none|chunked: output layer and cross-entropy in one, a chunk of
   tokens at a time, vocabulary split over TP; kernels.LinearCrossEntropy),
   ``fused_add_norm`` (each residual sum and the RMSNorm after it in one kernel, in the
@@ -57,7 +59,7 @@ SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("sdpa", "cudnn", "local", "te")
 FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
-FUSED_ROPE = ("none", "compile")
+FUSED_ROPE = ("none", "compile", "qkv")
 FUSED_LINEAR_LOSS = ("none", "chunked")
 CROSS_ENTROPY = ("megatron", "fused", "liger")
 TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")

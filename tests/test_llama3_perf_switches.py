@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -635,10 +636,17 @@ def _two_rank_loss_check(tmp_path: Path, cfg: dict, variants: dict) -> list[dict
 
 
 def _same_loss_and_grads(plain: dict, other: dict, rel: float) -> None:
+    """The same loss, and each gradient the same within ``rel``: its distance from the plain
+    one at most ``rel / 5`` of the plain one's norm, and no element further off than ``rel`` of
+    the largest (bf16 paths that round in another order differ by a few units of the last place
+    in single elements; a wrong gradient differs by the order of the gradient itself)."""
     assert other["loss"] == pytest.approx(plain["loss"], rel=1e-5)
     assert plain["grads"].keys() == other["grads"].keys() and len(plain["grads"]) >= 10
     for name, g in plain["grads"].items():
-        assert other["grads"][name] == pytest.approx(g, rel=rel, abs=rel * 0.1 * max(map(abs, g))), name
+        diff = [a - b for a, b in zip(other["grads"][name], g, strict=True)]
+        distance, size = math.hypot(*diff), math.hypot(*g)
+        assert distance <= rel / 5 * size, (name, distance / size)
+        assert max(map(abs, diff)) <= rel * max(map(abs, g)), name
 
 
 @pytest.mark.framework("megatron")

@@ -430,16 +430,26 @@ def qkv_split_rope(mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_
     return q, k, v
 
 
-def qkv_split_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of the QKV output from those of query, key and value (:func:`qkv_split_rope`)."""
+def _qk_rope_grads(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of :func:`qkv_split_rope`'s query part ``[s, b, groups, heads per group * d]``
+    and key part ``[s, b, groups, d]``."""
     s, b, groups, head_dim = dk.shape
     gq = _rotate_grad(dq.reshape(s, b, groups, -1, head_dim), cos.unsqueeze(-2), sin.unsqueeze(-2)).flatten(-2)
-    return torch.cat((gq, _rotate_grad(dk, cos, sin), dv), dim=-1)
+    return gq, _rotate_grad(dk, cos, sin)
+
+
+def qkv_split_rope_grad(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of the QKV output from those of query, key and value (:func:`qkv_split_rope`):
+    the rotations back as one compiled region, then one concatenation. Inductor's own kernel for
+    the whole (rotations inside the concatenation) took 0.235 ms at a TP2 rank's llama3_8b shape
+    on one H200 against 0.114 ms for this split (2026-11-28), with the same result bit for bit."""
+    gq, gk = fused.compiled(_qk_rope_grads)(dq, dk, cos, sin)
+    return torch.cat((gq, gk, dv), dim=-1)
 
 
 class QKVRoPE(torch.autograd.Function):
-    """:func:`qkv_split_rope` forward, :func:`qkv_split_rope_grad` backward, each one compiled
-    region; only cos and sin are kept for the backward."""
+    """:func:`qkv_split_rope` forward (one compiled region), :func:`qkv_split_rope_grad`
+    backward; only cos and sin are kept for the backward."""
 
     @staticmethod
     def forward(ctx: Any, mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_width: int, head_dim: int) -> tuple:
@@ -449,7 +459,7 @@ class QKVRoPE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> tuple:
         cos, sin = ctx.saved_tensors
-        return fused.compiled(qkv_split_rope_grad)(dq, dk, dv, cos, sin), None, None, None, None
+        return qkv_split_rope_grad(dq, dk, dv, cos, sin), None, None, None, None
 
 
 def qkv_rope(mixed_qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, split: list[int], *args: Any, **kwargs: Any) -> tuple:

@@ -820,10 +820,21 @@ variants = {
     "fused": {"fused_adam": True},
     "fused_plain_optimizer": {"fused_adam": True, "distributed_optimizer": False},
     "wgrad_fused": {"gradient_accumulation_fusion": True},
+    # the tiny model's gradient norms stay under the case's clip_grad (1.0): these clip at 0.5
+    "clip_default": {"clip_grad": 0.5},
+    "clip_fused": {"fused_grad_clip": True, "clip_grad": 0.5},
+    "clip_fused_plain_optimizer": {"fused_grad_clip": True, "distributed_optimizer": False, "clip_grad": 0.5},
+    "after_clip": {"clip_grad": 0.5},
 }
+from megatron.core.optimizer import clip_grads
+clip_calls = []
+for fn in ("foreach_l2_norm", "foreach_scale"):  # counts the calls megatron's clip module makes to the switch's functions
+    setattr(kernels, fn, (lambda f, n: lambda *a: clip_calls.append(n) or f(*a))(getattr(kernels, fn), fn))
 for name, par in variants.items():
+    clip_calls.clear()
     stream = io.StringIO()
-    t = Trainer({**cfg, "parallel": {**cfg["parallel"], **par}}, MetricLogger(stream=stream), "train")
+    train = {**cfg["train"], "clip_grad": par.pop("clip_grad", cfg["train"]["clip_grad"])}
+    t = Trainer({**cfg, "train": train, "parallel": {**cfg["parallel"], **par}}, MetricLogger(stream=stream), "train")
     t.build()
     inner = kernels._torch_adams(t.optimizer)
     for step in (1, 2, 3):
@@ -834,6 +845,8 @@ for name, par in variants.items():
         "losses": [r.value["loss"] for r in records if r.key == "train_step"],
         "kernel": meta["adam_kernel"],
         "switch": meta["fused_adam"],
+        "clip": [meta["fused_grad_clip"], meta["grad_clip_kernel"], sorted(set(clip_calls)), len(clip_calls)],
+        "grad_norms": [r.value["grad_norm"] for r in records if r.key == "train_step"],
         "wgrad": meta["wgrad_accumulation"],
         "accumulated": t.s.layout.grad_accum,
         "flags": sorted({(g["foreach"], g["fused"]) for o in inner for g in o.param_groups}, key=str),
@@ -845,6 +858,22 @@ try:
     kernels.fuse_adam(t.optimizer, True)
 except RuntimeError as exc:
     out["after_step"] = str(exc)
+# the switch's two functions against megatron's own fallbacks on the same tensors
+from megatron.core import utils as mcore_utils
+gen = torch.Generator().manual_seed(4)
+grads = [torch.randn(*shape, generator=gen) for shape in ((7, 5), (130,), (3, 4, 9))]
+theirs, mine, into = [g.clone() for g in grads], [g.clone() for g in grads], [torch.zeros_like(g) for g in grads]
+mcore_utils.local_multi_tensor_scale(0, None, [theirs, theirs], 0.37)
+kernels.foreach_scale(0, None, [mine, mine], 0.37)
+kernels.foreach_scale(0, None, [grads, into], 0.37)  # a destination that is not its source
+norm_theirs = mcore_utils.local_multi_tensor_l2_norm(0, None, [grads], False)[0]
+norm_mine = kernels.foreach_l2_norm(0, None, [grads], False)[0]
+out["clip_fns"] = {
+    "scale": max(float((a - b).abs().max()) for a, b in zip(theirs, mine)),
+    "into": max(float((a - b).abs().max()) for a, b in zip(theirs, into)),
+    "scaled": float(mine[0][0, 0] / grads[0][0, 0]),
+    "norm": [float(norm_theirs[0]), float(norm_mine[0]), list(norm_mine.shape)],
+}
 # bfloat16 products into a float32 buffer: on a CPU the product in bf16, then added (on CUDA
 # with torch >= 2.8 one out_dtype GEMM); an older CUDA torch without apex is refused up front
 gen = torch.Generator().manual_seed(5)
@@ -870,7 +899,9 @@ def test_fused_adam_and_wgrad_accumulation_step_as_the_default_path_does(tmp_pat
     float32 rounding; switching after a step is refused. ``parallel.gradient_accumulation_fusion``:
     megatron's linear layers add each micro batch's weight gradient to main_grad through the
     case's stand-in for apex's kernel; three steps of several micro batches each give the
-    default path's losses and weights, and a bfloat16 product lands in a float32 buffer exactly."""
+    default path's losses and weights, and a bfloat16 product lands in a float32 buffer exactly.
+    ``parallel.fused_grad_clip``: megatron's clipping through torch's multi-tensor kernels gives
+    the default path's gradient norms, losses and weights."""
     line = one_rank_check(_ADAM_CHECK, tmp_path)
     res = json.loads(line[len("RESULT ") :])
     default, fused, plain = res["default"], res["fused"], res["fused_plain_optimizer"]
@@ -891,6 +922,26 @@ def test_fused_adam_and_wgrad_accumulation_step_as_the_default_path_does(tmp_pat
     assert wgrad["losses"] == pytest.approx(default["losses"], rel=1e-6)
     for a, b in zip(default["params"], wgrad["params"], strict=True):
         assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    # parallel.fused_grad_clip: megatron's clip module norms and scales through torch's multi-tensor
+    # kernels, with either optimizer; clipping took place (the norms above clip_grad 1.0), and the
+    # norms, losses and weights are the default path's to float32 rounding; a trainer built without
+    # the switch afterwards is back on megatron's per-tensor loops
+    clip_default = res["clip_default"]
+    assert min(clip_default["grad_norms"]) > 0.5 and clip_default["losses"] != pytest.approx(default["losses"], rel=1e-6)
+    for name in ("clip_fused", "clip_fused_plain_optimizer"):
+        clip = res[name]
+        assert clip["clip"][:3] == [True, "torch foreach (norm on the device, scaling in place)", ["foreach_l2_norm", "foreach_scale"]], (
+            name
+        )
+        assert clip["clip"][3] == 6  # a norm and a scaling each step
+        assert clip["grad_norms"] == pytest.approx(clip_default["grad_norms"], rel=1e-5)
+        assert clip["losses"] == pytest.approx(clip_default["losses"], rel=1e-6)
+        for a, b in zip(clip_default["params"], clip["params"], strict=True):
+            assert b == pytest.approx(a, rel=1e-5, abs=1e-7)
+    assert default["clip"] == clip_default["clip"] == res["after_clip"]["clip"] == [False, "megatron per-tensor", [], 0]
+    fns = res["clip_fns"]  # the scaling exactly megatron's, the norm to float32 rounding
+    assert fns["scale"] == fns["into"] == 0.0 and fns["scaled"] == pytest.approx(0.37, rel=1e-6)
+    assert fns["norm"][1] == pytest.approx(fns["norm"][0], rel=1e-6) and fns["norm"][2] == [1] and fns["norm"][0] > 10
     assert res["mixed"] < 1e-5
     assert res["old_torch"].startswith("parallel.gradient_accumulation_fusion: neither apex's fused_weight_gradient_mlp_cuda nor a torch")
 

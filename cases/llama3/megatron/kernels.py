@@ -677,6 +677,64 @@ def install_wgrad_accumulation(device: torch.device, dtype: torch.dtype) -> str:
     return "torch addmm into main_grad"
 
 
+# ``parallel.fused_grad_clip``: without apex or TransformerEngine megatron-core (0.16, 0.19) takes
+# the gradient norm with one ``torch.norm`` per tensor, gathered through ``torch.tensor`` on the
+# host (a device-to-host copy and wait per tensor), and clips with ``dst.copy_(src * scale)`` per
+# tensor (a product into a new tensor, then a copy: two passes over every gradient). The switch
+# hands megatron's clip module what ``torch.nn.utils.clip_grad_norm_`` runs: one multi-tensor norm
+# kept on the device and one multi-tensor in-place product.
+
+_MEGATRON_CLIP: dict[str, Any] = {}
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any) -> tuple:
+    """Stands in for ``multi_tensor_l2norm`` (``(norm of all tensors as one vector, None)``),
+    as megatron's clip module calls it: the norms of the tensors in ``torch._foreach_norm``'s
+    multi-tensor kernels, then the norm of those, on the device."""
+    if per_tensor:
+        raise ValueError("parallel.fused_grad_clip: the per-tensor norms of multi_tensor_l2norm are not provided")
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1), None
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list, scale: Any) -> None:
+    """Stands in for ``multi_tensor_scale`` (``dst = src * scale`` for each pair): in place with
+    ``torch._foreach_mul_`` where each destination is its source (megatron's clipping), else a
+    product and a copy per tensor as megatron's own fallback does."""
+    src, dst = tensor_lists
+    if len(src) == len(dst) and all(a is b for a, b in zip(src, dst)):
+        if src:
+            torch._foreach_mul_(dst, scale)
+        return
+    for a, b in zip(src, dst, strict=True):
+        b.copy_(a * scale)
+
+
+def install_grad_clip(on: bool) -> str:
+    """``parallel.fused_grad_clip``: route megatron's clip module (``optimizer.clip_grads``, which
+    looks ``l2_norm_impl`` and ``multi_tensor_scale_impl`` up when it runs) to :func:`foreach_l2_norm`
+    and :func:`foreach_scale` where it holds megatron's own per-tensor fallbacks, or back to those
+    when ``on`` is false. Where apex or TransformerEngine gave it their fused kernels those stay.
+    Returns the implementation in use (run_meta's ``grad_clip_kernel``)."""
+    from megatron.core.optimizer import clip_grads
+
+    for name in ("l2_norm_impl", "multi_tensor_scale_impl"):
+        if not hasattr(clip_grads, name):
+            raise RuntimeError(f"parallel.fused_grad_clip: this megatron-core has no optimizer.clip_grads.{name}")
+    if not _MEGATRON_CLIP:
+        _MEGATRON_CLIP.update(norm=clip_grads.l2_norm_impl, scale=clip_grads.multi_tensor_scale_impl)
+    norm, scale = _MEGATRON_CLIP["norm"], _MEGATRON_CLIP["scale"]
+    fallback = getattr(norm, "__module__", "") == "megatron.core.utils"
+    if on and fallback:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
+        return "torch foreach (norm on the device, scaling in place)"
+    clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = norm, scale
+    return "megatron per-tensor" if fallback else f"{getattr(norm, '__module__', '?')} multi-tensor"
+
+
 def _torch_adams(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The optimizers inside megatron's wrappers (a chain of them, each holding ``.optimizer``)."""
     chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]

@@ -31,6 +31,8 @@ listed there), and this case's own:
   kernels (cuda); not with ``fused_linear_loss: chunked``, which computes its own),
   ``transformer_impl`` (auto|local|transformer_engine), ``fused_adam`` (torch's AdamW
   as its fused kernel where megatron falls back to torch's optimizer; kernels.fuse_adam),
+  ``fused_grad_clip`` (the gradient norm and the clipping as torch's multi-tensor kernels where
+  megatron falls back to its per-tensor loops without apex; kernels.install_grad_clip),
   ``gradient_accumulation_fusion`` (each weight gradient added to its float32 main_grad
   inside the GEMM; kernels.install_wgrad_accumulation), ``tp_comm_overlap`` (none|halves: each
   layer runs its micro batch as two halves, one half's tensor-parallel all-reduces running while
@@ -104,6 +106,7 @@ class Layout:
     fused_add_norm: bool = False
     transformer_impl: str = "auto"
     fused_adam: bool = False
+    fused_grad_clip: bool = False
     gradient_accumulation_fusion: bool = False
     tp_comm_overlap: str = "none"
     optimizer_cpu_offload: bool = False
@@ -175,6 +178,7 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
         fused_add_norm=_bool(_get(parallel, "fused_add_norm", "parallel", False), "parallel.fused_add_norm"),
         transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
         fused_adam=_bool(_get(parallel, "fused_adam", "parallel", False), "parallel.fused_adam"),
+        fused_grad_clip=_bool(_get(parallel, "fused_grad_clip", "parallel", False), "parallel.fused_grad_clip"),
         gradient_accumulation_fusion=_bool(
             _get(parallel, "gradient_accumulation_fusion", "parallel", False), "parallel.gradient_accumulation_fusion"
         ),

@@ -161,6 +161,7 @@ class Trainer:
             opt_kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=lay.optimizer_offload_fraction)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [self.model])
         self.adam_kernel = kernels.fuse_adam(self.optimizer, lay.fused_adam)  # torch's foreach AdamW, or fused
+        self.grad_clip_kernel = kernels.install_grad_clip(lay.fused_grad_clip)  # megatron's norm and clip scaling
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -260,6 +261,8 @@ class Trainer:
                 fused_add_norm=modeling.fused_add_norm_in_use(s),
                 fused_adam=lay.fused_adam,
                 adam_kernel=self.adam_kernel,
+                fused_grad_clip=lay.fused_grad_clip,
+                grad_clip_kernel=self.grad_clip_kernel,
                 wgrad_accumulation=self.wgrad_accumulation,
                 tp_comm_overlap=lay.tp_comm_overlap,
                 transformer_engine=modeling.use_transformer_engine(s),

@@ -697,16 +697,19 @@ def test_the_liger_switches_match_megatrons_path_on_two_gpus(tmp_path):
             _same_loss_and_grads(plain, res[name], 5e-2)
 
 
-def _cuda_with_liger() -> bool:
+def _cuda_with(*modules: str) -> bool:
+    """Whether torch sees a CUDA device here and ``modules`` import."""
     try:
-        import liger_kernel  # noqa: F401
         import torch
+
+        for module in modules:
+            importlib.import_module(module)
     except ImportError:
         return False
     return torch.cuda.is_available()
 
 
-@pytest.mark.skipif(not _cuda_with_liger(), reason="needs a CUDA device with torch and liger-kernel: runs on the GPU machine")
+@pytest.mark.skipif(not _cuda_with("liger_kernel"), reason="needs a CUDA device with torch and liger-kernel: runs on the GPU machine")
 def test_liger_cross_entropy_equals_torchs_on_a_gpu():
     """``parallel.cross_entropy: liger`` on one CUDA device (no TP): the per-token loss of bf16
     logits and their gradient under a non-uniform incoming gradient equal torch's cross-entropy
@@ -733,7 +736,7 @@ def test_liger_cross_entropy_equals_torchs_on_a_gpu():
         kernels.liger_cross_entropy(logits.detach().cpu(), labels.cpu(), None)
 
 
-@pytest.mark.skipif(not _cuda_with_liger(), reason="needs a CUDA device with torch and liger-kernel: runs on the GPU machine")
+@pytest.mark.skipif(not _cuda_with("liger_kernel"), reason="needs a CUDA device with torch and liger-kernel: runs on the GPU machine")
 def test_liger_add_norm_equals_the_sum_then_the_norm_on_a_gpu():
     """``parallel.fused_add_norm`` with liger's norms on one CUDA device: ``add_forward`` gives the
     residual sum and its norm as megatron's add followed by the liger norm does, and the same
@@ -764,15 +767,7 @@ def test_liger_add_norm_equals_the_sum_then_the_norm_on_a_gpu():
         assert float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device: runs on the GPU machine")
+@pytest.mark.skipif(not _cuda_with(), reason="needs a CUDA device: runs on the GPU machine")
 def test_qkv_rope_equals_the_split_then_the_rotation_on_a_gpu():
     """``parallel.fused_rope: qkv`` on one CUDA device (Inductor's kernels), bf16 at a rank's
     share of llama3_8b under TP2 (4 KV groups of 4 query heads, head dim 128): query, key and value

@@ -347,15 +347,28 @@ def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 # -- fused RoPE ----------------------------------------------------------------------------
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels (megatron's
+    non-interleaved rotation), the rest as is."""
+    rot = cos.shape[-1]
+    r, rest = x[..., :rot], x[..., rot:]
+    r1, r2 = torch.chunk(r, 2, dim=-1)
+    return torch.cat((r * cos + torch.cat((-r2, r1), dim=-1) * sin, rest), dim=-1)
+
+
+def _rotate_grad(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`_rotate` with respect to ``x``: ``g * cos`` plus the transposed
+    half-rotation of ``g * sin`` (``[y1, y2] -> [y2, -y1]``), the rest as is."""
+    rot = cos.shape[-1]
+    gr, rest = g[..., :rot], g[..., rot:]
+    s1, s2 = torch.chunk(gr * sin, 2, dim=-1)
+    return torch.cat((gr * cos + torch.cat((s2, -s1), dim=-1), rest), dim=-1)
+
+
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
     """What megatron's unfused ``_apply_rotary_pos_emb_bshd`` computes without interleaving:
     ``t * cos + rotate_half(t) * sin`` on the first ``freqs.shape[-1]`` channels, the rest as is."""
-    rot = freqs.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    cos = (torch.cos(freqs) * mscale).to(t.dtype)
-    sin = (torch.sin(freqs) * mscale).to(t.dtype)
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((x * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+    return _rotate(t, (torch.cos(freqs) * mscale).to(t.dtype), (torch.sin(freqs) * mscale).to(t.dtype))
 
 
 def compiled_rope(
@@ -380,8 +393,8 @@ def compiled_rope(
 # backward concatenates the three gradients into the QKV gradient. Its ``fused_single_qkv_rope``
 # path instead hands the unsplit output to ``apply_fused_qkv_rotary_pos_emb`` (TransformerEngine's
 # where that is installed); :func:`qkv_rope` stands in for it: query, key and value come out of one
-# compiled function, the backward writes the QKV gradient in one, and cos and sin are worked out
-# once for every layer of a forward (:func:`rope_tables`).
+# compiled function, the backward writes the QKV gradient with one compiled region and one
+# concatenation, and cos and sin are worked out once for every layer of a forward (:func:`rope_tables`).
 
 _ROPE_TABLE: dict[str, tuple] = {}
 
@@ -398,24 +411,6 @@ def rope_tables(freqs: torch.Tensor, dtype: torch.dtype, mscale: float = 1.0) ->
     tables = ((torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype))
     _ROPE_TABLE["last"] = (weakref.ref(freqs), key, tables)
     return tables
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` on the first ``cos.shape[-1]`` channels (megatron's
-    non-interleaved rotation), the rest as is."""
-    rot = cos.shape[-1]
-    r, rest = x[..., :rot], x[..., rot:]
-    r1, r2 = torch.chunk(r, 2, dim=-1)
-    return torch.cat((r * cos + torch.cat((-r2, r1), dim=-1) * sin, rest), dim=-1)
-
-
-def _rotate_grad(g: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`_rotate` with respect to ``x``: ``g * cos`` plus the transposed
-    half-rotation of ``g * sin`` (``[y1, y2] -> [y2, -y1]``), the rest as is."""
-    rot = cos.shape[-1]
-    gr, rest = g[..., :rot], g[..., rot:]
-    s1, s2 = torch.chunk(gr * sin, 2, dim=-1)
-    return torch.cat((gr * cos + torch.cat((s2, -s1), dim=-1), rest), dim=-1)
 
 
 def qkv_split_rope(mixed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_width: int, head_dim: int) -> tuple:

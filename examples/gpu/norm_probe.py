@@ -23,23 +23,11 @@ sys.path.insert(0, os.getcwd())
 import torch
 
 from cases.llama3.megatron import kernels
+from examples.gpu.timing import cuda_ms as timed
 
 
 class _Config:
     normalization, sequence_parallel = "RMSNorm", False
-
-
-def timed(fn, n: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, ".")
 from cases.llama3.megatron import kernels
+from examples.gpu.timing import cuda_ms
 from training import fused
 
 s, b, g, qpg, d = 8192, 2, 4, 4, 128
@@ -32,17 +33,8 @@ dk = torch.randn(s, b, g, d, device=dev, dtype=torch.bfloat16)
 dv = torch.randn_like(dk)
 
 
-def t(fn, n=50):
-    for _ in range(5):
-        fn()
-    st, en = torch.cuda.Event(True), torch.cuda.Event(True)
-    torch.cuda.synchronize()
-    st.record()
-    for _ in range(n):
-        fn()
-    en.record()
-    torch.cuda.synchronize()
-    return st.elapsed_time(en) / n
+def t(fn):
+    return cuda_ms(fn, 50)
 
 
 def one_kernel(dq, dk, dv, cos, sin):

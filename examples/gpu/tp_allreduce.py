@@ -28,23 +28,14 @@ sys.path.insert(0, os.getcwd())
 import torch
 import torch.distributed as dist
 
+from examples.gpu.timing import cuda_ms
 from training import gemm
 
 TOKENS, HIDDEN = 16384, 4096
 
 
 def timed(fn, n: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return cuda_ms(fn, n, ready=dist.barrier)
 
 
 def forward(dev: torch.device) -> dict:

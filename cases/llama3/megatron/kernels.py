@@ -27,6 +27,7 @@ Imported after ``training.runtime.setup()``, like modeling.py.
 
 from __future__ import annotations
 
+import importlib
 import math
 import weakref
 from typing import Any
@@ -39,20 +40,25 @@ from training import fused, gemm
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
 
 
-def _liger(what: str) -> Any:
+_LIGER_OPS = {  # what: (liger-kernel module, autograd function)
+    "rms_norm": ("liger_kernel.ops.rms_norm", "LigerRMSNormFunction"),
+    "add_rms_norm": ("liger_kernel.ops.fused_add_rms_norm", "LigerFusedAddRMSNormFunction"),
+    "swiglu": ("liger_kernel.ops.swiglu", "LigerFusedGateUpSiLUMulFunction"),
+    "vocab_parallel_ce": ("liger_kernel.ops.vocab_parallel_cross_entropy", "LigerVocabParallelCEFunction"),
+}
+
+
+def _liger(what: str, switch: str = "parallel.fused_elementwise", instead: str = "none or compile") -> Any:
+    """liger-kernel's autograd function for ``what``; where it does not import, an error that
+    names ``switch`` and the values to choose ``instead``."""
+    module, name = _LIGER_OPS[what]
     try:
-        if what == "rms_norm":
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction as f
-        elif what == "add_rms_norm":
-            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as f
-        else:
-            from liger_kernel.ops.swiglu import LigerFusedGateUpSiLUMulFunction as f
-    except ImportError as exc:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
         raise RuntimeError(
-            f"parallel.fused_elementwise: liger needs liger-kernel (and triton): {exc}; "
-            "install it (pip install liger-kernel==0.8.5) or choose none or compile"
+            f"{switch}: liger needs liger-kernel 0.8.5 or later (and triton): {exc}; "
+            f"install it (pip install liger-kernel==0.8.5) or choose {instead}"
         ) from exc
-    return f
 
 
 def _check_cuda(x: torch.Tensor, what: str, switch: str = "parallel.fused_elementwise") -> None:
@@ -619,14 +625,8 @@ def liger_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group: Any) 
     gradient in place). Megatron's arithmetic (no label smoothing); ignore_index -100 never
     matches a token id. CUDA only."""
     _check_cuda(logits, "the cross-entropy", "parallel.cross_entropy")
-    try:
-        from liger_kernel.ops.vocab_parallel_cross_entropy import LigerVocabParallelCEFunction
-    except ImportError as exc:
-        raise RuntimeError(
-            f"parallel.cross_entropy: liger needs liger-kernel 0.8.5 or later (its vocabulary-parallel cross-entropy): {exc}; "
-            "install it (pip install liger-kernel==0.8.5) or choose megatron or fused"
-        ) from exc
-    return LigerVocabParallelCEFunction.apply(logits, labels, group, -100, 0.0, "megatron", "partition")
+    ce = _liger("vocab_parallel_ce", "parallel.cross_entropy", "megatron or fused")
+    return ce.apply(logits, labels, group, -100, 0.0, "megatron", "partition")
 
 
 # -- weight-gradient accumulation in the GEMM ---------------------------------------------

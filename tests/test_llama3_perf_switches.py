@@ -767,6 +767,37 @@ def test_liger_add_norm_equals_the_sum_then_the_norm_on_a_gpu():
         assert float((got.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
 
 
+@pytest.mark.skipif(not _cuda_with("megatron.core"), reason="needs a CUDA device with torch and megatron-core: runs on the GPU machine")
+def test_fused_grad_clip_stays_on_the_device_on_a_gpu():
+    """``parallel.fused_grad_clip`` on one CUDA device, float32 gradients of llama3_8b's TP2 shapes
+    (a layer's QKV, fc1 and norm weight, and the vocabulary shard): the norm equals the norm of all
+    of them as one vector to float32 rounding and the in-place scaling equals megatron's product,
+    and neither waits for the host (torch's sync debug mode set to raise), while megatron's own
+    per-tensor fallback does wait: what the switch removes from each step."""
+    import torch
+    from megatron.core import utils as mutils
+
+    from cases.llama3.megatron import kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    shapes = [(3072, 4096), (14336, 4096), (4096,), (64128, 4096)]
+    grads = [torch.randn(*shape, device="cuda", generator=gen) for shape in shapes]
+    want = torch.linalg.vector_norm(torch.cat([g.flatten().double() for g in grads]))
+    scaled = [g * 0.37 for g in grads]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm, none = kernels.foreach_l2_norm(2048 * 32, None, [grads], False)
+        kernels.foreach_scale(2048 * 32, None, [grads, grads], 0.37)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            mutils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert none is None and norm.shape == (1,) and norm.device.type == "cuda" and norm.dtype == torch.float32
+    assert float(norm) == pytest.approx(float(want), rel=1e-5)
+    assert all(torch.equal(g, s) for g, s in zip(grads, scaled))
+
+
 @pytest.mark.skipif(not _cuda_with(), reason="needs a CUDA device: runs on the GPU machine")
 def test_qkv_rope_equals_the_split_then_the_rotation_on_a_gpu():
     """``parallel.fused_rope: qkv`` on one CUDA device (Inductor's kernels), bf16 at a rank's

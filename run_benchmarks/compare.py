@@ -200,6 +200,18 @@ class Side:
     def phase(self, name: str) -> list[tr.PhaseResult]:
         return [p for r in self.rounds for p in r.phases if p.phase == name]
 
+    def environment(self) -> dict[str, str] | None:
+        """The variables its ranks recorded of their environment (run_meta ``environment``, the
+        vendor's ``recorded_env``), over its kept rounds; None where no phase recorded any."""
+        recorded = [p.meta["environment"] for r in self.rounds for p in r.phases if isinstance((p.meta or {}).get("environment"), dict)]
+        if not recorded:
+            return None
+        out: dict[str, str] = {}
+        for env in recorded:
+            for name, value in env.items():
+                out.setdefault(name, value)
+        return out
+
     def fig(self, phase: str, field: str) -> float | None:
         return _mean([getattr(p, field) for p in self.phase(phase)])
 
@@ -280,6 +292,13 @@ def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
         for k in keys
         if len({json.dumps(f.get(k), default=str) if k in f else "(absent)" for f in flats}) > 1
     ]
+    # the environment the ranks recorded: unset where a run recorded its environment without the
+    # variable, not recorded where it recorded none (a run from before the record, a vendor without it)
+    envs = [s.environment() for s in sides]
+    for name in sorted(set().union(*(e for e in envs if e))):
+        vals = [("(not recorded)" if e is None else e.get(name, "(unset)")) for e in envs]
+        if len(set(vals)) > 1:
+            differ.append([f"environment {name}"] + vals)
     for attr in ("vendor", "hardware", "world_size", "config_name", "code_version"):
         vals = [str(getattr(s.res, attr)) for s in sides]
         if len(set(vals)) > 1:

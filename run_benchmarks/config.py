@@ -26,6 +26,7 @@ from run_benchmarks.errors import InputError
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-.]{0,252})$")
 _MODSPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
 _ENVNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENVPREFIX = re.compile(r"^[A-Z][A-Z0-9_]*$")  # upper case: a prefix matches every variable it begins
 # what reaches a remote host as a login name or a path: no shell metacharacters, no spaces
 _USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
 _REMOTE_PATH = re.compile(r"^/[A-Za-z0-9_.+@%,:=/-]*$")
@@ -237,6 +238,10 @@ class VendorConfig(Strict):
     # the environment variable the vendor's torch allocator reads its options from
     # (PYTORCH_CUDA_ALLOC_CONF for CUDA's caching allocator); none: a config cannot set them
     allocator_env: str | None = None
+    # the environment each rank records in its run_meta (``environment``): every variable whose
+    # name starts with one of these (NCCL_ for the collectives' tuning, ...), as the rank saw it,
+    # so that two runs apart only by such a variable show it (start_task.py --compare)
+    recorded_env: list[str] = []
     chips: dict[str, ChipConfig]
     env: dict[str, str] = {}
     adapters: dict[str, str] = {}  # framework -> "module:function"
@@ -254,6 +259,14 @@ class VendorConfig(Strict):
     def _visible(cls, v: str | None) -> str | None:
         if v is not None and not _ENVNAME.match(v):
             raise ValueError(f"environment variable name {v!r} is not valid")
+        return v
+
+    @field_validator("recorded_env")
+    @classmethod
+    def _recorded(cls, v: list[str]) -> list[str]:
+        for prefix in v:
+            if not _ENVPREFIX.match(prefix):
+                raise ValueError(f"must be names or name prefixes of environment variables such as NCCL_, got {prefix!r}")
         return v
 
     @field_validator("monitor")

@@ -97,6 +97,7 @@ class Plan:
                 "visible_devices_env": self.vendor.visible_devices_env,
                 "memory_query": self.vendor.memory_query,
                 "allocator_env": self.vendor.allocator_env,
+                "recorded_env": list(self.vendor.recorded_env),
                 "adapters": dict(self.vendor.adapters),
                 "hooks": [self.hook] if self.hook else [],
             },

@@ -184,6 +184,7 @@ description: {name} accelerators
 device: cuda                 # torch's device type of the vendor's build: cuda, npu, mlu, xpu, musa, ... or cpu
 dist_backend: nccl           # its torch.distributed backend: nccl, hccl, cncl, bkcl, mccl, ... or gloo
 visible_devices_env: CUDA_VISIBLE_DEVICES
+recorded_env: [NCCL_]        # prefixes of the variables each rank records in run_meta (collective and runtime tuning)
 monitor: none                # nvml | ixsmi | none | "vendors.{name}.monitor:sample" (the vendor's own sampler)
 chips:
   {chip}:

@@ -7,6 +7,7 @@ environment's Python."""
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from pathlib import Path
 
@@ -148,6 +149,30 @@ def test_the_collective_backend_is_the_vendors():
     with pytest.raises(common.SettingsError, match="vendor.device must be a lower-case name such as cuda, npu, cpu"):
         common.from_config({**cfg, "vendor": {"device": "NPU!", "dist_backend": "hccl"}}, 2)
     assert runtime.visible_devices({"visible_devices_env": None}) is None
+
+
+def test_ranks_record_the_variables_the_vendor_names(monkeypatch):
+    """``recorded_env`` (vendor.yaml): each rank's run_meta ``environment`` holds every variable of
+    its environment whose name starts with one of the vendor's prefixes, by name, and nothing
+    else; a vendor naming none records none; a prefix that is no variable name is refused naming
+    the field."""
+    from run_benchmarks.config import VendorConfig
+    from training import runtime
+
+    for name in [n for n in os.environ if n.startswith(("NCCL_", "GLOO_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NCCL_MAX_CTAS", "16")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("NCCLX_OTHER", "not a prefix match")
+    got = runtime.recorded_env({"recorded_env": ["NCCL_", "GLOO_"]})
+    assert got == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_MAX_CTAS": "16", "NCCL_NVLS_ENABLE": "0"}
+    assert list(got) == sorted(got)
+    assert runtime.recorded_env({"recorded_env": []}) is None and runtime.recorded_env({}) is None
+    vendor = {"name": "v", "device": "cuda", "dist_backend": "nccl", "chips": {"X": {"peak_flops": {}, "memory_gib": 1, "source": "s"}}}
+    assert VendorConfig.model_validate({**vendor, "recorded_env": ["NCCL_"]}).recorded_env == ["NCCL_"]
+    with pytest.raises(ValueError, match="(?s)recorded_env.*names or name prefixes of environment variables such as NCCL_, got 'nccl_'"):
+        VendorConfig.model_validate({**vendor, "recorded_env": ["nccl_"]})
 
 
 #: where the cases and training/ may name CUDA: kernels that are CUDA's alone, behind a check

@@ -151,3 +151,30 @@ def test_recorded_curves_name_their_phases_global_batch(tmp_path):
     finally:
         for f in files.values():
             f.unlink(missing_ok=True)
+
+
+def test_compare_names_the_environment_the_ranks_recorded(tmp_path):
+    """Two runs apart only by a variable of the vendor's ``recorded_env`` (an NCCL tuning
+    variable): "settings that differ" names it with both values; a variable one run recorded
+    unset says so, and a run that recorded no environment at all (older, or a vendor without
+    ``recorded_env``) reads "(not recorded)" instead of passing for the same."""
+    from run_benchmarks import compare
+
+    def run(name: str, environment: dict | None) -> Path:
+        phase = fake_phase()
+        if environment is not None:
+            phase = phase.model_copy(update={"meta": {"environment": environment}})
+        res = fake_run([{"status": "ok", "phases": [phase]}], run_id=name)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(res.dump()))
+        return path
+
+    base = {"NCCL_NVLS_ENABLE": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    tuned = run("tuned", {**base, "NCCL_MAX_CTAS": "16"})
+    plain = run("plain", base)
+    c = compare.comparison([tuned, plain])
+    assert c["differ"] == [["environment NCCL_MAX_CTAS", "16", "(unset)"]]
+    c = compare.comparison([tuned, plain, run("old", None)])
+    assert ["environment NCCL_MAX_CTAS", "16", "(unset)", "(not recorded)"] in c["differ"]
+    assert ["environment NCCL_NVLS_ENABLE", "0", "0", "(not recorded)"] in c["differ"]
+    assert compare.comparison([plain, run("same", dict(base))])["differ"] == []

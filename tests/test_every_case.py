@@ -81,5 +81,8 @@ def test_the_case_runs_end_to_end(model, framework, size, request, tmp_path):
     assert proc.returncode == 1 and rnd["status"] == "unjudged", proc.stdout[-3000:] + proc.stderr[-3000:]
     for p in rnd["phases"]:
         assert len(p["steps"]) == 7 and p["meta"]["model"] == model, p["phase"]
+        # the cpu vendor's recorded_env (OMP_, MKL_, GLOO_): its own env as each rank saw it
+        env = p["meta"]["environment"]
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1" and all(k.startswith(("OMP_", "MKL_", "GLOO_")) for k in env), env
         assert p["tokens_per_gpu_s"] and p["tokens_per_gpu_s"] > 0 and p["peak_mem_gib"] > 0
     assert [n["returncode"] for n in rnd["nodes"]] == [0]

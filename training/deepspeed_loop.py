@@ -64,7 +64,7 @@ import torch.distributed as dist
 from training.accelerator import Accelerator
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger
 from training.profiling import StepProfiler
-from training.runtime import allocator_options, dist_info, visible_devices
+from training.runtime import allocator_options, dist_info, recorded_env, visible_devices
 from training.settings import Common, Train
 from training.steptimer import StepClock
 
@@ -407,6 +407,7 @@ def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Modul
         "parallel": {"dp": engine.dp_world_size, "tp": 1, "pp": 1, "zero_stage": eff["zero_optimization_stage"]},
         "visible_devices": visible_devices(vendor),
         "allocator": allocator_options(vendor),
+        "environment": recorded_env(vendor),
         # what nn.Linear layers called: torch's, or DeepSpeed's ZeRO-3 replacement (memory_efficient_linear)
         "functional_linear": _qualified(torch.nn.functional.linear),
     }

@@ -49,6 +49,16 @@ def allocator_options(vendor: dict[str, Any]) -> dict[str, str | None] | None:
     return _vendor_variable(vendor, "allocator_env")
 
 
+def recorded_env(vendor: dict[str, Any]) -> dict[str, str] | None:
+    """Every variable of this process's environment whose name starts with one of the vendor's
+    ``recorded_env`` prefixes (NCCL_, ...), by name, for the case's ``run_meta`` (``environment``):
+    what tunes the collectives and the runtime beside the settings. None when the vendor names none."""
+    prefixes = tuple(vendor.get("recorded_env") or ())
+    if not prefixes:
+        return None
+    return {name: os.environ[name] for name in sorted(os.environ) if name.startswith(prefixes)}
+
+
 def _vendor_variable(vendor: dict[str, Any], field: str) -> dict[str, str | None] | None:
     """``{name: value in this process}`` of the variable the vendor's ``field`` names; None when it names none."""
     name = vendor.get(field)

@@ -278,6 +278,7 @@ class Trainer:
             config_name=s.config_name,
             device=s.device,
             visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
+            environment=runtime.recorded_env(self.cfg.get("vendor") or {}),
             data=self.data_desc,
             **{K_KERNEL_CEILING: self.kernel_ceiling},
         )

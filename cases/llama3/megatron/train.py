@@ -274,6 +274,7 @@ class Trainer:
             device=s.device,
             visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
             allocator=runtime.allocator_options(self.cfg.get("vendor") or {}),
+            environment=runtime.recorded_env(self.cfg.get("vendor") or {}),
             torch_version=torch.__version__,
             data=self.data_desc,
             **{K_KERNEL_CEILING: self.ceiling},

@@ -201,16 +201,8 @@ class Side:
         return [p for r in self.rounds for p in r.phases if p.phase == name]
 
     def environment(self) -> dict[str, str] | None:
-        """The variables its ranks recorded of their environment (run_meta ``environment``, the
-        vendor's ``recorded_env``), over its kept rounds; None where no phase recorded any."""
-        recorded = [p.meta["environment"] for r in self.rounds for p in r.phases if isinstance((p.meta or {}).get("environment"), dict)]
-        if not recorded:
-            return None
-        out: dict[str, str] = {}
-        for env in recorded:
-            for name, value in env.items():
-                out.setdefault(name, value)
-        return out
+        """What its kept rounds' ranks recorded of their environment (typed_results)."""
+        return tr.recorded_environment(self.rounds)
 
     def fig(self, phase: str, field: str) -> float | None:
         return _mean([getattr(p, field) for p in self.phase(phase)])

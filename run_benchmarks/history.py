@@ -33,9 +33,9 @@ from rich.table import Table
 from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.errors import InputError
-from run_benchmarks.typed_results import PhaseResult, RunResults
+from run_benchmarks.typed_results import PhaseResult, RunResults, recorded_environment
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: the figures aggregated per run and phase, over its clean rounds (ok or unjudged)
 METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib", "device_mem_used_gib", "sm_clock_mhz", "alloc_retries")
 OLYMPIC_MIN_ROUNDS = 5  # MLPerf-style: drop the fastest and the slowest from 5 rounds on
@@ -67,7 +67,8 @@ CREATE TABLE runs (                 -- one case run: one results.json
   error TEXT,
   system_json TEXT NOT NULL, settings_json TEXT NOT NULL, overrides_json TEXT NOT NULL,
   user_overrides_json TEXT NOT NULL, hardware_json TEXT NOT NULL,
-  rounds_unjudged INTEGER NOT NULL DEFAULT 0, rounds_invalid INTEGER NOT NULL DEFAULT 0
+  rounds_unjudged INTEGER NOT NULL DEFAULT 0, rounds_invalid INTEGER NOT NULL DEFAULT 0,
+  environment_json TEXT              -- what the ranks recorded of their environment; NULL: nothing recorded
 );
 CREATE INDEX runs_identity ON runs (case_key, vendor, hardware_key, config_key, started);
 CREATE TABLE run_stats (            -- per run, phase and metric, over its clean rounds
@@ -137,6 +138,10 @@ DROP TABLE first_phase;
 """
 
 
+# Schema 3 keeps what the ranks recorded of their environment (the vendor's recorded_env).
+MIGRATE_2_TO_3 = "ALTER TABLE runs ADD COLUMN environment_json TEXT;"
+
+
 def default_db() -> Path:
     data = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(data) / "flagbench" / "history.sqlite"
@@ -165,8 +170,11 @@ def connect(path: str | os.PathLike[str], create: bool = True) -> sqlite3.Connec
         with db:
             db.executescript(SCHEMA)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-    elif version == 1:
-        _migrate_1_to_2(db)
+    else:
+        if version == 1:
+            _migrate_1_to_2(db)
+        if version <= 2:
+            db.executescript("BEGIN;\n" + MIGRATE_2_TO_3 + "\nPRAGMA user_version = 3;\nCOMMIT;")
     return db
 
 
@@ -324,14 +332,15 @@ def record_run(
     n = status_counts(res, rounds_requested)
     aligned = loss_verdict(res)
     good = int(n["failed"] == 0 and n["invalid"] == 0 and n["ok"] + n["unjudged"] > 0)
+    env = recorded_environment(res.rounds)
     j = lambda x: json.dumps(x, sort_keys=True, default=str)
     with db:
         cur = db.execute(
             "INSERT INTO runs (night_id, run_id, case_key, vendor, hardware_key, config_key, config_name, variant,"
             " started, finished, run_dir, rounds_requested, rounds_ok, rounds_unjudged, rounds_invalid, rounds_failed,"
             " loss_aligned, good, verdict, baseline_runs, baseline_json, tolerances_json, error, system_json, settings_json,"
-            " overrides_json, user_overrides_json, hardware_json)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " overrides_json, user_overrides_json, hardware_json, environment_json)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 night,
                 res.run_id,
@@ -361,6 +370,7 @@ def record_run(
                 j(res.overrides),
                 j(res.user_overrides),
                 j(res.hardware_info),
+                None if env is None else j(env),
             ),
         )
         run = int(cur.lastrowid or 0)
@@ -434,6 +444,12 @@ def baseline_runs(db: sqlite3.Connection, identity: dict[str, str], limit: int, 
         sql += " AND id < ?"
         args.append(before_run)
     return db.execute(sql + " ORDER BY started DESC, id DESC LIMIT ?", (*args, limit)).fetchall()
+
+
+def environment_of(row: sqlite3.Row) -> dict[str, str] | None:
+    """What a stored run's ranks recorded of their environment; None where nothing was."""
+    text = row["environment_json"]
+    return None if text is None else json.loads(text)
 
 
 def identity_of(row: sqlite3.Row | dict[str, Any]) -> dict[str, str]:

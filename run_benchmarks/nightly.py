@@ -35,7 +35,7 @@ from run_benchmarks.casename import CaseName
 from run_benchmarks.config import ClusterConfig, cluster_with, load
 from run_benchmarks.errors import InputError
 from run_benchmarks.runlist import RunList, RunListEntry, Tolerances, parse_runlist
-from run_benchmarks.typed_results import RunResults
+from run_benchmarks.typed_results import RunResults, environment_changes, recorded_environment
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -130,6 +130,7 @@ def judge(
     first_error: str | None,
     baseline: list[Stats],
     tol: Tolerances,
+    environment: list[tuple[str, str | None, str | None]] | None = None,
 ) -> Verdict:
     """Compare one case run, phase by phase, with the medians of its baseline runs (their per-run medians).
 
@@ -137,7 +138,9 @@ def judge(
     of an invalid round) are failures with or without a baseline (the baseline runs never have
     them: only good runs count). Throughput and MFU falling, or memory rising, by more than the
     tolerance is a regression; without a baseline nothing is compared. A phase is named in the
-    findings when the case has more than one.
+    findings when the case has more than one. ``environment``: the recorded variables whose values
+    differ from the latest baseline run's (``typed_results.environment_changes``), named beside
+    each figure's finding, since they are no part of the config the baseline is matched on.
     """
     findings: list[dict[str, Any]] = []
     n = len(baseline)
@@ -194,7 +197,8 @@ def judge(
                         "tolerance": direction * pct / 100,
                         "message": f"{label}{tag(ph)}: {METRIC_LABELS[metric]} median {fmt(now)} vs baseline {fmt(b)} (median of {n} run(s)):"
                         f" {100 * change:+.1f}%, tolerance {'-' if direction < 0 else '+'}{pct:g}%"
-                        + (_beside_notes(st, medians[ph]) if direction < 0 else ""),
+                        + (_beside_notes(st, medians[ph]) if direction < 0 else "")
+                        + _environment_note(environment or []),
                     }
                 )
     status = "regressed" if findings else "pass" if n else "baseline: none"
@@ -215,6 +219,16 @@ def _beside_notes(stats: dict[str, Any], baseline: dict[str, float | None]) -> s
         was = "not recorded" if retries_base is None else f"{retries_base:g}"
         notes += f"; the allocator gave its cache back {retries:g} time(s) for want of a free block (baseline: {was})"
     return notes
+
+
+def _environment_note(changes: list[tuple[str, str | None, str | None]]) -> str:
+    """Beside a figure's finding: the recorded variables set otherwise than in the latest baseline run."""
+    if not changes:
+        return ""
+    shown = lambda value: "unset" if value is None else repr(value)
+    return "; the ranks' environment differs from the latest baseline run's: " + ", ".join(
+        f"{name} {shown(now)} (baseline: {shown(then)})" for name, now, then in changes
+    )
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -335,6 +349,7 @@ def _judge_and_store(
         first_error,
         [history.stats_of(db, r["id"]) for r in base_rows],
         job.tolerances,
+        environment_changes(recorded_environment(res.rounds), history.environment_of(base_rows[0])) if base_rows else [],
     )
     run_pk = history.record_run(
         db,

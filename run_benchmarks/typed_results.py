@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -274,6 +275,29 @@ class RunResults(Strict):
     def dump(self) -> dict[str, Any]:
         """As written: JSON-ready, NaN and inf losses kept as such (JSON's NaN / Infinity)."""
         return self.model_dump(by_alias=True)
+
+
+def recorded_environment(rounds: Iterable[RoundResult]) -> dict[str, str] | None:
+    """The variables the ranks recorded of their environment (run_meta ``environment``, the
+    vendor's ``recorded_env``) over ``rounds``, the first value of each name kept; None where no
+    phase recorded any (a run from before the record, or a vendor naming none)."""
+    recorded = [p.meta["environment"] for r in rounds for p in r.phases if isinstance((p.meta or {}).get("environment"), dict)]
+    if not recorded:
+        return None
+    out: dict[str, str] = {}
+    for env in recorded:
+        for name, value in env.items():
+            out.setdefault(str(name), str(value))
+    return out
+
+
+def environment_changes(now: dict[str, str] | None, then: dict[str, str] | None) -> list[tuple[str, str | None, str | None]]:
+    """``(name, now, then)`` for each recorded variable whose value differs between two runs,
+    None where a run recorded its environment without it; none where either run recorded no
+    environment (nothing to compare)."""
+    if now is None or then is None:
+        return []
+    return [(k, now.get(k), then.get(k)) for k in sorted({*now, *then}) if now.get(k) != then.get(k)]
 
 
 def _pct(x: float | None) -> str:

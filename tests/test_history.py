@@ -206,7 +206,7 @@ def test_a_schema1_database_is_migrated(tmp_path):
     old.commit()
     old.close()
     db = history.connect(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == history.SCHEMA_VERSION == 2
+    assert db.execute("PRAGMA user_version").fetchone()[0] == history.SCHEMA_VERSION == 3
     # the round figures were the first phase's: llava's is pretrain (its case's order, not the alphabet)
     assert [(p["run"], p["phase"], p["tokens_per_gpu_s"], p["loss_verdict"]) for p in db.execute("SELECT * FROM phases ORDER BY run")] == [
         (1, "train", 100.0, "aligned"),
@@ -229,6 +229,7 @@ def test_a_schema1_database_is_migrated(tmp_path):
         }
     }
     assert {r[1] for r in db.execute("PRAGMA table_info(rounds)")} == {"run", "round", "status", "error", "duration_s"}
+    assert history.environment_of(db.execute("SELECT * FROM runs WHERE id = 1").fetchone()) is None  # schema 3: none recorded then
     assert history.rounds_text(db.execute("SELECT * FROM runs WHERE id = 1").fetchone()) == "1/0/0/0"
     store(db, fake_results("new", [100.0]))  # and it takes new runs as a fresh one does
     db.close()
@@ -277,3 +278,30 @@ def test_list_command(tmp_path, capsys):
 def test_list_command_bad_input(argv, fragment, capsys):
     assert history.main(argv) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_the_ranks_environment_is_kept_with_the_run(tmp_path):
+    """Schema 3: what the ranks recorded of their environment (run_meta ``environment``) is kept
+    per run and read back as recorded; a run that recorded none reads None, not an empty record.
+    A schema-2 file gains the column on opening, its runs reading None."""
+    db = history.connect(tmp_path / "h.sqlite")
+    res = fake_results("env", [100.0, 100.0])
+    for rnd in res.rounds:
+        rnd.phases[0] = rnd.phases[0].model_copy(
+            update={"meta": {"environment": {"NCCL_MAX_CTAS": "16", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}}}
+        )
+    with_env, without = store(db, res), store(db, fake_results("plain", [100.0]))
+    row = lambda run: db.execute("SELECT * FROM runs WHERE id = ?", (run,)).fetchone()
+    assert history.environment_of(row(with_env)) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_MAX_CTAS": "16"}
+    assert history.environment_of(row(without)) is None
+    db.close()
+    two = tmp_path / "two.sqlite"
+    raw = sqlite3.connect(two)
+    raw.executescript(history.SCHEMA)
+    raw.execute("ALTER TABLE runs DROP COLUMN environment_json")  # the runs table as schema 2 has it
+    raw.execute("PRAGMA user_version = 2")
+    raw.commit()
+    raw.close()
+    db = history.connect(two)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert history.environment_of(db.execute("SELECT * FROM runs WHERE id = ?", (store(db, res),)).fetchone())["NCCL_MAX_CTAS"] == "16"

@@ -151,3 +151,34 @@ def test_a_slower_night_at_its_memory_limit_says_the_allocator_retried():
     for quiet in (0.0, None):
         (f,) = verdict(with_retries(850.0, quiet), base).findings
         assert "allocator" not in f["message"]
+
+
+def test_a_finding_names_the_environment_set_otherwise_than_in_the_baseline(tmp_path):
+    """The baseline is matched on the config and its settings; a variable of the vendor's
+    ``recorded_env`` (NCCL tuning and the like) is neither, so a slower night names the recorded
+    variables set otherwise than in the latest baseline run, read from the history; nothing is
+    said where they agree or where either run recorded none."""
+    from run_benchmarks.typed_results import environment_changes, recorded_environment
+
+    def recorded(run_id: str, env: dict | None):
+        res = fake_results(run_id, [100.0])
+        if env is not None:
+            res.rounds[0].phases[0] = res.rounds[0].phases[0].model_copy(update={"meta": {"environment": env}})
+        return res
+
+    db = history.connect(tmp_path / "h.sqlite")
+    base_env = {"NCCL_NVLS_ENABLE": "0"}
+    run = store(db, recorded("base", base_env))
+    (latest,) = history.baseline_runs(db, history.identity_of(db.execute("SELECT * FROM runs WHERE id = ?", (run,)).fetchone()), 3)
+    tonight = recorded_environment(recorded("now", {"NCCL_NVLS_ENABLE": "0", "NCCL_MAX_CTAS": "8"}).rounds)
+    changes = environment_changes(tonight, history.environment_of(latest))
+    assert changes == [("NCCL_MAX_CTAS", "8", None)]
+    base = [stats(1000.0), stats(1000.0)]
+    judged = lambda env: judge("llama3_tiny:megatron:cpu:1:2 on cpu (config_cpux1x2)", stats(850.0), 3, 0, {}, None, base, TOL, env)
+    (f,) = judged(changes).findings
+    assert f["message"].endswith(
+        "tolerance -10%; the ranks' environment differs from the latest baseline run's: NCCL_MAX_CTAS '8' (baseline: unset)"
+    )
+    assert "environment" not in judged([]).findings[0]["message"]
+    assert environment_changes(recorded_environment(recorded("same", dict(base_env)).rounds), history.environment_of(latest)) == []
+    assert environment_changes(None, base_env) == environment_changes(base_env, None) == []

@@ -296,12 +296,15 @@ def test_the_ranks_environment_is_kept_with_the_run(tmp_path):
     assert history.environment_of(row(without)) is None
     db.close()
     two = tmp_path / "two.sqlite"
+    db = history.connect(two)
+    old = store(db, fake_results("old", [100.0]))
+    db.close()
     raw = sqlite3.connect(two)
-    raw.executescript(history.SCHEMA)
     raw.execute("ALTER TABLE runs DROP COLUMN environment_json")  # the runs table as schema 2 has it
     raw.execute("PRAGMA user_version = 2")
     raw.commit()
     raw.close()
     db = history.connect(two)
     assert db.execute("PRAGMA user_version").fetchone()[0] == 3
-    assert history.environment_of(db.execute("SELECT * FROM runs WHERE id = ?", (store(db, res),)).fetchone())["NCCL_MAX_CTAS"] == "16"
+    assert history.environment_of(row(old)) is None
+    assert history.environment_of(row(store(db, res)))["NCCL_MAX_CTAS"] == "16"

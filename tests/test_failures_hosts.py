@@ -47,6 +47,14 @@ def fc() -> Iterator[netns.Cluster]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _daemons_back(fc: netns.Cluster) -> Iterator[None]:
+    """A test that stops a daemon and fails before starting it again leaves the next
+    tests a host without it: they would fail for that, not for what they test."""
+    yield
+    netns.restore(fc)
+
+
 def start(cfile: Path, log_dir: Path, *extra: str, case: str = CASE) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, START, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
@@ -283,3 +291,25 @@ def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_
     # h1's python3 (Debian's 3.11.2) found the environment this Python (3.11.7) built
     assert f"[h1] {envs.python_of(envs.env_dir('cpu', 'megatron'))}\n" in (run_dir / "env_build.log").read_text()
     assert leftovers(fc, res["run_id"]) == []
+
+
+def test_engine_crashed_twice_comes_back_each_time(fc):
+    """The test cluster's own crash and restart of an engine, twice in a row, with a
+    container running each time: the pid files of the crashed engine and its containerd
+    are gone (a new engine would take a containerd not yet reaped for a running one and
+    give up after 15 s), and restore starts what a test left stopped."""
+    import docker
+
+    h = fc.host("h1")
+    hdir = Path(fc.dir) / "hosts" / "h1"
+    for _ in range(2):
+        client = docker.DockerClient(base_url=f"unix://{h.docker_socket}", timeout=60)
+        ctr = client.containers.run(fc.image, ["sleep", "600"], detach=True, network_mode="none")
+        client.close()
+        netns.stop_daemon(fc, "h1", "dockerd")
+        assert not (hdir / "dockerd.pid").exists() and not (hdir / "docker-exec" / "containerd" / "containerd.pid").exists()
+        assert netns.restore(fc) == ["h1 dockerd"]
+        client = docker.DockerClient(base_url=f"unix://{h.docker_socket}", timeout=60)
+        client.containers.get(ctr.id).remove(force=True)
+        client.close()
+    assert netns.restore(fc) == []

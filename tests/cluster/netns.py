@@ -464,6 +464,12 @@ def stop_daemon(c: Cluster, name: str, daemon: str) -> None:
             while _alive(h.dockerd_pid):
                 time.sleep(0.05)
         _end(h.containerd_pid, str(hdir / "docker-exec"))
+        # Their pid files stay behind. A killed process lingers as a zombie until its
+        # parent reaps it (containerd's is init, once the engine is gone), and the next
+        # dockerd takes a pid file naming one for a containerd still running: it waits
+        # on that containerd's socket, which no one opens, and gives up after 15 s.
+        for pidfile in (hdir / "dockerd.pid", hdir / "docker-exec" / "containerd" / "containerd.pid"):
+            pidfile.unlink(missing_ok=True)
     else:
         raise ValueError(daemon)
 
@@ -472,6 +478,24 @@ def start_daemon(c: Cluster, name: str, daemon: str) -> None:
     """Start a stopped ``sshd`` or ``dockerd`` of one host again (the host comes back)."""
     h, hdir = c.host(name), Path(c.dir) / "hosts" / name
     {"sshd": _start_sshd, "dockerd": _start_dockerd}[daemon](c, h, hdir)
+
+
+def restore(c: Cluster) -> list[str]:
+    """Start again every ``sshd`` and ``dockerd`` of the cluster that is not running (a
+    test that stops one and fails before starting it leaves the next test a broken host);
+    returns what it started, as "h2 dockerd"."""
+    started = []
+    for h in c.hosts:
+        hdir = Path(c.dir) / "hosts" / h.name
+        if not (h.sshd_pid and _alive(h.sshd_pid)):
+            stop_daemon(c, h.name, "sshd")
+            _start_sshd(c, h, hdir)
+            started.append(f"{h.name} sshd")
+        if not _docker_ready(h.docker_socket):
+            stop_daemon(c, h.name, "dockerd")
+            _start_dockerd(c, h, hdir)
+            started.append(f"{h.name} dockerd")
+    return started
 
 
 def _remove_containers(h: HostInfo) -> None:

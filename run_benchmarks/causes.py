@@ -15,6 +15,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from training.case import STACK_DONE
+
 _ROOT = re.compile(r"Root Cause \(first observed failure\):(?P<block>.*?)(?:={10,}|\Z)", re.S)
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
 _EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -67,3 +69,70 @@ def memory_hint(monitor: dict[str, Any] | None) -> str:
 
 def read(path: Path) -> str:
     return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+
+
+#: in a node's error: the round was stopped for want of records (orchestrator), so the
+#: ranks' stack files say where they were
+STALL_MARK = "stall_timeout_s"
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
+#: frames of the project's own code, named from the repository root
+_OWN = re.compile(r"(?:^|/)((?:cases|training)/.+)$")
+
+
+def _own(path: str) -> str | None:
+    """The path from the repository root of a frame of the project's code, else None."""
+    if "site-packages/" in path or "dist-packages/" in path:
+        return None
+    m = _OWN.search(path)
+    return m[1] if m else None
+
+
+def _short(path: str) -> str:
+    own = _own(path)
+    if own:
+        return own
+    for cut in ("site-packages/", "dist-packages/"):
+        if cut in path:
+            return path.split(cut, 1)[1]
+    return path.rsplit("/", 1)[-1]
+
+
+def last_dump_main_thread(text: str) -> list[tuple[str, int, str]]:
+    """The main thread's frames (file, line, function; innermost first) in the last stack
+    dump of a faulthandler file: the thread whose outermost frame is a module's top level;
+    none when that dump's call ended after it (training/case.py's ``STACK_DONE`` line)."""
+    if "Timeout (" not in text:
+        return []
+    dump = text.rsplit("Timeout (", 1)[-1]
+    if any(line.startswith(STACK_DONE) for line in dump.splitlines()):
+        return []  # the call it caught ended after all: slow, not stuck
+    threads: list[list[tuple[str, int, str]]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Thread ", "Current thread ", "Stack ")):
+            threads.append([])
+        m = _FRAME.match(line)
+        if m and threads:
+            threads[-1].append((m["file"], int(m["line"]), m["func"]))
+    main = [t for t in threads if t and t[-1][2] == "<module>"]
+    return main[-1] if main else (threads[0] if threads else [])
+
+
+def stall_stacks(node_dir: Path, ranks: list[int], where: str) -> list[str]:
+    """One line per rank of a node stopped as hung: where its main thread waited when its
+    call reached the stall timeout (``stacks/rank<R>.txt``, training/case.py), and the
+    project's frame it was called from; a rank that wrote nothing is named as such."""
+    out = []
+    for r in ranks:
+        frames = last_dump_main_thread(read(node_dir / "stacks" / f"rank{r}.txt"))
+        if not frames:
+            out.append(
+                f"rank {r} on {where}: no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
+            )
+            continue
+        file, line, func = frames[0]
+        text = f"rank {r} on {where}: waited in {func} ({_short(file)}:{line})"
+        own = next(((f, ln, fn) for f, ln, fn in frames if _own(f)), None)
+        if own and own != frames[0]:
+            text += f", called from {own[2]} ({_short(own[0])}:{own[1]})"
+        out.append(text)
+    return out

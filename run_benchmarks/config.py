@@ -166,6 +166,11 @@ class ClusterConfig(Strict):
     # launch to the first rank's run_meta (every node joined, the framework is up): a node
     # that never joins the rendezvous is found here, long before the round deadline
     startup_timeout_s: float = Field(900.0, gt=0)
+    # once a rank has reported, the longest the ranks may go without a new record (a step, a
+    # phase's start or end) before the round is stopped as hung; each rank writes its threads'
+    # stacks at that age of its current step (training/case.py), and the round's error names
+    # where each waited (run_benchmarks/causes.py)
+    stall_timeout_s: float = Field(1800.0, gt=0)
 
     @field_validator("work_dir")
     @classmethod

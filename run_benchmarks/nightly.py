@@ -72,7 +72,7 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
     rl = parse_runlist(path)
     base = path.resolve().parent
     cluster = load(ClusterConfig, _resolve(base, rl.cluster)) if rl.cluster else ClusterConfig()
-    cluster = cluster_with(cluster, str(path), python=rl.python, round_timeout_s=rl.round_timeout_s)
+    cluster = cluster_with(cluster, str(path), python=rl.python, round_timeout_s=rl.round_timeout_s, stall_timeout_s=rl.stall_timeout_s)
     logs = Path(log_dir).expanduser().resolve() if log_dir else _resolve(base, rl.log_dir)
     jobs = []
     for i, e in enumerate(rl.cases):

@@ -100,6 +100,7 @@ class Node:
         self.container_name: str | None = None
         self.stop_signal: int | None = None
         self.stop_deadline: float | None = None
+        self.below: list[tuple[int, int]] = []  # the launcher's descendants when it was stopped
         self.on_stop: Callable[[int], None] | None = None  # called once, on the first stop signal
         self._lock = threading.Lock()
 
@@ -175,6 +176,8 @@ class Node:
             proc = self.proc
         if first and self.on_stop is not None:
             self.on_stop(signum)
+        if proc is not None and proc.poll() is None:
+            self.below += descendants(proc.pid)
         if self.container_name:
             subprocess.run(["docker", "kill", "--signal", "TERM", self.container_name], capture_output=True, timeout=30)
         if proc is not None and proc.poll() is None:
@@ -199,10 +202,52 @@ class Node:
         assert self.proc is not None
         if self.container_name:
             subprocess.run(["docker", "kill", self.container_name], capture_output=True, timeout=30)
+        if self.proc.poll() is None:
+            self.below += descendants(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        kill_all(self.below)  # the ranks in sessions of their own
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a process, from /proc; None once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """Every process below ``pid`` now, as (pid, start time). Launchers start their ranks in
+    sessions of their own (torchrun does), out of reach of a signal to the launcher's group:
+    taken while the launcher lives, this list still finds them once it is gone."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                children.setdefault(st[0], []).append((int(entry), st[1]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
+def kill_all(procs: list[tuple[int, int]]) -> None:
+    """SIGKILL each (pid, start time) still running as that same process (a pid taken by a
+    newer process is left alone). A stopped process (SIGSTOP) dies of it too."""
+    for pid, start in procs:
+        st = _stat(pid)
+        if st is not None and st[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 #: what Debian-based images set when their Dockerfile sets no PATH

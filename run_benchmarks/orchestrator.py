@@ -248,17 +248,20 @@ def _process_errors(
 ) -> list[str]:
     """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device.
 
-    The root cause first: the round deadline (the harness stopped the ranks: what they say
-    after that is the stop's doing), a rank killed by a signal, then the ranks' own exceptions
+    The root cause first: the round deadline or the stall timeout (the harness stopped the
+    ranks: what they say after that is the stop's doing; after a stall, where each rank
+    waited), a rank killed by a signal, then the ranks' own exceptions
     (earliest first: later ones are mostly their peers' fall), then the nodes, a node that was
     only stopped because another failed last; the tail of the failing log closes the message.
     ``monitors``: each node's monitor summary, by node rank.
     """
-    deadline, killed, nodes, stopped, context = [], [], [], [], []
+    deadline, stalled, killed, nodes, stopped, context = [], [], [], [], [], []
     rank_errors = sorted(parsed.of(ml.EV_ERROR), key=lambda e: e.t)
     for o in outcomes:
         where = f"node{o.node_rank} ({o.host})"
-        if o.error:
+        if o.error and causes.STALL_MARK in o.error:
+            stalled.append(f"{where}: {o.error}")
+        elif o.error:
             (stopped if o.error.startswith("stopped:") else nodes).append(f"{where}: {o.error}")
         elif o.timed_out:
             deadline.append(f"{where}: round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
@@ -272,7 +275,13 @@ def _process_errors(
             nodes.append(f"{where}: exit status {o.returncode}" + (f": {cause}" if cause else ""))
             context.append(_failed_rank_tail(o))
     ranks = [f"rank {e.rank}: {_first_line(e.value.get('message'))}" for e in rank_errors]
-    errors = deadline + killed + ranks + nodes + stopped + context
+    hung = []
+    if stalled:  # where each rank waited
+        n = plan.case.nprocs
+        for o in outcomes:
+            ranks_here = list(range(o.node_rank * n, (o.node_rank + 1) * n))
+            hung += causes.stall_stacks(o.node_dir, ranks_here, f"node{o.node_rank} ({o.host})")
+    errors = deadline + stalled + hung + killed + ranks + nodes + stopped + context
     steps_expected = int(plan.settings["train"]["steps"])
     if not errors:
         if not parsed.of(ml.EV_END, ml.K_RUN_END):
@@ -490,6 +499,8 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
 #: state) is printed whenever it changes
 PROGRESS_EVERY_S = 2.0
 PLAIN_EVERY_S = float(os.environ.get("FLAGBENCH_PROGRESS_EVERY_S", "60"))
+#: after the stall timeout, how long the orchestrator waits for the ranks' stack files
+STACKS_GRACE_S = 10.0
 
 
 def _watched_round(
@@ -501,7 +512,8 @@ def _watched_round(
     steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
     t0, begun = time.monotonic(), time.time()
     shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None}
-    startup = plan.cluster.startup_timeout_s
+    startup, stall = plan.cluster.startup_timeout_s, plan.cluster.stall_timeout_s
+    still = progress.Stillness()
 
     with console.status(title) as status:
 
@@ -514,6 +526,11 @@ def _watched_round(
                     f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
                     "that never joined the rendezvous, or a hang before the first record; stopped"
                 )
+            idle = still.update(snaps, time.monotonic())
+            # the ranks write their stacks when their call reaches the timeout; a few seconds
+            # more and the files are there for the round's error (causes.stall_stacks)
+            if idle is not None and idle > stall + STACKS_GRACE_S and not runtime.aborted:
+                runtime.abort(f"no record from any rank for {stall:g} s {still.where()} ({causes.STALL_MARK}): the ranks hang; stopped")
             line = progress.line(snaps, steps, plan.world_size)
             text = ", ".join(filter(None, [note, line, progress.elapsed(t0)]))
             if console.is_terminal:

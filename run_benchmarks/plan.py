@@ -413,7 +413,14 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
                 host.address,
                 rank,
                 launcher.command(spec),
-                {**env, **launcher.env(spec)},
+                # the ranks write their threads' stacks to stacks/rank<R>.txt when a step
+                # (or a phase's build or finish) outlasts the stall timeout (training/case.py)
+                {
+                    **env,
+                    **launcher.env(spec),
+                    "FB_STALL_TIMEOUT_S": f"{cluster.stall_timeout_s:g}",
+                    "FB_STACKS_DIR": str(node_dir / "stacks"),
+                },
                 str(root),
                 launcher.files(spec),
                 launcher.leftovers(spec),

@@ -50,20 +50,26 @@ def rank_logs(node_dir: Path) -> list[Path]:
 def latest(files: Iterable[Path]) -> dict[str, Any] | None:
     """The ranks' state from the files' tails: None before any rank reported; ``{"started":
     True}`` once one has sent its ``run_meta`` (the framework is up: every node joined the
-    rendezvous); with the newest step record's phase, step, loss, tokens, step_time_s, t."""
+    rendezvous); with the newest step record's phase, step, loss, tokens, step_time_s, t.
+    ``last_t``: the time stamp of the newest record of any kind (a step, a phase's start or
+    end, its memory), which the orchestrator watches for a round that has stopped moving."""
     best: ml.Record | None = None
     started = False
+    last_t = None
     for f in files:
         parsed = ml.parse_lines(tail_lines(f))
         started = started or bool(parsed.of(ml.EV_META, ml.K_RUN_META))
+        if parsed.records:
+            last_t = max(last_t or 0.0, max(r.t for r in parsed.records))
         for r in parsed.of(ml.EV_STEP, ml.K_TRAIN_STEP):
             if best is None or r.t > best.t:
                 best = r
     if best is None:
-        return {"started": True} if started else None
+        return {"started": True, "last_t": last_t} if started else None
     v = best.value
     return {
         "started": True,
+        "last_t": last_t,
         "phase": v.get("phase", "train"),
         "step": int(v["step"]),
         "loss": float(v["loss"]),
@@ -112,6 +118,37 @@ def line(snaps: Iterable[dict[str, Any] | None], steps: dict[str, int], world_si
         parts.append(f"{tps:,.0f} tokens/p/s")
     parts.append(f"loss {s['loss']:.4g}")
     return ", ".join(parts)
+
+
+class Stillness:
+    """How long the nodes' progress has stood still: a node's snapshot moves when its newest
+    step or its newest record of any kind changes; a node not read this time (None: its
+    file unreadable for a moment) keeps what it said before. Times are the caller's clock
+    (monotonic), never the ranks' own time stamps: the hosts' clocks need not agree."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[Any, ...]] = {}
+        self.moved_at: float | None = None
+        self.newest: dict[str, Any] | None = None
+
+    def update(self, snaps: list[dict[str, Any] | None], now: float) -> float | None:
+        """Seconds since the last move (None before any rank reported)."""
+        for i, s in enumerate(snaps):
+            if not s:
+                continue
+            key = (s.get("phase"), s.get("step"), s.get("last_t"))
+            if self.seen.get(i) != key:
+                self.seen[i], self.moved_at = key, now
+            if "step" in s and (self.newest is None or s["t"] >= self.newest["t"]):
+                self.newest = s
+        return None if self.moved_at is None else now - self.moved_at
+
+    def where(self) -> str:
+        """ "after step 8", "after finetune step 3", or "before the first step"."""
+        s = self.newest
+        if s is None:
+            return "before the first step"
+        return f"after {'' if s['phase'] == 'train' else s['phase'] + ' '}step {s['step']}"
 
 
 def quietly(fn: Callable[[], None]) -> None:

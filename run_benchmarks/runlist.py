@@ -92,6 +92,7 @@ class RunList(_Strict):
     baseline_runs: int = Field(5, ge=1, le=100)  # the baseline is the median of this many good runs
     tolerances: Tolerances = Tolerances()
     round_timeout_s: float | None = Field(None, gt=0)
+    stall_timeout_s: float | None = Field(None, gt=0)  # as start_task.py --stall-timeout
     python: str | None = None  # as start_task.py --python: use this interpreter as is
 
     @field_validator("cases")

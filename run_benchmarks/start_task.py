@@ -108,6 +108,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds from launch to the first rank's report before the round is stopped (default 900)",
     )
+    ap.add_argument(
+        "--stall-timeout",
+        type=float,
+        metavar="S",
+        help="seconds without a new record from any rank, once one has reported, before the round is stopped "
+        "as hung, the ranks' stacks named (default 1800)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
@@ -117,7 +124,12 @@ def parser() -> argparse.ArgumentParser:
 def load_cluster(args: argparse.Namespace) -> ClusterConfig:
     cluster = load(ClusterConfig, args.cluster) if args.cluster else ClusterConfig()
     return cluster_with(
-        cluster, "command line", python=args.python, round_timeout_s=args.round_timeout, startup_timeout_s=args.startup_timeout
+        cluster,
+        "command line",
+        python=args.python,
+        round_timeout_s=args.round_timeout,
+        startup_timeout_s=args.startup_timeout,
+        stall_timeout_s=args.stall_timeout,
     )
 
 

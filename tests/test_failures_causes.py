@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,3 +128,135 @@ def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path)
     assert f"round 1: failed - {first}" in err  # the same line in the terminal
     assert res["status"] == "failed" and res["error"] == f"round 1 failed: {first}"
     assert first in (run_dir / "results.md").read_text()
+
+
+TRAINER = """\
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from training import case
+
+
+def wait_here(seconds):
+    time.sleep(seconds)
+
+
+class Trainer:
+    phase, steps, reporting = None, 4, False
+
+    def build(self):
+        pass
+
+    def step(self, k):
+        wait_here(1.5 if k in (2, 4) else 0.0)
+        if k == 4:  # as the harness's kill of a stuck rank: the call never ends
+            os._exit(0)
+
+    def finish(self):
+        pass
+
+
+class Log:
+    def end(self, *a, **k):
+        pass
+
+
+case.run(lambda phase: Trainer(), Log())
+"""
+
+
+def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_names_it(tmp_path):
+    """training/case.py's watch, in a real process: steps 2 and 4 outlast the timeout (each
+    writes a dump), the others do not; step 2 ends after all (a line says so: slow, not
+    stuck), step 4 never does. The error line names the last dump's innermost frame and the
+    project frame it came from, a rank without a file as such, and one whose only dump was of
+    a call that ended as one that wrote none."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    node = tmp_path / "node1"
+    env = {**os.environ, "FB_STALL_TIMEOUT_S": "0.5", "FB_STACKS_DIR": str(node / "stacks"), "RANK": "3"}
+    subprocess.run([sys.executable, str(script), str(ROOT)], env=env, check=True, timeout=60)
+    text = (node / "stacks" / "rank3.txt").read_text()
+    assert text.count("Timeout (0:00:00.500000)!") == 2 and text.count("Finished after 1.") == 1, text
+    assert re.search(r"^Finished after 1\.\d s: step 2$", text, re.M), text
+    lines = causes.stall_stacks(node, [2, 3], "node1 (h2)")
+    line = next(n for n, ln in enumerate(TRAINER.splitlines(), 1) if "time.sleep(seconds)" in ln)
+    assert lines[0] == (
+        "rank 2 on node1 (h2): no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
+    )
+    assert re.fullmatch(
+        rf"rank 3 on node1 \(h2\): waited in wait_here \(trainer.py:{line}\), called from run \(training/case.py:\d+\)", lines[1]
+    ), lines
+    # the dump of step 2 alone (cut before step 4's): that call ended, so nothing is stuck
+    (node / "stacks" / "rank2.txt").write_text(text[: text.rindex("Timeout (")])
+    assert causes.stall_stacks(node, [2], "node1 (h2)")[0].startswith("rank 2 on node1 (h2): no stack written")
+    # without the variables nothing is watched: no folder, no file
+    env = {k: v for k, v in env.items() if not k.startswith("FB_")}
+    subprocess.run([sys.executable, str(script), str(ROOT)], env={**env, "FB_STACKS_DIR": str(tmp_path / "none")}, check=True, timeout=60)
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ranks_waited(megatron_python, tmp_path):
+    """A real two-rank run: rank 1 is stopped (SIGSTOP, as a rank stuck in the kernel would
+    be) a few steps in; rank 0 waits for it in a collective. Long before the round deadline
+    the round fails as hung, names the step after which nothing came, where rank 0 waited
+    and that rank 1 wrote no stack; no process of the run is left."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "run_benchmarks" / "start_task.py"),
+            "--vendor",
+            "cpu",
+            "--case_name",
+            "llama3_tiny:megatron:cpu:1:2",
+            "--log-dir",
+            str(tmp_path),
+            "--set",
+            "train.steps=100000",
+            "--stall-timeout",
+            "4",
+            "--round-timeout",
+            "600",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    victim = None
+    end = time.monotonic() + 240
+    while victim is None and time.monotonic() < end and proc.poll() is None:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1":
+                    victim = p
+            except psutil.Error:
+                continue
+        if victim is None:
+            time.sleep(0.5)
+    assert victim is not None, "rank 1 never started"
+    while time.monotonic() < end and proc.poll() is None:  # a few steps in
+        logs = [f.read_text(errors="replace") for f in tmp_path.glob("*/round1/node0/ranks/*/attempt_0/0/stdout.log")]
+        if any(text.count('"train_step"') >= 3 for text in logs):
+            break
+        time.sleep(0.2)
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 1, out + err
+    assert time.monotonic() - stopped_at < 120, f"{time.monotonic() - stopped_at:.0f} s after the stop"
+    (run_dir,) = tmp_path.iterdir()
+    res = json.loads((run_dir / "results.json").read_text())
+    (rnd,) = res["rounds"]
+    lines = rnd["error"].splitlines()
+    assert rnd["status"] == "failed" and re.fullmatch(
+        r"node0 \(localhost\): no record from any rank for 4 s after step \d+ \(stall_timeout_s\): the ranks hang; stopped",
+        lines[0],
+    ), rnd["error"]
+    assert re.fullmatch(
+        r"rank 0 on node0 \(localhost\): waited in \S+ \(\S+:\d+\), called from \S+ \(cases/llama3/megatron/\S+\.py:\d+\)", lines[1]
+    ), rnd["error"]
+    assert lines[2].startswith("rank 1 on node0 (localhost): no stack written at the stall timeout"), rnd["error"]
+    assert f"round 1: failed - {lines[0]}" in " ".join(err.split())  # the terminal's width wraps it
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    print(f"found {time.monotonic() - stopped_at:.0f} s after the stop, {time.monotonic() - t0:.0f} s in all")

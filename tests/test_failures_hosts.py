@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -291,6 +292,48 @@ def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_
     # h1's python3 (Debian's 3.11.2) found the environment this Python (3.11.7) built
     assert f"[h1] {envs.python_of(envs.env_dir('cpu', 'megatron'))}\n" in (run_dir / "env_build.log").read_text()
     assert leftovers(fc, res["run_id"]) == []
+
+
+def test_a_rank_stopped_in_its_container_is_found_at_the_stall_timeout(fc, megatron_python, tmp_path):
+    """h2's rank, in its container, is stopped (SIGSTOP) a few steps in: h1's rank waits for it.
+    The round fails as hung long before its deadline, h1's rank's stack (written in its
+    container, brought back over SSH) names where it waited, h2's says it wrote none; no
+    container or process of the run is left."""
+    import psutil
+
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    p = start(cfile, tmp_path / "logs", "--set", LONG, "--stall-timeout", "4")
+    run_id = wait_training_on(fc.host("h2"), tmp_path / "logs", p)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and p.poll() is None:  # a few steps in (h1 holds the reporting rank)
+        logs = Path(fc.host("h1").workdir, "fb", "runs", run_id).rglob("node0/ranks/**/stdout.log")
+        if any(f.read_text(errors="replace").count('"train_step"') >= 3 for f in logs):
+            break
+        time.sleep(0.2)
+    (victim,) = [
+        q
+        for q in psutil.process_iter(["cmdline"])
+        if "train.py" in " ".join(q.info["cmdline"] or [])
+        and run_id in " ".join(q.info["cmdline"] or [])
+        and q.environ().get("RANK") == "1"
+    ]
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1 and "Traceback" not in err, out + err
+    assert time.monotonic() - stopped_at < 150, f"{time.monotonic() - stopped_at:.0f} s after the stop"
+    _, res = only_run(tmp_path / "logs")
+    (rnd,) = res["rounds"]
+    lines = rnd["error"].splitlines()
+    assert re.fullmatch(
+        r"node\d \(h\d\): no record from any rank for 4 s after step \d+ \(stall_timeout_s\): the ranks hang; stopped", lines[0]
+    ), rnd["error"]
+    assert any(
+        re.fullmatch(r"rank 0 on node0 \(h1\): waited in \S+ \(\S+:\d+\), called from \S+ \(cases/llama3/megatron/\S+:\d+\)", ln)
+        for ln in lines
+    ), rnd["error"]
+    assert any(ln.startswith("rank 1 on node1 (h2): no stack written at the stall timeout") for ln in lines), rnd["error"]
+    assert leftovers(fc, run_id) == []
 
 
 def test_engine_crashed_twice_comes_back_each_time(fc):

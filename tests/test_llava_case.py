@@ -298,10 +298,20 @@ def test_mmmu_not_run_without_paths_and_scores_records(case_modules, tmp_path):
     ]
     model = M.build_model(TINY["shape"], torch.float32, torch.device("cpu"))
     tok = L.WordTokenizer(S.vocabulary_words(), 1024, reserved=[1000])
+    seen = []
     out = MM.evaluate(
-        model, tok, recs, image_token_id=1000, num_image_tokens=16, image_size=56, device=torch.device("cpu"), dtype=torch.float32
+        model,
+        tok,
+        recs,
+        image_token_id=1000,
+        num_image_tokens=16,
+        image_size=56,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        progress=lambda done, n: seen.append((done, n)),
     )
     assert out["status"] == "ok" and out["n"] == 2 and 0.0 <= out["accuracy"] <= 1.0
+    assert seen == [(1, 2), (2, 2)]  # run_or_skip turns these into an mmmu_progress record a minute
     assert set(out["by_subject"]) == {"Art", "Math"}
     assert MM.open_match("The answer is 3.", "3") and MM.open_match("Paris", "paris")
     assert not MM.open_match("4", "3")

@@ -149,3 +149,21 @@ def test_ranks_that_do_not_report_in_time_stop_the_local_round(tmp_path, megatro
     assert rnd["error"].startswith("node0 (localhost): no rank started training within 1 s of launch (startup_timeout_s)"), rnd["error"]
     left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
     assert left == []
+
+
+def test_stillness_counts_from_the_last_move_of_any_node_on_the_callers_clock():
+    """A node moves when its newest step or newest record changes; a node not read this time
+    keeps what it said; nothing counts before the first report."""
+    still = progress.Stillness()
+    assert still.update([None, None], now=100.0) is None and still.where() == "before the first step"
+    started = {"started": True, "last_t": 5.0}
+    assert still.update([started, None], now=101.0) == 0.0
+    assert still.update([started, None], now=104.0) == 3.0  # the same record: still
+    step = {"started": True, "last_t": 9.0, "phase": "train", "step": 1, "t": 9.0}
+    assert still.update([started, step], now=105.0) == 0.0 and still.where() == "after step 1"
+    assert still.update([None, None], now=110.0) == 5.0  # unread files are no move
+    # a record of another kind (a phase's memory, its end) moves it; the newest step stays
+    assert still.update([{"started": True, "last_t": 12.0}, step], now=111.0) == 0.0
+    ft = {"started": True, "last_t": 20.0, "phase": "finetune", "step": 3, "t": 20.0}
+    assert still.update([started, ft], now=130.0) == 0.0 and still.where() == "after finetune step 3"
+    assert still.update([started, ft], now=1930.5) == 1800.5

@@ -25,6 +25,13 @@ after ``finish()``; on any failure, on the rank where it happened, ``run_error``
 exception and its traceback) and ``run_end`` ``failed``, and the exception goes on up
 (the launcher stops the other ranks; no collective teardown that could hang).
 
+It also keeps a watch on each call: where the harness sets ``FB_STALL_TIMEOUT_S`` and
+``FB_STACKS_DIR``, a ``build()``, ``step(k)`` or ``finish()`` still running after that many
+seconds has every thread's stack written to ``FB_STACKS_DIR/rank<RANK>.txt`` (faulthandler,
+from a thread of its own: it writes even while the main thread waits inside a collective
+holding the interpreter). The harness stops a round whose ranks report nothing for that
+long and names, from these files, where each rank waited (run_benchmarks/causes.py).
+
 Case modules are imported by their package path, ``cases.<family>.<framework>.<module>``
 (the repository root is on ``PYTHONPATH``); :func:`isolate` takes the entry point's own
 folder off ``sys.path`` first, so a case module named like a library (``kernels``,
@@ -33,8 +40,11 @@ folder off ``sys.path`` first, so a case module named like a library (``kernels`
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -54,19 +64,71 @@ class Trainer(Protocol):
     def finish(self) -> None: ...
 
 
+#: written after a stack dump when the call it caught returns after all: that dump is no hang
+STACK_DONE = "Finished after"
+
+
+class StallWatch:
+    """Each watched call still running after ``timeout_s`` writes every thread's stack to
+    ``path`` (appended); a call that ends after its dump adds a line saying so
+    (``STACK_DONE``), so only a last dump without one shows where the rank is stuck. Off
+    without a timeout."""
+
+    def __init__(self, timeout_s: float | None, path: str | None) -> None:
+        self.timeout_s, self.path = timeout_s, path
+        self._file: Any = None
+
+    @classmethod
+    def from_env(cls) -> StallWatch:
+        t, folder = os.environ.get("FB_STALL_TIMEOUT_S"), os.environ.get("FB_STACKS_DIR")
+        if not t or not folder:
+            return cls(None, None)
+        from training.runtime import dist_info
+
+        return cls(float(t), os.path.join(folder, f"rank{dist_info().rank}.txt"))
+
+    @contextlib.contextmanager
+    def watch(self, what: str) -> Any:
+        """Watch the call in the ``with`` block, named ``what`` (``step 12``) in its end line."""
+        if self.timeout_s is None or self.path is None:
+            yield
+            return
+        if self._file is None:  # opened once and kept: faulthandler writes to its descriptor
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self._file = open(self.path, "a", encoding="utf-8")
+        size, t0 = os.fstat(self._file.fileno()).st_size, time.monotonic()
+        faulthandler.dump_traceback_later(self.timeout_s, repeat=False, file=self._file, exit=False)
+        try:
+            yield
+        except BaseException:
+            # ended by an error (a peer stopped as hung resets the connection it waited on):
+            # its dump, if any, still shows where it waited
+            faulthandler.cancel_dump_traceback_later()
+            raise
+        faulthandler.cancel_dump_traceback_later()
+        if os.fstat(self._file.fileno()).st_size > size:  # the dump came, then the call returned: slow, not stuck
+            self._file.write(f"{STACK_DONE} {time.monotonic() - t0:.1f} s: {what}\n")
+            self._file.flush()
+
+
 def run(make: Callable[[str | None], Trainer], log: Any, phases: Sequence[str | None] = (None,)) -> list[Trainer]:
     """Drive ``make(phase)`` for each phase in order through build, steps, finish; write
     ``run_end`` (and on failure ``run_error``). Returns the trainers."""
     done = []
+    stall = StallWatch.from_env()
     for phase in phases:
         steps_done = 0
+        named = f"{phase} " if phase is not None else ""
         try:
             trainer = make(phase)
-            trainer.build()
+            with stall.watch(f"{named}build"):
+                trainer.build()
             for step in range(1, trainer.steps + 1):
-                trainer.step(step)
+                with stall.watch(f"{named}step {step}"):
+                    trainer.step(step)
                 steps_done = step
-            trainer.finish()
+            with stall.watch(f"{named}finish"):
+                trainer.finish()
             if trainer.reporting:
                 log.end("ok", steps_done, phase=phase)
         except BaseException as exc:

@@ -20,7 +20,7 @@ from run_benchmarks.config import ClusterConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import MonitorThread
-from run_benchmarks.node_agent import remove_leftovers
+from run_benchmarks.node_agent import descendants, kill_all, remove_leftovers
 from run_benchmarks.plan import NodePlan, Plan
 from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
@@ -92,9 +92,12 @@ def _device_holders(folder: Path, skip: frozenset[str] = frozenset()) -> list[st
 
 def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
     """Stop a process started in its own session and everything in its group: SIGTERM, then
-    SIGKILL after ``grace`` seconds."""
+    SIGKILL after ``grace`` seconds; and every process below it when the stop began, which
+    the launcher put in sessions of their own (torchrun's ranks): one that does not go with
+    the launcher (a stopped rank) gets SIGKILL once the launcher is gone."""
     if proc.poll() is not None:
         return
+    below = descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -107,6 +110,7 @@ def kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> No
         except ProcessLookupError:
             pass
         proc.wait()
+    kill_all(below)
 
 
 class LocalRuntime(Runtime):

@@ -21,6 +21,8 @@ import glob
 import io
 import os
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from training.data import llava as data_llava
 from training.metriclog import EV_INFO, MetricLogger
 
 LETTERS = "ABCDEFGHIJ"
+PROGRESS_EVERY_S = 60.0  # an mmmu_progress record at most this often while scoring
 
 
 def read_mmmu(mmmu_dir: str) -> list[dict[str, Any]]:
@@ -91,10 +94,12 @@ def evaluate(
     image_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
+    """Score the records; ``progress(done, n)`` after each."""
     model.eval()
     right, by_subject = 0, {}
-    for rec in records:
+    for done, rec in enumerate(records, 1):
         pixels = _pixels(rec["image"], image_size)
         text = ("<image>\n" if pixels is not None else "") + prompt(rec)
         ids = [tok.bos_id] + data_llava.encode_with_images(
@@ -119,6 +124,8 @@ def evaluate(
         right += ok
         s = by_subject.setdefault(rec["subject"], [0, 0])
         s[0], s[1] = s[0] + ok, s[1] + 1
+        if progress is not None:
+            progress(done, len(records))
     return {
         "status": "ok",
         "accuracy": right / max(1, len(records)),
@@ -146,6 +153,15 @@ def run_or_skip(cfg: dict, logger: MetricLogger, device: torch.device, rank: int
             model = llava_model.build_model(shape, dtype, device)
             loaded = llava_model.load_pretrained(model, {"model_path": ckpt}, _plain_update)
             tok = data_llava.HFTokenizer(data.get("mmmu_tokenizer_path") or ckpt)
+            said = [time.monotonic()]
+
+            def progress(done: int, n: int) -> None:
+                # a record now and then: the harness stops a round whose ranks say nothing
+                # for its stall timeout, and the evaluation runs after the last phase's end
+                if time.monotonic() - said[0] >= PROGRESS_EVERY_S:
+                    logger.emit(EV_INFO, "mmmu_progress", {"done": done, "n": n})
+                    said[0] = time.monotonic()
+
             result = evaluate(
                 model,
                 tok,
@@ -155,6 +171,7 @@ def run_or_skip(cfg: dict, logger: MetricLogger, device: torch.device, rank: int
                 image_size=int(shape["image_size"]),
                 device=device,
                 dtype=dtype,
+                progress=progress,
             )
             result.update(checkpoint=ckpt, weights_loaded=loaded["loaded"])
         except Exception as exc:  # the training result stands; the evaluation says why it has no number

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from run_benchmarks import history, nightly, orchestrator
+from run_benchmarks.errors import InputError
 from run_benchmarks.registry import ROOT
 
 GOOD_CASE = "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 2, set: [train.steps=10]}\n"
@@ -209,6 +210,23 @@ def test_relative_paths_follow_the_run_list(tmp_path):
     assert night.jobs[0].plan.user_overrides == [{"param": "train.steps", "value": 10, "standard": 30}]
     flags = nightly.prepare(path, db=str(tmp_path / "x.sqlite"), log_dir=str(tmp_path / "l"), report_dir=str(tmp_path / "r"))
     assert (flags.db_path, flags.log_dir, flags.report_dir) == (tmp_path / "x.sqlite", tmp_path / "l", tmp_path / "r")
+
+
+def test_the_run_lists_timeouts_reach_the_ranks(tmp_path):
+    """round_timeout_s and stall_timeout_s of a run list set the cluster's; the stall timeout
+    and the node's stack folder are in every node's environment (training/case.py reads them)."""
+    from run_benchmarks.plan import plan_nodes
+
+    path = tmp_path / "nightly.yaml"
+    path.write_text("round_timeout_s: 7200\nstall_timeout_s: 120\ncases:\n" + GOOD_CASE)
+    night = nightly.prepare(path)
+    assert (night.cluster.round_timeout_s, night.cluster.stall_timeout_s) == (7200, 120)
+    plan = night.jobs[0].plan
+    (node,) = plan_nodes(plan, "python3", ROOT, plan.run_dir / "round1")
+    assert node.env["FB_STALL_TIMEOUT_S"] == "120" and node.env["FB_STACKS_DIR"] == str(plan.run_dir / "round1" / "node0" / "stacks")
+    path.write_text("stall_timeout_s: 0\ncases:\n" + GOOD_CASE)
+    with pytest.raises(InputError, match="stall_timeout_s"):
+        nightly.prepare(path)
 
 
 def test_a_case_judged_against_its_own_reference(tmp_path, capsys):

@@ -83,7 +83,9 @@ def test_a_kill_near_the_hosts_memory_says_so():
 
 
 @pytest.mark.framework("megatron")
-def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path):
+def rank1_a_few_steps_in(tmp_path, *extra: str) -> tuple[subprocess.Popen[str], psutil.Process]:
+    """A two-rank llama3_tiny run of endless steps logging into ``tmp_path``, and its rank 1
+    once rank 0 has reported three steps."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -96,8 +98,7 @@ def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path)
             str(tmp_path),
             "--set",
             "train.steps=100000",
-            "--round-timeout",
-            "300",
+            *extra,
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -116,7 +117,16 @@ def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path)
         if victim is None:
             time.sleep(0.5)
     assert victim is not None, "rank 1 never started"
-    time.sleep(3)  # a few steps in
+    while time.monotonic() < end and proc.poll() is None:
+        logs = [f.read_text(errors="replace") for f in tmp_path.glob("*/round1/node0/ranks/*/attempt_0/0/stdout.log")]
+        if any(text.count('"train_step"') >= 3 for text in logs):
+            break
+        time.sleep(0.2)
+    return proc, victim
+
+
+def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path):
+    proc, victim = rank1_a_few_steps_in(tmp_path, "--round-timeout", "300")
     os.kill(victim.pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 1, out + err
@@ -201,45 +211,7 @@ def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ran
     the round fails as hung, names the step after which nothing came, where rank 0 waited
     and that rank 1 wrote no stack; no process of the run is left."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(ROOT / "run_benchmarks" / "start_task.py"),
-            "--vendor",
-            "cpu",
-            "--case_name",
-            "llama3_tiny:megatron:cpu:1:2",
-            "--log-dir",
-            str(tmp_path),
-            "--set",
-            "train.steps=100000",
-            "--stall-timeout",
-            "4",
-            "--round-timeout",
-            "600",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    victim = None
-    end = time.monotonic() + 240
-    while victim is None and time.monotonic() < end and proc.poll() is None:
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            try:
-                if "train.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1":
-                    victim = p
-            except psutil.Error:
-                continue
-        if victim is None:
-            time.sleep(0.5)
-    assert victim is not None, "rank 1 never started"
-    while time.monotonic() < end and proc.poll() is None:  # a few steps in
-        logs = [f.read_text(errors="replace") for f in tmp_path.glob("*/round1/node0/ranks/*/attempt_0/0/stdout.log")]
-        if any(text.count('"train_step"') >= 3 for text in logs):
-            break
-        time.sleep(0.2)
+    proc, victim = rank1_a_few_steps_in(tmp_path, "--stall-timeout", "4", "--round-timeout", "600")
     os.kill(victim.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     out, err = proc.communicate(timeout=240)

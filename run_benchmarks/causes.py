@@ -77,11 +77,13 @@ STALL_MARK = "stall_timeout_s"
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
 #: frames of the project's own code, named from the repository root
 _OWN = re.compile(r"(?:^|/)((?:cases|training)/.+)$")
+#: where installed packages live: their frames are named from there, never as the project's
+_PACKAGES = ("site-packages/", "dist-packages/")
 
 
 def _own(path: str) -> str | None:
     """The path from the repository root of a frame of the project's code, else None."""
-    if "site-packages/" in path or "dist-packages/" in path:
+    if any(cut in path for cut in _PACKAGES):
         return None
     m = _OWN.search(path)
     return m[1] if m else None
@@ -91,7 +93,7 @@ def _short(path: str) -> str:
     own = _own(path)
     if own:
         return own
-    for cut in ("site-packages/", "dist-packages/"):
+    for cut in _PACKAGES:
         if cut in path:
             return path.split(cut, 1)[1]
     return path.rsplit("/", 1)[-1]

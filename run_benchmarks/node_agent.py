@@ -202,13 +202,11 @@ class Node:
         assert self.proc is not None
         if self.container_name:
             subprocess.run(["docker", "kill", self.container_name], capture_output=True, timeout=30)
-        if self.proc.poll() is None:
-            self.below += descendants(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        kill_all(self.below)  # the ranks in sessions of their own
+        kill_all(self.below)  # the ranks in sessions of their own, taken when the stop began (on_signal)
 
 
 def _stat(pid: int) -> tuple[int, int] | None:

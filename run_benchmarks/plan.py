@@ -151,9 +151,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     try:
         value = yaml.safe_load(raw)
     except yaml.YAMLError:
-        raise InputError(f"--set {text!r}: value is not a YAML scalar") from None
-    if isinstance(value, (dict, list)):
-        raise InputError(f"--set {text!r}: value must be a scalar")
+        raise InputError(f"--set {text!r}: value is not YAML") from None
+    if isinstance(value, dict) or isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
+        raise InputError(f"--set {text!r}: value must be a scalar or a list of scalars ([a, b])")
     return key, value
 
 

@@ -83,6 +83,7 @@ def resolved(tmp: Path, **over) -> dict:
             "stage3_param_persistence_threshold": None,
             "stage3_max_live_parameters": 1000000000,
             "stage3_max_reuse_distance": 1000000000,
+            "leaf_modules": [],
             "memory_efficient_linear": True,
             "sub_group_size": 1000000000,
             "offload_optimizer": "none",

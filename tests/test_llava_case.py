@@ -373,6 +373,7 @@ def resolved(tmp: Path) -> dict:
                     "stage3_param_persistence_threshold": None,
                     "stage3_max_live_parameters": 1.0e9,
                     "stage3_max_reuse_distance": 1.0e9,
+                    "leaf_modules": [],
                     "memory_efficient_linear": True,
                     "offload_param": "none",
                 }

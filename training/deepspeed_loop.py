@@ -55,6 +55,7 @@ import gc
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -114,12 +115,13 @@ ZERO_KEYS = (
     "stage3_param_persistence_threshold",
     "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
+    "leaf_modules",
     "memory_efficient_linear",
     "offload_optimizer",
     "offload_param",
 )
 #: keys DeepSpeed reads under ZeRO-3 alone (dropped from the config below it)
-STAGE3_ONLY = tuple(k for k in ZERO_KEYS if k.startswith("stage3_")) + ("memory_efficient_linear",)
+STAGE3_ONLY = tuple(k for k in ZERO_KEYS if k.startswith("stage3_")) + ("leaf_modules", "memory_efficient_linear")
 
 
 def zero_section(zero: dict, hidden_size: int) -> dict:
@@ -129,6 +131,11 @@ def zero_section(zero: dict, hidden_size: int) -> dict:
     integrations do (``reduce_bucket_size`` h*h, ``stage3_prefetch_bucket_size``
     0.9*h*h, ``stage3_param_persistence_threshold`` 10*h); ``offload_*`` are
     ``none`` or ``cpu``; the keys of :data:`STAGE3_ONLY` are dropped below stage 3.
+    ``leaf_modules`` (a list of module class names; default none) makes each module of those
+    classes one unit for ZeRO-3's hooks (DeepSpeed's ``leaf_module.classes``): its parameters are
+    fetched and released together and its children get no hooks of their own;
+    ``run_meta["zero_leaf_modules"]`` counts the modules that became such units, and a name that
+    matches no module of the model is refused there (DeepSpeed itself only warns).
     ``memory_efficient_linear`` (a boolean; DeepSpeed's default true) has ``deepspeed.zero.Init``
     replace ``torch.nn.functional.linear`` for the rest of the process by DeepSpeed's own autograd
     function (which gathers a partitioned weight again in its backward); false keeps torch's.
@@ -149,7 +156,12 @@ def zero_section(zero: dict, hidden_size: int) -> dict:
         if key in STAGE3_ONLY and stage != 3 or (key not in zero and key not in derived):
             continue
         value = zero.get(key)
-        if key == "memory_efficient_linear":
+        if key == "leaf_modules":
+            if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"parallel.zero.leaf_modules must be a list of module class names, got {value!r}")
+            if value:
+                out["leaf_module"] = {"classes": list(value)}
+        elif key == "memory_efficient_linear":
             if not isinstance(value, bool):
                 raise ValueError(f"parallel.zero.memory_efficient_linear must be true or false, got {value!r}")
             out[key] = value
@@ -410,7 +422,29 @@ def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Modul
         "environment": recorded_env(vendor),
         # what nn.Linear layers called: torch's, or DeepSpeed's ZeRO-3 replacement (memory_efficient_linear)
         "functional_linear": _qualified(torch.nn.functional.linear),
+        "zero_leaf_modules": leaf_modules(model),
     }
+
+
+def leaf_modules(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of each class ZeRO-3 treats as one unit; empty when none is."""
+    from deepspeed.utils import get_z3_leaf_modules
+
+    return dict(Counter(type(m).__name__ for m in get_z3_leaf_modules(model)))
+
+
+def check_leaf_modules(ds_config: dict, model: torch.nn.Module, phase: str) -> None:
+    """Each class named in ``parallel.zero.leaf_modules`` made at least one module a unit (DeepSpeed
+    only logs a warning for a name it does not find, and the run would go on hooking every module)."""
+    asked = ds_config["zero_optimization"].get("leaf_module", {}).get("classes", [])
+    found = leaf_modules(model)
+    missing = [name for name in asked if name not in found and not any(name.endswith("." + f) for f in found)]
+    if missing:
+        classes = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"parallel.zero.leaf_modules: no module of class {', '.join(missing)} in the {phase} phase's model "
+            f"(its classes: {', '.join(classes)})"
+        )
 
 
 def _qualified(fn: Any) -> str:
@@ -460,6 +494,7 @@ class DeepSpeedPhase:
         c = self.c
         _prepare_model(self.model, c.parallel.recompute, self.trainable)
         engine, group_sizes, client_schedule = _initialize(self.model, c.train, self.ds_config, self.optimizer)
+        check_leaf_modules(self.ds_config, self.model, c.phase)
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
         eff, path = _write_effective_config(c, engine, self.ds_config, group_sizes, client_schedule)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -88,7 +88,8 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a setting for a shorter run, e.g. train.steps=20 (listed in the results as a user override)",
+        help="override a setting for a shorter run, e.g. train.steps=20; VALUE is YAML: a scalar or a list of scalars, "
+        "e.g. parallel.zero.leaf_modules=[DecoderLayer] (listed in the results as a user override)",
     )
     ap.add_argument(
         "--reference",

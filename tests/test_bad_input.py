@@ -53,6 +53,8 @@ CASES = [
     ("negative repeat", ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8:-1"], "repeat must be a positive integer"),
     ("missing data dir", GOOD + ["--data-dir", "/nonexistent/wudao"], "data dir /nonexistent/wudao does not exist"),
     ("bad --set", GOOD + ["--set", "train.steps"], "expected KEY=VALUE"),
+    ("--set a mapping", GOOD + ["--set", "train.steps={a: 1}"], "value must be a scalar or a list of scalars ([a, b])"),
+    ("--set a nested list", GOOD + ["--set", "parallel.zero.leaf_modules=[[a]]"], "value must be a scalar or a list of scalars"),
     ("--set outside the allowed sections", GOOD + ["--set", "model.hidden_size=8"], "only train.*, parallel.* and data.* may be set"),
     (
         "--set a setting the case lacks (a typo)",

@@ -1,8 +1,8 @@
 """DeepSpeed's ``zero_optimization`` section as the DeepSpeed cases build it (training/deepspeed_loop.zero_section).
 
 Null sizes are derived from the hidden size, ZeRO-3-only keys leave the config below stage 3,
-``memory_efficient_linear`` must be a boolean, and an unknown key or offload device is refused
-with the key named. Unit tests need torch (the module imports it): they run here when it is
+``memory_efficient_linear`` must be a boolean, ``leaf_modules`` a list of class names that each
+match a module of the model, and an unknown key or offload device is refused with the key named. Unit tests need torch (the module imports it): they run here when it is
 importable, else this file runs again under the deepspeed environment's Python.
 """
 
@@ -56,6 +56,11 @@ def test_sizes_derived_and_stage3_keys_only_at_stage3():
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
     }
     assert loop().zero_section({**STANDARD_ZERO3, "memory_efficient_linear": False}, 128)["memory_efficient_linear"] is False
+    # module classes hooked as one unit: DeepSpeed's leaf_module section, at stage 3 alone; none given, none written
+    leaf = {**STANDARD_ZERO3, "leaf_modules": ["LlamaDecoderLayer", "CLIPEncoderLayer"]}
+    assert loop().zero_section(leaf, 128)["leaf_module"] == {"classes": ["LlamaDecoderLayer", "CLIPEncoderLayer"]}
+    assert "leaf_module" not in loop().zero_section({**leaf, "leaf_modules": []}, 128)
+    assert "leaf_module" not in loop().zero_section({**leaf, "stage": 2}, 128)
 
 
 @needs_torch
@@ -66,13 +71,48 @@ def test_bad_values_are_refused_with_the_key():
         ({"stage": 3, "offload_param": "nvme"}, "parallel.zero.offload_param must be none or cpu, got 'nvme'"),
         ({"stage": 4}, "parallel.zero.stage must be 0..3, got 4"),
         ({"stage": 3, "stage3_gather_16bit": True}, "parallel.zero has unknown keys ['stage3_gather_16bit']"),
+        ({"stage": 3, "leaf_modules": "LlamaDecoderLayer"}, "parallel.zero.leaf_modules must be a list of module class names, got 'Llama"),
+        ({"stage": 3, "leaf_modules": ["Block", ""]}, "parallel.zero.leaf_modules must be a list of module class names, got ['Block', '']"),
     ):
         with pytest.raises(ValueError) as err:
             zs(zero, 64)
         assert message in str(err.value)
 
 
+@needs_torch
+def test_leaf_modules_counted_and_a_class_that_matches_nothing_refused():
+    """What DeepSpeed's engine does with ``leaf_module.classes`` (flag each module of a named class),
+    then the loop's count for run_meta and its check: DeepSpeed only warns of a class it did not find."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block(), Block()])
+            self.head = torch.nn.Linear(4, 2)
+
+    net = Net()
+    assert loop().leaf_modules(net) == {}
+    set_z3_leaf_modules(net, ["Block"])
+    assert loop().leaf_modules(net) == {"Block": 3}
+    asked = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Block", "Decoder"]}}}
+    with pytest.raises(ValueError) as err:
+        loop().check_leaf_modules(asked, net, "finetune")
+    assert str(err.value) == (
+        "parallel.zero.leaf_modules: no module of class Decoder in the finetune phase's model (its classes: Block, Linear, ModuleList, Net)"
+    )
+    # a fully qualified name matches the module's class as DeepSpeed's does; no section: nothing to check
+    asked["zero_optimization"]["leaf_module"]["classes"] = [f"{Block.__module__}.{Block.__qualname__}"]
+    loop().check_leaf_modules(asked, net, "finetune")
+    loop().check_leaf_modules({"zero_optimization": {"stage": 2}}, net, "pretrain")
+
+
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
 def test_units_in_framework_env():
-    assert "2 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)
+    assert "3 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)

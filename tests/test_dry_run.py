@@ -113,6 +113,25 @@ def test_expandable_segments_reach_the_ranks_through_the_vendors_allocator_varia
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_list_set_on_the_command_line_reaches_the_resolved_config(tmp_path):
+    """--set takes a YAML list of scalars (ZeRO-3's leaf module classes), recorded as the user's override."""
+    on = dry(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llava1.5_7b:deepspeed:H200:1:2",
+        "--python",
+        sys.executable,
+        "--set",
+        "parallel.phases.finetune.zero.leaf_modules=[LlamaDecoderLayer, CLIPEncoderLayer]",
+        cwd=tmp_path,
+    )
+    assert {o["param"]: (o["value"], o["standard"]) for o in on["user_overrides"]} == {
+        "parallel.phases.finetune.zero.leaf_modules": (["LlamaDecoderLayer", "CLIPEncoderLayer"], [])
+    }
+    assert on["settings"]["parallel"]["phases"]["finetune"]["zero"]["leaf_modules"] == ["LlamaDecoderLayer", "CLIPEncoderLayer"]
+
+
 @pytest.mark.parametrize(
     "vendor, case, value, said",
     [

@@ -528,8 +528,11 @@ def test_pretrain_under_zero3_follows_the_zero2_curve(standard, tmp_path):
 
 @pytest.mark.framework("deepspeed")
 def test_vendor_overrides_reach_the_effective_config(tmp_path):
-    """A vendor's micro batch and ZeRO options show up in what the engine resolved (3 steps)."""
-    cfg = resolved(tmp_path)
+    """A vendor's micro batch and ZeRO options show up in what the engine resolved (3 steps);
+    the decoder and vision encoder layers hooked as ZeRO-3 units change no loss of the run
+    without them."""
+    (tmp_path / "a").mkdir()
+    cfg = resolved(tmp_path / "a")
     cfg["train"]["steps"] = 3
     cfg["train"]["phases"]["finetune"]["micro_batch"] = 4
     cfg["parallel"]["phases"]["finetune"]["zero"].update(
@@ -539,15 +542,23 @@ def test_vendor_overrides_reach_the_effective_config(tmp_path):
         memory_efficient_linear=False,
     )
     cfg["parallel"]["phases"]["pretrain"]["zero"]["contiguous_gradients"] = False
+    plain = launch(tmp_path / "a", cfg)
+    cfg = {**cfg, "output_dir": str(tmp_path / "out")}
+    cfg["parallel"]["phases"]["finetune"]["zero"]["leaf_modules"] = ["LlamaDecoderLayer", "CLIPEncoderLayer"]
     log = launch(tmp_path, cfg)
+    (meta,) = _phase(log, "meta", "run_meta", "finetune")
+    assert meta.value["zero_leaf_modules"] == {"LlamaDecoderLayer": 2, "CLIPEncoderLayer": 2}
+    (plain_meta,) = _phase(plain, "meta", "run_meta", "finetune")
+    assert plain_meta.value["zero_leaf_modules"] == {}
+    losses = [[r.value["loss"] for r in _phase(lg, "step", "train_step", "finetune")] for lg in (plain, log)]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
     pre = json.loads((tmp_path / "out" / "ds_config_pretrain.json").read_text())
     fine = json.loads((tmp_path / "out" / "ds_config_finetune.json").read_text())
     assert pre["zero_optimization"]["contiguous_gradients"] is False and pre["zero_optimization"]["overlap_comm"] is True
     assert (fine["train_micro_batch_size_per_gpu"], fine["gradient_accumulation_steps"]) == (4, 2)
     z = fine["zero_optimization"]
     assert (z["overlap_comm"], z["reduce_bucket_size"], z["stage3_max_live_parameters"]) == (False, 4096, 123456)
-    assert z["memory_efficient_linear"] is False
-    (meta,) = _phase(log, "meta", "run_meta", "finetune")
+    assert z["memory_efficient_linear"] is False and z["leaf_module"]["classes"] == ["LlamaDecoderLayer", "CLIPEncoderLayer"]
     assert (meta.value["micro_batch"], meta.value["grad_accum"]) == (4, 2)
     assert meta.value["functional_linear"] == "torch._C._nn.linear"  # torch's linear under ZeRO-3: DeepSpeed's replacement off
     assert [r.value["step"] for r in _phase(log, "step", "train_step", "finetune")] == [1, 2, 3]

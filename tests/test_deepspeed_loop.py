@@ -81,8 +81,9 @@ def test_bad_values_are_refused_with_the_key():
 
 @needs_torch
 def test_leaf_modules_counted_and_a_class_that_matches_nothing_refused():
-    """What DeepSpeed's engine does with ``leaf_module.classes`` (flag each module of a named class),
-    then the loop's count for run_meta and its check: DeepSpeed only warns of a class it did not find."""
+    """A class that names no module of the model is refused before the engine starts (DeepSpeed only
+    warns of it); after DeepSpeed flags the modules of the named classes (what its engine does with
+    ``leaf_module.classes``), the loop counts them for run_meta."""
     from deepspeed.utils import set_z3_leaf_modules
 
     class Block(torch.nn.Module):
@@ -97,19 +98,20 @@ def test_leaf_modules_counted_and_a_class_that_matches_nothing_refused():
             self.head = torch.nn.Linear(4, 2)
 
     net = Net()
-    assert loop().leaf_modules(net) == {}
-    set_z3_leaf_modules(net, ["Block"])
-    assert loop().leaf_modules(net) == {"Block": 3}
     asked = {"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Block", "Decoder"]}}}
     with pytest.raises(ValueError) as err:
         loop().check_leaf_modules(asked, net, "finetune")
     assert str(err.value) == (
         "parallel.zero.leaf_modules: no module of class Decoder in the finetune phase's model (its classes: Block, Linear, ModuleList, Net)"
     )
-    # a fully qualified name matches the module's class as DeepSpeed's does; no section: nothing to check
-    asked["zero_optimization"]["leaf_module"]["classes"] = [f"{Block.__module__}.{Block.__qualname__}"]
+    # DeepSpeed's two spellings of a class: its name, or its module and qualified name; no section: nothing to check
+    qualified = f"{Block.__module__}.{Block.__qualname__}"
+    asked["zero_optimization"]["leaf_module"]["classes"] = ["Block", qualified, "torch.nn.modules.linear.Linear"]
     loop().check_leaf_modules(asked, net, "finetune")
     loop().check_leaf_modules({"zero_optimization": {"stage": 2}}, net, "pretrain")
+    assert loop().leaf_modules(net) == {}
+    set_z3_leaf_modules(net, [qualified])
+    assert loop().leaf_modules(net) == {"Block": 3}
 
 
 @pytest.mark.framework("deepspeed")

@@ -135,7 +135,7 @@ def zero_section(zero: dict, hidden_size: int) -> dict:
     classes one unit for ZeRO-3's hooks (DeepSpeed's ``leaf_module.classes``): its parameters are
     fetched and released together and its children get no hooks of their own;
     ``run_meta["zero_leaf_modules"]`` counts the modules that became such units, and a name that
-    matches no module of the model is refused there (DeepSpeed itself only warns).
+    matches no module of the model is refused before the engine starts (DeepSpeed itself only warns).
     ``memory_efficient_linear`` (a boolean; DeepSpeed's default true) has ``deepspeed.zero.Init``
     replace ``torch.nn.functional.linear`` for the rest of the process by DeepSpeed's own autograd
     function (which gathers a partitioned weight again in its backward); false keeps torch's.
@@ -434,11 +434,13 @@ def leaf_modules(model: torch.nn.Module) -> dict[str, int]:
 
 
 def check_leaf_modules(ds_config: dict, model: torch.nn.Module, phase: str) -> None:
-    """Each class named in ``parallel.zero.leaf_modules`` made at least one module a unit (DeepSpeed
-    only logs a warning for a name it does not find, and the run would go on hooking every module)."""
+    """Each class named in ``parallel.zero.leaf_modules`` names a module of the model, by the rule
+    DeepSpeed matches with (the class's name, or its module and qualified name), checked before the
+    engine starts: DeepSpeed only logs a warning for a name it does not find, and the run would go
+    on hooking every module."""
     asked = ds_config["zero_optimization"].get("leaf_module", {}).get("classes", [])
-    found = leaf_modules(model)
-    missing = [name for name in asked if name not in found and not any(name.endswith("." + f) for f in found)]
+    names = {n for m in model.modules() for n in (type(m).__name__, f"{type(m).__module__}.{type(m).__qualname__}")}
+    missing = [name for name in asked if name not in names]
     if missing:
         classes = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
@@ -493,8 +495,8 @@ class DeepSpeedPhase:
         send ``run_meta``; the allocator's peak is reset after."""
         c = self.c
         _prepare_model(self.model, c.parallel.recompute, self.trainable)
-        engine, group_sizes, client_schedule = _initialize(self.model, c.train, self.ds_config, self.optimizer)
         check_leaf_modules(self.ds_config, self.model, c.phase)
+        engine, group_sizes, client_schedule = _initialize(self.model, c.train, self.ds_config, self.optimizer)
         self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
         eff, path = _write_effective_config(c, engine, self.ds_config, group_sizes, client_schedule)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -278,12 +278,26 @@ def breakdown_lines(res: RunResults) -> list[str]:
                 out.append(row("idle under the profiler", b["idle_s"], of_ref=False))
                 out.append(row("idle in an ordinary step (estimate)", b.get("idle_estimate_s")))
                 out.append(row("optimizer region (host included)", b["optimizer_wall_s"]))
+                out.append(row("of it with no kernel running", b.get("optimizer_idle_s")))
                 out += largest_lines(b.get("largest") or {})
+                out += gap_lines(b.get("gaps") or [])
                 out.append(
                     f"\nTrace: `{b.get('trace')}` in the rank's output folder; the profiled step is left out of the "
                     "throughput window. Kernels on several streams overlap, so the parts may add up to more than the step."
                 )
     return out
+
+
+def gap_lines(gaps: list[dict[str, Any]], chars: int = 60) -> list[str]:
+    """The longest stretches of a profiled step with no kernel running (``gaps`` of its breakdown)
+    and the host event around each, as a markdown table."""
+    if not gaps:
+        return []
+    rows = [
+        f"| {g['s'] * 1e3:.1f} | {g['at_s']:.3f} | {('`' + g['host'][:chars].replace('`', chr(39)) + '`') if g['host'] else 'no torch operator'} |"
+        for g in gaps
+    ]
+    return ["", "| no kernel running (ms) | from the first kernel (s) | on the host meanwhile |", "|---|---|---|", *rows]
 
 
 def largest_lines(largest: dict[str, list[dict[str, Any]]], per_part: int = 3, chars: int = 100) -> list[str]:

@@ -57,6 +57,10 @@ def test_gpu_breakdown_arithmetic():
     assert round(b["idle_s"] * 1e6) == 1000 - 750
     assert round(b["communication_exposed_s"] * 1e6) == 200
     assert round(b["optimizer_wall_s"] * 1e6) == 200
+    assert round(b["optimizer_idle_s"] * 1e6) == 200 - 100  # 720-920 on the host, Adam's 800-900 on the device
+    # between kernels: 600-650 (no host event spans it) and 700-800 (inside the optimizer's range)
+    gaps = [(round(g["s"] * 1e6), round(g["at_s"] * 1e6), g["host"]) for g in b["gaps"]]
+    assert gaps == [(100, 700, OPTIMIZER_RANGE), (50, 600, "")]
     largest = {c: [(x["name"], round(x["kernel_s"] * 1e6), x["calls"]) for x in v] for c, v in b["largest"].items()}
     assert largest == {
         "gemm": [("sm90_xmma_gemm_bf16", 300, 1)],
@@ -115,3 +119,18 @@ def test_cpu_breakdown_counts_self_time_once():
         "communication": [("gloo:all_reduce", 100)],
         "attention": [],
     }
+
+
+def test_gaps_in_the_report():
+    """The longest stretches with no kernel, as results.md shows them; none on a CPU trace."""
+    from run_benchmarks.results import gap_lines
+
+    gaps = [{"s": 0.189, "at_s": 1.9796, "host": OPTIMIZER_RANGE}, {"s": 0.005, "at_s": 1.9665, "host": ""}]
+    assert gap_lines(gaps) == [
+        "",
+        "| no kernel running (ms) | from the first kernel (s) | on the host meanwhile |",
+        "|---|---|---|",
+        f"| 189.0 | 1.980 | `{OPTIMIZER_RANGE}` |",
+        "| 5.0 | 1.966 | no torch operator |",
+    ]
+    assert gap_lines([]) == []

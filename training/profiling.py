@@ -11,6 +11,8 @@ and reduced to one ``step_breakdown`` metric line::
                     "communication": ..., "optimizer": ..., "other": ...},
      "communication_exposed_s": ...,          # collectives not hidden under compute
      "optimizer_wall_s": ...,                 # the optimizer region, host work included
+     "optimizer_idle_s": ...,                 # of it, wall time with no kernel running
+     "gaps": [{"s": ..., "at_s": ..., "host": ...}, ...],  # the longest stretches with no kernel
      "largest": {"other": [{"name": ..., "kernel_s": ..., "calls": ...}, ...], ...}}
                                               # each category's largest kernels by summed time
 
@@ -20,6 +22,11 @@ belongs to the first category that claims it: communication (collective kernels)
 optimizer (launched inside the :data:`OPTIMIZER_RANGE` region), attention, GEMM,
 other.  On a CPU the training thread's operators stand in for kernels: each
 operator's self time counts once, in its own category or else its caller's.
+
+``gaps`` (GPU traces) lists the :data:`GAPS` longest stretches between kernels, each with its
+start after the first kernel and ``host``, the outermost host event (a range such as
+``fb_optimizer``, else a torch operator) spanning its middle, or "" when none does: host work
+that calls no torch operator.
 
 The profiled step is slower than the others (the profiler's own cost), so its
 ``train_step`` line carries ``profiled: true`` and the harness leaves it out of the
@@ -42,6 +49,7 @@ from typing import Any
 OPTIMIZER_RANGE = "fb_optimizer"
 CATEGORIES = ("attention", "gemm", "communication", "optimizer", "other")
 LARGEST = 5  # kernels named per category in ``largest``, by their summed time
+GAPS = 5  # stretches with no kernel named in ``gaps``, longest first
 NAME_CHARS = 160  # a kernel's name as kept there (C++ template names run to thousands)
 
 _COMM = re.compile(r"nccl|rccl|hccl|cncl|bkcl|mccl|xccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv", re.I)
@@ -175,6 +183,7 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
     comm = _union(spans["communication"])
     busy = _length(every) / 1e6
     wall = float(step_time_s)
+    opt_wall = _union(cpu_opt)
     return {
         "step_time_s": wall,
         "source": source,
@@ -182,7 +191,9 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
         "idle_s": max(0.0, wall - busy),
         "categories": {c: {"kernel_s": sums[c] / 1e6, "share": (sums[c] / 1e6 / wall) if wall > 0 else None} for c in CATEGORIES},
         "communication_exposed_s": (_length(comm) - _intersection(comm, compute)) / 1e6,
-        "optimizer_wall_s": _length(_union(cpu_opt)) / 1e6,
+        "optimizer_wall_s": _length(opt_wall) / 1e6,
+        "optimizer_idle_s": (_length(opt_wall) - _intersection(opt_wall, every)) / 1e6,
+        "gaps": _gaps(every, events) if kernels else [],
         "kernels": counted,
         "largest": {
             c: [
@@ -192,6 +203,20 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
             for c in CATEGORIES
         },
     }
+
+
+def _gaps(busy: list[tuple[float, float]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The :data:`GAPS` longest stretches between the busy spans, each with the outermost host
+    event (a range or operator of any thread) spanning its middle."""
+    host = [e for e in events if e.get("cat") in ("user_annotation", "cpu_op") and "dur" in e]
+    out = []
+    for a, b in sorted(zip(busy, busy[1:]), key=lambda ab: ab[0][1] - ab[1][0])[:GAPS]:
+        start, end = a[1], b[0]
+        mid = (start + end) / 2
+        around = [e for e in host if e["ts"] <= mid <= e["ts"] + e["dur"]]
+        outer = max(around, key=lambda e: e["dur"], default=None)
+        out.append({"s": (end - start) / 1e6, "at_s": (start - busy[0][0]) / 1e6, "host": str(outer["name"])[:NAME_CHARS] if outer else ""})
+    return out
 
 
 def device_activity(device_type: str) -> Any:

@@ -176,8 +176,8 @@ class Node:
             proc = self.proc
         if first and self.on_stop is not None:
             self.on_stop(signum)
-        if proc is not None and proc.poll() is None:
-            self.below += descendants(proc.pid)
+        if first and proc is not None and proc.poll() is None:
+            self.below = descendants(proc.pid)
         if self.container_name:
             subprocess.run(["docker", "kill", "--signal", "TERM", self.container_name], capture_output=True, timeout=30)
         if proc is not None and proc.poll() is None:

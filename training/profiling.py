@@ -70,7 +70,8 @@ def classify(name: str, in_optimizer: bool = False) -> str:
     return "other"
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Time spans merged where they overlap or touch, sorted."""
     out: list[tuple[float, float]] = []
     for a, b in sorted(spans):
         if out and a <= out[-1][1]:
@@ -156,8 +157,8 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
             cat = classify(name, in_optimizer(e))
             add(cat, name, e["dur"])
             spans[cat].append((e["ts"], e["ts"] + e["dur"]))
-        every = _union([s for c in CATEGORIES for s in spans[c]])
-        compute = _union([s for c in CATEGORIES if c != "communication" for s in spans[c]])
+        every = union([s for c in CATEGORIES for s in spans[c]])
+        compute = union([s for c in CATEGORIES if c != "communication" for s in spans[c]])
         counted = len(kernels)
     else:  # a CPU: the training thread's operators by self time, collectives of the other threads
         ops = [e for e in events if e.get("cat") == "cpu_op" and "dur" in e]
@@ -177,13 +178,13 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
         spans["communication"] = [(e["ts"], e["ts"] + e["dur"]) for e in collectives]
         for e in collectives:
             add("communication", str(e["name"]), e["dur"])
-        compute = _union(top)
-        every = _union(top + spans["communication"])
+        compute = union(top)
+        every = union(top + spans["communication"])
         counted = len(pieces)
-    comm = _union(spans["communication"])
+    comm = union(spans["communication"])
     busy = _length(every) / 1e6
     wall = float(step_time_s)
-    opt_wall = _union(cpu_opt)
+    opt_wall = union(cpu_opt)
     return {
         "step_time_s": wall,
         "source": source,
@@ -205,18 +206,27 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
     }
 
 
-def _gaps(busy: list[tuple[float, float]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The :data:`GAPS` longest stretches between the busy spans, each with the outermost host
-    event (a range or operator of any thread) spanning its middle."""
+def idle_stretches(
+    busy: list[tuple[float, float]], events: list[dict[str, Any]], n: int
+) -> list[tuple[float, float, list[dict[str, Any]]]]:
+    """The ``n`` longest stretches between the sorted, disjoint ``busy`` spans, longest first, each
+    as (start, end, the host events of any thread spanning its middle, outermost first)."""
     host = [e for e in events if e.get("cat") in ("user_annotation", "cpu_op") and "dur" in e]
     out = []
-    for a, b in sorted(zip(busy, busy[1:]), key=lambda ab: ab[0][1] - ab[1][0])[:GAPS]:
-        start, end = a[1], b[0]
-        mid = (start + end) / 2
-        around = [e for e in host if e["ts"] <= mid <= e["ts"] + e["dur"]]
-        outer = max(around, key=lambda e: e["dur"], default=None)
-        out.append({"s": (end - start) / 1e6, "at_s": (start - busy[0][0]) / 1e6, "host": str(outer["name"])[:NAME_CHARS] if outer else ""})
+    for a, b in sorted(zip(busy, busy[1:]), key=lambda ab: ab[0][1] - ab[1][0])[:n]:
+        mid = (a[1] + b[0]) / 2
+        around = sorted((e for e in host if e["ts"] <= mid <= e["ts"] + e["dur"]), key=lambda e: -e["dur"])
+        out.append((a[1], b[0], around))
     return out
+
+
+def _gaps(busy: list[tuple[float, float]], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``gaps`` of a breakdown: the :data:`GAPS` longest stretches with no kernel and the outermost
+    host event around each."""
+    return [
+        {"s": (end - start) / 1e6, "at_s": (start - busy[0][0]) / 1e6, "host": str(around[0]["name"])[:NAME_CHARS] if around else ""}
+        for start, end, around in idle_stretches(busy, events, GAPS)
+    ]
 
 
 def device_activity(device_type: str) -> Any:

@@ -2,10 +2,11 @@
 (``train.profile_step``'s trace, ``profile_rank0_<phase>_stepK.json.gz`` in the round's output
 folder):
 
-    python3 examples/gpu/trace_gaps.py TRACE [MIN_MS]
+    PYTHONPATH=$PWD python3 examples/gpu/trace_gaps.py TRACE [MIN_MS]
 
 Kernels, copies and memsets are merged into busy intervals; each gap between two of them longer
-than MIN_MS (default 0.2 ms) is a gap. The 40 longest are listed with the host events (torch
+than MIN_MS (default 0.2 ms) is a gap. The 40 longest are listed (training/profiling.py's
+``idle_stretches``, which the step breakdown's ``gaps`` come from too) with the host events (torch
 operators, the harness's own ranges such as ``fb_optimizer``) that span the gap's midpoint,
 longest first, then the gap time summed by the outermost of those events. A gap with no host
 event is host work that calls no torch operator (Python of the framework, a wait on the host).
@@ -20,19 +21,9 @@ import gzip
 import json
 import sys
 
-HOST = ("cpu_op", "user_annotation", "python_function")
+from training.profiling import idle_stretches, union
+
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def busy_intervals(events: list[dict]) -> list[list[float]]:
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in DEVICE)
-    busy: list[list[float]] = []
-    for start, end in spans:
-        if busy and start <= busy[-1][1]:
-            busy[-1][1] = max(busy[-1][1], end)
-        else:
-            busy.append([start, end])
-    return busy
 
 
 def main() -> None:
@@ -41,10 +32,9 @@ def main() -> None:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as fh:
         events = [e for e in json.load(fh).get("traceEvents", []) if e.get("ph") == "X"]
-    busy = busy_intervals(events)
+    busy = union([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") in DEVICE])
     if not busy:
         sys.exit(f"{path}: no GPU kernel in the trace")
-    host = [e for e in events if e.get("cat") in HOST]
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] > min_us]
     span = busy[-1][1] - busy[0][0]
     print(
@@ -52,11 +42,9 @@ def main() -> None:
         f"{len(gaps)} gaps > {min_us / 1e3:g} ms: {sum(e - s for s, e in gaps) / 1e3:.1f} ms"
     )
     by_outer: dict[str, float] = collections.defaultdict(float)
-    for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:40]:
-        mid = (start + end) / 2
-        over = sorted((e for e in host if e["ts"] <= mid <= e["ts"] + e.get("dur", 0)), key=lambda e: -e.get("dur", 0))
-        names = " > ".join(f"{e['name'][:60]}({e.get('dur', 0) / 1e3:.1f})" for e in over[:6])
-        by_outer[over[0]["name"][:60] if over else "-"] += end - start
+    for start, end, around in idle_stretches(busy, events, min(40, len(gaps))):
+        names = " > ".join(f"{e['name'][:60]}({e.get('dur', 0) / 1e3:.1f})" for e in around[:6])
+        by_outer[around[0]["name"][:60] if around else "-"] += end - start
         print(f"{(end - start) / 1e3:7.2f} ms at +{(start - busy[0][0]) / 1e3:8.1f}: {names}")
     print("-- gap time by the outermost CPU event:")  # of the 40 longest gaps
     for name, us in sorted(by_outer.items(), key=lambda kv: -kv[1]):

@@ -17,6 +17,7 @@ import importlib
 import json
 import math
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -582,7 +583,7 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 import megatron.core.fusions.fused_cross_entropy as fce
 import megatron.core.models.common.language_module.language_module as lm
-from cases.llama3.megatron import modeling, settings, startweights
+from cases.llama3.megatron import kernels, modeling, settings, startweights
 
 device_type = cfg["vendor"]["device"]
 if device_type == "cuda":
@@ -590,6 +591,10 @@ if device_type == "cuda":
 dist.init_process_group(cfg["vendor"]["dist_backend"])
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=1)
 model_parallel_cuda_manual_seed(1234)
+if device_type == "cpu":  # the case's compiled norms, as megatron's fused cross-entropy below, run through aot_eager on the CPU
+    from training import fused
+
+    fused.COMPILE_BACKEND = "aot_eager"
 if device_type == "cpu":  # megatron compiles its fused cross-entropy with Inductor; on the CPU the same graphs run through aot_eager
     for name in ("calculate_logits_max", "calculate_predicted_logits", "calculate_cross_entropy_loss", "calculate_gradients"):
         fn = getattr(fce, name)
@@ -605,10 +610,14 @@ position_ids = torch.arange(128).expand(2, 128).to(dev)
 out = {"rank": dist.get_rank()}
 for name, par in json.loads(sys.argv[3]).items():
     s = settings.from_config({**cfg, "parallel": {**cfg["parallel"], **par}}, 2)
+    if s.layout.gradient_accumulation_fusion:
+        kernels.install_wgrad_accumulation(dev, torch.bfloat16)
     config = modeling.transformer_config(s)
     model = modeling.build_model(s, config)
     startweights.overwrite(model, s)
     inner = model
+    first = inner.decoder.layers[0]
+    linears = [first.self_attention.linear_qkv, first.self_attention.linear_proj, first.mlp.linear_fc1, first.mlp.linear_fc2]
     model = Float16Module(config, model)  # as the trainer wraps a bf16 model: every parameter bf16, the loss float32
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False, grad_reduce_in_fp32=True)
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -622,6 +631,7 @@ for name, par in json.loads(sys.argv[3]).items():
         "type": type(inner).__name__,
         "layers": sorted({type(layer).__name__ for layer in inner.decoder.layers}),
         "fused_calls": len(calls) - before,
+        "linears": [type(lin).__name__ for lin in linears],
         "grads": {n: p.main_grad.float().flatten().tolist() for n, p in model.named_parameters()},
     }
 with open(f"{sys.argv[2]}.{dist.get_rank()}", "w") as fh:
@@ -663,6 +673,59 @@ def test_megatrons_fused_cross_entropy_matches_its_own_under_tensor_parallelism(
         _same_loss_and_grads(plain, fused, 2e-2)
 
 
+_SYMM_MEM_VARIANTS = {
+    "tp": {},
+    "sp": {"sequence_parallel": True},
+    "symm": {"sequence_parallel": True, "tp_comm_overlap": "symm_mem"},
+    "sp_wgrad": {"sequence_parallel": True, "gradient_accumulation_fusion": True},
+    "symm_wgrad": {"sequence_parallel": True, "tp_comm_overlap": "symm_mem", "gradient_accumulation_fusion": True},
+    "symm_add_norm": {"sequence_parallel": True, "tp_comm_overlap": "symm_mem", "fused_add_norm": True},
+}
+_SYMM_MEM_LINEARS = ["GatherColumnParallelLinear", "ReduceScatterRowParallelLinear"] * 2
+_MEGATRON_LINEARS = ["ColumnParallelLinear", "RowParallelLinear"] * 2
+
+
+@pytest.mark.framework("megatron")
+def test_symm_mem_overlap_computes_what_sequence_parallelism_does(tmp_path):
+    """``parallel.tp_comm_overlap: symm_mem`` on two tensor-parallel gloo ranks of the tiny model
+    (bf16, compiled norms): qkv and fc1 are the case's gathering linears, proj and fc2 its
+    reduce-scattering ones, and the loss and every gradient shard are exactly megatron's
+    sequence-parallel ones (on the CPU the same collectives and GEMMs run in the same order), with
+    the weight gradients summed into main_grad inside their GEMMs as well; with the residual sums in
+    the norms, and against plain tensor parallelism, equal within bf16 rounding."""
+    cfg = resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "compile"}, precision="bf16")
+    for res in _two_rank_loss_check(tmp_path, cfg, _SYMM_MEM_VARIANTS):
+        assert res["tp"]["linears"] == res["sp"]["linears"] == res["sp_wgrad"]["linears"] == _MEGATRON_LINEARS
+        for name in ("symm", "symm_wgrad", "symm_add_norm"):
+            assert res[name]["linears"] == _SYMM_MEM_LINEARS, name
+        assert res["symm_add_norm"]["layers"] == ["AddNormLayer"]
+        assert res["symm"]["loss"] == res["sp"]["loss"] and res["symm"]["grads"] == res["sp"]["grads"]
+        assert res["symm_wgrad"]["loss"] == res["sp_wgrad"]["loss"] and res["symm_wgrad"]["grads"] == res["sp_wgrad"]["grads"]
+        for name in ("sp", "symm", "symm_wgrad", "symm_add_norm"):
+            _same_loss_and_grads(res["tp"], res[name], 2e-2)
+
+
+def test_symm_mem_overlap_settings(tmp_path):
+    st = _settings()
+    par = {"tp": 2, "sequence_parallel": True, "fused_elementwise": "compile", "tp_comm_overlap": "symm_mem"}
+    ok = st.from_config(resolved_config(tmp_path, 2, "x", parallel={**par, "fused_add_norm": True}), world_size=2)
+    assert (ok.layout.tp_comm_overlap, ok.layout.fused_add_norm) == ("symm_mem", True)
+    refused = {
+        "parallel.tp_comm_overlap: symm_mem overlaps the tensor-parallel communication; with parallel.tp 1 there is none": (
+            {"tp_comm_overlap": "symm_mem"}
+        ),
+        "parallel.tp_comm_overlap: symm_mem runs the gathers and reduce-scatters of sequence parallelism: set parallel.sequence_parallel: true": (
+            {"tp": 2, "tp_comm_overlap": "symm_mem"}
+        ),
+        "parallel.tp_comm_overlap: symm_mem replaces megatron's local linear layers; TransformerEngine brings its own overlap": (
+            {**par, "fused_elementwise": "none", "transformer_impl": "transformer_engine"}
+        ),
+    }
+    for message, parallel in refused.items():
+        with pytest.raises(st.SettingsError, match=re.escape(message)):
+            st.from_config(resolved_config(tmp_path, 2, "x", parallel=parallel), world_size=2)
+
+
 def _cuda_devices() -> int:
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
@@ -695,6 +758,24 @@ def test_the_liger_switches_match_megatrons_path_on_two_gpus(tmp_path):
         assert res["add_norm"]["layers"] == res["qkv_rope"]["layers"] == ["AddNormLayer"] and res["fused"]["fused_calls"] == 1
         for name in ("liger", "fused", "add_norm", "qkv_rope"):
             _same_loss_and_grads(plain, res[name], 5e-2)
+
+
+@pytest.mark.framework("megatron")
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices: runs on the GPU machine")
+def test_symm_mem_overlap_matches_sequence_parallelism_on_two_gpus(tmp_path):
+    """On two CUDA devices (TP2, bf16, liger's norms, the tiny model) ``tp_comm_overlap: symm_mem``
+    runs torch's symmetric-memory GEMMs (each split by rank, the peer's share copied beside it):
+    the loss and every gradient shard are those of megatron's sequence parallelism (NCCL's gathers
+    and reduce-scatters) and of plain tensor parallelism within bf16 rounding, with the weight
+    gradients summed into main_grad in their GEMMs and with the residual sums in the norms."""
+    cfg = _cuda(resolved_config(tmp_path, 2, "config_cpux1x2_TP2", parallel={"tp": 2, "fused_elementwise": "liger"}, precision="bf16"))
+    for res in _two_rank_loss_check(tmp_path, cfg, _SYMM_MEM_VARIANTS):
+        for name in ("symm", "symm_wgrad", "symm_add_norm"):
+            assert res[name]["linears"] == _SYMM_MEM_LINEARS, name
+        _same_loss_and_grads(res["sp"], res["symm"], 5e-2)
+        _same_loss_and_grads(res["sp_wgrad"], res["symm_wgrad"], 5e-2)
+        for name in ("sp", "symm", "symm_wgrad", "symm_add_norm"):
+            _same_loss_and_grads(res["tp"], res[name], 5e-2)
 
 
 def _cuda_with(*modules: str) -> bool:
@@ -978,7 +1059,10 @@ def test_halves_overlap_settings(tmp_path):
     assert ok.layout.tp_comm_overlap == "halves"
     assert st.from_config(resolved_config(tmp_path, 1, "x"), world_size=1).layout.tp_comm_overlap == "none"  # today's path
     refused = {
-        "parallel.tp_comm_overlap must be one of none, halves, got 'userbuffers'": ({"tp": 2, "tp_comm_overlap": "userbuffers"}, 2),
+        "parallel.tp_comm_overlap must be one of none, halves, symm_mem, got 'userbuffers'": (
+            {"tp": 2, "tp_comm_overlap": "userbuffers"},
+            2,
+        ),
         "parallel.tp_comm_overlap: halves overlaps the tensor-parallel all-reduces; with parallel.tp 1 there are none": (
             {"tp_comm_overlap": "halves"},
             2,

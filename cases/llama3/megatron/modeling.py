@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from cases.llama3.megatron import kernels
+from cases.llama3.megatron import kernels, tp_gemm_comm
 from cases.llama3.megatron.settings import Settings
 from training.accelerator import Accelerator
 
@@ -214,12 +214,23 @@ def layer_spec(s: Settings) -> ModuleSpec:
                 "parallel.tp_comm_overlap: halves runs megatron's local layers, not TransformerEngine's (set transformer_impl: local)"
             )
         spec.module = HalvesOverlapLayer
+    if s.layout.tp_comm_overlap == "symm_mem":
+        if use_transformer_engine(s):
+            raise RuntimeError(
+                "parallel.tp_comm_overlap: symm_mem replaces megatron's local linear layers, not TransformerEngine's "
+                "(set transformer_impl: local)"
+            )
+        attention = spec.submodules.self_attention.submodules
+        attention.linear_qkv, attention.linear_proj = tp_gemm_comm.GatherColumnParallelLinear, tp_gemm_comm.ReduceScatterRowParallelLinear
+        _set_mlp_submodules(
+            spec, linear_fc1=tp_gemm_comm.GatherColumnParallelLinear, linear_fc2=tp_gemm_comm.ReduceScatterRowParallelLinear
+        )
     if fused_add_norm_in_use(s):
         spec.module = AddNormLayer
     if fused != "none":
         spec.submodules.input_layernorm = kernels.NORMS[fused]
         spec.submodules.pre_mlp_layernorm = kernels.NORMS[fused]
-        _set_mlp_activation(spec, kernels.ACTIVATIONS[fused])
+        _set_mlp_submodules(spec, activation_func=kernels.ACTIVATIONS[fused])
     return spec
 
 
@@ -376,18 +387,19 @@ def link_layers(layers: Any) -> None:
         layer.handoff, layer.takes_over, layer.hands_on = shared, i > 0, i < len(layers) - 1
 
 
-def _set_mlp_activation(spec: ModuleSpec, module: type) -> None:
-    """The MLP's activation module, which megatron calls on the whole ``[gate; up]`` fc1 output
-    when ``config.use_te_activation_func`` is set.  The MLP is a ModuleSpec in megatron-core
-    0.16 and a ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in 0.19."""
+def _set_mlp_submodules(spec: ModuleSpec, **modules: Any) -> None:
+    """The MLP's submodules named in ``modules``: its activation module (which megatron calls on
+    the whole ``[gate; up]`` fc1 output when ``config.use_te_activation_func`` is set), its linear
+    layers. The MLP is a ModuleSpec in megatron-core 0.16 and a
+    ``functools.partial(MLP.as_mlp_submodule, submodules=...)`` in 0.19."""
     mlp = spec.submodules.mlp
     if isinstance(mlp, ModuleSpec):
-        mlp.submodules = dataclasses.replace(mlp.submodules, activation_func=module)
+        mlp.submodules = dataclasses.replace(mlp.submodules, **modules)
     elif isinstance(mlp, functools.partial) and "submodules" in mlp.keywords:
-        subs = dataclasses.replace(mlp.keywords["submodules"], activation_func=module)
+        subs = dataclasses.replace(mlp.keywords["submodules"], **modules)
         spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
     else:
-        raise RuntimeError(f"parallel.fused_elementwise: this megatron-core's MLP spec ({type(mlp).__name__}) is not one the case knows")
+        raise RuntimeError(f"this megatron-core's MLP spec ({type(mlp).__name__}) is not one the case knows (setting {', '.join(modules)})")
 
 
 def fused_elementwise_in_use(s: Settings) -> str:

@@ -34,9 +34,11 @@ listed there), and this case's own:
   ``fused_grad_clip`` (the gradient norm and the clipping as torch's multi-tensor kernels where
   megatron falls back to its per-tensor loops without apex; kernels.install_grad_clip),
   ``gradient_accumulation_fusion`` (each weight gradient added to its float32 main_grad
-  inside the GEMM; kernels.install_wgrad_accumulation), ``tp_comm_overlap`` (none|halves: each
+  inside the GEMM; kernels.install_wgrad_accumulation), ``tp_comm_overlap`` (none|halves|symm_mem: halves: each
   layer runs its micro batch as two halves, one half's tensor-parallel all-reduces running while
-  the other half computes; modeling.HalvesOverlapLayer),
+  the other half computes, modeling.HalvesOverlapLayer; symm_mem: with sequence parallelism, its
+  gathers and reduce-scatters inside the linear layers' GEMMs on torch's symmetric memory,
+  tp_gemm_comm.py),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
 * ``vendor.device``: any device type (training.accelerator gives the case its calls); the
   switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
@@ -65,7 +67,7 @@ FUSED_ROPE = ("none", "compile", "qkv")
 FUSED_LINEAR_LOSS = ("none", "chunked")
 CROSS_ENTROPY = ("megatron", "fused", "liger")
 TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
-TP_COMM_OVERLAP = ("none", "halves")
+TP_COMM_OVERLAP = ("none", "halves", "symm_mem")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +234,8 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         _check_add_norm(layout)
     if layout.tp_comm_overlap == "halves":
         _check_halves(layout)
+    if layout.tp_comm_overlap == "symm_mem":
+        _check_symm_mem(layout)
     if layout.cross_entropy != "megatron" and layout.fused_linear_loss != "none":
         raise SettingsError(
             f"parallel.cross_entropy: {layout.cross_entropy} replaces the cross-entropy after the output layer; "
@@ -266,14 +270,28 @@ def _check_halves(layout: Layout) -> None:
         )
 
 
+def _check_symm_mem(layout: Layout) -> None:
+    """``tp_comm_overlap: symm_mem`` (tp_gemm_comm.py): sequence parallelism's gathers and
+    reduce-scatters inside the GEMMs of megatron's local linear layers."""
+    why = "parallel.tp_comm_overlap: symm_mem"
+    if layout.tp == 1:
+        raise SettingsError(f"{why} overlaps the tensor-parallel communication; with parallel.tp 1 there is none")
+    if not layout.sequence_parallel:
+        raise SettingsError(f"{why} runs the gathers and reduce-scatters of sequence parallelism: set parallel.sequence_parallel: true")
+    if layout.transformer_impl == "transformer_engine":
+        raise SettingsError(
+            f"{why} replaces megatron's local linear layers; TransformerEngine brings its own overlap (set transformer_impl local or auto)"
+        )
+
+
 def _check_add_norm(layout: Layout) -> None:
     """``fused_add_norm`` (modeling.AddNormLayer): the case's own norms add the residual, and the
     layers hand the last sum on to the next."""
     why = "parallel.fused_add_norm"
     if layout.fused_elementwise == "none":
         raise SettingsError(f"{why} runs in the case's own norms: set parallel.fused_elementwise to compile or liger")
-    if layout.tp_comm_overlap != "none":
-        raise SettingsError(f"{why} and parallel.tp_comm_overlap: {layout.tp_comm_overlap} each run their own layer: set one of them off")
+    if layout.tp_comm_overlap == "halves":
+        raise SettingsError(f"{why} and parallel.tp_comm_overlap: halves each run their own layer: set one of them off")
     if layout.recompute == "full":
         raise SettingsError(
             f"{why} hands each layer's last sum to the next, which full recompute would replay; use recompute none or selective"

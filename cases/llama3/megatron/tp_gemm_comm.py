@@ -1,0 +1,167 @@
+"""Sequence parallelism's gathers and reduce-scatters inside the GEMMs that need them
+(``parallel.tp_comm_overlap: symm_mem``, with ``parallel.sequence_parallel``).
+
+Under sequence parallelism each tensor-parallel rank keeps its share of the sequence between a
+layer's two linear blocks. A column-parallel linear (qkv, fc1) gathers the shares before its GEMM;
+a row-parallel one (proj, fc2) sums the ranks' partial products and leaves each rank its share of
+the sum. Megatron runs the forward's gather and reduce-scatter as collectives before and after the
+GEMM, with nothing beside them. Here each runs inside its GEMM, on torch's symmetric memory
+(``torch.ops.symm_mem.fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter``): the GEMM is
+cut by source (or destination) rank, and while one part multiplies, the peer's part is copied over
+NVLink by a copy on a second stream. The backward does the same the other way round: a
+column-parallel linear's input gradient is a GEMM and a reduce-scatter, a row-parallel linear's
+output gradient is gathered into its input gradient's GEMM. A column-parallel linear keeps its
+gathered input for its weight gradient (megatron gathers it a second time in the backward), the
+memory the layer held without sequence parallelism.
+
+On devices other than CUDA the same arithmetic runs on plain collectives
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``), so the CPU tests hold these layers'
+forward and backward to megatron's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel import layers as megatron_layers
+
+_READY: set[str] = set()
+
+
+def _symm_mem_group(group: Any) -> str:
+    """The group's name, symmetric memory set up for it once (a no-op, deprecated, in newer torch)."""
+    name = group.group_name
+    if name not in _READY:
+        from torch.distributed import _symmetric_memory
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            _symmetric_memory.enable_symm_mem_for_group(name)
+        _READY.add(name)
+    return name
+
+
+def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(full, full @ b)`` with ``full`` the ranks' ``shard`` s gathered along dim 0, in rank order."""
+    if shard.device.type == "cuda":
+        full, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, _symm_mem_group(group), return_A=True)
+        return full, out
+    full = shard.new_empty((shard.shape[0] * group.size(), *shard.shape[1:]))
+    dist.all_gather_into_tensor(full, shard.contiguous(), group=group)
+    return full, torch.matmul(full, b)
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any) -> torch.Tensor:
+    """``a @ b`` summed over the ranks, each keeping its share of dim 0 (rank r the r-th part)."""
+    if a.device.type == "cuda":
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, _symm_mem_group(group))
+    partial = torch.matmul(a, b)
+    out = partial.new_empty((partial.shape[0] // group.size(), *partial.shape[1:]))
+    dist.reduce_scatter_tensor(out, partial.contiguous(), group=group)
+    return out
+
+
+def _weight_grad(ctx: Any, weight: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient ``grad^T @ x`` as megatron's linear layers hand it: with
+    ``gradient_accumulation_fusion`` added to the parameter's float32 ``main_grad`` inside the GEMM
+    (megatron's ``fused_weight_gradient_mlp_cuda``: apex's, or kernels.install_wgrad_accumulation's)
+    and a placeholder returned where megatron's DDP looks for one, else returned."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+    if ctx.main_grad is None:
+        return g2.t().matmul(x2)
+    weight.main_grad = ctx.main_grad
+    fused = megatron_layers.fused_weight_gradient_mlp_cuda
+    (fused.wgrad_gemm_accum_fp32 if ctx.main_grad.dtype == torch.float32 else fused.wgrad_gemm_accum_fp16)(x2, g2, ctx.main_grad)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    # megatron's DDP runs its gradient hooks on the thread of the backward only when a gradient
+    # comes back; the value is not read (zeros where the parameter asks for them)
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return make(weight.main_grad.shape, dtype=x.dtype, device=x.device)
+
+
+def _main_grad(weight: torch.Tensor, fuse: bool) -> torch.Tensor | None:
+    return weight.main_grad if fuse and hasattr(weight, "main_grad") else None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """A column-parallel linear of sequence shares: gather, then ``x W^T``; backward ``g W``
+    reduce-scattered to the shares, ``g^T x`` for the weight."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool, group: Any) -> torch.Tensor:
+        full, out = all_gather_matmul(shard, weight.t(), group)
+        ctx.save_for_backward(full, weight)
+        ctx.main_grad, ctx.group = _main_grad(weight, fuse_wgrad), group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        full, weight = ctx.saved_tensors
+        grad_shard = matmul_reduce_scatter(grad, weight, ctx.group)
+        return grad_shard, _weight_grad(ctx, weight, full, grad), None, None
+
+
+class _ReduceScatterLinear(torch.autograd.Function):
+    """A row-parallel linear leaving sequence shares: ``x W^T`` summed over the ranks and
+    scattered; backward the output gradient gathered into ``g W``, ``g^T x`` for the weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.main_grad, ctx.group = _main_grad(weight, fuse_wgrad), group
+        return matmul_reduce_scatter(x, weight.t(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad_shard: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        grad, grad_x = all_gather_matmul(grad_shard.contiguous(), weight, ctx.group)
+        return grad_x, _weight_grad(ctx, weight, x, grad), None, None
+
+
+def _check(layer: Any) -> None:
+    cfg = layer.config
+    why = []
+    if not layer.sequence_parallel:
+        why.append("sequence parallelism")
+    if layer.bias is not None:
+        why.append("no bias")
+    if getattr(layer, "explicit_expert_comm", False):
+        why.append("no expert communication of its own")
+    if getattr(layer, "gtp_remat_size", 1) != 1 or cfg.defer_embedding_wgrad_compute:
+        why.append("whole weights and no deferred weight gradients")
+    if why:
+        raise RuntimeError(f"parallel.tp_comm_overlap: symm_mem: {type(layer).__name__} needs {', '.join(why)}")
+
+
+class GatherColumnParallelLinear(ColumnParallelLinear):
+    """megatron's ColumnParallelLinear with its input's sequence gather inside the GEMM."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _check(self)
+        if self.gather_output:
+            raise RuntimeError("parallel.tp_comm_overlap: symm_mem: a column-parallel linear here keeps its output split")
+
+    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None) -> tuple:
+        if weight is not None or runtime_gather_output:
+            raise RuntimeError("parallel.tp_comm_overlap: symm_mem: the layer is handed a weight or asked to gather its output")
+        return _GatherLinear.apply(input_, self.weight, self.gradient_accumulation_fusion, self.tp_group), None
+
+
+class ReduceScatterRowParallelLinear(RowParallelLinear):
+    """megatron's RowParallelLinear with its output's reduce-scatter inside the GEMM."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        _check(self)
+        if not self.input_is_parallel:
+            raise RuntimeError("parallel.tp_comm_overlap: symm_mem: a row-parallel linear here takes its input split")
+
+    def forward(self, input_: torch.Tensor) -> tuple:
+        return _ReduceScatterLinear.apply(input_, self.weight, self.gradient_accumulation_fusion, self.tp_group), None

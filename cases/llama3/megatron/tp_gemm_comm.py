@@ -6,10 +6,10 @@ layer's two linear blocks. A column-parallel linear (qkv, fc1) gathers the share
 a row-parallel one (proj, fc2) sums the ranks' partial products and leaves each rank its share of
 the sum. Megatron runs the forward's gather and reduce-scatter as collectives before and after the
 GEMM, with nothing beside them. Here each runs inside its GEMM, on torch's symmetric memory
-(``torch.ops.symm_mem.fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter``): the GEMM is
-cut by source (or destination) rank, and while one part multiplies, the peer's part is copied over
-NVLink by a copy on a second stream. The backward does the same the other way round: a
-column-parallel linear's input gradient is a GEMM and a reduce-scatter, a row-parallel linear's
+(``torch.ops.symm_mem.fused_all_gather_matmul``; the reduce-scatter the same way here, with the
+partial sums added by one elementwise kernel): the GEMM is cut by source (or destination) rank,
+and while one part multiplies, the peer's part is copied over NVLink by a copy on a second stream.
+The backward does the same the other way round: a column-parallel linear's input gradient is a GEMM and a reduce-scatter, a row-parallel linear's
 output gradient is gathered into its input gradient's GEMM. A column-parallel linear keeps its
 gathered input for its weight gradient (megatron gathers it a second time in the backward), the
 memory the layer held without sequence parallelism.
@@ -58,10 +58,54 @@ def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: Any) -> tuple
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any) -> torch.Tensor:
     """``a @ b`` summed over the ranks, each keeping its share of dim 0 (rank r the r-th part)."""
     if a.device.type == "cuda":
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, _symm_mem_group(group))
+        rows = _symm_mem_matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, group)
+        return rows.view(a.shape[0] // group.size(), *a.shape[1:-1], b.shape[1])
     partial = torch.matmul(a, b)
     out = partial.new_empty((partial.shape[0] // group.size(), *partial.shape[1:]))
     dist.reduce_scatter_tensor(out, partial.contiguous(), group=group)
+    return out
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _symm_mem_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any) -> torch.Tensor:
+    """``a @ b`` (``a``: [M, k], M split into the ranks' row blocks) summed over the ranks, each
+    keeping its block, through symmetric memory. On a second stream of higher priority each rank
+    multiplies the row blocks the peers keep into its buffer's slots, and once every rank has
+    (a barrier) copies its own slot of each peer's buffer; meanwhile it multiplies its own block
+    on the current stream, then adds what it received (one elementwise sum, where torch's
+    ``fused_matmul_reduce_scatter`` reduces the stacked partials with a reduction kernel). A
+    barrier first, so that no rank overwrites its slots before
+    the peers have copied them in the call before (every user of the group's workspace starts
+    with one)."""
+    from torch.distributed import _symmetric_memory
+
+    ranks, rank = group.size(), group.rank()
+    blocks = a.chunk(ranks)
+    rows, cols = blocks[0].shape[0], b.shape[1]
+    symm = _symmetric_memory.get_symm_mem_workspace(_symm_mem_group(group), min_size=rows * cols * a.element_size() * ranks)
+
+    def slot(owner: int, keeper: int) -> torch.Tensor:
+        return symm.get_buffer(owner, (rows, cols), a.dtype, keeper * rows * cols)
+
+    current = torch.cuda.current_stream()
+    side = _SIDE.setdefault(a.device.index, torch.cuda.Stream(device=a.device, priority=-1))
+    peers = [(rank + step) % ranks for step in range(1, ranks)]
+    out = torch.empty((rows, cols), dtype=a.dtype, device=a.device)
+    received = [torch.empty_like(out) for _ in peers]
+    symm.barrier(channel=0)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        for peer in peers:
+            torch.mm(blocks[peer], b, out=slot(rank, peer))
+        symm.barrier(channel=1)
+        for buf, peer in zip(received, peers):
+            buf.copy_(slot(peer, rank))
+    torch.mm(blocks[rank], b, out=out)
+    current.wait_stream(side)
+    for buf in received:
+        out.add_(buf)
     return out
 
 

@@ -71,6 +71,25 @@ def test_gpu_breakdown_arithmetic():
     }
 
 
+def test_peer_copies_and_symmetric_memory_barriers_are_communication():
+    """Collectives on symmetric memory run as copies between the devices (no kernel) and barrier
+    kernels: both count as communication, exposed where no compute kernel runs beside them; a copy
+    within one device is not counted."""
+    memcpy = lambda name, ts, dur: {"cat": "gpu_memcpy", "name": name, "ts": ts, "dur": dur, "tid": 30, "ph": "X"}
+    events = [
+        k("nvjet_sm90_tst_256x128", 0, 400),
+        memcpy("Memcpy PtoP (Device -> Device)", 100, 400),  # 100 us past the GEMM
+        k("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)", 500, 20, stream=30),
+        memcpy("Memcpy DtoD (Device -> Device)", 600, 50),
+        k("vectorized_elementwise_kernel<CUDAFunctor_add>", 700, 50),
+    ]
+    b = breakdown(events, step_time_s=0.001)
+    got = {c: round(v["kernel_s"] * 1e6) for c, v in b["categories"].items()}
+    assert got == {"gemm": 400, "attention": 0, "communication": 420, "other": 50, "optimizer": 0}
+    assert b["kernels"] == 4 and round(b["communication_exposed_s"] * 1e6) == 120
+    assert round(b["busy_s"] * 1e6) == 520 + 50
+
+
 def test_largest_kernels_sum_their_calls_and_keep_the_top_ones():
     """A part's kernels of one name are summed over their calls, ordered by that sum, the first
     LARGEST kept; a long (templated) name is cut to NAME_CHARS, so its calls still meet."""

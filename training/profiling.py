@@ -18,7 +18,9 @@ and reduced to one ``step_breakdown`` metric line::
 
 ``kernel_s`` sums kernel durations (kernels on several streams may overlap, so the
 sum can exceed the busy time); ``share`` is ``kernel_s / step_time_s``.  A kernel
-belongs to the first category that claims it: communication (collective kernels),
+belongs to the first category that claims it: communication (collective kernels, the barriers of
+torch's symmetric memory, and copies from one device to another: the "Memcpy PtoP" of
+``tp_comm_overlap: symm_mem``, which moves data without a kernel; other copies are not counted),
 optimizer (launched inside the :data:`OPTIMIZER_RANGE` region), attention, GEMM,
 other.  On a CPU the training thread's operators stand in for kernels: each
 operator's self time counts once, in its own category or else its caller's.
@@ -52,7 +54,10 @@ LARGEST = 5  # kernels named per category in ``largest``, by their summed time
 GAPS = 5  # stretches with no kernel named in ``gaps``, longest first
 NAME_CHARS = 160  # a kernel's name as kept there (C++ template names run to thousands)
 
-_COMM = re.compile(r"nccl|rccl|hccl|cncl|bkcl|mccl|xccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv", re.I)
+_COMM = re.compile(
+    r"nccl|rccl|hccl|cncl|bkcl|mccl|xccl|gloo|all_?reduce|all_?gather|reduce_?scatter|alltoall|broadcast|sendrecv|symmetric_memory", re.I
+)
+_PEER_COPY = re.compile(r"PtoP|peer", re.I)  # a copy between devices (the profiler's "Memcpy PtoP")
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|_efficient_attention|softmax_warp", re.I)
 _GEMM = re.compile(r"gemm|cutlass|xmma|nvjet|cublas|sm\d\d_|aten::(mm|addmm|bmm|baddbmm|matmul)$|ampere_|hopper_", re.I)
 
@@ -132,6 +137,7 @@ def _cpu_pieces(ops: list[dict[str, Any]], in_optimizer: Any) -> tuple[list[tupl
 def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any]:
     """Reduce the events of a chrome trace (times in microseconds) to the step's parts."""
     kernels = [e for e in events if e.get("cat") in ("kernel", "Kernel") and "dur" in e]
+    kernels += [e for e in events if e.get("cat") == "gpu_memcpy" and "dur" in e and _PEER_COPY.search(str(e.get("name", "")))]
     source = "cuda kernels" if kernels else "cpu ops"
     gpu_opt = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_user_annotation" and e.get("name") == OPTIMIZER_RANGE]
     cpu_opt = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "user_annotation" and e.get("name") == OPTIMIZER_RANGE]
@@ -154,7 +160,7 @@ def breakdown(events: list[dict[str, Any]], step_time_s: float) -> dict[str, Any
     if kernels:  # a GPU: kernels are leaves, each counted in one category
         for e in kernels:
             name = str(e.get("name", ""))
-            cat = classify(name, in_optimizer(e))
+            cat = "communication" if e.get("cat") == "gpu_memcpy" else classify(name, in_optimizer(e))
             add(cat, name, e["dur"])
             spans[cat].append((e["ts"], e["ts"] + e["dur"]))
         every = union([s for c in CATEGORIES for s in spans[c]])

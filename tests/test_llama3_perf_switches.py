@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.case_helpers import framework_python, free_port
+from tests.case_helpers import framework_python, free_port, start_task
 from tests.test_llama3_megatron_case import CASE_DIR, ROOT, resolved_config
 
 
@@ -716,6 +716,24 @@ def test_symm_mem_overlap_computes_what_sequence_parallelism_does(tmp_path):
         assert res["symm_wgrad"]["loss"] == res["sp_wgrad"]["loss"] and res["symm_wgrad"]["grads"] == res["sp_wgrad"]["grads"]
         for name in ("sp", "symm", "symm_wgrad", "symm_add_norm"):
             _same_loss_and_grads(res["tp"], res[name], 2e-2)
+
+
+@pytest.mark.framework("megatron")
+def test_symm_mem_overlap_through_start_task(tmp_path, megatron_python):
+    """The tiny model's TP2 variant with sequence parallelism and ``tp_comm_overlap: symm_mem``, 30
+    steps through start_task.py on two CPU processes: aligned with the committed TP2 curve, and
+    run_meta names the switch and what carries its communication on this device."""
+    sets = ["parallel.sequence_parallel=true", "parallel.tp_comm_overlap=symm_mem", "parallel.fused_elementwise=compile"]
+    args = ["--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--variant", "TP2", "--log-dir", str(tmp_path)]
+    proc = start_task(*args, *[a for v in sets for a in ("--set", v)])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    (phase,) = json.loads((run_dir / "results.json").read_text())["rounds"][0]["phases"]
+    assert phase["gate"]["verdict"] == "aligned" and phase["gate"]["mre"] < 0.005, phase["gate"]
+    assert phase["reference"]["path"].endswith("config_cpux1x2_TP2.json")
+    par = phase["meta"]["parallel"]
+    assert (par["tp"], par["sequence_parallel"], par["tp_comm_overlap"]) == (2, True, "symm_mem")
+    assert par["tp_comm_path"] == "plain collectives: all_gather_into_tensor, reduce_scatter_tensor"
 
 
 def test_symm_mem_overlap_settings(tmp_path):

@@ -36,13 +36,25 @@ def _symm_mem_group(group: Any) -> str:
     """The group's name, symmetric memory set up for it once (a no-op, deprecated, in newer torch)."""
     name = group.group_name
     if name not in _READY:
-        from torch.distributed import _symmetric_memory
-
+        try:
+            from torch.distributed import _symmetric_memory
+        except ImportError as exc:
+            raise RuntimeError(
+                f"parallel.tp_comm_overlap: symm_mem needs torch's symmetric memory (torch.distributed._symmetric_memory), "
+                f"which this torch ({torch.__version__}) does not import: {exc}; set parallel.tp_comm_overlap: none"
+            ) from exc
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             _symmetric_memory.enable_symm_mem_for_group(name)
         _READY.add(name)
     return name
+
+
+def path(device_type: str) -> str:
+    """What carries the communication on a device of this type (run_meta's ``tp_comm_path``)."""
+    if device_type == "cuda":
+        return "symmetric memory: peer copies beside the GEMMs"
+    return "plain collectives: all_gather_into_tensor, reduce_scatter_tensor"
 
 
 def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:

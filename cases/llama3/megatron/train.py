@@ -221,7 +221,7 @@ class Trainer:
     def emit_meta(self) -> None:
         import torch
 
-        from cases.llama3.megatron import modeling
+        from cases.llama3.megatron import modeling, tp_gemm_comm
 
         s, lay, sh = self.s, self.s.layout, self.s.shape
         if not self.reporting:
@@ -265,6 +265,7 @@ class Trainer:
                 grad_clip_kernel=self.grad_clip_kernel,
                 wgrad_accumulation=self.wgrad_accumulation,
                 tp_comm_overlap=lay.tp_comm_overlap,
+                tp_comm_path=tp_gemm_comm.path(s.device) if lay.tp_comm_overlap == "symm_mem" else None,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),

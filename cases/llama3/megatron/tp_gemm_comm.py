@@ -9,10 +9,11 @@ GEMM, with nothing beside them. Here each runs inside its GEMM, on torch's symme
 (``torch.ops.symm_mem.fused_all_gather_matmul``; the reduce-scatter the same way here, with the
 partial sums added by one elementwise kernel): the GEMM is cut by source (or destination) rank,
 and while one part multiplies, the peer's part is copied over NVLink by a copy on a second stream.
-The backward does the same the other way round: a column-parallel linear's input gradient is a GEMM and a reduce-scatter, a row-parallel linear's
-output gradient is gathered into its input gradient's GEMM. A column-parallel linear keeps its
-gathered input for its weight gradient (megatron gathers it a second time in the backward), the
-memory the layer held without sequence parallelism.
+The backward does the same the other way round: a column-parallel linear's input gradient is a
+GEMM and a reduce-scatter, a row-parallel linear's output gradient is gathered into its input
+gradient's GEMM. A column-parallel linear keeps its gathered input for its weight gradient
+(megatron gathers it a second time in the backward), the memory the layer held without sequence
+parallelism.
 
 On devices other than CUDA the same arithmetic runs on plain collectives
 (``all_gather_into_tensor``, ``reduce_scatter_tensor``), so the CPU tests hold these layers'
@@ -50,16 +51,21 @@ def _symm_mem_group(group: Any) -> str:
     return name
 
 
+def _symmetric(device_type: str) -> bool:
+    """Whether the communication runs on torch's symmetric memory on this device type (CUDA's)."""
+    return device_type == "cuda"
+
+
 def path(device_type: str) -> str:
     """What carries the communication on a device of this type (run_meta's ``tp_comm_path``)."""
-    if device_type == "cuda":
+    if _symmetric(device_type):
         return "symmetric memory: peer copies beside the GEMMs"
     return "plain collectives: all_gather_into_tensor, reduce_scatter_tensor"
 
 
 def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(full, full @ b)`` with ``full`` the ranks' ``shard`` s gathered along dim 0, in rank order."""
-    if shard.device.type == "cuda":
+    if _symmetric(shard.device.type):
         full, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, _symm_mem_group(group), return_A=True)
         return full, out
     full = shard.new_empty((shard.shape[0] * group.size(), *shard.shape[1:]))
@@ -69,7 +75,7 @@ def all_gather_matmul(shard: torch.Tensor, b: torch.Tensor, group: Any) -> tuple
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any) -> torch.Tensor:
     """``a @ b`` summed over the ranks, each keeping its share of dim 0 (rank r the r-th part)."""
-    if a.device.type == "cuda":
+    if _symmetric(a.device.type):
         rows = _symm_mem_matmul_reduce_scatter(a.reshape(-1, a.shape[-1]), b, group)
         return rows.view(a.shape[0] // group.size(), *a.shape[1:-1], b.shape[1])
     partial = torch.matmul(a, b)
@@ -88,9 +94,8 @@ def _symm_mem_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any
     (a barrier) copies its own slot of each peer's buffer; meanwhile it multiplies its own block
     on the current stream, then adds what it received (one elementwise sum, where torch's
     ``fused_matmul_reduce_scatter`` reduces the stacked partials with a reduction kernel). A
-    barrier first, so that no rank overwrites its slots before
-    the peers have copied them in the call before (every user of the group's workspace starts
-    with one)."""
+    barrier first, so that no rank overwrites its slots before the peers have copied them in the
+    call before (every user of the group's workspace starts with one)."""
     from torch.distributed import _symmetric_memory
 
     ranks, rank = group.size(), group.rank()

@@ -189,6 +189,11 @@ CUDA_ONLY = {
     ("cases/llama3/megatron/modeling.py", "CuDNNCoreAttention.__init__"): "torch's cuDNN attention",
     ("cases/llama3/megatron/modeling.py", "use_transformer_engine"): "TransformerEngine",
     ("cases/llama3/megatron/settings.py", "check_device"): "the check of the CUDA-only switches",
+    (
+        "cases/llama3/megatron/tp_gemm_comm.py",
+        "_symmetric",
+    ): "torch's symmetric memory (tp_comm_overlap: symm_mem), CUDA's; plain collectives elsewhere",
+    ("cases/llama3/megatron/tp_gemm_comm.py", "_symm_mem_matmul_reduce_scatter"): "the streams of the symmetric-memory reduce-scatter",
     ("cases/llava/deepspeed/settings.py", "check_device"): "the check of the CUDA-only switch (liger)",
     ("cases/gpt3/paddle/model.py", "flash_attention_available"): "paddle's flash attention",
     ("cases/gpt3/paddle/settings.py", "paddle_device"): "paddle's name of the cuda device",

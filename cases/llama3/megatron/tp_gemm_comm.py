@@ -84,7 +84,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any) -> torch
     return out
 
 
-_SIDE: dict[int, torch.cuda.Stream] = {}
+_SIDE: dict[int, Any] = {}  # the second stream of each device
 
 
 def _symm_mem_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: Any) -> torch.Tensor:

@@ -338,6 +338,7 @@ class CaseConfig(Strict):
     entry: str = "train.py"
     flops: str = "training.flops:decoder_flops"
     memory: str | None = None  # lower bound of the states' memory, e.g. training.memory:zero_states (none: not checked)
+    settings: str | None = None  # the case's own settings check, fn(resolved, world_size), run before launch (none: in the ranks only)
     ceiling: bool = False  # the entry measures its kernel ceiling alone under --ceiling (training/ceiling.py)
     phases: list[str] = ["train"]
     models: dict[str, ModelEntry]
@@ -346,7 +347,7 @@ class CaseConfig(Strict):
     reference_dir: str = "reference"
     description: str = ""
 
-    @field_validator("flops", "memory")
+    @field_validator("flops", "memory", "settings")
     @classmethod
     def _flops(cls, v: str | None) -> str | None:
         if v is not None and not _MODSPEC.match(v):

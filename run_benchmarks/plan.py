@@ -16,7 +16,7 @@ import yaml
 
 from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
-from run_benchmarks.config import ClusterConfig, VendorConfig
+from run_benchmarks.config import CaseConfig, ClusterConfig, VendorConfig
 from run_benchmarks.errors import InputError
 from run_benchmarks.launchers import LAUNCHERS, LaunchSpec
 
@@ -74,35 +74,9 @@ class Plan:
 
     def resolved(self, round_no: int, output_dir: str, cache_dir: str) -> dict[str, Any]:
         """The resolved.json a round's ranks read (docs/architecture.md)."""
-        s = self.settings
-        return {
-            "run_id": self.run_id,
-            "round": round_no,
-            "case": {
-                "model": self.case.model,
-                "framework": self.case.framework,
-                "hardware": self.case.hardware,
-                "nnodes": self.case.nnodes,
-                "nprocs": self.case.nprocs,
-            },
-            "config_name": self.config_name,
-            "model": {"name": self.case.model, "params_nominal": self.model["params_nominal"], **self.model["shape"]},
-            "train": s["train"],
-            "parallel": s["parallel"],
-            "data": {**s["data"], "cache_dir": cache_dir},
-            "vendor": {
-                "name": self.vendor.name,
-                "device": self.vendor.device,
-                "dist_backend": self.vendor.dist_backend,
-                "visible_devices_env": self.vendor.visible_devices_env,
-                "memory_query": self.vendor.memory_query,
-                "allocator_env": self.vendor.allocator_env,
-                "recorded_env": list(self.vendor.recorded_env),
-                "adapters": dict(self.vendor.adapters),
-                "hooks": [self.hook] if self.hook else [],
-            },
-            "output_dir": output_dir,
-        }
+        return ranks_config(
+            self.case, self.config_name, self.model, self.settings, self.vendor, self.hook, self.run_id, round_no, output_dir, cache_dir
+        )
 
     def to_json(self) -> dict[str, Any]:
         first = self.phases[0]
@@ -246,6 +220,70 @@ class Resolved:
     memory: dict[str, dict[str, Any]]
 
 
+def ranks_config(
+    cn: CaseName,
+    config_name: str,
+    model: dict[str, Any],
+    settings: dict[str, Any],
+    vendor: VendorConfig,
+    hook: str | None,
+    run_id: str,
+    round_no: int,
+    output_dir: str,
+    cache_dir: str,
+) -> dict[str, Any]:
+    """The resolved.json a round's ranks read (docs/architecture.md); ``model`` is the case.yaml
+    model entry, shape included."""
+    s = settings
+    return {
+        "run_id": run_id,
+        "round": round_no,
+        "case": {"model": cn.model, "framework": cn.framework, "hardware": cn.hardware, "nnodes": cn.nnodes, "nprocs": cn.nprocs},
+        "config_name": config_name,
+        "model": {"name": cn.model, "params_nominal": model["params_nominal"], **model["shape"]},
+        "train": s["train"],
+        "parallel": s["parallel"],
+        "data": {**s["data"], "cache_dir": cache_dir},
+        "vendor": {
+            "name": vendor.name,
+            "device": vendor.device,
+            "dist_backend": vendor.dist_backend,
+            "visible_devices_env": vendor.visible_devices_env,
+            "memory_query": vendor.memory_query,
+            "allocator_env": vendor.allocator_env,
+            "recorded_env": list(vendor.recorded_env),
+            "adapters": dict(vendor.adapters),
+            "hooks": [hook] if hook else [],
+        },
+        "output_dir": output_dir,
+    }
+
+
+def check_case_settings(
+    case: CaseConfig,
+    cn: CaseName,
+    vendor: VendorConfig,
+    cfg_path: Path,
+    model: dict[str, Any],
+    settings: dict[str, Any],
+    sets: list[str] | None = None,
+) -> None:
+    """The case's own settings check (case.yaml ``settings``), before anything starts: a
+    combination its ranks would refuse (a switch that needs another, a kernel the vendor's device
+    lacks) is refused here, naming the config file and the ``--set`` values, with the case's message."""
+    check = registry.settings_check(case)
+    if check is None:
+        return
+    from training.settings import SettingsError
+
+    cfg = ranks_config(cn, cfg_path.stem, model, settings, vendor, None, "", 0, "", "")
+    try:
+        check(cfg, cn.world_size)
+    except SettingsError as exc:
+        given = f" with --set {' '.join(sets)}" if sets else ""
+        raise InputError(f"{cfg_path}{given}: {exc}") from None
+
+
 def check_chip(vendor: VendorConfig, cn: CaseName) -> None:
     if cn.hardware not in vendor.chips:
         raise InputError(
@@ -289,6 +327,7 @@ def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_p
     }
     memory = memory_needs(registry.memory_model(case), counts, settings, cn)
     check_device_memory(memory, hardware, str(cfg_path))
+    check_case_settings(case, cn, vendor, cfg_path, case.models[cn.model].model_dump(), settings, sets)
     return Resolved(cfg_path, vcfg.validated, vcfg.hook, settings, overrides, user_overrides, counts, hardware, memory)
 
 

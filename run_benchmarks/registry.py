@@ -217,6 +217,12 @@ def memory_model(case: CaseConfig) -> Callable[..., dict[str, Any]] | None:
     return _function(case, "memory", case.memory) if case.memory else None
 
 
+def settings_check(case: CaseConfig) -> Callable[[dict[str, Any], int], Any] | None:
+    """The case's own reader of its settings (``fn(resolved, world_size)``, raising
+    training.settings.SettingsError), None when it names none."""
+    return _function(case, "settings", case.settings) if case.settings else None
+
+
 def _function(case: CaseConfig, field: str, spec: str) -> Callable[..., dict[str, Any]]:
     module, _, func = spec.partition(":")
     try:

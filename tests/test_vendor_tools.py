@@ -1,6 +1,8 @@
 """The vendor engineer's path: check, fairness guard, scaffold."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -8,6 +10,7 @@ import yaml
 from run_benchmarks import registry, vendor_tools
 from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
+from tests.case_helpers import start_task
 
 
 @pytest.mark.parametrize("vendor", ["cpu", "nvidia", "iluvatar"])
@@ -125,3 +128,37 @@ def test_every_field_problem_of_vendor_yaml_at_once(tmp_path):
         f"{v / 'vendor.yaml'}: field 'monitor': module vendors.cpu.monitor not found",
         f"{v / 'vendor.yaml'}: field 'memory_query': module vendors.cpu.memory not found",
     ], problems
+
+
+def test_the_cases_own_settings_check_runs_before_launch(tmp_path):
+    """A combination only a case's own settings reader refuses is refused when the run is
+    planned, before any process starts: in a vendor config (vendor_tools check names the file),
+    by --set (start_task.py --dry-run and a run list's --check name the file and the values), with
+    the message the ranks would give."""
+    vendors, v = _copy_vendor(tmp_path)
+    cfgs = v / "cases" / "llama3_8b" / "megatron"
+    (cfgs / "config_H100x1x8_NOSP.yaml").write_text("parallel: {tp: 2, tp_comm_overlap: symm_mem}\n")
+    (problem,) = vendor_tools.check_vendor("nvidia", vendors_dir=vendors)
+    assert problem == (
+        f"{cfgs / 'config_H100x1x8_NOSP.yaml'}: parallel.tp_comm_overlap: symm_mem runs the gathers and "
+        "reduce-scatters of sequence parallelism: set parallel.sequence_parallel: true"
+    )
+    proc = start_task(
+        "--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--set", "parallel.fused_elementwise=liger", "--dry-run"
+    )
+    cfg = registry.vendor_config_dir("cpu", "llava_tiny", "deepspeed") / "config_cpux1x2.yaml"
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: {cfg} with --set parallel.fused_elementwise=liger: parallel.fused_elementwise: liger runs liger-kernel's "
+        "Triton kernels, which need vendor.device: cuda (this vendor's device is cpu); use none or compile"
+    ), proc.stderr
+    runlist = tmp_path / "list.yaml"
+    runlist.write_text("cases:\n  - case: llama3_8b:megatron:H200:1:4\n    vendor: nvidia\n    set: [parallel.sequence_parallel=false]\n")
+    proc = subprocess.run(
+        [sys.executable, str(registry.ROOT / "run_benchmarks" / "start_task.py"), "--nightly", str(runlist), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0 and "config_H200x1x4.yaml with --set parallel.sequence_parallel=false: parallel.tp_comm_overlap" in (
+        proc.stdout + proc.stderr
+    ), proc.stdout + proc.stderr

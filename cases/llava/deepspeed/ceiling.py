@@ -35,6 +35,7 @@ import types
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from cases.llava.deepspeed.settings import PHASES
 from training import ceiling
 from training.metriclog import MetricLogger
 
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 
     from training.accelerator import Accelerator
     from training.settings import Common
-
-PHASES = ("pretrain", "finetune")
 
 
 def assumptions(shape: dict[str, Any], phase: str) -> tuple[float, float]:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from training import settings as common
 from training.settings import Common, SettingsError
 
+PHASES = ("pretrain", "finetune")  # one round trains both, in this order
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
 
 
@@ -59,3 +61,12 @@ def speed_switches(c: Common, num_layers: int) -> dict[str, Any]:
                 f"recompute is {c.parallel.recompute}"
             )
     return {"fused_elementwise": fused, "recompute_num_layers": layers}
+
+
+def check(cfg: dict[str, Any], world_size: int) -> None:
+    """Every phase's settings and speed switches as its ranks read them, for ``world_size``
+    ranks: the ranks run it before the first phase trains, the harness before launch (case.yaml's
+    ``settings``)."""
+    num_layers = int(common.shape_source(cfg["model"])["num_layers"])
+    for phase in PHASES:
+        speed_switches(common.from_config(cfg, world_size, phase), num_layers)

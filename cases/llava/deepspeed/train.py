@@ -41,9 +41,8 @@ import sys
 from training import case, runtime
 
 case.isolate(__file__)
+from cases.llava.deepspeed.settings import PHASES  # noqa: E402
 from training.metriclog import K_KERNEL_CEILING, MetricLogger  # noqa: E402
-
-PHASES = ("pretrain", "finetune")
 
 
 def make_tokenizer(shape: dict, data: dict):
@@ -142,8 +141,7 @@ class Round:
         self.log.rank = self.rank
         # resolved.json holds the shape flat in "model" (or under "model.shape")
         self.shape = settings.shape_source(self.cfg["model"])
-        for phase in PHASES:  # every phase's speed switches checked before the first one trains
-            llava_settings.speed_switches(settings.from_config(self.cfg, self.world, phase), int(self.shape["num_layers"]))
+        llava_settings.check(self.cfg, self.world)  # every phase's settings, before the first one trains
         self.n_img = llava_model.num_image_tokens(self.shape)
         self.tok, self.tok_kind = make_tokenizer(self.shape, settings.phase_sections(self.cfg, "pretrain")["data"])
 

@@ -234,16 +234,15 @@ def ranks_config(
 ) -> dict[str, Any]:
     """The resolved.json a round's ranks read (docs/architecture.md); ``model`` is the case.yaml
     model entry, shape included."""
-    s = settings
     return {
         "run_id": run_id,
         "round": round_no,
         "case": {"model": cn.model, "framework": cn.framework, "hardware": cn.hardware, "nnodes": cn.nnodes, "nprocs": cn.nprocs},
         "config_name": config_name,
         "model": {"name": cn.model, "params_nominal": model["params_nominal"], **model["shape"]},
-        "train": s["train"],
-        "parallel": s["parallel"],
-        "data": {**s["data"], "cache_dir": cache_dir},
+        "train": settings["train"],
+        "parallel": settings["parallel"],
+        "data": {**settings["data"], "cache_dir": cache_dir},
         "vendor": {
             "name": vendor.name,
             "device": vendor.device,

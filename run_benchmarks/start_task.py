@@ -274,6 +274,9 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         if args.json and not args.dry_run:
             raise InputError("--json is only valid with --dry-run")
         check_name(args.vendor, "vendor")
+        from run_benchmarks import datacheck, metrics, orchestrator
+
+        orchestrator.code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
         cn = CaseName.parse(args.case_name)
         cluster = load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
@@ -281,8 +284,6 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         plan.command = ["run_benchmarks/start_task.py", *argv]
         run_dir.append(plan.run_dir)
         plan.reference = planning.reference_files(args.reference)
-        from run_benchmarks import datacheck, metrics, orchestrator
-
         plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs
         for line in datacheck.describe(plan.data):
             console.print(line, markup=False)

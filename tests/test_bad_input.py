@@ -187,3 +187,21 @@ def test_unknown_field_under_a_mapping_names_the_entry_model(tmp_path):
         InputError, match=r"field 'chips.X1.device_namez': unknown field; expected one of: peak_flops, memory_gib, source, device_names$"
     ):
         load(VendorConfig, path)
+
+
+@pytest.mark.parametrize("sent", ["cd33ece4", "CD33ECE027E40D63641D54A771FF91072E9DDADA", "cd33ece027e40d63641d54a771ff91072e9ddada+dirty"])
+def test_a_sent_code_version_must_be_a_full_commit_id(sent, tmp_path, capsys, monkeypatch):
+    """FLAGBENCH_CODE_VERSION (a tree copied to another machine) is what every results.json of
+    the run names: a short, upper-case or otherwise mistyped id is bad input before anything is
+    planned or written, for one run and for a run list; a full id (with +changes) is taken."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLAGBENCH_CODE_VERSION", sent)
+    expected = f"error: FLAGBENCH_CODE_VERSION={sent!r} is not a full commit id (40 lowercase hex digits"
+    assert main(GOOD + ["--log-dir", str(tmp_path / "logs")]) == 2
+    assert capsys.readouterr().err.startswith(expected)
+    runlist = _write(tmp_path, "list.yaml", "cases:\n  - case: llama3_8b:megatron:A100:1:8\n    vendor: nvidia\n")
+    assert main(["--nightly", runlist, "--check", "--log-dir", str(tmp_path / "logs")]) == 2
+    assert capsys.readouterr().err.startswith(expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.yaml"]
+    monkeypatch.setenv("FLAGBENCH_CODE_VERSION", "cd33ece027e40d63641d54a771ff91072e9ddada+changes")
+    assert main(GOOD + ["--dry-run", "--log-dir", str(tmp_path / "logs")]) == 0, capsys.readouterr().err

@@ -6,7 +6,9 @@ read with ast, nothing imported):
    at module level (a framework only inside the function that needs it), never run_benchmarks;
 3. what runs on every node outside the framework environment (the node agent, the Slurm node
    wrapper, the launchers, the progress writer, the metric-log protocol) is standard library only;
-4. a case never imports the host side.
+4. a case never imports the host side;
+5. what a case.yaml names for the host to call (``flops``, ``memory``, ``settings``) imports,
+   at module level and through the repository's own modules it imports, the standard library only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from run_benchmarks import registry
 from run_benchmarks.registry import ROOT
 
 FRAMEWORKS = {
@@ -94,6 +97,56 @@ def test_what_runs_on_every_node_is_standard_library_only(rel):
 def test_a_case_never_imports_the_host_side():
     bad = {f"{f.relative_to(ROOT)}: {m}" for f in files("cases") for m in imported(f, False) if top(m) == "run_benchmarks"}
     assert not bad, sorted(bad)
+
+
+def module_file(name: str) -> Path | None:
+    """The repository's file of a module name, None for one outside it."""
+    base = ROOT / Path(*name.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def module_level_modules(path: Path) -> set[str]:
+    """Modules a file imports at module level, ``from pkg import sub`` counted as ``pkg.sub``
+    where that is a module of the repository."""
+    out: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+            if isinstance(sub, ast.Import):
+                out |= {a.name for a in sub.names}
+            elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
+                out |= {f"{sub.module}.{a.name}" if module_file(f"{sub.module}.{a.name}") else sub.module for a in sub.names}
+    return out
+
+
+def non_stdlib_imports(name: str, seen: set[str] | None = None) -> set[str]:
+    """What module ``name`` imports at module level, and the repository modules it imports in
+    turn, that is neither the standard library nor the repository's own, each as 'module: import'."""
+    seen = set() if seen is None else seen
+    path = module_file(name)
+    if name in seen or path is None:
+        return set()
+    seen.add(name)
+    bad: set[str] = set()
+    for m in module_level_modules(path):
+        if module_file(m) is not None:
+            bad |= non_stdlib_imports(m, seen)
+        elif top(m) not in STDLIB | {"__future__"}:
+            bad.add(f"{name}: {m}")
+    return bad
+
+
+def test_what_a_case_names_for_the_host_imports_the_standard_library_only():
+    named = {
+        (key, field, spec)
+        for key, entry in registry.cases().items()
+        if ":" not in key
+        for field in ("flops", "memory", "settings")
+        if (spec := getattr(entry.config, field))
+    }
+    assert {spec for _, field, spec in named if field == "settings"} >= {"cases.llama3.megatron.settings:from_config"}
+    bad = {f"{key} {field}: {b}" for key, field, spec in named for b in non_stdlib_imports(spec.partition(":")[0])}
+    assert not bad, sorted(bad)
+    assert non_stdlib_imports("training.accelerator") == {"training.accelerator: torch"}  # the check bites
 
 
 def test_the_checks_see_a_violation(tmp_path):

@@ -46,6 +46,12 @@ NODE_SIDE = [
 ]
 
 
+def module_file(name: str) -> Path | None:
+    """The repository's file of a module name, None for one outside it."""
+    base = ROOT / Path(*name.split("."))
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
 def imported(path: Path, module_level: bool) -> set[str]:
     """Absolute module names imported by a file: at module level (also under if/try there),
     or anywhere."""
@@ -61,7 +67,8 @@ def imported(path: Path, module_level: bool) -> set[str]:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module)
+            out.add(node.module)  # and ``from pkg import sub`` as pkg.sub where that is a module of the repository
+            out |= {f"{node.module}.{a.name}" for a in node.names if module_file(f"{node.module}.{a.name}")}
     return out
 
 
@@ -99,25 +106,6 @@ def test_a_case_never_imports_the_host_side():
     assert not bad, sorted(bad)
 
 
-def module_file(name: str) -> Path | None:
-    """The repository's file of a module name, None for one outside it."""
-    base = ROOT / Path(*name.split("."))
-    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
-
-
-def module_level_modules(path: Path) -> set[str]:
-    """Modules a file imports at module level, ``from pkg import sub`` counted as ``pkg.sub``
-    where that is a module of the repository."""
-    out: set[str] = set()
-    for node in ast.parse(path.read_text(), str(path)).body:
-        for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
-            if isinstance(sub, ast.Import):
-                out |= {a.name for a in sub.names}
-            elif isinstance(sub, ast.ImportFrom) and sub.level == 0 and sub.module:
-                out |= {f"{sub.module}.{a.name}" if module_file(f"{sub.module}.{a.name}") else sub.module for a in sub.names}
-    return out
-
-
 def non_stdlib_imports(name: str, seen: set[str] | None = None) -> set[str]:
     """What module ``name`` imports at module level, and the repository modules it imports in
     turn, that is neither the standard library nor the repository's own, each as 'module: import'."""
@@ -127,7 +115,7 @@ def non_stdlib_imports(name: str, seen: set[str] | None = None) -> set[str]:
         return set()
     seen.add(name)
     bad: set[str] = set()
-    for m in module_level_modules(path):
+    for m in imported(path, True):
         if module_file(m) is not None:
             bad |= non_stdlib_imports(m, seen)
         elif top(m) not in STDLIB | {"__future__"}:

@@ -1,8 +1,6 @@
 """The vendor engineer's path: check, fairness guard, scaffold."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -153,12 +151,7 @@ def test_the_cases_own_settings_check_runs_before_launch(tmp_path):
     ), proc.stderr
     runlist = tmp_path / "list.yaml"
     runlist.write_text("cases:\n  - case: llama3_8b:megatron:H200:1:4\n    vendor: nvidia\n    set: [parallel.sequence_parallel=false]\n")
-    proc = subprocess.run(
-        [sys.executable, str(registry.ROOT / "run_benchmarks" / "start_task.py"), "--nightly", str(runlist), "--check"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0 and "config_H200x1x4.yaml with --set parallel.sequence_parallel=false: parallel.tp_comm_overlap" in (
+    proc = start_task("--nightly", str(runlist), "--check")
+    assert proc.returncode == 2 and "config_H200x1x4.yaml with --set parallel.sequence_parallel=false: parallel.tp_comm_overlap" in (
         proc.stdout + proc.stderr
     ), proc.stdout + proc.stderr

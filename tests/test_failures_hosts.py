@@ -310,14 +310,16 @@ def test_a_rank_stopped_in_its_container_is_found_at_the_stall_timeout(fc, megat
         if any(f.read_text(errors="replace").count('"train_step"') >= 3 for f in logs):
             break
         time.sleep(0.2)
-    (victim,) = [
+    if p.poll() is not None:  # the run must still be training for the stop to mean anything
+        pytest.fail(f"the run ended before h2's rank could be stopped (exit {p.returncode}): {p.communicate()}")
+    ranks = [
         q
         for q in psutil.process_iter(["cmdline"])
-        if "train.py" in " ".join(q.info["cmdline"] or [])
-        and run_id in " ".join(q.info["cmdline"] or [])
-        and q.environ().get("RANK") == "1"
+        if "train.py" in " ".join(q.info["cmdline"] or []) and run_id in " ".join(q.info["cmdline"] or [])
     ]
-    os.kill(victim.pid, signal.SIGSTOP)
+    victims = [q for q in ranks if q.environ().get("RANK") == "1"]
+    assert len(victims) == 1, f"rank 1 of {run_id}: {len(victims)} processes among {[q.info['cmdline'] for q in ranks]}"
+    os.kill(victims[0].pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     out, err = p.communicate(timeout=300)
     assert p.returncode == 1 and "Traceback" not in err, out + err

@@ -205,6 +205,88 @@ def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_name
     assert not (tmp_path / "none").exists()
 
 
+BUSY_TRAINER = """\
+import ctypes, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from training import case
+
+
+def depth(n):
+    return 0 if n == 0 else 1 + depth(n - 1)
+
+
+def work():
+    for _ in range(20):
+        depth(30)
+
+
+def hold_the_lock(seconds):
+    ctypes.PyDLL(None).sleep(seconds)  # C code that keeps the interpreter lock
+
+
+class Trainer:
+    phase, steps, reporting = None, int(sys.argv[2]), False
+
+    def build(self):
+        pass
+
+    def step(self, k):
+        if sys.argv[3] == "hold":
+            hold_the_lock(3)
+            return
+        end = time.monotonic() + 0.03
+        while time.monotonic() < end:  # short threads, one after another
+            threads = [threading.Thread(target=work) for _ in range(4)]
+            for t in threads:
+                t.start()
+            work()
+            for t in threads:
+                t.join()
+
+    def finish(self):
+        pass
+
+
+class Log:
+    def end(self, *a, **k):
+        pass
+
+
+case.run(lambda phase: Trainer(), Log())
+"""
+
+
+def test_the_stacks_of_a_busy_call_are_dumped_without_harm_to_the_rank(tmp_path):
+    """Steps that outlast a 5 ms timeout with the main thread running Python and threads
+    starting and ending all the while: every step's stacks are written and the process ends
+    well. faulthandler's watchdog, dumping such a process, crashed it within 0.15 s on this
+    kind of machine (SIGSEGV, CPython 3.11.7, 2026-11-28): a rank killed by its own watch."""
+    script = tmp_path / "busy.py"
+    script.write_text(BUSY_TRAINER)
+    env = {**os.environ, "FB_STALL_TIMEOUT_S": "0.005", "FB_STACKS_DIR": str(tmp_path / "stacks"), "RANK": "0"}
+    p = subprocess.run([sys.executable, str(script), str(ROOT), "100", "busy"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, f"exit {p.returncode}: {p.stderr[-2000:]}"
+    text = (tmp_path / "stacks" / "rank0.txt").read_text()
+    assert text.count("Timeout (0:00:00.005000)!") == 100 and text.count("Finished after 0.") == 100, text[-3000:]
+    assert text.count(" in step\n") == 100 and text.count(" in <module>\n") == 100, text[-3000:]
+    assert " in _dump\n" not in text  # the watch's own thread is left out
+
+
+def test_a_call_holding_the_interpreter_lock_is_dumped_by_faulthandler(tmp_path):
+    """A step inside C code that keeps the interpreter lock (3 s) past a 0.5 s timeout: the
+    watch's thread cannot run, so faulthandler's fallback writes the stacks 2 s later, with
+    the frame that called into C; the step's end is noted after it."""
+    script = tmp_path / "hold.py"
+    script.write_text(BUSY_TRAINER)
+    env = {**os.environ, "FB_STALL_TIMEOUT_S": "0.5", "FB_STACKS_DIR": str(tmp_path / "stacks"), "RANK": "0"}
+    subprocess.run([sys.executable, str(script), str(ROOT), "1", "hold"], env=env, check=True, timeout=60)
+    text = (tmp_path / "stacks" / "rank0.txt").read_text()
+    fallback = text.split("Timeout (0:00:02.500000)!", 1)
+    assert len(fallback) == 2, text
+    assert re.search(r'^  File "\S+hold\.py", line \d+ in hold_the_lock$', fallback[1], re.M), text
+    assert re.search(r"^Finished after 3\.\d s: step 1$", text, re.M), text
+
+
 def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ranks_waited(megatron_python, tmp_path):
     """A real two-rank run: rank 1 is stopped (SIGSTOP, as a rank stuck in the kernel would
     be) a few steps in; rank 0 waits for it in a collective. Long before the round deadline

@@ -27,9 +27,9 @@ exception and its traceback) and ``run_end`` ``failed``, and the exception goes 
 
 It also keeps a watch on each call: where the harness sets ``FB_STALL_TIMEOUT_S`` and
 ``FB_STACKS_DIR``, a ``build()``, ``step(k)`` or ``finish()`` still running after that many
-seconds has every thread's stack written to ``FB_STACKS_DIR/rank<RANK>.txt`` (faulthandler,
-from a thread of its own: it writes even while the main thread waits inside a collective
-holding the interpreter). The harness stops a round whose ranks report nothing for that
+seconds has every thread's stack written to ``FB_STACKS_DIR/rank<RANK>.txt`` (by a thread of
+its own, in faulthandler's format; faulthandler itself only where the call holds the
+interpreter lock: :class:`StallWatch`). The harness stops a round whose ranks report nothing for that
 long and names, from these files, where each rank waited (run_benchmarks/causes.py).
 
 Case modules are imported by their package path, ``cases.<family>.<framework>.<module>``
@@ -41,9 +41,11 @@ folder off ``sys.path`` first, so a case module named like a library (``kernels`
 from __future__ import annotations
 
 import contextlib
+import datetime
 import faulthandler
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -69,14 +71,28 @@ STACK_DONE = "Finished after"
 
 
 class StallWatch:
-    """Each watched call still running after ``timeout_s`` writes every thread's stack to
-    ``path`` (appended); a call that ends after its dump adds a line saying so
+    """Each watched call still running after ``timeout_s`` appends every thread's stack to
+    ``path``, in faulthandler's format; a call that ends after its dump adds a line saying so
     (``STACK_DONE``), so only a last dump without one shows where the rank is stuck. Off
-    without a timeout."""
+    without a timeout.
+
+    The stacks are read by a thread of the watch's own, holding the interpreter lock
+    (``sys._current_frames``): while it reads, no Python code runs, so no frame it walks is
+    freed under it. faulthandler's watchdog reads them without that lock; with a call still
+    busy in Python and threads starting or ending, that crashes the rank it watches
+    (CPython issues 116008 and 131580; tests/test_failures_causes.py has such a call). It is
+    kept for the one case the watch's thread cannot serve: a call that holds the lock in C
+    code. Armed ``FALLBACK_S`` after the timeout, it is cancelled by the first thing the
+    watch's thread does once it has the lock, so it fires only on a call that held the lock
+    that long, whose frames do not move."""
+
+    FALLBACK_S = 2.0
 
     def __init__(self, timeout_s: float | None, path: str | None) -> None:
         self.timeout_s, self.path = timeout_s, path
         self._file: Any = None
+        self._cond = threading.Condition()
+        self._deadline: float | None = None  # of the call being watched; None between calls
 
     @classmethod
     def from_env(cls) -> StallWatch:
@@ -96,19 +112,49 @@ class StallWatch:
         if self._file is None:  # opened once and kept: faulthandler writes to its descriptor
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
+            threading.Thread(target=self._watcher, name="flagbench-stall-watch", daemon=True).start()
         size, t0 = os.fstat(self._file.fileno()).st_size, time.monotonic()
-        faulthandler.dump_traceback_later(self.timeout_s, repeat=False, file=self._file, exit=False)
+        with self._cond:  # the fallback armed before the deadline, both under the lock the watcher dumps in
+            faulthandler.dump_traceback_later(self.timeout_s + self.FALLBACK_S, repeat=False, file=self._file, exit=False)
+            self._deadline = t0 + self.timeout_s
+            self._cond.notify()
         try:
             yield
-        except BaseException:
-            # ended by an error (a peer stopped as hung resets the connection it waited on):
-            # its dump, if any, still shows where it waited
-            faulthandler.cancel_dump_traceback_later()
-            raise
-        faulthandler.cancel_dump_traceback_later()
+        finally:  # also when ended by an error (a peer stopped as hung resets the connection it
+            # waited on): its dump, if any, still shows where it waited
+            with self._cond:
+                self._deadline = None
+                faulthandler.cancel_dump_traceback_later()
         if os.fstat(self._file.fileno()).st_size > size:  # the dump came, then the call returned: slow, not stuck
             self._file.write(f"{STACK_DONE} {time.monotonic() - t0:.1f} s: {what}\n")
             self._file.flush()
+
+    def _watcher(self) -> None:
+        with self._cond:
+            while True:
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if left is None or left > 0:
+                    self._cond.wait(left)
+                    continue
+                faulthandler.cancel_dump_traceback_later()  # the lock is had: no fallback needed
+                self._deadline = None
+                self._dump()
+
+    def _dump(self) -> None:
+        """Every other thread's stack, innermost frame first, as faulthandler writes them."""
+        me = threading.get_ident()
+        lines = [f"Timeout ({datetime.timedelta(seconds=self.timeout_s or 0)})!"]
+        for ident, frame in sys._current_frames().items():
+            if ident == me:
+                continue
+            lines.append(f"Thread 0x{ident:016x} (most recent call first):")
+            f: Any = frame
+            while f is not None:
+                lines.append(f'  File "{f.f_code.co_filename}", line {f.f_lineno} in {f.f_code.co_name}')
+                f = f.f_back
+            lines.append("")
+        self._file.write("\n".join(lines) + "\n")
+        self._file.flush()
 
 
 def run(make: Callable[[str | None], Trainer], log: Any, phases: Sequence[str | None] = (None,)) -> list[Trainer]:

@@ -74,6 +74,8 @@ def read(path: Path) -> str:
 #: in a node's error: the round was stopped for want of records (orchestrator), so the
 #: ranks' stack files say where they were
 STALL_MARK = "stall_timeout_s"
+#: how Python's faulthandler begins its report of a fatal signal
+FATAL_MARK = "Fatal Python error: "
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+?)\s*$')
 #: frames of the project's own code, named from the repository root
 _OWN = re.compile(r"(?:^|/)((?:cases|training)/.+)$")
@@ -131,10 +133,35 @@ def stall_stacks(node_dir: Path, ranks: list[int], where: str) -> list[str]:
                 f"rank {r} on {where}: no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
             )
             continue
-        file, line, func = frames[0]
-        text = f"rank {r} on {where}: waited in {func} ({_short(file)}:{line})"
-        own = next(((f, ln, fn) for f, ln, fn in frames if _own(f)), None)
-        if own and own != frames[0]:
-            text += f", called from {own[2]} ({_short(own[0])}:{own[1]})"
-        out.append(text)
+        out.append(f"rank {r} on {where}: waited in {describe(frames)}")
     return out
+
+
+def describe(frames: list[tuple[str, int, str]]) -> str:
+    """``func (file:line)`` of the innermost frame, and ``, called from`` the project's frame
+    nearest to it where that is another."""
+    file, line, func = frames[0]
+    text = f"{func} ({_short(file)}:{line})"
+    own = next(((f, ln, fn) for f, ln, fn in frames if _own(f)), None)
+    if own and own != frames[0]:
+        text += f", called from {own[2]} ({_short(own[0])}:{own[1]})"
+    return text
+
+
+def fatal_signal_frames(text: str) -> list[tuple[str, int, str]]:
+    """The crashing thread's frames (innermost first) in the last report Python writes to a
+    process's stderr when a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) kills it:
+    every rank runs with ``PYTHONFAULTHANDLER`` (run_benchmarks/plan.py). None without one, or
+    when the crash came in a thread with no Python frame."""
+    if FATAL_MARK not in text:
+        return []
+    frames: list[tuple[str, int, str]] = []
+    current = False
+    for line in text.rsplit(FATAL_MARK, 1)[1].splitlines():
+        if line.startswith("Current thread "):
+            current = True
+        elif current and (m := _FRAME.match(line)):
+            frames.append((m["file"], int(m["line"]), m["func"]))
+        elif current and frames:
+            break
+    return frames

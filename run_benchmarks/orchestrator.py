@@ -270,7 +270,9 @@ def _process_errors(
             root = causes.launcher_root_cause(logs)
             if root and root[1].startswith("killed"):
                 rank = "?" if root[0] is None else root[0]
-                killed.append(f"rank {rank} on {where} {root[1]}{causes.memory_hint(monitors.get(o.node_rank))}")
+                frames = causes.fatal_signal_frames(logs)
+                at = f" in {causes.describe(frames)}" if frames else ""
+                killed.append(f"rank {rank} on {where} {root[1]}{at}{causes.memory_hint(monitors.get(o.node_rank))}")
             cause = None if rank_errors else causes.log_cause(logs)
             nodes.append(f"{where}: exit status {o.returncode}" + (f": {cause}" if cause else ""))
             context.append(_failed_rank_tail(o))

@@ -125,17 +125,27 @@ def rank1_a_few_steps_in(tmp_path, *extra: str) -> tuple[subprocess.Popen[str], 
     return proc, victim
 
 
-def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV], ids=["SIGKILL", "SIGSEGV"])
+def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path, sig):
+    """SIGKILL (the kernel's out-of-memory killer) leaves no trace but the signal; a fatal
+    signal Python can catch (SIGSEGV here, as a crash in a kernel or extension would raise)
+    has the rank write where it was, and the line names it."""
     proc, victim = rank1_a_few_steps_in(tmp_path, "--round-timeout", "300")
-    os.kill(victim.pid, signal.SIGKILL)
+    os.kill(victim.pid, sig)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 1, out + err
     (run_dir,) = tmp_path.iterdir()
     res = json.loads((run_dir / "results.json").read_text())
     (rnd,) = res["rounds"]
     first = rnd["error"].splitlines()[0]
-    assert rnd["status"] == "failed" and first == "rank 1 on node0 (localhost) killed by SIGKILL", rnd["error"]
-    assert f"round 1: failed - {first}" in err  # the same line in the terminal
+    if sig == signal.SIGKILL:
+        assert rnd["status"] == "failed" and first == "rank 1 on node0 (localhost) killed by SIGKILL", rnd["error"]
+    else:  # the main thread, in the case's step or in what it called
+        assert rnd["status"] == "failed" and re.fullmatch(
+            r"rank 1 on node0 \(localhost\) killed by SIGSEGV in \S+ \((?:\S+:\d+\), called from \S+ \()?(?:cases|training)/\S+:\d+\)",
+            first,
+        ), rnd["error"]
+    assert f"round 1: failed - {first}" in " ".join(err.split())  # the same line in the terminal (its width wraps it)
     assert res["status"] == "failed" and res["error"] == f"round 1 failed: {first}"
     assert first in (run_dir / "results.md").read_text()
 
@@ -203,6 +213,39 @@ def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_name
     env = {k: v for k, v in env.items() if not k.startswith("FB_")}
     subprocess.run([sys.executable, str(script), str(ROOT)], env={**env, "FB_STACKS_DIR": str(tmp_path / "none")}, check=True, timeout=60)
     assert not (tmp_path / "none").exists()
+
+
+CRASHER = """\
+import ctypes, threading, time
+
+
+def idle():
+    time.sleep(60)
+
+
+def crash():
+    ctypes.string_at(0)  # reads address 0: SIGSEGV in the main thread
+
+
+threading.Thread(target=idle, daemon=True).start()
+time.sleep(0.2)
+crash()
+"""
+
+
+def test_where_a_fatal_signal_struck_is_read_from_pythons_own_report(tmp_path):
+    """A real crash (SIGSEGV) with PYTHONFAULTHANDLER, as every rank runs: the crashing
+    thread's frames are read from its stderr, another thread's are not."""
+    script = tmp_path / "crasher.py"
+    script.write_text(CRASHER)
+    p = subprocess.run(
+        [sys.executable, str(script)], env={**os.environ, "PYTHONFAULTHANDLER": "1"}, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == -signal.SIGSEGV, p.stderr
+    frames = causes.fatal_signal_frames("earlier output\n" + p.stderr)
+    assert [f for _, _, f in frames] == ["string_at", "crash", "<module>"], p.stderr
+    assert re.fullmatch(r"string_at \(__init__.py:\d+\)", causes.describe(frames)), frames  # the stdlib, named by its file
+    assert causes.fatal_signal_frames("Traceback (most recent call last):\nValueError: x\n") == []
 
 
 BUSY_TRAINER = """\

@@ -69,7 +69,7 @@ def _resolve(base: Path, p: str) -> Path:
 
 def prepare(path: Path, db: str | None = None, log_dir: str | None = None, report_dir: str | None = None) -> Night:
     """Validate the run list and plan every case; raises InputError, writes nothing."""
-    orchestrator.code_version()  # what every results.json will name
+    orchestrator.sent_code_version()  # what every results.json will name
     rl = parse_runlist(path)
     base = path.resolve().parent
     cluster = load(ClusterConfig, _resolve(base, rl.cluster)) if rl.cluster else ClusterConfig()

@@ -263,7 +263,6 @@ def check_case_settings(
     cn: CaseName,
     vendor: VendorConfig,
     cfg_path: Path,
-    model: dict[str, Any],
     settings: dict[str, Any],
     sets: list[str] | None = None,
 ) -> None:
@@ -275,7 +274,7 @@ def check_case_settings(
         return
     from training.settings import SettingsError
 
-    cfg = ranks_config(cn, cfg_path.stem, model, settings, vendor, None, "", 0, "", "")
+    cfg = ranks_config(cn, cfg_path.stem, case.models[cn.model].model_dump(), settings, vendor, None, "", 0, "", "")
     try:
         check(cfg, cn.world_size)
     except SettingsError as exc:
@@ -326,7 +325,7 @@ def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_p
     }
     memory = memory_needs(registry.memory_model(case), counts, settings, cn)
     check_device_memory(memory, hardware, str(cfg_path))
-    check_case_settings(case, cn, vendor, cfg_path, case.models[cn.model].model_dump(), settings, sets)
+    check_case_settings(case, cn, vendor, cfg_path, settings, sets)
     return Resolved(cfg_path, vcfg.validated, vcfg.hook, settings, overrides, user_overrides, counts, hardware, memory)
 
 

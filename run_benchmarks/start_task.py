@@ -276,7 +276,7 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         check_name(args.vendor, "vendor")
         from run_benchmarks import datacheck, metrics, orchestrator
 
-        orchestrator.code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
+        orchestrator.sent_code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
         cn = CaseName.parse(args.case_name)
         cluster = load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()

@@ -150,7 +150,22 @@ def test_a_rank_killed_mid_run_leads_the_rounds_error(megatron_python, tmp_path,
     assert first in (run_dir / "results.md").read_text()
 
 
-TRAINER = """\
+#: the end of every trainer script below: its finish, a log that keeps nothing, and the driver
+DRIVE = """\
+    def finish(self):
+        pass
+
+
+class Log:
+    def end(self, *a, **k):
+        pass
+
+
+case.run(lambda phase: Trainer(), Log())
+"""
+
+TRAINER = (
+    """\
 import os, sys, time
 sys.path.insert(0, sys.argv[1])
 from training import case
@@ -171,17 +186,9 @@ class Trainer:
         if k == 4:  # as the harness's kill of a stuck rank: the call never ends
             os._exit(0)
 
-    def finish(self):
-        pass
-
-
-class Log:
-    def end(self, *a, **k):
-        pass
-
-
-case.run(lambda phase: Trainer(), Log())
 """
+    + DRIVE
+)
 
 
 def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_names_it(tmp_path):
@@ -248,7 +255,8 @@ def test_where_a_fatal_signal_struck_is_read_from_pythons_own_report(tmp_path):
     assert causes.fatal_signal_frames("Traceback (most recent call last):\nValueError: x\n") == []
 
 
-BUSY_TRAINER = """\
+BUSY_TRAINER = (
+    """\
 import ctypes, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from training import case
@@ -286,17 +294,9 @@ class Trainer:
             for t in threads:
                 t.join()
 
-    def finish(self):
-        pass
-
-
-class Log:
-    def end(self, *a, **k):
-        pass
-
-
-case.run(lambda phase: Trainer(), Log())
 """
+    + DRIVE
+)
 
 
 def test_the_stacks_of_a_busy_call_are_dumped_without_harm_to_the_rank(tmp_path):

@@ -110,15 +110,25 @@ def last_dump_main_thread(text: str) -> list[tuple[str, int, str]]:
     dump = text.rsplit("Timeout (", 1)[-1]
     if any(line.startswith(STACK_DONE) for line in dump.splitlines()):
         return []  # the call it caught ended after all: slow, not stuck
-    threads: list[list[tuple[str, int, str]]] = []
-    for line in dump.splitlines():
-        if line.startswith(("Thread ", "Current thread ", "Stack ")):
-            threads.append([])
-        m = _FRAME.match(line)
-        if m and threads:
-            threads[-1].append((m["file"], int(m["line"]), m["func"]))
+    threads = [frames for _, frames in _threads(dump)]
     main = [t for t in threads if t and t[-1][2] == "<module>"]
     return main[-1] if main else (threads[0] if threads else [])
+
+
+def _threads(dump: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
+    """Each thread of a faulthandler dump: its header line (``Thread 0x...``, ``Current
+    thread 0x...``) and its frames, innermost first, up to the first line that is no frame."""
+    threads: list[tuple[str, list[tuple[str, int, str]]]] = []
+    open_ = False
+    for line in dump.splitlines():
+        if line.startswith(("Thread ", "Current thread ", "Stack ")):
+            threads.append((line, []))
+            open_ = True
+        elif open_ and (m := _FRAME.match(line)):
+            threads[-1][1].append((m["file"], int(m["line"]), m["func"]))
+        elif threads and threads[-1][1]:
+            open_ = False
+    return threads
 
 
 def stall_stacks(node_dir: Path, ranks: list[int], where: str) -> list[str]:
@@ -155,13 +165,5 @@ def fatal_signal_frames(text: str) -> list[tuple[str, int, str]]:
     when the crash came in a thread with no Python frame."""
     if FATAL_MARK not in text:
         return []
-    frames: list[tuple[str, int, str]] = []
-    current = False
-    for line in text.rsplit(FATAL_MARK, 1)[1].splitlines():
-        if line.startswith("Current thread "):
-            current = True
-        elif current and (m := _FRAME.match(line)):
-            frames.append((m["file"], int(m["line"]), m["func"]))
-        elif current and frames:
-            break
-    return frames
+    threads = _threads(text.rsplit(FATAL_MARK, 1)[1])
+    return next((frames for header, frames in threads if header.startswith("Current thread ")), [])

@@ -308,12 +308,40 @@ class VendorConfig(Strict):
 # --------------------------------------------------------------------------- case
 
 
+class Recipe(Strict):
+    """A named training recipe of one model: train values laid over its standard ones (the short
+    runs every GPU measurement makes, chosen by measurement: docs/metrics.md)."""
+
+    description: str
+    train: dict[str, Any]
+
+    @field_validator("train")
+    @classmethod
+    def _train(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if "micro_batch" in v or any("micro_batch" in (p or {}) for p in (v.get("phases") or {}).values()):
+            raise ValueError("train.micro_batch is a layout's choice, not a recipe's")
+        return v
+
+
+#: the recipe a run trains under unless it names another: the case's standard settings as they are
+STANDARD_RECIPE = "standard"
+
+
 class ModelEntry(Strict):
     params_nominal: float = Field(gt=0)
     shape: dict[str, Any]
     train: dict[str, Any] = {}
     parallel: dict[str, Any] = {}
     data: dict[str, Any] = {}
+    recipes: dict[str, Recipe] = {}  # name -> train values over the standard ones (``--recipe NAME``)
+
+    @field_validator("recipes")
+    @classmethod
+    def _recipes(cls, v: dict[str, Recipe]) -> dict[str, Recipe]:
+        for name in v:
+            if name == STANDARD_RECIPE or not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                raise ValueError(f"recipe name {name!r}: lower-case letters, digits and '_', not {STANDARD_RECIPE!r}")
+        return v
 
 
 class CaseStandard(BaseModel):

@@ -19,6 +19,7 @@ import io
 import json
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -85,6 +86,28 @@ class NVMLReader:
             "clock_held": None if mask is None else [name for name, bit in self.held.items() if mask & bit],
         }
 
+    def identity(self) -> list[dict[str, Any]]:
+        """What names each device and the limits its figures were measured under: its UUID and
+        serial, the enforced power limit, the maximum SM and memory clocks, the driver."""
+        return [self._device_identity(i, h) for i, h in enumerate(self.handles)]
+
+    def _device_identity(self, i: int, h: Any) -> dict[str, Any]:
+        nv = self.nv
+
+        def text(v: Any) -> Any:
+            return v.decode() if isinstance(v, bytes) else v
+
+        return {
+            "index": i,
+            "name": self._or_none(lambda: text(nv.nvmlDeviceGetName(h))),
+            "uuid": self._or_none(lambda: text(nv.nvmlDeviceGetUUID(h))),
+            "serial": self._or_none(lambda: text(nv.nvmlDeviceGetSerial(h))),
+            "power_limit_w": self._or_none(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
+            "sm_clock_max_mhz": self._or_none(lambda: float(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM))),
+            "mem_clock_max_mhz": self._or_none(lambda: float(nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_MEM))),
+            "driver": self._or_none(lambda: text(nv.nvmlSystemGetDriverVersion())),
+        }
+
     def __call__(self) -> list[dict[str, Any]]:
         nv, out = self.nv, []
         for i, h in enumerate(self.handles):
@@ -102,6 +125,16 @@ class NVMLReader:
                 }
             )
         return out
+
+
+def host_identity() -> dict[str, Any]:
+    """The host's name and its machine id (/etc/machine-id: distinct between hosts that share a
+    name), so that a result says which machine made it."""
+    try:
+        machine_id: str | None = Path("/etc/machine-id").read_text().strip() or None
+    except OSError:
+        machine_id = None
+    return {"hostname": socket.gethostname(), "machine_id": machine_id}
 
 
 def _num(text: str) -> float | None:
@@ -187,8 +220,17 @@ class MonitorThread:
         read = gpu_reader(self.kind)
         psutil.cpu_percent(interval=None)
         with open(self.out, "a", encoding="utf-8") as fh:
+            first = True
             while not self._stop.is_set():
                 sample: dict[str, Any] = {"t": time.time(), "host": host_sample(), "gpus": []}
+                if first:  # the first sample names the host and, where the reader tells, its devices
+                    sample["identity"] = host_identity()
+                    if hasattr(read, "identity"):
+                        try:
+                            sample["identity"]["gpus"] = read.identity()
+                        except Exception as exc:  # the identity is a record, never a failure
+                            sample["identity"]["gpu_error"] = str(exc)
+                    first = False
                 if read is not None:
                     try:
                         sample["gpus"] = read()
@@ -218,6 +260,7 @@ def monitor_summary(path: Path) -> dict[str, Any] | None:
         return sum(xs) / len(xs) if xs else None
 
     return {
+        "identity": next((s["identity"] for s in samples if "identity" in s), None),
         "samples": len(samples),
         "duration_s": samples[-1]["t"] - samples[0]["t"],
         "host_cpu_mean_percent": mean([s["host"]["cpu_percent"] for s in samples]),

@@ -79,8 +79,9 @@ def prepare(path: Path, db: str | None = None, log_dir: str | None = None, repor
     for i, e in enumerate(rl.cases):
         cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
         try:
-            plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets))
+            plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets), recipe=e.recipe)
             plan.reference = planning.reference_files(e.reference, base, "reference")
+            plan.command = planning.command_line(plan, e.variant, list(e.sets), [str(p) for p in plan.reference])
             plan.data = datacheck.check(plan)  # its data read whole, as start_task.py does: bad data is bad input
             references = orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:

@@ -407,6 +407,7 @@ def base_results(plan: Plan) -> RunResults:
         config_name=plan.config_name,
         config_file=str(plan.config_file),
         validated=plan.validated,
+        recipe=plan.recipe,
         launcher=plan.launcher,
         backend=plan.cluster.backend,
         runtime="local" if plan.cluster.backend == "local" else plan.cluster.runtime,

@@ -16,7 +16,7 @@ import yaml
 
 from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
-from run_benchmarks.config import CaseConfig, ClusterConfig, VendorConfig
+from run_benchmarks.config import STANDARD_RECIPE, CaseConfig, ClusterConfig, VendorConfig
 from run_benchmarks.errors import InputError
 from run_benchmarks.launchers import LAUNCHERS, LaunchSpec
 
@@ -61,6 +61,7 @@ class Plan:
     command: list[str] = dataclasses.field(default_factory=list)  # the start_task.py arguments, to re-run it
     data: dict[str, Any] | None = None  # phase -> the identity of its data, after the pre-launch check (datacheck.py)
     memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # phase -> lower bound of the states' memory
+    recipe: str = STANDARD_RECIPE  # the named training recipe the settings start from (case.yaml)
 
     @property
     def world_size(self) -> int:
@@ -87,6 +88,7 @@ class Plan:
             "config_name": self.config_name,
             "config_file": str(self.config_file),
             "validated": self.validated,
+            "recipe": self.recipe,
             "backend": self.cluster.backend,
             "runtime": "local" if self.cluster.backend == "local" else self.cluster.runtime,
             "launcher": self.launcher,
@@ -209,6 +211,7 @@ def check_layout(settings: dict[str, Any], phases: list[str], world: int, source
 class Resolved:
     """A vendor config resolved against its case: what every run of it and ``check`` share."""
 
+    recipe: str
     config_file: Path
     validated: bool
     hook: str | None
@@ -289,14 +292,21 @@ def check_chip(vendor: VendorConfig, cn: CaseName) -> None:
         )
 
 
-def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_path: Path, sets: list[str] | None = None) -> Resolved:
+def resolve(
+    cn: CaseName,
+    vendor: VendorConfig,
+    entry: registry.CaseEntry,
+    cfg_path: Path,
+    sets: list[str] | None = None,
+    recipe: str = STANDARD_RECIPE,
+) -> Resolved:
     """The one resolution of a vendor config, for runs (``build``), nightly and ``check``: the
-    case's standard, the vendor's fair overrides, ``--set`` overrides, then every check that
-    needs no cluster (layout arithmetic, memory of the states)."""
+    case's standard under the named recipe, the vendor's fair overrides, ``--set`` overrides, then
+    every check that needs no cluster (layout arithmetic, memory of the states)."""
     case = entry.config
     check_chip(vendor, cn)
     vcfg = registry.load_vendor_case(cfg_path)
-    standard = registry.standard_settings(case, cn.model)
+    standard = registry.standard_settings(case, cn.model, recipe)
     overrides = registry.fairness_check(vcfg.values(), case, standard, str(cfg_path))
     settings = registry.deep_merge(standard, vcfg.values())
     user_overrides = []
@@ -326,7 +336,7 @@ def resolve(cn: CaseName, vendor: VendorConfig, entry: registry.CaseEntry, cfg_p
     memory = memory_needs(registry.memory_model(case), counts, settings, cn)
     check_device_memory(memory, hardware, str(cfg_path))
     check_case_settings(case, cn, vendor, cfg_path, settings, sets)
-    return Resolved(cfg_path, vcfg.validated, vcfg.hook, settings, overrides, user_overrides, counts, hardware, memory)
+    return Resolved(recipe, cfg_path, vcfg.validated, vcfg.hook, settings, overrides, user_overrides, counts, hardware, memory)
 
 
 def reference_files(paths: list[str], base: Path | None = None, label: str = "--reference") -> list[Path]:
@@ -350,6 +360,7 @@ def build(
     variant: str | None = None,
     sets: list[str] | None = None,
     data_dir: str | None = None,
+    recipe: str = STANDARD_RECIPE,
 ) -> Plan:
     vendor = registry.load_vendor(vendor_name)
     entry = registry.find_case(cn)
@@ -358,7 +369,7 @@ def build(
         raise InputError(f"case {cn} needs {cn.nnodes} nodes but the cluster config names {len(cluster.hosts)} host(s)")
     if cluster.backend == "local" and cn.nnodes != 1:
         raise InputError(f"case {cn}: the local runtime runs one node; give --cluster with {cn.nnodes} hosts")
-    r = resolve(cn, vendor, entry, registry.vendor_config_path(vendor.name, cn, variant), sets)
+    r = resolve(cn, vendor, entry, registry.vendor_config_path(vendor.name, cn, variant), sets, recipe)
     settings = r.settings
     data_dir = data_dir or cluster.data_dir
     if data_dir:
@@ -389,6 +400,7 @@ def build(
         counts=r.counts,
         hardware=r.hardware,
         memory=r.memory,
+        recipe=r.recipe,
         run_dir=log_dir / run_id,
         python="",
     )
@@ -466,6 +478,19 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
             )
         )
     return nodes
+
+
+def command_line(plan: Plan, variant: str | None, sets: list[str], references: list[str]) -> list[str]:
+    """The start_task.py arguments that plan this run again (a run list's case as one command)."""
+    cn = plan.case
+    out = ["run_benchmarks/start_task.py", "--vendor", plan.vendor.name, "--case_name", str(cn)]
+    out += ["--variant", variant] if variant else []
+    out += ["--recipe", plan.recipe] if plan.recipe != STANDARD_RECIPE else []
+    for text in sets:
+        out += ["--set", text]
+    for ref in references:
+        out += ["--reference", ref]
+    return out
 
 
 def check_variant(variant: str | None) -> str | None:

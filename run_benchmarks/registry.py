@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from run_benchmarks.casename import CaseName, check_name
-from run_benchmarks.config import CaseConfig, VendorCaseConfig, VendorConfig, load
+from run_benchmarks.config import STANDARD_RECIPE, CaseConfig, Recipe, VendorCaseConfig, VendorConfig, load
 from run_benchmarks.errors import InputError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,11 +185,24 @@ def unknown_setting_hint(path: str, standard: dict[str, Any], case: CaseConfig) 
     return f"its {section} settings: {', '.join(n for n in names if n.startswith(section + '.'))}"
 
 
-def standard_settings(case: CaseConfig, model: str) -> dict[str, Any]:
-    """The case's standard settings for one model: train, parallel, data."""
+def standard_settings(case: CaseConfig, model: str, recipe: str = STANDARD_RECIPE) -> dict[str, Any]:
+    """The case's standard settings for one model: train, parallel, data; under a named recipe
+    (the model's ``recipes``), its train values laid over them."""
     std = case.standard.model_dump()
     m = case.models[model]
-    return deep_merge(std, {"train": m.train, "parallel": m.parallel, "data": m.data})
+    out = deep_merge(std, {"train": m.train, "parallel": m.parallel, "data": m.data})
+    if recipe != STANDARD_RECIPE:
+        out = deep_merge(out, {"train": recipe_of(case, model, recipe).train})
+    return out
+
+
+def recipe_of(case: CaseConfig, model: str, recipe: str) -> Recipe:
+    """A model's named recipe; InputError naming case.yaml and the recipes it has."""
+    found = case.models[model].recipes.get(recipe)
+    if found is None:
+        have = ", ".join([STANDARD_RECIPE, *case.models[model].recipes])
+        raise InputError(f"--recipe {recipe!r}: {case.family}/{case.framework}/case.yaml gives {model} no such recipe (it has: {have})")
+    return found
 
 
 def fairness_check(values: dict[str, Any], case: CaseConfig, standard: dict[str, Any], source: str) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ class RunListEntry(_Strict):
     vendor: str
     rounds: int = Field(3, ge=1, le=100)
     variant: str | None = None
+    recipe: str = "standard"  # start_task.py --recipe
     sets: list[str] = Field([], alias="set")  # start_task.py --set KEY=VALUE
     # start_task.py --reference: the loss curve(s) to judge against instead of the committed one
     # (a run shortened by set: train.global_batch=... has none); relative to the run list's folder
@@ -62,7 +63,7 @@ class RunListEntry(_Strict):
             raise ValueError(f"give the round count as 'rounds:', not as the case name's repeat field ({cn.repeat})")
         return v
 
-    @field_validator("vendor", "variant")
+    @field_validator("vendor", "variant", "recipe")
     @classmethod
     def _name(cls, v: str | None) -> str | None:
         try:
@@ -102,7 +103,7 @@ class RunList(_Strict):
             raise ValueError("at least one case is needed")
         seen: dict[tuple[Any, ...], int] = {}
         for i, c in enumerate(v):
-            key = (c.case, c.vendor, c.variant, tuple(c.sets))
+            key = (c.case, c.vendor, c.variant, c.recipe, tuple(c.sets))
             if key in seen:
                 raise ValueError(f"cases.{i} repeats cases.{seen[key]} ({c.case} on {c.vendor}); raise its 'rounds' instead")
             seen[key] = i

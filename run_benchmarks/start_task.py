@@ -70,6 +70,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vendor", required=True, help="vendor folder under vendors/ (nvidia, iluvatar, cpu, ...)")
     ap.add_argument("--case_name", "--case-name", dest="case_name", required=True, help=f"{GRAMMAR}, e.g. llama3_8b:megatron:A100:1:8")
     ap.add_argument("--variant", help="layout variant of the size's config, e.g. PP4DP2TP1 -> config_A100x1x8_PP4DP2TP1.yaml")
+    ap.add_argument(
+        "--recipe",
+        default="standard",
+        help="the training recipe: standard (the seeds' settings, default) or one the model names in its case.yaml, "
+        "e.g. short (the short runs of the GPU measurements; its reference judges every layout and vendor)",
+    )
     ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (default: this host, no SSH, no container)")
     ap.add_argument(
         "--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the cluster's log_dir, else ./logs)"
@@ -280,7 +286,9 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         cn = CaseName.parse(args.case_name)
         cluster = load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
-        plan = planning.build(cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir)
+        plan = planning.build(
+            cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir, args.recipe
+        )
         plan.command = ["run_benchmarks/start_task.py", *argv]
         run_dir.append(plan.run_dir)
         plan.reference = planning.reference_files(args.reference)

@@ -233,6 +233,7 @@ class RunResults(Strict):
     config_name: str
     config_file: str
     validated: bool
+    recipe: str = "standard"  # the named training recipe (case.yaml); files before recipes trained under the standard one
     launcher: str
     backend: str
     runtime: str

@@ -1,0 +1,61 @@
+"""Defects a vendor's stack could really have, as vendor hooks, to show what the loss gate catches.
+
+Each function is a vendor config's ``hook`` (``hook: examples.defects:NAME``): it runs in every
+rank before the model is built and breaks one thing the way a faulty kernel, schedule or port
+would, leaving the settings untouched (training/runtime.py refuses a hook that changes them).
+A recipe keeps the gate's teeth when runs under these hooks are judged not aligned against the
+reference of an intact stack (docs/metrics.md, the recipe study; tests/test_recipe_teeth.py).
+
+- ``no_causal_mask``: attention's kernel called without its causal mask (a flag lost in a port):
+  each position sees the token it is asked to predict.
+- ``repeated_micro_batch``: the data path hands the first micro batch of each step again in place
+  of the last (an off-by-one in a sampler): one sample in every ``grad_accum`` is never trained on.
+- ``rope_base_off``: the rotary embedding's base 10 % above the model's (a wrong constant in a
+  fused RoPE kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+def no_causal_mask(cfg: dict[str, Any]) -> None:
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    @functools.wraps(sdpa)
+    def unmasked(*args: Any, **kwargs: Any) -> Any:
+        kwargs["is_causal"] = False
+        return sdpa(*args, **kwargs)
+
+    F.scaled_dot_product_attention = unmasked
+
+
+def repeated_micro_batch(cfg: dict[str, Any]) -> None:
+    from cases.llama3.megatron.batches import StepBatches
+
+    original = StepBatches.microbatches
+
+    @functools.wraps(original)
+    def microbatches(self: StepBatches, step: int) -> Any:
+        chunks = list(original(self, step))
+        if len(chunks) > 1:
+            chunks[-1] = chunks[0]
+        yield from chunks
+
+    StepBatches.microbatches = microbatches
+
+
+def rope_base_off(cfg: dict[str, Any]) -> None:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    original = RotaryEmbedding.__init__
+
+    @functools.wraps(original)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["rotary_base"] = kwargs.get("rotary_base", 10000) * 1.1
+        original(self, *args, **kwargs)
+
+    RotaryEmbedding.__init__ = init

@@ -1,7 +1,7 @@
 """The base image of the test cluster: a Debian bookworm minbase rootfs, imported, never pulled.
 
-The tarball is built once with debootstrap (it uses Debian's package mirror) and cached
-under ``~/.cache/flagbench/images``; its name carries a hash of the recipe, so changing
+The tarball is built once with debootstrap from the Debian mirror this machine's apt
+sources name for the suite (``FLAGBENCH_DEBIAN_MIRROR`` overrides it) and cached under ``~/.cache/flagbench/images``; its name carries a hash of the recipe, so changing
 the package list builds a new one. CPU containers run the host's Python and the framework
 virtualenv bind-mounted read-only, so the image only carries the shared libraries that
 CPython's extension modules and torch link against, and a C++ compiler for the ops
@@ -51,7 +51,6 @@ _TRIM_FILES = (
     "usr/bin/x86_64-linux-gnu-dwp",
     "usr/bin/x86_64-linux-gnu-ld.gold",
 )
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
 
 
 def cache_dir() -> Path:
@@ -70,6 +69,30 @@ def tarball_path() -> Path:
     return cache_dir() / f"debian-{SUITE}-minbase-{recipe_hash()}.tar.gz"
 
 
+def debian_mirror(suite: str = SUITE, *, etc_apt: str | Path | None = None) -> str:
+    """The mirror of the first ``deb`` source for ``suite`` in this machine's apt sources.
+
+    apt itself reads the sources (``sources.list`` and ``sources.list.d/``, one-line and
+    deb822 forms alike, disabled entries left out); ``etc_apt`` replaces ``/etc/apt``.
+    """
+    if shutil.which("apt-get") is None:
+        raise RuntimeError("apt-get is missing, so no apt source names a Debian mirror: set FLAGBENCH_DEBIAN_MIRROR")
+    argv = ["apt-get"]
+    if etc_apt is not None:
+        argv += ["-o", f"Dir::Etc={etc_apt}"]
+    argv += ["indextargets", "--no-release-info", "--format", "$(TARGET_OF) $(RELEASE) $(REPO_URI)"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        errors = dict.fromkeys(line for line in proc.stderr.splitlines() if line.startswith("E:"))
+        raise RuntimeError("reading the apt sources failed: " + " ".join(errors))
+    for line in proc.stdout.splitlines():
+        kind, release, uri = line.split(" ", 2)
+        if kind == "deb" and release == suite:
+            return uri.rstrip("/")
+    where = etc_apt or "/etc/apt"
+    raise RuntimeError(f"no deb source for Debian {suite} in {where}/sources.list or {where}/sources.list.d/: set FLAGBENCH_DEBIAN_MIRROR")
+
+
 def build_tarball(*, mirror: str | None = None, log=print) -> Path:
     """Return the cached rootfs tarball, building it first if it is missing (~2 min)."""
     final = tarball_path()
@@ -85,7 +108,7 @@ def build_tarball(*, mirror: str | None = None, log=print) -> Path:
         work = final.parent / f".build-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         root = work / "root"
-        mirror = mirror or os.environ.get("FLAGBENCH_DEBIAN_MIRROR") or DEFAULT_MIRROR
+        mirror = mirror or os.environ.get("FLAGBENCH_DEBIAN_MIRROR") or debian_mirror()
         t0 = time.monotonic()
         log(f"building base image rootfs with debootstrap from {mirror} (about 2 min)")
         try:

@@ -103,7 +103,7 @@ def test_seed_layouts(model, variant):
     tp, pp, sh, sp = (int(name[i + 2]) for i in (0, 3, 6, 9))
     assert (lay.tp, lay.pp, lay.sharding_degree) == (tp, pp, sp)
     assert lay.sharding_stage == (sh if sp > 1 else 0)
-    assert lay.micro_batch * lay.grad_accum * lay.dp == 1024 and s.global_batch * s.shape.seq_length == 2 * 1024 * 1024
+    assert lay.micro_batch * lay.grad_accum * lay.dp == 1024 and s.common.train.global_batch * s.shape.seq_length == 2 * 1024 * 1024
     seed = {  # (per-device batch, accumulation) from seed 001's table
         ("gpt3_6.7B", "TP1PP1SH2SP8"): (4, 32),
         ("gpt3_6.7B", "TP2PP1SH1SP4"): (4, 64),
@@ -116,7 +116,7 @@ def test_seed_layouts(model, variant):
     }
     assert (lay.micro_batch, lay.grad_accum) == seed[(model, name)]
     assert lay.recompute == ("full" if model == "gpt3_13B" else "none")
-    assert s.precision == "fp16" and s.amp_level == "O2" and lay.use_flash_attention
+    assert s.common.train.precision == "fp16" and s.own.amp_level == "O2" and lay.use_flash_attention
 
 
 def test_settings_errors():

@@ -105,7 +105,7 @@ def test_settings_from_resolved_config(tmp_path):
     cfg = resolved_config(tmp_path, 2, "config_cpux1x2", parallel={"tp": 2})
     s = st.from_config(cfg, world_size=2)
     assert (s.layout.tp, s.layout.dp, s.layout.grad_accum) == (2, 1, 8)
-    assert s.shape.num_kv_groups == 2 and s.lr_decay_steps == 30 and s.device == "cpu"
+    assert s.shape.num_kv_groups == 2 and s.common.train.lr_decay_steps == 30 and s.common.device == "cpu"
     bad = resolved_config(tmp_path, 2, "x", parallel={"tp": 8})
     with pytest.raises(st.SettingsError, match="tp"):
         st.from_config(bad, world_size=8)

@@ -47,6 +47,12 @@ given, must equal it.  Phases: a section's ``phases.<phase>`` entry overlays the
 section (:func:`phase_sections`), so a phase reads its keys as a single-phase case
 does.  The model shape sits under ``model.shape`` (case.yaml) or flat in ``model``
 (resolved.json): :func:`shape_source` is the one place that knows.
+
+A section is read into a dataclass by :func:`read`, driven by its fields: the field's type
+decides the check, ``dataclasses.field(metadata=...)`` adds ``choices`` or a ``minimum``,
+and the field's default (none: the key is required) is the setting's one default in code.
+A case's ``settings.py`` declares its own keys that way and keeps :class:`Common` whole
+(``Settings.common``) instead of copying its fields.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import typing
 from typing import Any
 
 #: the "no default" marker of :func:`get`
@@ -140,6 +147,9 @@ def grad_accum(global_batch: int, micro_batch: int, dp: int) -> int:
 
 SECTIONS = ("train", "parallel", "data")
 PRECISIONS = ("bf16", "fp16", "fp32")
+#: keys of a case.yaml ``standard`` that the host reads, not the ranks (the steady window,
+#: the allocator's variable, how the data is checked before launch)
+HOST_KEYS = {"train": ("warmup_steps",), "parallel": ("expandable_segments",), "data": ("format",)}
 BETAS = (0.9, 0.95)  # the default when neither train.adam_beta1/2 nor train.betas is given
 
 
@@ -185,29 +195,71 @@ def model_name(cfg: dict) -> str:
     return str(name)
 
 
+# -- reading a section into a dataclass, driven by its fields ---------------------------
+
+
+def option(default: Any = MISSING, *, choices: tuple[str, ...] = (), minimum: int | None = None, accept_01: bool = False) -> Any:
+    """A settings field: its default (none: required), the ``choices`` of a string, the
+    ``minimum`` of an integer, ``accept_01`` for a boolean written 0/1."""
+    return dataclasses.field(default=default, metadata={"choices": choices, "minimum": minimum, "accept_01": accept_01})
+
+
+def check_value(field: dataclasses.Field, kind: Any, value: Any, where: str) -> Any:
+    """``value`` checked and converted as ``field`` (of type ``kind``) declares."""
+    meta = field.metadata
+    optional = type(None) in typing.get_args(kind)
+    if optional and value is None:
+        return None
+    base = next((t for t in typing.get_args(kind) if t is not type(None)), kind) if optional else kind
+    if base is bool:
+        return boolean(value, where, accept_01=meta.get("accept_01", False))
+    if base is int:
+        return integer(value, where, meta.get("minimum") or 0)
+    if base is float:
+        return number(value, where)
+    if base is str and meta.get("choices"):
+        return choice(value, where, meta["choices"])
+    return value
+
+
+def read(cls: type, section: dict, where: str, **given: Any) -> Any:
+    """Dataclass ``cls`` from ``section`` (named ``where`` in errors): each field not ``given``
+    is ``section[name]``, absent or null taking the field's default, checked by the field."""
+    kinds = typing.get_type_hints(cls)
+    values = dict(given)
+    for f in dataclasses.fields(cls):
+        if f.name not in given:
+            key = f"{where}.{f.name}"
+            values[f.name] = check_value(f, kinds[f.name], get(section, f.name, where, f.default), key)
+    return cls(**values)
+
+
 # -- the typed model ------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Train:
-    steps: int
-    global_batch: int
-    micro_batch: int
-    grad_accum: int
-    precision: str
-    lr: float
-    min_lr: float
-    lr_warmup_steps: int
-    lr_decay_steps: int
-    weight_decay: float
-    clip_grad: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    init_std: float
-    seed: int
-    profile_step: int
-    ceiling_hold_s: float = 0.0
+    """The common ``train`` keys; ``grad_accum``, ``lr_decay_steps`` and the betas are derived
+    (:func:`read_train`)."""
+
+    steps: int = option(minimum=1)
+    global_batch: int = option(minimum=1)
+    micro_batch: int = option(1, minimum=1)
+    grad_accum: int = option()
+    precision: str = option("bf16", choices=PRECISIONS)
+    lr: float = option()
+    min_lr: float = option(0.0)
+    lr_warmup_steps: int = option(0)
+    lr_decay_steps: int = option()
+    weight_decay: float = option(0.0)
+    clip_grad: float = option(0.0)
+    adam_beta1: float = option()
+    adam_beta2: float = option()
+    adam_eps: float = option(1e-8)
+    init_std: float = option(0.02)
+    seed: int = option(1234)
+    profile_step: int = option(0)
+    ceiling_hold_s: float = option(0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +312,7 @@ def read_train(train: dict, dp: int) -> Train:
     """The common ``train`` keys of one phase, for a data-parallel size ``dp``."""
     steps = integer(get(train, "steps", "train"), "train.steps", 1)
     gb = integer(get(train, "global_batch", "train"), "train.global_batch", 1)
-    mb = integer(get(train, "micro_batch", "train", 1), "train.micro_batch", 1)
+    mb = integer(get(train, "micro_batch", "train", Train.micro_batch), "train.micro_batch", 1)
     accum = grad_accum(gb, mb, dp)
     for key in ("gradient_accumulation_steps", "grad_accum"):
         if train.get(key) is not None and integer(train[key], f"train.{key}", 1) != accum:
@@ -268,35 +320,14 @@ def read_train(train: dict, dp: int) -> Train:
                 f"train.{key} is {train[key]} but global batch {gb} / (micro batch {mb} x "
                 f"data-parallel size {dp}) = {accum}: the global batch is fixed"
             )
-    warmup = integer(get(train, "lr_warmup_steps", "train", 0), "train.lr_warmup_steps")
     decay = integer(train.get("lr_decay_steps") or steps, "train.lr_decay_steps", 1)
-    profile = integer(get(train, "profile_step", "train", 0), "train.profile_step", 0)
-    if profile > steps:
-        raise SettingsError(f"train.profile_step = {profile} is beyond the run's {steps} steps")
-    hold = number(get(train, "ceiling_hold_s", "train", 0.0), "train.ceiling_hold_s")
-    if hold < 0:
-        raise SettingsError(f"resolved config: train.ceiling_hold_s must be 0 or more seconds, got {hold}")
     b1, b2 = adam_betas(train)
-    return Train(
-        steps=steps,
-        global_batch=gb,
-        micro_batch=mb,
-        grad_accum=accum,
-        precision=choice(get(train, "precision", "train", "bf16"), "train.precision", PRECISIONS),
-        lr=number(get(train, "lr", "train"), "train.lr"),
-        min_lr=number(get(train, "min_lr", "train", 0.0), "train.min_lr"),
-        lr_warmup_steps=warmup,
-        lr_decay_steps=decay,
-        weight_decay=number(get(train, "weight_decay", "train", 0.0), "train.weight_decay"),
-        clip_grad=number(get(train, "clip_grad", "train", 0.0), "train.clip_grad"),
-        adam_beta1=b1,
-        adam_beta2=b2,
-        adam_eps=number(get(train, "adam_eps", "train", 1e-8), "train.adam_eps"),
-        init_std=number(get(train, "init_std", "train", 0.02), "train.init_std"),
-        seed=integer(get(train, "seed", "train", 1234), "train.seed"),
-        profile_step=profile,
-        ceiling_hold_s=hold,
-    )
+    t = read(Train, train, "train", grad_accum=accum, lr_decay_steps=decay, adam_beta1=b1, adam_beta2=b2)
+    if t.profile_step > steps:
+        raise SettingsError(f"train.profile_step = {t.profile_step} is beyond the run's {steps} steps")
+    if t.ceiling_hold_s < 0:
+        raise SettingsError(f"resolved config: train.ceiling_hold_s must be 0 or more seconds, got {t.ceiling_hold_s}")
+    return t
 
 
 def read_parallel(parallel: dict, world_size: int, recompute: tuple[str, ...] = ("none", "full")) -> Parallel:
@@ -355,28 +386,3 @@ def from_config(cfg: dict, world_size: int, phase: str = "train", recompute: tup
         output_dir=cfg.get("output_dir"),
         sections=sections,
     )
-
-
-def flat(c: Common) -> dict[str, Any]:
-    """The common values under the flat names the cases' settings dataclasses use
-    (``steps``, ``lr``, ``data_prefix`` ...); a case keeps the ones it has fields for."""
-    return {
-        "model_name": c.model_name,
-        "config_name": c.config_name,
-        "params_nominal": c.params_nominal,
-        "world_size": c.world_size,
-        **{f.name: getattr(c.train, f.name) for f in dataclasses.fields(Train)},
-        "device": c.device,
-        "dist_backend": c.dist_backend,
-        "data_dir": c.data.data_dir,
-        "data_prefix": c.data.prefix,
-        "cache_dir": c.data.cache_dir,
-        "synthetic_tokens": c.data.synthetic_tokens,
-        "output_dir": c.output_dir,
-    }
-
-
-def fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``values`` that dataclass ``cls`` has fields for."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in values.items() if k in names}

@@ -84,7 +84,7 @@ def attention(s: Settings, flash: bool) -> tuple[Callable[[Any, Any, Any], Any],
     lay, sh = s.layout, s.shape
     config = gpt3_model.gpt_config(s, lay.tp, 0, flash)
     layer = types.SimpleNamespace(config=config, head_dim=sh.hidden_size // sh.num_heads, training=True)
-    dropout = f", dropout {s.attention_dropout:g}" if s.attention_dropout else ""
+    dropout = f", dropout {s.own.attention_dropout:g}" if s.own.attention_dropout else ""
     if flash:
         return (lambda q, k, v: MultiHeadAttention._flash_attention(layer, q, k, v)), f"paddle flash_attention, causal{dropout}"
     if lay.pp > 1:  # the pipeline's embedding hands the layers no mask: the call masks
@@ -241,7 +241,7 @@ def kernel_ceiling(s: Settings, place: str, vendor: Mapping[str, Any], flash: bo
     """training/ceiling.py's ceiling of this run's micro batch on paddle's current device
     ``place``, and the timers (their ``reset_peak`` for the caller once the buffers are gone)."""
     sh, lay = s.shape, s.layout
-    dtype = DTYPES[s.precision]
+    dtype = DTYPES[s.common.train.precision]
     attend, name = attention(s, flash)
     heads = sh.num_heads // lay.tp
     timers = PaddleTimers(s.device, place, vendor)
@@ -261,7 +261,7 @@ def kernel_ceiling(s: Settings, place: str, vendor: Mapping[str, Any], flash: bo
         repeat=repeat,
         layout="bshd",
         timers=timers.timers(),
-        hold_s=s.ceiling_hold_s,
+        hold_s=s.common.train.ceiling_hold_s,
     )
     return value, timers
 

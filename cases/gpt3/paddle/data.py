@@ -32,32 +32,39 @@ SYNTHETIC_MAX_TOKENS = 1 << 25
 
 def synthetic_tokens(s: Settings) -> int:
     return windows.synthetic_tokens(
-        s.synthetic_tokens, s.steps, s.global_batch, s.shape.seq_length, SYNTHETIC_MIN_TOKENS, SYNTHETIC_MAX_TOKENS
+        s.common.data.synthetic_tokens,
+        s.common.train.steps,
+        s.common.train.global_batch,
+        s.shape.seq_length,
+        SYNTHETIC_MIN_TOKENS,
+        SYNTHETIC_MAX_TOKENS,
     )
 
 
 def corpus_prefix(s: Settings, local_rank: int, barrier) -> tuple[str, str]:
     """The corpus prefix and a description of it for the meta record."""
-    if s.data_dir:
-        if s.data_prefix:
-            prefix = s.data_prefix if os.path.isabs(s.data_prefix) else os.path.join(s.data_dir, s.data_prefix)
+    if s.common.data.data_dir:
+        if s.common.data.prefix:
+            prefix = (
+                s.common.data.prefix if os.path.isabs(s.common.data.prefix) else os.path.join(s.common.data.data_dir, s.common.data.prefix)
+            )
             for ext in (".bin", ".idx", paddle_gpt.IDS_SUFFIX, paddle_gpt.IDX_SUFFIX):
                 prefix = prefix[: -len(ext)] if prefix.endswith(ext) else prefix
             if paddle_gpt.layout(prefix) is None:
                 raise FileNotFoundError(
-                    f"data.prefix {s.data_prefix!r}: neither {prefix}{paddle_gpt.IDS_SUFFIX} + {prefix}{paddle_gpt.IDX_SUFFIX} "
-                    f"nor {prefix}.bin + {prefix}.idx exist (data.data_dir {s.data_dir})"
+                    f"data.prefix {s.common.data.prefix!r}: neither {prefix}{paddle_gpt.IDS_SUFFIX} + {prefix}{paddle_gpt.IDX_SUFFIX} "
+                    f"nor {prefix}.bin + {prefix}.idx exist (data.data_dir {s.common.data.data_dir})"
                 )
         else:
-            prefix = paddle_gpt.find_prefix(s.data_dir)
+            prefix = paddle_gpt.find_prefix(s.common.data.data_dir)
         kind = "paddle_gpt" if paddle_gpt.layout(prefix) == "npy" else "paddle_mmap"
         return prefix, f"{kind}:{prefix}"
-    cache_dir = s.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
+    cache_dir = s.common.data.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
     n = synthetic_tokens(s)
     if local_rank == 0:
-        paddle_gpt.ensure_synthetic(cache_dir, s.shape.vocab_size, n, s.seed)
+        paddle_gpt.ensure_synthetic(cache_dir, s.shape.vocab_size, n, s.common.train.seed)
     barrier()
-    prefix = paddle_gpt.synthetic_prefix(cache_dir, s.shape.vocab_size, n, s.seed)
+    prefix = paddle_gpt.synthetic_prefix(cache_dir, s.shape.vocab_size, n, s.common.train.seed)
     return prefix, f"synthetic:{os.path.basename(prefix)}"
 
 
@@ -72,10 +79,10 @@ class StepBatches:
         if top >= s.shape.vocab_size:
             raise ValueError(f"corpus {prefix} holds token id {top}, outside the model's vocabulary of {s.shape.vocab_size}")
         try:
-            self.windows = paddle_gpt.TokenWindows(tokens, s.shape.seq_length, s.seed)
+            self.windows = paddle_gpt.TokenWindows(tokens, s.shape.seq_length, s.common.train.seed)
         except ValueError as exc:
             raise ValueError(f"corpus {prefix}: {exc}") from None
-        self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, data_rank)
+        self.share = windows.RankShare(self.windows, s.common.train.global_batch, s.layout.dp, data_rank)
         self.micro_batch = s.layout.micro_batch
         self.grad_accum = s.layout.grad_accum
 

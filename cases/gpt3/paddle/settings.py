@@ -40,9 +40,7 @@ import dataclasses
 from typing import Any
 
 from training import settings as common
-from training.settings import SettingsError
-from training.settings import choice as _choice
-from training.settings import get as _get
+from training.settings import Common, SettingsError, option
 from training.settings import integer as _int
 from training.settings import number as _float
 
@@ -80,54 +78,39 @@ class Layout:
     dp_degree: int
     micro_batch: int
     grad_accum: int
-    recompute: str = "none"
-    use_flash_attention: bool = True
-    use_fused_rms_norm: bool = False
-    fuse_attention_qkv: bool = False
-    fuse_attention_ffn: bool = False
-    sequence_parallel: bool = False
+    recompute: str
+    use_flash_attention: bool = option(True, accept_01=True)  # FlagPerf's configs write 0/1
+    use_fused_rms_norm: bool = option(False, accept_01=True)
+    fuse_attention_qkv: bool = option(False, accept_01=True)
+    fuse_attention_ffn: bool = option(False, accept_01=True)
+    sequence_parallel: bool = option(False, accept_01=True)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
+class Own:
+    """This case's own ``train`` keys."""
+
+    amp_level: str = option("O2", choices=AMP_LEVELS)
+    loss_scale: float = option(1024.0)
+    hidden_dropout: float = option(0.1)
+    attention_dropout: float = option(0.1)
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
-    model_name: str
-    config_name: str
-    params_nominal: float
+    common: Common  # the common train / parallel / data / vendor settings (training/settings.py)
     shape: Shape
     layout: Layout
-    world_size: int
-    steps: int
-    global_batch: int
-    precision: str
-    amp_level: str
-    loss_scale: float
-    lr: float
-    min_lr: float
-    lr_warmup_steps: int
-    lr_decay_steps: int
-    weight_decay: float
-    clip_grad: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    init_std: float
-    hidden_dropout: float
-    attention_dropout: float
-    seed: int
+    own: Own
     device: str  # paddle's device name: cpu, gpu (cuda), xpu, or a custom device's (npu, mlu ...)
-    dist_backend: str
-    data_dir: str | None
-    data_prefix: str | None
-    cache_dir: str | None
-    synthetic_tokens: int | None
-    ceiling_hold_s: float = 0.0  # training/ceiling.py's hold before each part is timed
 
 
-def _bool(value: Any, where: str) -> bool:
-    return common.boolean(value, where, accept_01=True)  # FlagPerf's configs write 0/1
+#: this case's own keys of each section, read by their dataclass (tests/test_settings_defaults.py
+#: checks them against case.yaml's ``standard``)
+OWN = {"parallel": Layout, "train": Own}
 
 
 def _sharding_stage(value: Any) -> int:
@@ -184,10 +167,10 @@ def _layout(c: common.Common, shape: Shape) -> Layout:
         raise SettingsError(f"resolved config: parallel.tp {tp} must divide num_heads, vocab_size and ffn_hidden_size")
     if shape.num_layers < pp:
         raise SettingsError(f"resolved config: parallel.pp {pp} exceeds num_layers {shape.num_layers}")
-    sp = _bool(par.get("sequence_parallel", False), "parallel.sequence_parallel")
-    if sp and tp == 1:
-        raise SettingsError("resolved config: parallel.sequence_parallel needs tp > 1")
-    return Layout(
+    layout = common.read(
+        Layout,
+        par,
+        "parallel",
         tp=tp,
         pp=pp,
         dp=dp,
@@ -197,12 +180,10 @@ def _layout(c: common.Common, shape: Shape) -> Layout:
         micro_batch=c.train.micro_batch,
         grad_accum=c.train.grad_accum,
         recompute=c.parallel.recompute,
-        use_flash_attention=_bool(par.get("use_flash_attention", True), "parallel.use_flash_attention"),
-        use_fused_rms_norm=_bool(par.get("use_fused_rms_norm", False), "parallel.use_fused_rms_norm"),
-        fuse_attention_qkv=_bool(par.get("fuse_attention_qkv", False), "parallel.fuse_attention_qkv"),
-        fuse_attention_ffn=_bool(par.get("fuse_attention_ffn", False), "parallel.fuse_attention_ffn"),
-        sequence_parallel=sp,
     )
+    if layout.sequence_parallel and tp == 1:
+        raise SettingsError("resolved config: parallel.sequence_parallel needs tp > 1")
+    return layout
 
 
 def paddle_device(device_type: str) -> str:
@@ -224,7 +205,6 @@ def device_module(device: str) -> Any:
 def from_config(cfg: dict, world_size: int) -> Settings:
     """Validate the resolved config for a run of ``world_size`` ranks."""
     c = common.from_config(cfg, world_size, recompute=RECOMPUTE)
-    train = c.sections["train"]
     shape = _shape(cfg["model"])
     layout = _layout(c, shape)
     precision = c.train.precision
@@ -235,12 +215,4 @@ def from_config(cfg: dict, world_size: int) -> Settings:
         raise SettingsError(
             f"resolved config: train.precision {precision} has no effect in paddle on the CPU (AMP runs only on GPU/XPU/custom devices); use fp32"
         )
-    return Settings(
-        **common.fields_of(Settings, {**common.flat(c), "device": device}),
-        shape=shape,
-        layout=layout,
-        amp_level=_choice(_get(train, "amp_level", "train", "O2"), "train.amp_level", AMP_LEVELS),
-        loss_scale=_float(_get(train, "loss_scale", "train", 1024.0), "train.loss_scale"),
-        hidden_dropout=_float(_get(train, "hidden_dropout", "train", 0.1), "train.hidden_dropout"),
-        attention_dropout=_float(_get(train, "attention_dropout", "train", 0.1), "train.attention_dropout"),
-    )
+    return Settings(common=c, shape=shape, layout=layout, own=common.read(Own, c.sections["train"], "train"), device=device)

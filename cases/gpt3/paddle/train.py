@@ -78,8 +78,8 @@ class Trainer:
         self._build_model()
         self._prepare_data()
         self._emit_meta()
-        self.steps = self.s.steps
-        self.tokens_per_step = self.s.global_batch * self.s.shape.seq_length
+        self.steps = self.s.common.train.steps
+        self.tokens_per_step = self.s.common.train.global_batch * self.s.shape.seq_length
         self.run_step = self._step_pipeline if self.s.layout.pp > 1 else self._step_nonpipeline
 
     # -- setup -------------------------------------------------------------
@@ -111,12 +111,12 @@ class Trainer:
 
         # dropout: shared inside a TP group ("global_seed"), per rank ("local_seed"); the
         # parameters drawn while the model is built are overwritten by weights.py in _build_model()
-        paddle.seed(s.seed)
+        paddle.seed(s.common.train.seed)
         tracker = get_rng_state_tracker()
         tracker.reset()
-        tracker.add("model_parallel_rng", s.seed + 1 + self.tp_rank * lay.pp + self.stage)
-        tracker.add("global_seed", s.seed + 100_003 + self.data_rank * lay.pp + self.stage)
-        tracker.add("local_seed", s.seed + 200_003 + self.dist.rank)
+        tracker.add("model_parallel_rng", s.common.train.seed + 1 + self.tp_rank * lay.pp + self.stage)
+        tracker.add("global_seed", s.common.train.seed + 100_003 + self.data_rank * lay.pp + self.stage)
+        tracker.add("local_seed", s.common.train.seed + 200_003 + self.dist.rank)
 
     def _sync_device(self) -> None:
         import paddle
@@ -146,27 +146,31 @@ class Trainer:
 
         # warm-up from lr/warmup at step 1, as FlagPerf (last_epoch=0)
         self.scheduler = CosineAnnealingWithWarmupDecay(
-            max_lr=s.lr, min_lr=s.min_lr, warmup_step=s.lr_warmup_steps, decay_step=s.lr_decay_steps, last_epoch=0
+            max_lr=s.common.train.lr,
+            min_lr=s.common.train.min_lr,
+            warmup_step=s.common.train.lr_warmup_steps,
+            decay_step=s.common.train.lr_decay_steps,
+            last_epoch=0,
         )
         decay = {p.name for n, p in model.named_parameters() if not any(k in n for k in ("bias", "norm"))}
-        self.amp_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(s.precision)
+        self.amp_dtype = {"fp16": "float16", "bf16": "bfloat16"}.get(s.common.train.precision)
         optimizer = paddle.optimizer.AdamW(
             learning_rate=self.scheduler,
-            beta1=s.adam_beta1,
-            beta2=s.adam_beta2,
-            epsilon=s.adam_eps,
+            beta1=s.common.train.adam_beta1,
+            beta2=s.common.train.adam_beta2,
+            epsilon=s.common.train.adam_eps,
             parameters=model.parameters(),
-            weight_decay=s.weight_decay,
+            weight_decay=s.common.train.weight_decay,
             apply_decay_param_fun=lambda name: name in decay,
-            grad_clip=paddle.nn.ClipGradByGlobalNorm(s.clip_grad) if s.clip_grad > 0 else None,
-            multi_precision=self.amp_dtype is not None and s.amp_level == "O2",
+            grad_clip=paddle.nn.ClipGradByGlobalNorm(s.common.train.clip_grad) if s.common.train.clip_grad > 0 else None,
+            multi_precision=self.amp_dtype is not None and s.own.amp_level == "O2",
         )
-        if self.amp_dtype and s.amp_level == "O2":
+        if self.amp_dtype and s.own.amp_level == "O2":
             model, optimizer = paddle.amp.decorate(models=model, optimizers=optimizer, level="O2", dtype=self.amp_dtype)
 
         self.scaler = None
-        if s.precision == "fp16":
-            self.scaler = paddle.amp.GradScaler(init_loss_scaling=s.loss_scale)
+        if s.common.train.precision == "fp16":
+            self.scaler = paddle.amp.GradScaler(init_loss_scaling=s.own.loss_scale)
 
         self.no_sync = False
         if lay.pp > 1:
@@ -242,11 +246,11 @@ class Trainer:
             return
         s, lay, sh = self.s, self.s.layout, self.s.shape
         self.log.meta(
-            model=s.model_name,
+            model=s.common.model_name,
             framework="paddle",
             framework_version=gpt3_model.framework_version(),
             params_exact=self.params_exact,
-            params_nominal=s.params_nominal,
+            params_nominal=s.common.params_nominal,
             num_layers=sh.num_layers,
             hidden_size=sh.hidden_size,
             ffn_hidden_size=sh.ffn_hidden_size,
@@ -254,9 +258,9 @@ class Trainer:
             num_kv_groups=sh.num_heads,
             seq_length=sh.seq_length,
             vocab_size=sh.vocab_size,
-            global_batch=s.global_batch,
-            precision=s.precision,
-            amp_level=s.amp_level if s.precision != "fp32" else None,
+            global_batch=s.common.train.global_batch,
+            precision=s.common.train.precision,
+            amp_level=s.own.amp_level if s.common.train.precision != "fp32" else None,
             parallel=dict(
                 tp=lay.tp,
                 pp=lay.pp,
@@ -273,9 +277,9 @@ class Trainer:
                 sequence_parallel=lay.sequence_parallel,
             ),
             inert_options=gpt3_model.inert_flags(s, self.flash),
-            world_size=s.world_size,
-            steps=s.steps,
-            config_name=s.config_name,
+            world_size=s.common.world_size,
+            steps=s.common.train.steps,
+            config_name=s.common.config_name,
             device=s.device,
             visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
             environment=runtime.recorded_env(self.cfg.get("vendor") or {}),
@@ -289,12 +293,12 @@ class Trainer:
 
         if self.amp_dtype is None:
             return contextlib.nullcontext()
-        white = ["lookup_table", "lookup_table_v2"] if self.s.amp_level == "O2" else []
+        white = ["lookup_table", "lookup_table_v2"] if self.s.own.amp_level == "O2" else []
         return paddle.amp.auto_cast(
             enable=True,
             custom_white_list=white,
             custom_black_list=["reduce_sum", "c_softmax_with_cross_entropy"],
-            level=self.s.amp_level,
+            level=self.s.own.amp_level,
             dtype=self.amp_dtype,
         )
 

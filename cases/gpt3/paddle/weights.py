@@ -162,12 +162,12 @@ def init_weights(model: Any, s: Settings, tp_rank: int) -> int:
         with paddle.no_grad():
             for name, p in model.named_parameters():
                 lf = layout_free_name(name, prefixes)
-                kind, full, value = rule(lf, s.shape, s.init_std)
+                kind, full, value = rule(lf, s.shape, s.common.train.init_std)
                 cut = shard_slice(lf, full, tuple(p.shape), tp_rank, tp)
                 if kind == "const":
                     local = paddle.full(list(p.shape), value, dtype="float32")
                 else:
-                    t = full_value(gen, s.seed, lf, kind, full, value, s.shape.num_heads)
+                    t = full_value(gen, s.common.train.seed, lf, kind, full, value, s.shape.num_heads)
                     local = t if cut is None else paddle.slice(t, axes=[cut[0]], starts=[cut[1]], ends=[cut[2]])
                 p.set_value(local.astype(p.dtype))
                 count += 1

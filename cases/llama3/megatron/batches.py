@@ -36,23 +36,28 @@ SYNTHETIC_MAX_TOKENS = 1 << 26
 
 def synthetic_tokens(s: Settings) -> int:
     return windows.synthetic_tokens(
-        s.synthetic_tokens, s.steps, s.global_batch, s.shape.seq_length, SYNTHETIC_MIN_TOKENS, SYNTHETIC_MAX_TOKENS
+        s.common.data.synthetic_tokens,
+        s.common.train.steps,
+        s.common.train.global_batch,
+        s.shape.seq_length,
+        SYNTHETIC_MIN_TOKENS,
+        SYNTHETIC_MAX_TOKENS,
     )
 
 
 def corpus_prefix(s: Settings, local_rank: int) -> tuple[list[tuple[float, str]], str]:
     """The corpus as (weight, file prefix) pairs (one pair unless blended) and a description
     for the run's meta record."""
-    if s.data_dir:
-        blend = corpus.megatron_prefixes(s.data_dir, s.data_prefix)
+    if s.common.data.data_dir:
+        blend = corpus.megatron_prefixes(s.common.data.data_dir, s.common.data.prefix)
         if len(blend) == 1:
             return blend, f"indexed:{blend[0][1]}"
         return blend, "blend:" + " ".join(f"{w:g} {p}" for w, p in blend)
-    cache_dir = s.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
+    cache_dir = s.common.data.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
     n = synthetic_tokens(s)
-    prefix = os.path.join(cache_dir, synthetic.corpus_name(s.shape.vocab_size, n, s.seed))
+    prefix = os.path.join(cache_dir, synthetic.corpus_name(s.shape.vocab_size, n, s.common.train.seed))
     if local_rank == 0:
-        synthetic.ensure_corpus(cache_dir, s.shape.vocab_size, n, s.seed)
+        synthetic.ensure_corpus(cache_dir, s.shape.vocab_size, n, s.common.train.seed)
     dist.barrier()
     return [(1.0, prefix)], f"synthetic:{os.path.basename(prefix)}"
 
@@ -66,10 +71,10 @@ class StepBatches:
         self.prefixes = [p for _, p in blend]
         self.vocab_size = s.shape.vocab_size
         try:
-            self.windows = corpus.open_windows([r.tokens for r in readers], [w for w, _ in blend], s.shape.seq_length, s.seed)
+            self.windows = corpus.open_windows([r.tokens for r in readers], [w for w, _ in blend], s.shape.seq_length, s.common.train.seed)
         except ValueError as exc:
             raise ValueError(f"{' + '.join(self.prefixes)}: {exc}") from None
-        self.share = windows.RankShare(self.windows, s.global_batch, s.layout.dp, dp_rank)
+        self.share = windows.RankShare(self.windows, s.common.train.global_batch, s.layout.dp, dp_rank)
         self.s = s
         self.device = device
         self.pin_memory = pin_memory  # page-locked host batches for an accelerator (Accelerator.pin_memory)

@@ -157,7 +157,7 @@ def kernel_ceiling(s: Settings, device: torch.device, accelerator: Accelerator |
     d = sh.hidden_size // sh.num_heads
     heads, groups = sh.num_heads // lay.tp, sh.num_kv_groups // lay.tp
     scale = 1.0 / math.sqrt(d)
-    dtype = DTYPES[s.precision]
+    dtype = DTYPES[s.common.train.precision]
     if lay.attention == "cudnn":
         gqa = kernels.cudnn_attention_mode(heads, groups, d, dtype, device)
         attend, name = (lambda q, k, v: kernels.cudnn_attention(q, k, v, scale, gqa)), f"cudnn, GQA {gqa}"
@@ -181,7 +181,7 @@ def kernel_ceiling(s: Settings, device: torch.device, accelerator: Accelerator |
         device=device,
         repeat=repeat,
         accelerator=accelerator,
-        hold_s=s.ceiling_hold_s,
+        hold_s=s.common.train.ceiling_hold_s,
     )
 
 
@@ -191,7 +191,7 @@ def use_transformer_engine(s: Settings) -> bool:
         if not transformer_engine_available():
             raise RuntimeError("parallel.transformer_impl: transformer_engine, but transformer_engine does not import")
         return True
-    return impl == "auto" and s.device == "cuda" and transformer_engine_available()  # TransformerEngine: NVIDIA's, CUDA only
+    return impl == "auto" and s.common.device == "cuda" and transformer_engine_available()  # TransformerEngine: NVIDIA's, CUDA only
 
 
 def layer_spec(s: Settings) -> ModuleSpec:
@@ -437,7 +437,7 @@ def attention_kernel(s: Settings) -> str:
 
 def transformer_config(s: Settings) -> TransformerConfig:
     sh, lay = s.shape, s.layout
-    dtype = DTYPES[s.precision]
+    dtype = DTYPES[s.common.train.precision]
     kw: dict[str, Any] = dict(
         num_layers=sh.num_layers,
         hidden_size=sh.hidden_size,
@@ -453,14 +453,14 @@ def transformer_config(s: Settings) -> TransformerConfig:
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=s.init_std,
+        init_method_std=s.common.train.init_std,
         tensor_model_parallel_size=lay.tp,
         pipeline_model_parallel_size=lay.pp,
         sequence_parallel=lay.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        bf16=s.precision == "bf16",
-        fp16=s.precision == "fp16",
+        bf16=s.common.train.precision == "bf16",
+        fp16=s.common.train.precision == "fp16",
         # megatron allocates the weights on the device and leaves them undrawn:
         # startweights.overwrite gives every layout the same starting model
         use_cpu_initialization=False,

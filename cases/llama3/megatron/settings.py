@@ -51,15 +51,9 @@ import dataclasses
 from typing import Any
 
 from training import settings as common
-from training.settings import SettingsError
-from training.settings import boolean as _bool
-from training.settings import choice as _choice
+from training.settings import Common, SettingsError, option
 from training.settings import divides as _divides
-from training.settings import get as _get
-from training.settings import integer as _int
-from training.settings import number as _float
 
-SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size")
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("sdpa", "cudnn", "local", "te")
 FUSED_ELEMENTWISE = ("none", "compile", "liger")  # kernels.FUSED_ELEMENTWISE
@@ -72,15 +66,15 @@ TP_COMM_OVERLAP = ("none", "halves", "symm_mem")
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_heads: int
-    num_kv_groups: int
-    seq_length: int
-    vocab_size: int
-    norm_eps: float = 1e-5
-    rope_base: float = 500000.0
+    num_layers: int = option(minimum=1)
+    hidden_size: int = option(minimum=1)
+    ffn_hidden_size: int = option(minimum=1)
+    num_heads: int = option(minimum=1)
+    num_kv_groups: int = option(minimum=1)
+    seq_length: int = option(minimum=1)
+    vocab_size: int = option(minimum=1)
+    norm_eps: float = option(1e-5)
+    rope_base: float = option(500000.0)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,31 +82,34 @@ class Shape:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+    """The layout: tp, pp, dp, micro_batch, grad_accum and recompute from the common settings,
+    then this case's ``parallel`` switches, each read with its default here."""
+
     tp: int
     pp: int
     dp: int
     micro_batch: int
     grad_accum: int
-    recompute: str = "none"
-    recompute_method: str = "uniform"
-    recompute_num_layers: int = 1
-    sequence_parallel: bool = False
-    distributed_optimizer: bool = True
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    attention: str = "sdpa"
-    fused_elementwise: str = "none"
-    fused_rope: str = "none"
-    fused_linear_loss: str = "none"
-    cross_entropy: str = "megatron"
-    fused_add_norm: bool = False
-    transformer_impl: str = "auto"
-    fused_adam: bool = False
-    fused_grad_clip: bool = False
-    gradient_accumulation_fusion: bool = False
-    tp_comm_overlap: str = "none"
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
+    recompute: str = option("none", choices=RECOMPUTE)
+    recompute_method: str = option("uniform", choices=("uniform", "block"))
+    recompute_num_layers: int = option(1, minimum=1)
+    sequence_parallel: bool = option(False)
+    distributed_optimizer: bool = option(True)
+    overlap_grad_reduce: bool = option(False)
+    overlap_param_gather: bool = option(False)
+    attention: str = option("sdpa", choices=ATTENTION)
+    fused_elementwise: str = option("none", choices=FUSED_ELEMENTWISE)
+    fused_rope: str = option("none", choices=FUSED_ROPE)
+    fused_linear_loss: str = option("none", choices=FUSED_LINEAR_LOSS)
+    cross_entropy: str = option("megatron", choices=CROSS_ENTROPY)
+    fused_add_norm: bool = option(False)
+    transformer_impl: str = option("auto", choices=TRANSFORMER_IMPL)
+    fused_adam: bool = option(False)
+    fused_grad_clip: bool = option(False)
+    gradient_accumulation_fusion: bool = option(False)
+    tp_comm_overlap: str = option("none", choices=TP_COMM_OVERLAP)
+    optimizer_cpu_offload: bool = option(False)
+    optimizer_offload_fraction: float = option(1.0)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,86 +117,27 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    model_name: str
-    config_name: str
-    params_nominal: float
+    common: Common  # the common train / parallel / data / vendor settings (training/settings.py)
     shape: Shape
     layout: Layout
-    world_size: int
-    steps: int
-    global_batch: int
-    precision: str
-    lr: float
-    min_lr: float
-    lr_warmup_steps: int
-    lr_decay_steps: int
-    weight_decay: float
-    clip_grad: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    init_std: float
-    seed: int
-    device: str
-    dist_backend: str
-    data_dir: str | None
-    data_prefix: str | list | None  # one corpus, a blend 'w prefix w prefix', or None: the only one there
-    cache_dir: str | None
-    synthetic_tokens: int | None
-    profile_step: int = 0
-    ceiling_hold_s: float = 0.0  # training/ceiling.py's hold before each part is timed
-    output_dir: str | None = None
+
+
+#: this case's own keys of each section, read by their dataclass (tests/test_settings_defaults.py
+#: checks them against case.yaml's ``standard``)
+OWN = {"parallel": Layout}
 
 
 def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_size: int) -> Layout:
     """DP = world / (tp * pp); grad accumulation = global_batch / (micro_batch * dp), exactly
     (training.settings); then this case's layout switches."""
     par = common.read_parallel(parallel, world_size, RECOMPUTE)
-    tp, pp, dp, recompute = par.tp, par.pp, par.dp, par.recompute
-    accum = common.grad_accum(global_batch, micro_batch, dp)
-    return Layout(
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        micro_batch=micro_batch,
-        grad_accum=accum,
-        recompute=recompute,
-        recompute_method=_choice(
-            _get(parallel, "recompute_method", "parallel", "uniform"), "parallel.recompute_method", ("uniform", "block")
-        ),
-        recompute_num_layers=_int(_get(parallel, "recompute_num_layers", "parallel", 1), "parallel.recompute_num_layers", 1),
-        sequence_parallel=_bool(_get(parallel, "sequence_parallel", "parallel", False), "parallel.sequence_parallel"),
-        distributed_optimizer=_bool(_get(parallel, "distributed_optimizer", "parallel", True), "parallel.distributed_optimizer"),
-        overlap_grad_reduce=_bool(_get(parallel, "overlap_grad_reduce", "parallel", False), "parallel.overlap_grad_reduce"),
-        overlap_param_gather=_bool(_get(parallel, "overlap_param_gather", "parallel", False), "parallel.overlap_param_gather"),
-        attention=_choice(_get(parallel, "attention", "parallel", "sdpa"), "parallel.attention", ATTENTION),
-        fused_elementwise=_choice(_get(parallel, "fused_elementwise", "parallel", "none"), "parallel.fused_elementwise", FUSED_ELEMENTWISE),
-        fused_rope=_choice(_get(parallel, "fused_rope", "parallel", "none"), "parallel.fused_rope", FUSED_ROPE),
-        fused_linear_loss=_choice(_get(parallel, "fused_linear_loss", "parallel", "none"), "parallel.fused_linear_loss", FUSED_LINEAR_LOSS),
-        cross_entropy=_choice(_get(parallel, "cross_entropy", "parallel", "megatron"), "parallel.cross_entropy", CROSS_ENTROPY),
-        fused_add_norm=_bool(_get(parallel, "fused_add_norm", "parallel", False), "parallel.fused_add_norm"),
-        transformer_impl=_choice(_get(parallel, "transformer_impl", "parallel", "auto"), "parallel.transformer_impl", TRANSFORMER_IMPL),
-        fused_adam=_bool(_get(parallel, "fused_adam", "parallel", False), "parallel.fused_adam"),
-        fused_grad_clip=_bool(_get(parallel, "fused_grad_clip", "parallel", False), "parallel.fused_grad_clip"),
-        gradient_accumulation_fusion=_bool(
-            _get(parallel, "gradient_accumulation_fusion", "parallel", False), "parallel.gradient_accumulation_fusion"
-        ),
-        tp_comm_overlap=_choice(_get(parallel, "tp_comm_overlap", "parallel", "none"), "parallel.tp_comm_overlap", TP_COMM_OVERLAP),
-        optimizer_cpu_offload=_bool(_get(parallel, "optimizer_cpu_offload", "parallel", False), "parallel.optimizer_cpu_offload"),
-        optimizer_offload_fraction=_float(
-            _get(parallel, "optimizer_offload_fraction", "parallel", 1.0), "parallel.optimizer_offload_fraction"
-        ),
-    )
+    accum = common.grad_accum(global_batch, micro_batch, par.dp)
+    given = {"tp": par.tp, "pp": par.pp, "dp": par.dp, "micro_batch": micro_batch, "grad_accum": accum, "recompute": par.recompute}
+    return common.read(Layout, parallel, "parallel", **given)
 
 
 def read_shape(model: dict) -> Shape:
-    src = common.shape_source(model)
-    vals = common.shape_ints(model, SHAPE_KEYS)
-    shape = Shape(
-        **vals,
-        norm_eps=_float(_get(src, "norm_eps", "model.shape", 1e-5), "model.shape.norm_eps"),
-        rope_base=_float(_get(src, "rope_base", "model.shape", 500000.0), "model.shape.rope_base"),
-    )
+    shape = common.read(Shape, common.shape_source(model), "model.shape")
     _divides("model.shape.hidden_size / num_heads", shape.num_heads, shape.hidden_size, "hidden size must split into whole heads")
     _divides("model.shape.num_heads / num_kv_groups", shape.num_kv_groups, shape.num_heads, "heads must split evenly into KV groups")
     return shape
@@ -338,4 +276,4 @@ def from_config(cfg: dict, world_size: int) -> Settings:
     check_layout_fits(shape, layout)
     check_device(layout, c.device)
     check_precision(layout, c.train.precision)
-    return Settings(**common.fields_of(Settings, common.flat(c)), shape=shape, layout=layout)
+    return Settings(common=c, shape=shape, layout=layout)

@@ -67,7 +67,7 @@ def rule(name: str, s: Settings) -> Rule:
     """The rule of layout-free parameter ``name``; an unknown name is an error (nothing left undrawn)."""
     sh = s.shape
     h, head_dim = sh.hidden_size, sh.hidden_size // sh.num_heads
-    std, out_std = s.init_std, s.init_std / math.sqrt(2.0 * sh.num_layers)
+    std, out_std = s.common.train.init_std, s.common.train.init_std / math.sqrt(2.0 * sh.num_layers)
     if name.endswith(("layernorm.weight", ".layer_norm_weight")):
         return Rule((h,), None, None)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
@@ -154,7 +154,7 @@ def overwrite(model: torch.nn.Module, s: Settings) -> dict:
         if r.std is None:
             p.fill_(1.0)
             continue
-        full = weights.full_normal(s.seed, name, r.shape, r.std, p.device)
+        full = weights.full_normal(s.common.train.seed, name, r.shape, r.std, p.device)
         at = 0
         for block in tp_shard(full, r, tp_rank, tp):
             n = block.shape[r.dim]

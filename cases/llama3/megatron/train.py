@@ -66,7 +66,7 @@ class Trainer:
         self.device = self.acc.device(self.dist.local_rank)
         if not self.acc.is_accelerator:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.dist.local_world_size)))
-        self.steps = self.s.steps
+        self.steps = self.s.common.train.steps
         self.reporting = False  # known once the process groups are
 
     def build(self) -> None:
@@ -79,7 +79,7 @@ class Trainer:
         self.prepare_data()
         self.emit_meta()
         self.fwd_bwd = get_forward_backward_func()
-        self.prof = StepProfiler(self.s.profile_step, self.s.output_dir, self.dist.rank, self.device.type)
+        self.prof = StepProfiler(self.s.common.train.profile_step, self.s.common.output_dir, self.dist.rank, self.device.type)
 
         def sync() -> None:
             self.acc.synchronize(self.device)
@@ -94,10 +94,10 @@ class Trainer:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         if not dist.is_initialized():
-            dist.init_process_group(backend=self.s.dist_backend)
+            dist.init_process_group(backend=self.s.common.dist_backend)
         lay = self.s.layout
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp)
-        model_parallel_cuda_manual_seed(self.s.seed)
+        model_parallel_cuda_manual_seed(self.s.common.train.seed)
         self.ps = parallel_state
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -117,7 +117,9 @@ class Trainer:
         self.tconfig = modeling.transformer_config(s)
         # before the model: megatron's linear layers check for the fused path when built
         self.wgrad_accumulation = (
-            kernels.install_wgrad_accumulation(self.device, modeling.DTYPES[s.precision]) if lay.gradient_accumulation_fusion else "off"
+            kernels.install_wgrad_accumulation(self.device, modeling.DTYPES[s.common.train.precision])
+            if lay.gradient_accumulation_fusion
+            else "off"
         )
         model = modeling.build_model(s, self.tconfig)  # on the device (use_cpu_initialization=False)
         # every layout starts from the TP1/PP1 model's weights; written before Float16Module,
@@ -126,10 +128,10 @@ class Trainer:
         if self.tp_rank == 0 and self.dp_rank == 0:  # one record per pipeline stage
             self.log.info("start_weights", {**init, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
         self.params_exact = self._exact_params(model)
-        if s.precision in ("bf16", "fp16"):
+        if s.common.train.precision in ("bf16", "fp16"):
             model = Float16Module(self.tconfig, model)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=s.precision != "fp32",
+            grad_reduce_in_fp32=s.common.train.precision != "fp32",
             overlap_grad_reduce=lay.overlap_grad_reduce,
             overlap_param_gather=lay.overlap_param_gather,
             use_distributed_optimizer=lay.distributed_optimizer,
@@ -144,16 +146,16 @@ class Trainer:
             self.tconfig.param_sync_func = self.model.start_param_sync
         opt_kw = dict(
             optimizer="adam",
-            lr=s.lr,
-            min_lr=s.min_lr,
-            weight_decay=s.weight_decay,
-            adam_beta1=s.adam_beta1,
-            adam_beta2=s.adam_beta2,
-            adam_eps=s.adam_eps,
-            clip_grad=s.clip_grad,
-            bf16=s.precision == "bf16",
-            fp16=s.precision == "fp16",
-            params_dtype=modeling.DTYPES[s.precision],
+            lr=s.common.train.lr,
+            min_lr=s.common.train.min_lr,
+            weight_decay=s.common.train.weight_decay,
+            adam_beta1=s.common.train.adam_beta1,
+            adam_beta2=s.common.train.adam_beta2,
+            adam_eps=s.common.train.adam_eps,
+            clip_grad=s.common.train.clip_grad,
+            bf16=s.common.train.precision == "bf16",
+            fp16=s.common.train.precision == "fp16",
+            params_dtype=modeling.DTYPES[s.common.train.precision],
             use_distributed_optimizer=lay.distributed_optimizer,
             overlap_param_gather=lay.overlap_param_gather,
         )
@@ -165,14 +167,14 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
-            max_lr=s.lr,
-            min_lr=s.min_lr,
-            lr_warmup_steps=s.lr_warmup_steps,
-            lr_decay_steps=s.lr_decay_steps,
+            max_lr=s.common.train.lr,
+            min_lr=s.common.train.min_lr,
+            lr_warmup_steps=s.common.train.lr_warmup_steps,
+            lr_decay_steps=s.common.train.lr_decay_steps,
             lr_decay_style="cosine",
-            start_wd=s.weight_decay,
-            end_wd=s.weight_decay,
-            wd_incr_steps=s.steps,
+            start_wd=s.common.train.weight_decay,
+            end_wd=s.common.train.weight_decay,
+            wd_incr_steps=s.common.train.steps,
             wd_incr_style="constant",
         )
 
@@ -227,11 +229,11 @@ class Trainer:
         if not self.reporting:
             return
         self.log.meta(
-            model=s.model_name,
+            model=s.common.model_name,
             framework="megatron",
             framework_version=modeling.framework_version(),
             params_exact=self.params_exact,
-            params_nominal=s.params_nominal,
+            params_nominal=s.common.params_nominal,
             num_layers=sh.num_layers,
             hidden_size=sh.hidden_size,
             ffn_hidden_size=sh.ffn_hidden_size,
@@ -239,8 +241,8 @@ class Trainer:
             num_kv_groups=sh.num_kv_groups,
             seq_length=sh.seq_length,
             vocab_size=sh.vocab_size,
-            global_batch=s.global_batch,
-            precision=s.precision,
+            global_batch=s.common.train.global_batch,
+            precision=s.common.train.precision,
             parallel=dict(
                 tp=lay.tp,
                 pp=lay.pp,
@@ -265,14 +267,14 @@ class Trainer:
                 grad_clip_kernel=self.grad_clip_kernel,
                 wgrad_accumulation=self.wgrad_accumulation,
                 tp_comm_overlap=lay.tp_comm_overlap,
-                tp_comm_path=tp_gemm_comm.path(s.device) if lay.tp_comm_overlap == "symm_mem" else None,
+                tp_comm_path=tp_gemm_comm.path(s.common.device) if lay.tp_comm_overlap == "symm_mem" else None,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
             ),
-            world_size=s.world_size,
-            steps=s.steps,
-            config_name=s.config_name,
-            device=s.device,
+            world_size=s.common.world_size,
+            steps=s.common.train.steps,
+            config_name=s.common.config_name,
+            device=s.common.device,
             visible_devices=runtime.visible_devices(self.cfg.get("vendor") or {}),
             allocator=runtime.allocator_options(self.cfg.get("vendor") or {}),
             environment=runtime.recorded_env(self.cfg.get("vendor") or {}),
@@ -318,13 +320,13 @@ class Trainer:
                 self.log.step(
                     step,
                     loss,
-                    s.global_batch * s.shape.seq_length,
+                    s.common.train.global_batch * s.shape.seq_length,
                     step_time,
                     lr,
                     data_s=clock.data_s,
                     grad_norm=None if grad_norm is None else float(grad_norm),
                     skipped=not ok,
-                    **({"profiled": True} if step == s.profile_step else {}),
+                    **({"profiled": True} if step == s.common.train.profile_step else {}),
                 )
 
     def finish(self) -> None:

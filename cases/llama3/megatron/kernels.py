@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cases.llama3.megatron import mcore_patches
 from training import fused, gemm
 
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
@@ -479,43 +480,27 @@ def qkv_rope(mixed_qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tens
     return QKVRoPE.apply(mixed_qkv, cos, sin, q_width, k_width)
 
 
-_MEGATRON_ROPE: dict[str, Any] = {}
-
-
 def install_rope(mode: str, config: Any) -> None:
     """Route megatron's RoPE as ``parallel.fused_rope`` says, and only so (a model built before
     with another mode in this process is routed back): ``compile`` swaps the unfused
     ``rope_utils._apply_rotary_pos_emb_bshd`` (every layer's query and key) for
     :func:`compiled_rope`; ``qkv`` makes :func:`qkv_rope` the attention module's
     ``apply_fused_qkv_rotary_pos_emb``, which megatron calls where ``config.fused_single_qkv_rope``
-    is set (modeling.transformer_config sets it for ``qkv``). Both megatron-core 0.16 and 0.19 look
-    these names up in their modules when they call them."""
-    from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.transformer import attention
-
-    for module, name in ((rope_utils, "_apply_rotary_pos_emb_bshd"), (attention, "HAVE_FUSED_QKV_ROPE")):
-        if not hasattr(module, name):
-            raise RuntimeError(f"parallel.fused_rope: this megatron-core has no {module.__name__}.{name}")
-    if not _MEGATRON_ROPE:
-        _MEGATRON_ROPE.update(
-            bshd=rope_utils._apply_rotary_pos_emb_bshd,
-            have_qkv=attention.HAVE_FUSED_QKV_ROPE,
-            qkv=getattr(attention, "apply_fused_qkv_rotary_pos_emb", None),
-        )
-    rope_utils._apply_rotary_pos_emb_bshd = compiled_rope if mode == "compile" else _MEGATRON_ROPE["bshd"]
+    is set (modeling.transformer_config sets it for ``qkv``). Megatron looks these names up in its
+    modules when it calls them; both replacements go through mcore_patches (its version guard)."""
     if mode == "qkv":
         if getattr(config, "rotary_interleaved", False) or getattr(config, "multi_latent_attention", False):
             raise ValueError("parallel.fused_rope: qkv covers the non-interleaved RoPE of Llama only")
         if not getattr(config, "fused_single_qkv_rope", False):
             raise ValueError("parallel.fused_rope: qkv needs config.fused_single_qkv_rope, which routes megatron's attention through it")
-        attention.HAVE_FUSED_QKV_ROPE, attention.apply_fused_qkv_rotary_pos_emb = True, qkv_rope
+    if mode == "compile":
+        mcore_patches.replace("rope_compile", _apply_rotary_pos_emb_bshd=compiled_rope)
     else:
-        attention.HAVE_FUSED_QKV_ROPE = _MEGATRON_ROPE["have_qkv"]
-        if _MEGATRON_ROPE["qkv"] is None:
-            if hasattr(attention, "apply_fused_qkv_rotary_pos_emb"):
-                del attention.apply_fused_qkv_rotary_pos_emb
-        else:
-            attention.apply_fused_qkv_rotary_pos_emb = _MEGATRON_ROPE["qkv"]
+        mcore_patches.restore("rope_compile")
+    if mode == "qkv":
+        mcore_patches.replace("rope_qkv", HAVE_FUSED_QKV_ROPE=True, apply_fused_qkv_rotary_pos_emb=qkv_rope)
+    else:
+        mcore_patches.restore("rope_qkv")
 
 
 # -- fused output layer + cross-entropy ----------------------------------------------------
@@ -667,8 +652,7 @@ def install_wgrad_accumulation(device: torch.device, dtype: torch.dtype) -> str:
             f"GEMMs write float32 from {dtype} (torch.addmm with out_dtype, torch >= 2.8; this is {torch.__version__}) "
             "is here; set parallel.gradient_accumulation_fusion: false"
         )
-    layers.fused_weight_gradient_mlp_cuda = _WgradAccumulation
-    layers._grad_accum_fusion_available = True
+    mcore_patches.replace("wgrad_accumulation", fused_weight_gradient_mlp_cuda=_WgradAccumulation, _grad_accum_fusion_available=True)
     return "torch addmm into main_grad"
 
 
@@ -678,8 +662,6 @@ def install_wgrad_accumulation(device: torch.device, dtype: torch.dtype) -> str:
 # tensor (a product into a new tensor, then a copy: two passes over every gradient). The switch
 # hands megatron's clip module what ``torch.nn.utils.clip_grad_norm_`` runs: one multi-tensor norm
 # kept on the device and one multi-tensor in-place product.
-
-_MEGATRON_CLIP: dict[str, Any] = {}
 
 
 def foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any) -> tuple:
@@ -714,19 +696,12 @@ def install_grad_clip(on: bool) -> str:
     and :func:`foreach_scale` where it holds megatron's own per-tensor fallbacks, or back to those
     when ``on`` is false. Where apex or TransformerEngine gave it their fused kernels those stay.
     Returns the implementation in use (run_meta's ``grad_clip_kernel``)."""
-    from megatron.core.optimizer import clip_grads
-
-    for name in ("l2_norm_impl", "multi_tensor_scale_impl"):
-        if not hasattr(clip_grads, name):
-            raise RuntimeError(f"parallel.fused_grad_clip: this megatron-core has no optimizer.clip_grads.{name}")
-    if not _MEGATRON_CLIP:
-        _MEGATRON_CLIP.update(norm=clip_grads.l2_norm_impl, scale=clip_grads.multi_tensor_scale_impl)
-    norm, scale = _MEGATRON_CLIP["norm"], _MEGATRON_CLIP["scale"]
+    norm = mcore_patches.original("grad_clip", "l2_norm_impl")
     fallback = getattr(norm, "__module__", "") == "megatron.core.utils"
     if on and fallback:
-        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
+        mcore_patches.replace("grad_clip", l2_norm_impl=foreach_l2_norm, multi_tensor_scale_impl=foreach_scale)
         return "torch foreach (norm on the device, scaling in place)"
-    clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = norm, scale
+    mcore_patches.restore("grad_clip")
     return "megatron per-tensor" if fallback else f"{getattr(norm, '__module__', '?')} multi-tensor"
 
 

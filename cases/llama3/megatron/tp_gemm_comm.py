@@ -30,6 +30,8 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel import layers as megatron_layers
 
+from cases.llama3.megatron import mcore_patches
+
 _READY: set[str] = set()
 
 
@@ -204,6 +206,7 @@ class GatherColumnParallelLinear(ColumnParallelLinear):
     """megatron's ColumnParallelLinear with its input's sequence gather inside the GEMM."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        mcore_patches.use("symm_mem_linears")  # overrides megatron's forward: its version guard
         super().__init__(*args, **kwargs)
         _check(self)
         if self.gather_output:
@@ -219,6 +222,7 @@ class ReduceScatterRowParallelLinear(RowParallelLinear):
     """megatron's RowParallelLinear with its output's reduce-scatter inside the GEMM."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        mcore_patches.use("symm_mem_linears")  # overrides megatron's forward: its version guard
         super().__init__(*args, **kwargs)
         _check(self)
         if not self.input_is_parallel:

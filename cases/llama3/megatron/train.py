@@ -223,7 +223,7 @@ class Trainer:
     def emit_meta(self) -> None:
         import torch
 
-        from cases.llama3.megatron import modeling, tp_gemm_comm
+        from cases.llama3.megatron import mcore_patches, modeling, tp_gemm_comm
 
         s, lay, sh = self.s, self.s.layout, self.s.shape
         if not self.reporting:
@@ -279,6 +279,7 @@ class Trainer:
             allocator=runtime.allocator_options(self.cfg.get("vendor") or {}),
             environment=runtime.recorded_env(self.cfg.get("vendor") or {}),
             torch_version=torch.__version__,
+            megatron_patches=mcore_patches.applied(),
             data=self.data_desc,
             **{K_KERNEL_CEILING: self.ceiling},
         )

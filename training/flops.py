@@ -6,6 +6,11 @@
          token, N the exact parameter count without the input embedding
          table, L layers, H heads, Q head size, T sequence length.
 
+Mixture-of-experts decoders (``num_experts`` > 0 in the shape): every token passes the router
+and ``moe_top_k`` of the experts, so the FLOPs count the *active* parameters (the 6N
+convention takes ``params_active_nominal`` from case.yaml where given, else the exact active
+count), while memory (training/memory.py) holds *all* of them (``params_exact``).
+
 Standard library only: imported by cases inside every framework environment
 and by the host side.
 """
@@ -31,6 +36,13 @@ class DecoderShape:
     bias: bool = False  # linear biases (GPT-3 has them)
     norm: str = "rmsnorm"  # rmsnorm: weight only; layernorm: weight + bias
     learned_positions: bool = False  # GPT-3's position embedding table
+    num_experts: int = 0  # > 0: each layer's MLP is that many experts behind a router (no bias)
+    moe_top_k: int = 0  # experts each token passes (1 .. num_experts)
+    moe_ffn_hidden_size: int | None = None  # an expert's FFN width (None: ffn_hidden_size)
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
+            raise ValueError(f"moe_top_k must be 1..num_experts ({self.num_experts}), got {self.moe_top_k}")
 
     @property
     def head_dim(self) -> int:
@@ -48,14 +60,22 @@ def param_counts(s: DecoderShape) -> dict[str, int]:
     attn = h * h + 2 * h * kv + h * h  # q, k, v, o
     if s.bias:
         attn += h + 2 * kv + h
-    mlp = (3 if s.gated_mlp else 2) * h * s.ffn_hidden_size
+    ffn = (s.moe_ffn_hidden_size or s.ffn_hidden_size) if s.num_experts else s.ffn_hidden_size
+    mlp = (3 if s.gated_mlp else 2) * h * ffn
     if s.bias:
-        mlp += s.ffn_hidden_size * (2 if s.gated_mlp else 1) + h
+        mlp += ffn * (2 if s.gated_mlp else 1) + h
+    experts, idle = 0, 0  # per layer: all experts' parameters; those a token does not pass
+    if s.num_experts:
+        experts, idle = s.num_experts * mlp, (s.num_experts - s.moe_top_k) * mlp
+        mlp = h * s.num_experts + experts  # the router, then the experts
     layer = attn + mlp + 2 * norm_params
     embedding = s.vocab_size * h
     positions = s.seq_length * h if s.learned_positions else 0
     output = 0 if s.tied_embeddings else s.vocab_size * h
     total = embedding + positions + s.num_layers * layer + norm_params + output
+    # PaLM counts the output projection (a matmul per token) but not the
+    # input lookup table, which costs no matmul FLOPs.
+    non_embedding = total - embedding - positions + (embedding if s.tied_embeddings else 0)
     return {
         "embedding": embedding,
         "positions": positions,
@@ -64,9 +84,10 @@ def param_counts(s: DecoderShape) -> dict[str, int]:
         "final_norm": norm_params,
         "output": output,
         "total": total,
-        # PaLM counts the output projection (a matmul per token) but not the
-        # input lookup table, which costs no matmul FLOPs.
-        "non_embedding": total - embedding - positions + (embedding if s.tied_embeddings else 0),
+        "experts": s.num_layers * experts,
+        "active": total - s.num_layers * idle,  # what one token passes through
+        "non_embedding": non_embedding,
+        "non_embedding_active": non_embedding - s.num_layers * idle,
     }
 
 
@@ -79,7 +100,7 @@ def attention_flops_per_token_palm(num_layers: int, num_heads: int, head_dim: in
 
 
 def flops_per_token_palm(s: DecoderShape) -> float:
-    n = param_counts(s)["non_embedding"]
+    n = param_counts(s)["non_embedding_active"]
     return 6.0 * n + attention_flops_per_token_palm(s.num_layers, s.num_heads, s.head_dim, s.seq_length)
 
 
@@ -102,12 +123,19 @@ def decoder_flops(model: dict, phase: str = "train") -> dict:
     """The counter named ``decoder`` in case.yaml: a decoder-only LM.
 
     ``model`` is the case.yaml ``models.<name>`` mapping (``shape`` and
-    ``params_nominal``).  Every counter returns these four keys.
+    ``params_nominal``; for experts also ``params_active_nominal``).  Every counter
+    returns the first four keys; a mixture of experts adds ``params_active``, which
+    its 6N FLOPs count instead of ``params_nominal``.
     """
     s = decoder_shape(model["shape"])
-    return {
-        "params_exact": param_counts(s)["total"],
+    counts = param_counts(s)
+    out = {
+        "params_exact": counts["total"],
         "params_nominal": float(model["params_nominal"]),
         "flops_per_token_6n": flops_per_token_6n(float(model["params_nominal"])),
         "flops_per_token_palm": flops_per_token_palm(s),
     }
+    if s.num_experts:
+        active = float(model.get("params_active_nominal") or counts["active"])
+        out.update(params_active=counts["active"], params_experts=counts["experts"], flops_per_token_6n=flops_per_token_6n(active))
+    return out

@@ -57,15 +57,31 @@ def megatron_states(counts: dict[str, Any], parallel: dict[str, Any], world: int
     ``optimizer_offload_fraction`` of them) to the host, where each offloaded parameter also has
     an fp32 copy of its master weight and of its gradient for the host's step (16 bytes in all;
     8.03e9 parameters at fraction 1.0 peaked at 124.2 of 125.9 GiB, killed; at 0.5 ran); the
-    device keeps its master weights."""
-    tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    device keeps its master weights.
+
+    A mixture of experts (``params_experts`` in the counts, training.flops) holds all its
+    experts, not only the active ones: they split over ``parallel.ep`` expert-parallel ranks
+    too, and the distributed optimizer shards their states over the dp / ep ranks that hold
+    the same experts."""
+    tp, pp, ep = int(parallel.get("tp", 1)), int(parallel.get("pp", 1)), int(parallel.get("ep", 1))
     dp = max(1, world // (tp * pp))
     p, t = _trainable(counts)
-    p, t = p / (tp * pp), t / (tp * pp)
-    shard = dp if parallel.get("distributed_optimizer", True) else 1
-    moments = 8 * t / shard
+    experts = float(counts.get("params_experts", 0.0))
+    distributed = parallel.get("distributed_optimizer", True)
     frac = float(parallel.get("optimizer_offload_fraction", 1.0)) if parallel.get("optimizer_cpu_offload") else 0.0
-    device = 2 * p + 4 * t + 4 * t / shard + moments * (1 - frac)
-    host = (moments + 8 * t / shard) * frac  # moments, fp32 master and gradient copies
-    basis = f"TP{tp} PP{pp} DP{dp}, {p:.3g} params per rank" + (", moments on the host" if frac else "")
-    return {"device_bytes": device, "host_bytes_per_node": host * per_node, "basis": basis}
+
+    def states(params: float, trained: float, shard: int) -> tuple[float, float]:
+        """(device, host) bytes of ``params`` on this rank, optimizer states over ``shard`` ranks."""
+        shard = shard if distributed else 1
+        moments = 8 * trained / shard
+        device = 2 * params + 4 * trained + 4 * trained / shard + moments * (1 - frac)
+        return device, (moments + 8 * trained / shard) * frac  # moments, fp32 master and gradient copies
+
+    dense = states((p - experts) / (tp * pp), (t - experts) / (tp * pp), dp)
+    expert = states(experts / (tp * pp * ep), experts / (tp * pp * ep), max(1, dp // ep)) if experts else (0.0, 0.0)
+    basis = f"TP{tp} PP{pp} DP{dp}, {p / (tp * pp):.3g} params per rank"
+    if experts:
+        basis = f"TP{tp} PP{pp} DP{dp} EP{ep}, {(p - experts) / (tp * pp) + experts / (tp * pp * ep):.3g} params per rank ({experts:.3g} in experts)"
+    if frac:
+        basis += ", moments on the host"
+    return {"device_bytes": dense[0] + expert[0], "host_bytes_per_node": (dense[1] + expert[1]) * per_node, "basis": basis}

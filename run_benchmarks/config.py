@@ -62,6 +62,7 @@ class SSHConfig(Strict):
     accept_new_host_keys: bool = False  # explicit opt-in, never silent
     connect_timeout_s: float = Field(10.0, gt=0)
     command_timeout_s: float = Field(60.0, gt=0)
+    lost_after_s: float = Field(30.0, ge=3)  # a host silent this long is lost, in every phase
 
     @field_validator("user")
     @classmethod
@@ -460,8 +461,12 @@ def _problem(model: type[BaseModel], err: Any, source: str) -> str:
         msg = "unknown field" + (f"; expected one of: {', '.join(names)}" if names else "")
     else:
         got = err.get("input")
-        got_txt = "" if isinstance(got, dict) or err["type"] == "missing" else f", got {got!r}"
-        msg = err["msg"].removeprefix("Value error, ") + got_txt
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            where = f"under '{field_path(err['loc'][:-1])}'" if len(err["loc"]) > 1 else "at the top level"
+            msg = f"Field required; add '{err['loc'][-1]}: <value>' {where}"
+        elif not isinstance(got, dict) and f"got {got!r}" not in msg:  # a validator's own message names it
+            msg += f", got {got!r}"
     return f"{source}: field '{field_path(err['loc'])}': {msg}"
 
 

@@ -213,7 +213,8 @@ def fairness_check(values: dict[str, Any], case: CaseConfig, standard: dict[str,
             raise InputError(
                 f"{source}: parameter '{path}' may not be changed by a vendor for this case (allowed: {', '.join(case.vendor_may_change)})"
             )
-        overrides.append({"param": path, "value": value, "standard": get_path(standard, path)})
+        if value != get_path(standard, path):  # a value equal to the standard overrides nothing
+            overrides.append({"param": path, "value": value, "standard": get_path(standard, path)})
     return overrides
 
 

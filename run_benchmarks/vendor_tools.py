@@ -28,7 +28,7 @@ import yaml
 from run_benchmarks import plan as planning
 from run_benchmarks import registry
 from run_benchmarks.casename import CaseName, check_name
-from run_benchmarks.config import VendorConfig, load
+from run_benchmarks.config import VendorCaseConfig, VendorConfig, load
 from run_benchmarks.config import problems as config_problems
 from run_benchmarks.errors import InputError
 
@@ -97,6 +97,16 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
         frameworks_used.add(framework)
         if m["hw"] not in vendor.chips:
             problems.append(f"{cfg_file}: chip {m['hw']!r} is not in {vfile} chips ({', '.join(vendor.chips)})")
+            continue
+        listed = config_problems(VendorCaseConfig, cfg_file)
+        if listed:
+            problems += listed
+            continue
+        changed = registry.flatten(registry.load_vendor_case(cfg_file).values())
+        barred = [p for p in sorted(changed) if not registry.allowed(p, entry.config.vendor_may_change)]
+        if barred:  # each at once; the checks below need a fair config
+            allowed = ", ".join(entry.config.vendor_may_change)
+            problems += [f"{cfg_file}: parameter '{p}' may not be changed by a vendor for this case (allowed: {allowed})" for p in barred]
             continue
         try:
             # the resolution every run of this config goes through: fairness, layout, memory

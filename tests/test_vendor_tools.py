@@ -155,3 +155,38 @@ def test_the_cases_own_settings_check_runs_before_launch(tmp_path):
     assert proc.returncode == 2 and "config_H200x1x4.yaml with --set parallel.sequence_parallel=false: parallel.tp_comm_overlap" in (
         proc.stdout + proc.stderr
     ), proc.stdout + proc.stderr
+
+
+def test_check_lists_every_problem_of_a_config_each_worded_once(tmp_path):
+    vendors, v = _copy_vendor(tmp_path)
+    cfgs = v / "cases" / "llama3_8b" / "megatron"
+    (cfgs / "config_H100x1x8_TWO.yaml").write_text("model: {hidden_size: 1024}\ntrain: {seq_length: 9, micro_batch: 1}\n")
+    vy = yaml.safe_load((v / "vendor.yaml").read_text())
+    vy["monitor"] = "npu-smi"
+    del vy["chips"]["A100"]["source"], vy["device"]
+    (v / "vendor.yaml").write_text(yaml.safe_dump(vy))
+    text = "\n".join(vendor_tools.check_vendor("nvidia", vendors_dir=vendors))
+    assert "field 'monitor': must be one of nvml, ixsmi, none or a vendor's 'module:function', got 'npu-smi'\n" in text + "\n"
+    assert text.count("got 'npu-smi'") == 1, text
+    assert "field 'device': Field required; add 'device: <value>' at the top level" in text
+    assert "field 'chips.A100.source': Field required; add 'source: <value>' under 'chips.A100'" in text
+    vy.update(monitor="none", device="cuda")
+    vy["chips"]["A100"]["source"] = "datasheet"
+    (v / "vendor.yaml").write_text(yaml.safe_dump(vy))
+    problems = vendor_tools.check_vendor("nvidia", vendors_dir=vendors)
+    two = [p for p in problems if "config_H100x1x8_TWO.yaml" in p]
+    assert len(two) == 2 and "'model.hidden_size'" in two[0] and "'train.seq_length'" in two[1], problems
+
+
+def test_values_equal_to_the_standard_are_no_overrides(tmp_path):
+    vendors, v = _copy_vendor(tmp_path)
+    cfg = v / "cases" / "llama3_8b" / "megatron" / "config_H100x1x8.yaml"
+    entry = registry.find_case(CaseName.parse("llama3_8b:megatron:H100:1:8"))
+    standard = registry.standard_settings(entry.config, "llama3_8b")
+    cfg.write_text(yaml.safe_dump({"train": {"micro_batch": standard["train"]["micro_batch"]}, "parallel": {"tp": 2}}))
+    from run_benchmarks import plan as planning
+    from run_benchmarks.config import VendorConfig, load
+
+    vendor = load(VendorConfig, v / "vendor.yaml")
+    r = planning.resolve(CaseName.parse("llama3_8b:megatron:H100:1:8"), vendor, entry, cfg)
+    assert [o["param"] for o in r.overrides] == ["parallel.tp"]

@@ -1,7 +1,11 @@
 """SSH to benchmark hosts: one reused connection per host, strict host keys, bounded calls.
 
 ``SSHPool`` opens one paramiko ``Transport`` per host (in parallel), on a socket we create
-with ``TCP_NODELAY`` (without it every exec pays ~45 ms of Nagle + delayed ACK). Host keys
+with ``TCP_NODELAY`` (without it every exec pays ~45 ms of Nagle + delayed ACK). A host
+that stops answering (down, or dropping packets) is lost within ``lost_after`` seconds on
+every call, whatever that call's own timeout: the transport sends a keepalive every third
+of it and the kernel drops a connection whose data stays unacknowledged that long
+(``TCP_USER_TIMEOUT``), which closes every channel on it. Host keys
 are checked against a known_hosts file; an unknown key is accepted only when
 ``accept_new_host_keys=True`` is passed, and it is then written to that file. Only key
 authentication is used (the SSH agent only with ``allow_agent=True``).
@@ -18,6 +22,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import hashlib
+import logging
 import os
 import shlex
 import socket
@@ -40,6 +45,11 @@ from .errors import (
 )
 from .process import PGID_MARK, RemoteProcess, _pump, _split_marker, remote_command
 from .transfer import TransferMixin, TransferStats
+
+# paramiko logs a lost connection's late packets ("Success for unrequested channel") and
+# its own tracebacks; the errors raised here name the host and the cause instead
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,17 @@ class Result:
         return self
 
 
+def _bound_silence(sock: socket.socket, seconds: float) -> None:
+    """Have the kernel drop the connection once sent data stays unacknowledged, or an idle
+    peer answers no probe, for ``seconds``."""
+    probe = max(1, int(seconds / 3))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, probe)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, probe)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(seconds * 1000))
+
+
 def fingerprint(key: paramiko.PKey) -> str:
     """OpenSSH-style SHA256 fingerprint of a public key."""
     digest = hashlib.sha256(key.asbytes()).digest()
@@ -102,7 +123,7 @@ class SSHPool(TransferMixin):
         accept_new_host_keys: bool = False,
         allow_agent: bool = False,
         connect_timeout: float = 10.0,
-        keepalive: int = 30,
+        lost_after: float = 30.0,
     ) -> None:
         self.hosts: dict[str, HostSpec] = {}
         for spec in hosts:
@@ -112,7 +133,7 @@ class SSHPool(TransferMixin):
         self.accept_new_host_keys = accept_new_host_keys
         self.allow_agent = allow_agent
         self.connect_timeout = connect_timeout
-        self.keepalive = keepalive
+        self.lost_after = lost_after
         self._conns: dict[str, paramiko.Transport] = {}
         self._host_locks = {name: threading.Lock() for name in self.hosts}
         self._known_hosts_lock = threading.Lock()
@@ -164,7 +185,7 @@ class SSHPool(TransferMixin):
         except OSError as e:
             raise HostUnreachable(spec.name, f"cannot connect to {spec.address}:{spec.port}: {e.strerror or e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        _bound_silence(sock, self.lost_after)
         transport = paramiko.Transport(sock)
         transport.banner_timeout = timeout
         transport.handshake_timeout = timeout
@@ -182,7 +203,7 @@ class SSHPool(TransferMixin):
                 raise HostUnreachable(spec.name, f"SSH handshake failed: {e}") from e
             self._check_host_key(spec, transport.get_remote_server_key(), known)
             self._authenticate(spec, transport)
-            transport.set_keepalive(self.keepalive)
+            transport.set_keepalive(max(1, int(self.lost_after / 3)))
             return transport
         except BaseException:
             transport.close()
@@ -310,8 +331,8 @@ class SSHPool(TransferMixin):
         chan.status_event.wait(1.0)
         rc = chan.exit_status
         chan.close()
-        if not chan.exit_status_ready() and not chan.get_transport().is_active():
-            raise HostUnreachable(spec.name, f"connection lost running {argv[0]}")
+        if rc == -1 and not chan.get_transport().is_active():  # closed with the connection, no status
+            raise HostUnreachable(spec.name, f"connection lost running {argv[0]} (no answer for {self.lost_after:g}s)")
         result = Result(
             rc=rc,
             stdout=out.decode("utf-8", "replace"),

@@ -176,6 +176,7 @@ class SSHRuntime(Runtime):
             self._host_specs(),
             accept_new_host_keys=self.cluster.ssh.accept_new_host_keys,
             connect_timeout=self.cluster.ssh.connect_timeout_s,
+            lost_after=self.cluster.ssh.lost_after_s,
         )
         self.pool.connect()
         if run_id:

@@ -312,7 +312,7 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         return 2
     stop = None
     try:
-        with stop_on_signals() as stop:  # SIGTERM / SIGHUP tear down as Ctrl-C does
+        with stop_on_signals(left_behind=runtime.left_behind) as stop:  # SIGTERM / SIGHUP tear down as Ctrl-C does
             res = orchestrator.run(plan, runtime, console, t0)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +92,10 @@ class Runtime:
         """Tear everything down; safe to call more than once, and after a stop signal
         interrupted any other call (``stop_on_signals``)."""
 
+    def left_behind(self) -> list[str]:
+        """What the run may leave if its teardown is cut short, one line per host."""
+        return []
+
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -107,19 +112,28 @@ class Stop:
 
 
 @contextlib.contextmanager
-def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[Stop]:
+def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS, left_behind: Callable[[], list[str]] | None = None) -> Iterator[Stop]:
     """Within: SIGTERM and SIGHUP (a kill, a closed terminal, a scheduler's stop) end the run
     as Ctrl-C does: ``KeyboardInterrupt`` in the main thread, so every ``finally`` and each
     runtime's teardown (containers removed, remote processes stopped, Slurm jobs cancelled)
-    runs. Only the first signal interrupts; later ones, while that teardown runs, are
-    reported and ignored, so that a second Ctrl-C or a repeated kill cannot cut it short.
+    runs. A second signal, while that teardown runs, ends the process at once with the
+    first signal's exit status, saying what may be left on which host (``left_behind``).
     The previous handlers come back on exit."""
     stop = Stop()
 
     def handler(signum: int, _frame: object) -> None:
         if stop.signum is not None:
-            print(f"{signal.Signals(signum).name}: already stopping; removing what the run started", file=sys.stderr, flush=True)
-            return
+            lines = []
+            try:
+                lines = left_behind() if left_behind else []
+            except Exception:
+                pass
+            name = signal.Signals(signum).name
+            print(f"{name} again: stopped without finishing the teardown", file=sys.stderr)
+            for line in lines:
+                print(f"  may be left: {line}", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(stop.exit_status)
         stop.signum = signum
         raise KeyboardInterrupt(signal.Signals(signum).name)
 

@@ -267,6 +267,10 @@ class LocalRuntime(Runtime):
                 fh.close()
         return outcomes
 
+    def left_behind(self) -> list[str]:
+        pids = [str(p.pid) for p in self.procs if p.poll() is None]
+        return [f"this host: the round's process groups {', '.join(pids)}"] if pids else []
+
     def cleanup(self) -> None:
         for proc in self.procs:
             kill_group(proc, grace=2.0)

@@ -590,6 +590,17 @@ class SSHRuntime(Runtime):
             "leftovers_removed": list(self.notes),
         }
 
+    def left_behind(self) -> list[str]:
+        """Each host the run reached: what of it may be there still, and how to remove it."""
+        from run_benchmarks.remote.leftovers import RUN_MARK
+
+        what = "containers" if self.containerized else "processes"
+        return [
+            f"{h.name}: {what} marked {RUN_MARK}={self.run_id} (the next run there or start_task.py "
+            f"--cluster FILE --cleanup removes them), the folder {self.work(h) / 'runs' / str(self.run_id)}"
+            for h in (self.hosts if self.run_id else [])
+        ]
+
     def cleanup(self) -> None:
         """Stop this run's nodes, remove its containers, free the hosts' locks, close the connections.
 

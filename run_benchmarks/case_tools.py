@@ -2,19 +2,20 @@
 
     python -m run_benchmarks.case_tools scaffold-case gpt2 deepspeed --model gpt2_tiny
 
-writes, from the templates in run_benchmarks/case_templates/<framework>/:
+writes, from the templates in run_benchmarks/case_templates/<framework>/ (and common/):
 
     cases/<family>/<framework>/case.yaml     models (the tiny shape), standard settings, whitelist
     cases/<family>/<framework>/settings.py   the case's own keys on training/settings.py
-    cases/<family>/<framework>/model.py      a GPT-2-style decoder in plain torch
-    cases/<family>/<framework>/train.py      the lifecycle of training/case.py on the DeepSpeed loop
+    cases/<family>/<framework>/model.py      the model in the framework's plain modules (deepspeed, paddle)
+    cases/<family>/<framework>/train.py      the lifecycle of training/case.py
     vendors/cpu/cases/<model>/<framework>/config_cpux1x2.yaml
     tests/test_<family>_<framework>_case.py  the run judged against its reference curve
 
 and prints how to run it and record its first reference curve (docs/adding-a-case.md).
-DeepSpeed is the framework with a template; the megatron and paddle cases
-(cases/llama3/megatron, cases/gpt3/paddle) are the examples for theirs. Bad input (a
-name that is not a Python identifier, a case or model that exists) is one line and
+Templates: deepspeed (a GPT-2-style decoder in torch on training/deepspeed_loop.py),
+megatron (a Llama-style decoder as megatron-core's GPTModel) and paddle (a GPT-2-style
+decoder in paddle.nn, data parallel under fleet). Bad input (a name that is not a Python
+identifier, a framework without a template, a case or model that exists) is one line and
 exit status 2; nothing is written then.
 """
 
@@ -26,6 +27,8 @@ import re
 import sys
 from pathlib import Path
 
+import yaml
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -34,20 +37,11 @@ from run_benchmarks.errors import InputError
 from training import flops
 
 TEMPLATES = Path(__file__).resolve().parent / "case_templates"
-FRAMEWORKS = ("deepspeed",)
-#: the template model's shape (case.yaml.tmpl), for its exact parameter count
-TINY_SHAPE = {
-    "num_layers": 2,
-    "hidden_size": 64,
-    "ffn_hidden_size": 256,
-    "num_heads": 4,
-    "seq_length": 64,
-    "vocab_size": 512,
-    "gated_mlp": False,
-    "tied_embeddings": True,
-    "bias": True,
-    "norm": "layernorm",
-    "learned_positions": True,
+#: framework -> (its name in prose, the case files its template has)
+FRAMEWORKS = {
+    "deepspeed": ("DeepSpeed", ("case.yaml", "settings.py", "model.py", "train.py")),
+    "megatron": ("megatron-core", ("case.yaml", "settings.py", "train.py")),
+    "paddle": ("paddle", ("case.yaml", "settings.py", "model.py", "train.py")),
 }
 _IDENT = re.compile(r"[a-z][a-z0-9_]*\Z")
 
@@ -56,25 +50,39 @@ def _names(family: str, framework: str, model: str) -> None:
     if not _IDENT.match(family):
         raise InputError(f"family {family!r}: a case folder is a Python package name (lower case letters, digits, _)")
     if framework not in FRAMEWORKS:
-        raise InputError(
-            f"framework {framework!r}: scaffold-case has a template for {', '.join(FRAMEWORKS)}; "
-            "cases/llama3/megatron and cases/gpt3/paddle show megatron and paddle cases"
-        )
+        raise InputError(f"framework {framework!r}: scaffold-case has a template for {', '.join(FRAMEWORKS)}")
     if not _IDENT.match(model):
         raise InputError(f"model {model!r}: use lower case letters, digits and _ (it names folders and files)")
 
 
-def planned_files(family: str, framework: str, model: str, root: Path) -> dict[Path, str]:
-    """target path -> template name."""
+def template(framework: str, name: str) -> Path:
+    """The framework's own template of ``name``, else the common one."""
+    own = TEMPLATES / framework / f"{name}.tmpl"
+    return own if own.is_file() else TEMPLATES / "common" / f"{name}.tmpl"
+
+
+def planned_files(family: str, framework: str, model: str, root: Path) -> dict[Path, Path]:
+    """target path -> template."""
     case_dir = root / "cases" / family / framework
-    return {
-        case_dir / "case.yaml": "case.yaml.tmpl",
-        case_dir / "settings.py": "settings.py.tmpl",
-        case_dir / "model.py": "model.py.tmpl",
-        case_dir / "train.py": "train.py.tmpl",
-        registry.vendor_config_dir("cpu", model, framework, root / "vendors") / "config_cpux1x2.yaml": "vendor_config.yaml.tmpl",
-        root / "tests" / f"test_{family}_{framework}_case.py": "test_case.py.tmpl",
-    }
+    files = {case_dir / name: template(framework, name) for name in FRAMEWORKS[framework][1]}
+    files[registry.vendor_config_dir("cpu", model, framework, root / "vendors") / "config_cpux1x2.yaml"] = template(
+        framework, "vendor_config.yaml"
+    )
+    files[root / "tests" / f"test_{family}_{framework}_case.py"] = template(framework, "test_case.py")
+    return files
+
+
+def render(path: Path, values: dict[str, str]) -> str:
+    text = path.read_text()
+    for key, value in values.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text
+
+
+def exact_params(case_yaml: str, model: str) -> int:
+    """The parameter count of the template model's shape (training.flops)."""
+    shape = yaml.safe_load(case_yaml)["models"][model]["shape"]
+    return flops.param_counts(flops.decoder_shape(shape))["total"]
 
 
 def scaffold_case(family: str, framework: str, model: str, root: Path = registry.ROOT) -> list[Path]:
@@ -92,10 +100,13 @@ def scaffold_case(family: str, framework: str, model: str, root: Path = registry
             raise InputError(f"{path} exists")
     values = {
         "family": family,
+        "framework": framework,
+        "framework_name": FRAMEWORKS[framework][0],
         "model": model,
         "date": dt.date.today().isoformat(),
-        "params": f"{flops.param_counts(flops.decoder_shape(TINY_SHAPE))['total']:.4e}",
+        "params": "0",
     }
+    values["params"] = f"{exact_params(render(template(framework, 'case.yaml'), values), model):.4e}"
     written = []
     for package in (root / "cases" / family, case_dir):
         package.mkdir(parents=True, exist_ok=True)
@@ -103,12 +114,9 @@ def scaffold_case(family: str, framework: str, model: str, root: Path = registry
         if not init.exists():
             init.write_text("")
             written.append(init)
-    for path, template in files.items():
-        text = (TEMPLATES / framework / template).read_text()
-        for key, value in values.items():
-            text = text.replace("{{" + key + "}}", value)
+    for path, source in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        path.write_text(render(source, values))
         written.append(path)
     (case_dir / "reference" / model).mkdir(parents=True, exist_ok=True)
     return written

@@ -1,9 +1,10 @@
 """``python -m run_benchmarks.case_tools scaffold-case``: a case written from the templates runs
-end to end on the CPU. In a copy of the repository: scaffold a DeepSpeed case, run it through
-start_task.py (unjudged: no reference yet), record its first reference curve with
-``--record-reference``, then run the test the scaffold wrote, which runs the case again and
-needs its loss aligned with that curve. Bad names are refused with exit 2 and nothing is
-written."""
+end to end on the CPU, for each framework with a template (DeepSpeed, megatron-core, paddle).
+In a copy of the repository: scaffold the case, run it through start_task.py (unjudged: no
+reference yet), record its first reference curve with ``--record-reference``, then run the
+test the scaffold wrote, which runs the case again and needs its loss aligned with that curve.
+The files written pass the repository's lint (ruff check, ruff format). Bad names are refused
+with exit 2 and nothing is written."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_bad_names_are_refused_with_exit_2(tmp_path):
         shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
     for args, said in (
         (["Gpt2", "deepspeed", "--model", "gpt2_tiny"], "family 'Gpt2': a case folder is a Python package name"),
-        (["gpt2", "megatron", "--model", "gpt2_tiny"], "framework 'megatron': scaffold-case has a template for deepspeed"),
+        (["gpt2", "jax", "--model", "gpt2_tiny"], "framework 'jax': scaffold-case has a template for deepspeed, megatron, paddle"),
         (["gpt2", "deepspeed", "--model", "gpt2-tiny"], "model 'gpt2-tiny'"),
     ):
         proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", *args, timeout=60)
@@ -56,17 +57,42 @@ def test_bad_names_are_refused_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "cases/gpt2/deepspeed exists" in proc.stderr, proc.stderr
 
 
-@pytest.mark.framework("deepspeed")
-def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, deepspeed_python):
+def test_every_template_writes_lint_clean_files(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "cases").mkdir(parents=True)
+    for name in ("run_benchmarks", "training"):
+        shutil.copytree(ROOT / name, repo / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "pyproject.toml", repo / "pyproject.toml")
+    for framework in FRAMEWORKS:
+        proc = _run(
+            repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "mixtral", framework, "--model", f"mixtral_{framework}", timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+    written = [str(p.relative_to(repo)) for p in sorted([*repo.glob("cases/mixtral/*/*.py"), *repo.glob("tests/test_mixtral_*.py")])]
+    assert len(written) == 3 * 2 + 3 + 2 + 3, written  # __init__.py, settings.py, train.py, model.py (not megatron's), tests
+    ruff = shutil.which("ruff")
+    assert ruff, "ruff is not installed: pip install -e '.[test]'"
+    for command in (["check", "--no-fix"], ["format", "--check"]):
+        proc = subprocess.run([ruff, *command, *written], cwd=repo, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, f"ruff {' '.join(command)}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+
+
+FRAMEWORKS = ("deepspeed", "megatron", "paddle")
+
+
+@pytest.mark.parametrize("framework", [pytest.param(fw, marks=pytest.mark.framework(fw)) for fw in FRAMEWORKS])
+def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, framework, request):
+    request.getfixturevalue(f"{framework}_python")  # the framework's environment, built once
     repo = _repo_copy(tmp_path / "repo")
-    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "gpt2_tiny", timeout=60)
+    model = f"gpt2_{framework}_tiny"
+    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", framework, "--model", model, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "wrote cases/gpt2/deepspeed/train.py" in proc.stdout and "--record-reference" in proc.stdout, proc.stdout
-    reference = repo / "cases" / "gpt2" / "deepspeed" / "reference" / "gpt2_tiny" / "config_cpux1x2.json"
+    assert f"wrote cases/gpt2/{framework}/train.py" in proc.stdout and "--record-reference" in proc.stdout, proc.stdout
+    reference = repo / "cases" / "gpt2" / framework / "reference" / model / "config_cpux1x2.json"
 
     logs = tmp_path / "logs"
     first = _run(
-        repo, "run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", "gpt2_tiny:deepspeed:cpu:1:2", "--log-dir", str(logs)
+        repo, "run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", f"{model}:{framework}:cpu:1:2", "--log-dir", str(logs)
     )
     (run,) = list(logs.iterdir())
     (rnd,) = json.loads((run / "results.json").read_text())["rounds"]
@@ -80,5 +106,5 @@ def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, deeps
     assert json.loads(reference.read_text())["loss"] == [loss[str(s)] for s in range(1, 31)]
 
     # the scaffold's own test: the case again, its loss judged against the curve just recorded
-    gen = _run(repo, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpt2_deepspeed_case.py")
+    gen = _run(repo, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/test_gpt2_{framework}_case.py")
     assert gen.returncode == 0 and "1 passed" in gen.stdout, gen.stdout[-4000:] + gen.stderr[-2000:]

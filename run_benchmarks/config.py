@@ -183,6 +183,13 @@ class ClusterConfig(Strict):
         names = [h.name for h in self.hosts]
         if len(set(names)) != len(names):
             raise ValueError(f"host names repeat: {names}")
+        if self.backend == "ssh":  # one machine twice: the run would wait on its own lock
+            seen: dict[tuple[str, int], str] = {}
+            for h in self.hosts:
+                where = (h.address, h.port or self.ssh.port)
+                if where in seen:
+                    raise ValueError(f"hosts: {seen[where]!r} and {h.name!r} are one host: both {where[0]} port {where[1]}")
+                seen[where] = h.name
         if not self.hosts:
             raise ValueError("hosts: at least one host is needed")
         if self.backend == "local" and self.runtime == "container":

@@ -44,9 +44,24 @@ _PLACEHOLDER_URL = "unix:///nonexistent/flagbench-placeholder.sock"
 
 
 # -- engines ------------------------------------------------------------------------------
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-f]+>:? ?")
+
+
+def _words(exc: BaseException) -> str:
+    """An exception's text; one that wraps others (requests, urllib3) as their words joined
+    with ': ', never a tuple's repr ("('Connection aborted.', RemoteDisconnected(...))")."""
+    reason = getattr(exc, "reason", None)  # urllib3's MaxRetryError: what failed
+    if isinstance(reason, BaseException):
+        return _words(reason)
+    if not any(isinstance(a, BaseException) for a in exc.args):
+        return _OBJECT_REPR.sub("", str(exc))
+    parts = [_words(a) if isinstance(a, BaseException) else str(a) for a in exc.args]
+    return ": ".join(p.strip().rstrip(".:") for p in parts if p.strip()) or type(exc).__name__
+
+
 def brief(exc: BaseException) -> str:
     """An exception as one short line (docker and requests errors nest whole responses)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in _words(exc).splitlines() if ln.strip()]
     text = lines[0] if lines else type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
 

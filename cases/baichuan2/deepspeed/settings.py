@@ -32,9 +32,22 @@ import dataclasses
 from typing import Any
 
 from training import settings as common
-from training.settings import SettingsError
+from training.settings import SettingsError, option
 
-SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "seq_length", "vocab_size")
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The model shape, each key with its one default (training.settings.read)."""
+
+    num_layers: int = option(minimum=1)
+    hidden_size: int = option(minimum=1)
+    ffn_hidden_size: int = option(minimum=1)
+    num_heads: int = option(minimum=1)
+    seq_length: int = option(minimum=1)
+    vocab_size: int = option(minimum=1)
+    max_position_embeddings: int = option(4096, minimum=1)
+    norm_eps: float = option(1e-6)
+    z_loss_weight: float = option(0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +66,9 @@ def model_name(cfg: dict[str, Any]) -> str:
 
 def shape(cfg: dict[str, Any]) -> dict[str, Any]:
     """The model shape: flat in ``model`` or nested in ``model.shape``."""
-    model = cfg.get("model") or {}
-    src = common.shape_source(model)
-    out: dict[str, Any] = common.shape_ints(model, SHAPE_KEYS)
+    out = dataclasses.asdict(common.read(Shape, common.shape_source(cfg.get("model") or {}), "model.shape"))
     if out["hidden_size"] % out["num_heads"]:
         raise SettingsError(f"model.hidden_size {out['hidden_size']} is not a multiple of model.num_heads {out['num_heads']}")
-    out["max_position_embeddings"] = int(src.get("max_position_embeddings") or 4096)
     if out["seq_length"] > out["max_position_embeddings"]:
         raise SettingsError(f"model.seq_length {out['seq_length']} exceeds model.max_position_embeddings {out['max_position_embeddings']}")
-    out["norm_eps"] = float(src.get("norm_eps", 1e-6))
-    out["z_loss_weight"] = float(src.get("z_loss_weight", 0.0) or 0.0)
     return out

@@ -32,6 +32,37 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
+#: in a NodeOutcome's ``extra``: the node itself was lost (crashed, its engine, sshd or slurmd
+#: gone, Slurm's NODE_FAIL); it leads the round's error, before the ranks that fell with it
+LOST_KEY = "node_lost"
+#: signals by which a node's processes are stopped (by the launcher, srun, the harness) after
+#: something else failed: such an exit comes after the cause, never before it
+STOP_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}
+
+
+def exit_signal(code: int | None) -> str | None:
+    """The signal a process died of: a negative return code (Python's subprocess), or 128+N
+    (a shell's, Docker's, srun's): 137 is SIGKILL. None for an ordinary exit status."""
+    if code is None or 0 <= code <= 128:
+        return None
+    try:
+        return signal.Signals(-code if code < 0 else code - 128).name
+    except ValueError:
+        return None
+
+
+def rest_at(round_dir: Path, first_line: str) -> Path | None:
+    """The log under ``round_dir`` that holds the message of a round error's first line
+    (what follows its "node0 (h1): ", "rank 3: " prefixes), for a reader who needs the rest."""
+    message = re.sub(r"^(?:(?:node\d+ \([^)]*\)|rank \d+(?: on \S+ \([^)]*\))?):\s*)+", "", first_line).strip()
+    if len(message) < 8:
+        return None
+    for path in sorted(round_dir.glob("node*/**/*")):
+        if path.is_file() and path.suffix in (".log", ".txt") and message in read(path):
+            return path
+    return None
+
+
 def launcher_root_cause(text: str) -> tuple[int | None, str] | None:
     """(rank, "killed by SIGKILL" / "exit status 1") from a launcher's summary, if it printed one."""
     m = _ROOT.search(text)

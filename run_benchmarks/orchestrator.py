@@ -255,14 +255,21 @@ def _process_errors(
     only stopped because another failed last; the tail of the failing log closes the message.
     ``monitors``: each node's monitor summary, by node rank.
     """
-    deadline, stalled, killed, nodes, stopped, context = [], [], [], [], [], []
+    deadline, stalled, lost, killed, nodes, stopped, context = [], [], [], [], [], [], []
     rank_errors = sorted(parsed.of(ml.EV_ERROR), key=lambda e: e.t)
+    # an error every node shares concerns the job (a time limit, a cancel), said once
+    shared = len(outcomes) > 1 and len({o.error for o in outcomes}) == 1
     for o in outcomes:
         where = f"node{o.node_rank} ({o.host})"
+        if shared and o.error and o.node_rank != outcomes[0].node_rank:
+            continue
+        said = o.error if shared else f"{where}: {o.error}"
         if o.error and causes.STALL_MARK in o.error:
-            stalled.append(f"{where}: {o.error}")
+            stalled.append(said)
+        elif o.error and o.extra.get(causes.LOST_KEY):
+            lost.append(said)
         elif o.error:
-            (stopped if o.error.startswith("stopped:") else nodes).append(f"{where}: {o.error}")
+            (stopped if o.error.startswith("stopped:") else nodes).append(said)
         elif o.timed_out:
             deadline.append(f"{where}: round deadline of {plan.cluster.round_timeout_s:.0f} s passed")
         elif o.returncode != 0:
@@ -273,8 +280,14 @@ def _process_errors(
                 frames = causes.fatal_signal_frames(logs)
                 at = f" in {causes.describe(frames)}" if frames else ""
                 killed.append(f"rank {rank} on {where} {root[1]}{at}{causes.memory_hint(monitors.get(o.node_rank))}")
+            sig = None if root else causes.exit_signal(o.returncode)
             cause = None if rank_errors else causes.log_cause(logs)
-            nodes.append(f"{where}: exit status {o.returncode}" + (f": {cause}" if cause else ""))
+            if sig and sig not in causes.STOP_SIGNALS:  # killed from outside (137: SIGKILL): the lost node
+                hint = causes.memory_hint(monitors.get(o.node_rank))
+                killed.append(f"{where}: killed by {sig} (exit status {o.returncode}){hint}" + (f": {cause}" if cause else ""))
+            else:  # stopped by a signal after another failed: last
+                said = f"{where}: exit status {o.returncode}" + (f" ({sig})" if sig else "") + (f": {cause}" if cause else "")
+                (stopped if sig and not cause else nodes).append(said)
             context.append(_failed_rank_tail(o))
     ranks = [f"rank {e.rank}: {_first_line(e.value.get('message'))}" for e in rank_errors]
     hung = []
@@ -283,7 +296,7 @@ def _process_errors(
         for o in outcomes:
             ranks_here = list(range(o.node_rank * n, (o.node_rank + 1) * n))
             hung += causes.stall_stacks(o.node_dir, ranks_here, f"node{o.node_rank} ({o.host})")
-    errors = deadline + stalled + hung + killed + ranks + nodes + stopped + context
+    errors = deadline + stalled + hung + lost + killed + ranks + nodes + stopped + context
     steps_expected = int(plan.settings["train"]["steps"])
     if not errors:
         if not parsed.of(ml.EV_END, ml.K_RUN_END):
@@ -502,7 +515,11 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
             # plain text: a rank's message may hold brackets that rich would read as markup
-            console.print(f"round {r}: {rnd.status}" + (f" - {_first_line(rnd.error)}" if rnd.error else ""), markup=False)
+            console.print(f"round {r}: {rnd.status}" + (f" - {_first_line(rnd.error)}" if rnd.error else ""), markup=False, soft_wrap=True)
+            if rnd.error:  # the whole first line above, the rest where it lies
+                log = causes.rest_at(round_dir, _first_line(rnd.error))
+                rest = f"; the rank's log: {log}" if log else ""
+                console.print(f"  whole error: {run_dir / 'results.json'} (round {r}){rest}", markup=False, soft_wrap=True)
     except BaseException as exc:
         stopped_by = exc
         raise

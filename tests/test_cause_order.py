@@ -1,0 +1,66 @@
+"""The order of a failed round's error: the lost node first (a node killed from outside,
+exit 137 read as SIGKILL; a node the runtime lost), the survivor's collective error after
+it; an error every node shares (a job's time limit) said once, naming no node."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from run_benchmarks import causes, orchestrator
+from run_benchmarks import plan as planning
+from run_benchmarks.casename import CaseName
+from run_benchmarks.config import ClusterConfig
+from run_benchmarks.runtimes.base import NodeOutcome
+from training.metriclog import MetricLogger
+
+GLOO = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:40123"
+
+
+def _plan(tmp_path):
+    cn = CaseName.parse("llama3_8b:megatron:H100:1:2")
+    return planning.build(cn, "nvidia", ClusterConfig(), tmp_path, sets=["train.steps=2", "train.warmup_steps=0"])
+
+
+def _node(tmp_path: Path, k: int, error: str | None = None) -> Path:
+    node = tmp_path / "round1" / f"node{k}"
+    (node / "ranks" / "0").mkdir(parents=True)
+    with open(node / "ranks" / "0" / "stderr.log", "w") as fh:
+        fh.write("UserWarning: a framework warning\n")
+        if error:
+            fh.write(f"[rank{k}]: {error}\n")
+            MetricLogger(run="r", rank=k, stream=fh).error(f"{error}\nTraceback (most recent call last):")
+    return node
+
+
+def _round(tmp_path, outcomes):
+    return orchestrator.evaluate_round(_plan(tmp_path), 1, outcomes, time.monotonic())
+
+
+def test_a_node_killed_from_outside_leads_the_survivors_collective_error(tmp_path):
+    survivor = NodeOutcome("h1", 0, 1, False, _node(tmp_path, 0, GLOO))
+    killed = NodeOutcome("h2", 1, 137, False, _node(tmp_path, 1))
+    lines = _round(tmp_path, [survivor, killed]).error.splitlines()
+    assert lines[0] == "node1 (h2): killed by SIGKILL (exit status 137)", lines
+    assert lines[1] == f"rank 0: {GLOO}", lines
+    first = lines[1]
+    assert causes.rest_at(tmp_path / "round1", first) == tmp_path / "round1" / "node0" / "ranks" / "0" / "stderr.log"
+
+
+def test_a_lost_node_leads_and_a_node_stopped_by_sigterm_comes_last(tmp_path):
+    stopped = NodeOutcome("n1", 0, 143, False, _node(tmp_path, 0))
+    lost = NodeOutcome("n2", 1, None, False, _node(tmp_path, 1), "Slurm job 7 ended NODE_FAIL: node n2 DOWN", {causes.LOST_KEY: True})
+    lines = _round(tmp_path, [stopped, lost]).error.splitlines()
+    assert lines[0] == "node1 (n2): Slurm job 7 ended NODE_FAIL: node n2 DOWN", lines
+    assert "node0 (n1): exit status 143 (SIGTERM)" in lines[1:], lines
+
+
+def test_an_error_of_the_whole_job_names_no_node(tmp_path):
+    limit = "Slurm job 7 reached its time limit 00:01:00 (TIMEOUT)"
+    outs = [NodeOutcome(f"n{k + 1}", k, None, True, _node(tmp_path, k), limit) for k in (0, 1)]
+    lines = _round(tmp_path, outs).error.splitlines()
+    assert lines[0] == limit and limit not in lines[1:], lines
+
+
+def test_exit_codes_read_as_signals():
+    assert [causes.exit_signal(c) for c in (137, -9, 143, 1, 0, 255, None)] == ["SIGKILL", "SIGKILL", "SIGTERM", None, None, None, None]

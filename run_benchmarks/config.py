@@ -32,6 +32,17 @@ _USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
 _REMOTE_PATH = re.compile(r"^/[A-Za-z0-9_.+@%,:=/-]*$")
 
 
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smh]?)$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a duration written ``90``, ``90s``, ``30m`` or ``2h``."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (write 90s, 30m or 2h)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
 def check_user(v: str | None) -> str | None:
     if v is not None and not _USER.match(v):
         raise ValueError("not a user name (letters, digits, '_', '.', '-'; at most 32; starting with a letter or '_')")
@@ -172,6 +183,8 @@ class ClusterConfig(Strict):
     # stacks at that age of its current step (training/case.py), and the round's error names
     # where each waited (run_benchmarks/causes.py)
     stall_timeout_s: float = Field(1800.0, gt=0)
+    # how long a run waits for a host another run holds (start_task.py --wait); 0: refused at once
+    lock_wait_s: float = Field(0.0, ge=0)
 
     @field_validator("work_dir")
     @classmethod

@@ -32,7 +32,7 @@ from rich.table import Table
 from run_benchmarks import datacheck, history, metrics, orchestrator, typed_results
 from run_benchmarks import plan as planning
 from run_benchmarks.casename import CaseName
-from run_benchmarks.config import ClusterConfig, cluster_with, load
+from run_benchmarks.config import ClusterConfig, cluster_with, load, parse_duration
 from run_benchmarks.errors import InputError
 from run_benchmarks.runlist import RunList, RunListEntry, Tolerances, parse_runlist
 from run_benchmarks.typed_results import RunResults, environment_changes, recorded_environment
@@ -62,18 +62,28 @@ class Night:
     jobs: list[NightlyCase]
 
 
+WAIT_S = 3600.0  # how long a night's case waits for a host another run holds (--wait)
+
+
 def _resolve(base: Path, p: str) -> Path:
     q = Path(p).expanduser()
     return q if q.is_absolute() else (base / q).resolve()
 
 
-def prepare(path: Path, db: str | None = None, log_dir: str | None = None, report_dir: str | None = None) -> Night:
-    """Validate the run list and plan every case; raises InputError, writes nothing."""
+def prepare(
+    path: Path, db: str | None = None, log_dir: str | None = None, report_dir: str | None = None, wait_s: float | None = None
+) -> Night:
+    """Validate the run list and plan every case; raises InputError, writes nothing. Each case
+    waits for hosts another run holds (``wait_s``; default: the cluster file's
+    ``lock_wait_s``, else ``WAIT_S``), so a night queues behind a run instead of failing."""
     orchestrator.sent_code_version()  # what every results.json will name
     rl = parse_runlist(path)
     base = path.resolve().parent
     cluster = load(ClusterConfig, _resolve(base, rl.cluster)) if rl.cluster else ClusterConfig()
-    cluster = cluster_with(cluster, str(path), python=rl.python, round_timeout_s=rl.round_timeout_s, stall_timeout_s=rl.stall_timeout_s)
+    wait_s = wait_s if wait_s is not None else cluster.lock_wait_s or WAIT_S
+    cluster = cluster_with(
+        cluster, str(path), python=rl.python, round_timeout_s=rl.round_timeout_s, stall_timeout_s=rl.stall_timeout_s, lock_wait_s=wait_s
+    )
     logs = Path(log_dir).expanduser().resolve() if log_dir else _resolve(base, rl.log_dir)
     jobs = []
     for i, e in enumerate(rl.cases):
@@ -437,7 +447,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the run list's log_dir)")
     ap.add_argument("--report-dir", dest="report_dir", metavar="DIR", help="where report pages go (default: the run list's report_dir)")
     ap.add_argument("--check", action="store_true", help="validate the run list and plan every case, run nothing")
+    ap.add_argument(
+        "--wait",
+        type=_duration,
+        metavar="DURATION",
+        help="how long each case waits for a host another run holds (30m, 2h; default: the cluster file's lock_wait_s, else 1h)",
+    )
     return ap
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -456,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             raise InputError(
                 "give the run list once: start_task.py --nightly RUNLIST.yaml, or python -m run_benchmarks.nightly RUNLIST.yaml"
             )
-        night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir)
+        night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir, args.wait)
         if args.check:
             for j in night.jobs:
                 refs = "".join(f", reference {p}" for p in j.plan.reference)

@@ -55,7 +55,7 @@ from rich.console import Console
 from run_benchmarks import plan as planning
 from run_benchmarks import results
 from run_benchmarks.casename import GRAMMAR, CaseName, check_name
-from run_benchmarks.config import ClusterConfig, cluster_with, load
+from run_benchmarks.config import ClusterConfig, cluster_with, load, parse_duration
 from run_benchmarks.errors import InputError
 from run_benchmarks.runtimes.base import stop_on_signals
 
@@ -122,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
         help="seconds without a new record from any rank, once one has reported, before the round is stopped "
         "as hung, the ranks' stacks named (default 1800)",
     )
+    ap.add_argument(
+        "--wait",
+        nargs="?",
+        const="1h",
+        type=_duration,
+        metavar="DURATION",
+        help="when another run holds a host, wait for it (say 30m, 2h; alone: 1h) instead of being refused",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
@@ -137,7 +145,15 @@ def load_cluster(args: argparse.Namespace) -> ClusterConfig:
         round_timeout_s=args.round_timeout,
         startup_timeout_s=args.startup_timeout,
         stall_timeout_s=args.stall_timeout,
+        lock_wait_s=args.wait,
     )
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from .ssh import SSHPool
 
 LOCK_DIRS = ("/run/lock", "/var/lock", "/tmp")
 BUSY_EXIT = 75  # EX_TEMPFAIL
+WAIT_POLL_S = 5.0  # how often a run that waits for a busy host tries again
 # Runs on the host under its python3 (the harness's code may not be there yet).
 HOLDER = r"""
 import fcntl, os, select, sys
@@ -98,7 +100,7 @@ class HostLock:
                 if word == "BUSY":
                     raise HostBusy(
                         self.host,
-                        f"in use by {describe_holder(rest)}: one run at a time per host; wait for it to end, or stop it first",
+                        f"in use by {describe_holder(rest)}: one run at a time per host; wait for it to end (--wait DURATION queues behind it), or stop it first",
                         holder=rest,
                     )
                 break
@@ -118,10 +120,37 @@ class HostLock:
         self._out.unlink(missing_ok=True)
 
 
-def lock_hosts(pool: SSHPool, hosts: list[str], run_id: str, timeout: float) -> list[HostLock]:
-    """Take every host's lock, in parallel; if one is refused, free the others and raise
-    (the first host's error in the given order). A run never waits for a lock, so two runs
-    racing for the same hosts cannot block each other."""
+def lock_hosts(
+    pool: SSHPool,
+    hosts: list[str],
+    run_id: str,
+    timeout: float,
+    wait_s: float = 0.0,
+    say: Callable[[str], None] | None = None,
+) -> list[HostLock]:
+    """Take every host's lock, in parallel; if one is refused, free the others. Then, with
+    ``wait_s``, try again every ``WAIT_POLL_S`` until that bound (saying once per holder
+    who is waited for), else raise (the first host's error in the given order). All or
+    none at each try, so two runs waiting for the same hosts cannot block each other."""
+    end = time.monotonic() + wait_s
+    said = None
+    while True:
+        try:
+            return _lock_all(pool, hosts, run_id, timeout)
+        except HostBusy as exc:
+            left = end - time.monotonic()
+            if wait_s <= 0:
+                raise
+            if left <= 0:
+                why = f"in use by {describe_holder(exc.holder)} still, after waiting {wait_s:g}s (--wait)"
+                raise HostBusy(exc.host, why, holder=exc.holder) from None
+            if say is not None and (exc.host, exc.holder) != said:
+                said = (exc.host, exc.holder)
+                say(f"waiting for {exc}; up to {left:.0f}s more")
+            time.sleep(min(WAIT_POLL_S, left))
+
+
+def _lock_all(pool: SSHPool, hosts: list[str], run_id: str, timeout: float) -> list[HostLock]:
     with ThreadPoolExecutor(max_workers=max(1, min(32, len(hosts)))) as ex:
         futures = [ex.submit(HostLock, pool, h, run_id, timeout) for h in hosts]
     locks = [f.result() for f in futures if f.exception() is None]

@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +27,11 @@ from run_benchmarks.registry import ROOT
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 
 KILL_GRACE_S = 10.0
+WAIT_POLL_S = 2.0  # how often a run that waits for a busy host (--wait) tries again
+
+
+class HostBusy(InputError):
+    """Another run holds this host or one of its devices."""
 
 
 def lock_file(name: str = "local") -> Path:
@@ -123,6 +129,24 @@ class LocalRuntime(Runtime):
         self.devices: list[int] | None = None  # the devices claimed; None: the whole host
         self.beside: set[str] = set()  # runs seen holding other devices of this host meanwhile
 
+    def _wait_for_lock(self, plan: Plan, wait_s: float) -> None:
+        """``_take_lock``, tried again every few seconds for up to ``wait_s`` (--wait) while
+        another run holds the host or a device; the holder said once."""
+        end, said = time.monotonic() + wait_s, None
+        while True:
+            try:
+                return self._take_lock(plan)
+            except HostBusy as exc:
+                left = end - time.monotonic()
+                if wait_s <= 0:
+                    raise
+                if left <= 0:
+                    raise HostBusy(f"{exc} (still, after waiting {wait_s:g}s: --wait)") from None
+                if str(exc) != said:
+                    said = str(exc)
+                    print(f"waiting: {exc}; up to {left:.0f}s more", file=sys.stderr, flush=True)
+                time.sleep(min(WAIT_POLL_S, left))
+
     def _take_lock(self, plan: Plan) -> None:
         """One run at a time on this host (two would share its devices and skew both): an
         exclusive flock, released by ``cleanup`` or by the kernel when the process ends, so a
@@ -140,7 +164,7 @@ class LocalRuntime(Runtime):
             fh = _flock(host, fcntl.LOCK_EX)
             if fh is None:
                 held = _device_holders(host.parent) or [_holder(host)]
-                raise InputError(
+                raise HostBusy(
                     f"this host is busy: {'; '.join(held)} holds {host}; one run at a time per host (wait for it to finish, or stop it)"
                 )
             _sign(fh, stamp)
@@ -148,7 +172,7 @@ class LocalRuntime(Runtime):
             return
         shared = _flock(host, fcntl.LOCK_SH)
         if shared is None:  # a run holding the whole host
-            raise InputError(
+            raise HostBusy(
                 f"this host is busy: {_holder(host)} holds {host} for the whole host; "
                 "one run at a time per host (wait for it to finish, or stop it)"
             )
@@ -160,7 +184,7 @@ class LocalRuntime(Runtime):
             if fh is None:
                 holder = _holder(path)
                 self.cleanup()
-                raise InputError(
+                raise HostBusy(
                     f"device {d} of this host is busy: {holder} holds {path}; one run at a time per device "
                     f"({var}={os.environ.get(var)} names the devices this run takes; wait, or choose others)"
                 )
@@ -186,7 +210,7 @@ class LocalRuntime(Runtime):
         return str(python_of(env_dir(plan.vendor.name, plan.case.framework))), ROOT
 
     def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
-        self._take_lock(plan)
+        self._wait_for_lock(plan, plan.cluster.lock_wait_s)
         py = framework_python(plan.vendor.name, plan.case.framework, self.python_override, log)
         return str(py), ROOT
 

@@ -180,7 +180,9 @@ class SSHRuntime(Runtime):
         )
         self.pool.connect()
         if run_id:
-            self.locks = lock_hosts(self.pool, [h.name for h in hosts], run_id, self.cluster.ssh.command_timeout_s)
+            names, timeout = [h.name for h in hosts], self.cluster.ssh.command_timeout_s
+            say = lambda line: print(line, file=sys.stderr, flush=True)
+            self.locks = lock_hosts(self.pool, names, run_id, timeout, wait_s=self.cluster.lock_wait_s, say=say)
 
     def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
         t0 = time.monotonic()

@@ -415,6 +415,13 @@ def _reference_of(res: tr.RunResults, phase: str, files: list[Path]) -> tr.Refer
         raise InputError(f"--reference {exc}") from None
 
 
+def run_fingerprint(res: tr.RunResults, phase: str) -> str | None:
+    """The fingerprint of the data a run's phase trained on: the synthetic set when results.json
+    names none (made before data had identities), None when it was not checked."""
+    ident = (res.data or {}).get(phase)
+    return datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")
+
+
 def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any]]:
     """Each run's rounds that ran through, each phase's curve judged again by the loss gate
     (metrics.judge_loss) against ``references``: what the run would have said against them. The
@@ -431,6 +438,8 @@ def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any
         for rnd in through:
             for p in rnd.phases:
                 if p.phase not in refs:
+                    for f in references:  # a curve of other data cannot judge it: refused, not judged
+                        datacheck.check_reference_data(f, p.phase, run_fingerprint(res, p.phase), res.model)
                     refs[p.phase] = _reference_of(res, p.phase, references)
                 gate = metrics.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
                 rows.append(

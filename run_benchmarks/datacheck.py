@@ -80,8 +80,9 @@ def _tokens_checked(tokens: Any, path: str, vocab: int, model: str) -> dict[str,
 
 
 def _enough(n_tokens: int, seq: int, what: str) -> None:
-    if n_tokens < seq + 2:
-        raise InputError(f"{what}: {n_tokens} tokens, fewer than one sample of seq_length + 1 = {seq + 1}")
+    """At least one window of seq_length + 1 tokens (training.data.indexed.TokenWindows)."""
+    if n_tokens < seq + 1:
+        raise InputError(f"{what}: {n_tokens} tokens, fewer than the {seq + 1} of one sample (seq_length {seq} + 1)")
 
 
 def _indexed(prefix: str) -> Any:
@@ -104,6 +105,7 @@ def check_megatron(data: dict[str, Any], shape: dict[str, Any], model: str, phas
     vocab, seq = int(shape["vocab_size"]), int(shape["seq_length"])
     head = int(float(data["max_tokens"])) if data.get("max_tokens") else None
     files = []
+    total = sum(w for w, _ in blend)
     for weight, prefix in blend:
         reader = _indexed(prefix)
         tokens = reader.tokens if head is None else reader.tokens[:head]
@@ -112,7 +114,7 @@ def check_megatron(data: dict[str, Any], shape: dict[str, Any], model: str, phas
         files.append(
             {
                 "prefix": os.path.basename(prefix),
-                "weight": weight,
+                "weight": round(weight / total, 12),  # normalized: '0.3 a 0.7 b' and '3 a 7 b' are one blend
                 "dtype": str(reader.dtype),
                 "tokens": int(tokens.shape[0]),
                 "documents": max(int(reader.document_count) - 1, 0),
@@ -196,6 +198,9 @@ def check_llava(data: dict[str, Any], shape: dict[str, Any], model: str, phase: 
             "to a folder with the Vicuna/llava-hf tokenizer files"
         )
     tokenizer = _tokenizer(str(tok), shape)
+    skipped = set(gone)
+    present = sorted({str(r["image"]) for i, r in enumerate(records) if "image" in r and i not in skipped})
+    manifest = verify_images(folder, present, records, json_path, phase)
     return {
         "kind": "real",
         "format": "llava",
@@ -204,6 +209,7 @@ def check_llava(data: dict[str, Any], shape: dict[str, Any], model: str, phase: 
         "entries": len(records),
         "json_sha256": _sha(json_path),
         "images": sum(1 for r in records if "image" in r),
+        "images_sha256": manifest,
         "template": data.get("template"),
         "tokenizer": tokenizer,
         "skipped_missing_images": len(gone),
@@ -222,7 +228,91 @@ def _tokenizer(folder: str, shape: dict[str, Any]) -> dict[str, Any]:
         ls.check_tokenizer(size, int(shape["vocab_size"]), image_id, ids.get(image_id), f"tokenizer {folder}")
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    return {"size": size}
+    return {"size": size, "sha256": _tokenizer_sha(folder)}
+
+
+#: the files of a Hugging Face tokenizer folder that decide its ids (a model folder's weights are not hashed)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
+
+
+def _tokenizer_sha(folder: str) -> str:
+    """A hash of the tokenizer's content: each of its files present, by name and bytes."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            h.update(f"{name}\0{_sha(path)}\0".encode())
+    return h.hexdigest()[:16]
+
+
+def image_cache_path() -> Path:
+    """Where the verdicts on images are kept between checks (by path, size and mtime)."""
+    return Path(os.environ.get("FLAGBENCH_CACHE_DIR") or Path.home() / ".cache" / "flagbench") / "image-checks.json"
+
+
+#: image sets at least this large show a progress bar while they are read
+PROGRESS_FROM = 200
+
+
+def verify_images(folder: str, names: list[str], records: list[Any], json_path: str, phase: str) -> str:
+    """Every image of ``names`` (under ``folder``) decoded by Pillow (header and structure); the
+    hash of the manifest (each name and the sha256 of its bytes). Images already seen at the same
+    size and mtime are taken from the cache. InputError naming the first corrupt image and its
+    JSON entry."""
+    from rich.progress import Progress
+
+    from training.data import llava_images
+
+    cache_file = image_cache_path()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    manifest = hashlib.sha256()
+    bad: list[tuple[str, str]] = []
+    changed = False
+    with Progress(transient=True, disable=len(names) < PROGRESS_FROM) as bar:
+        task = bar.add_task(f"checking the {phase} images", total=len(names))
+        for name in names:
+            path = os.path.abspath(os.path.join(folder, name))
+            st = os.stat(path)
+            key = f"{st.st_size}:{st.st_mtime_ns}"
+            seen = cache.get(path)
+            if seen and seen[0] == key:
+                digest = seen[1]
+            else:
+                problem, digest = llava_images.inspect(path)
+                if problem:
+                    bad.append((name, problem))
+                    bar.advance(task)
+                    continue
+                cache[path], changed = [key, digest], True
+            manifest.update(f"{name}\0{digest}\0".encode())
+            bar.advance(task)
+    if changed:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache))
+            tmp.replace(cache_file)
+        except OSError:
+            pass  # a cache that cannot be written costs only time
+    if bad:
+        name, problem = bad[0]
+        i = next(i for i, r in enumerate(records) if isinstance(r, dict) and r.get("image") == name)
+        rid = f" (id {records[i]['id']!r})" if "id" in records[i] else ""
+        more = f"; {len(bad)} of the {len(names)} images are bad" if len(bad) > 1 else ""
+        raise InputError(f"{os.path.join(folder, name)}: {problem}: image of entry {i}{rid} of {json_path} (phase {phase}){more}")
+    return manifest.hexdigest()[:16]
 
 
 CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any], str, str], dict[str, Any]]] = {
@@ -245,6 +335,8 @@ def check(plan: Any) -> dict[str, dict[str, Any]]:
         if not d.get("data_dir"):
             out[phase] = {"kind": SYNTHETIC, "fingerprint": SYNTHETIC}
             continue
+        if Path(str(d["data_dir"])).is_file():
+            raise InputError(f"data.data_dir {d['data_dir']}: a file, not a folder (the folder that holds the data)")
         if not Path(str(d["data_dir"])).is_dir():  # on the hosts only (backend local already refused this)
             out[phase] = {
                 "kind": "real",
@@ -290,6 +382,16 @@ def describe(identities: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+#: settings that say where data is, not how to train: set by --set, they are no user override
+DATA_LOCATIONS = ("data_dir", "tokenizer_path")
+
+
+def is_data_location(key: str) -> bool:
+    """Whether a setting (``data.tokenizer_path``, ``data.phases.finetune.data_dir``) names where data is."""
+    parts = key.split(".")
+    return parts[0] == "data" and parts[-1] in DATA_LOCATIONS
+
+
 # --------------------------------------------------------------------------- references belong to their data
 
 
@@ -326,13 +428,54 @@ def reference_fingerprint(path: str | Path, phase: str) -> str:
 
 
 def same_data(plan: Any, phase: str, ref: Any) -> Any:
-    """``ref`` when it was made on the data this phase trains on (or the run's data is unknown), else None."""
+    """``ref`` when it was made on the data this phase trains on (or the run's data is unknown), else
+    None; InputError (:func:`check_reference_data`) when the run was given it by --reference."""
     if ref is None:
         return None
     ident = (getattr(plan, "data", None) or {}).get(phase)
     if ident is None:  # no check ran (a caller that builds plans itself): as before data had identities
         return ref
+    if getattr(plan, "reference", None):
+        check_reference_data(ref.path, phase, ident.get("fingerprint"), plan.case.model)
     return ref if reference_fingerprint(ref.path, phase) == ident.get("fingerprint") else None
+
+
+def committed_for(model: str, phase: str, fp: str | None) -> list[Path]:
+    """The committed reference curves of ``model``'s ``phase`` made on the data of fingerprint ``fp``."""
+    from run_benchmarks.registry import ROOT
+
+    out = []
+    for path in sorted(ROOT.glob(f"cases/*/*/reference/{model}/**/*.json")):
+        parts = path.stem.split(".")
+        named = next((x for x in parts[1:] if not x.startswith("data-")), "train")
+        if named == phase and reference_fingerprint(path, phase) == (fp or SYNTHETIC):
+            out.append(path)
+    return out
+
+
+def check_reference_data(path: str | Path, phase: str, run_fp: str | None, model: str) -> None:
+    """InputError when the reference at ``path`` (a curve file or a results.json; several joined by
+    '; ') was made on other data than the run's ``run_fp``: both fingerprints named, and the
+    committed reference of the run's data where there is one. A run whose data was not checked
+    (no fingerprint) passes."""
+    if run_fp is None:
+        return
+    for one in str(path).split("; "):
+        ref_fp = reference_fingerprint(one, phase)
+        if ref_fp == run_fp:
+            continue
+        from run_benchmarks.registry import ROOT
+
+        ours = committed_for(model, phase, run_fp)
+        hint = (
+            f"; the committed reference for this data is {ours[0].relative_to(ROOT)}"
+            if ours
+            else "; no committed reference for this data (start_task.py --record-reference RUN/results.json makes one)"
+        )
+        raise InputError(
+            f"--reference {one}: made on other data (fingerprint {ref_fp}) than the run's phase {phase} "
+            f"(fingerprint {run_fp}): it cannot judge it{hint}"
+        )
 
 
 def no_reference_reason(plan: Any, phase: str) -> str | None:
@@ -347,11 +490,11 @@ def no_reference_reason(plan: Any, phase: str) -> str | None:
 
 
 def judge(loss: dict[int, float], reference: Any, warmup: int, plan: Any, phase: str, why_none: str | None = None) -> Any:
-    """The loss gate (metrics.judge_loss), with the reason a phase has no reference: ``why_none``
+    """The loss gate (references.judge_loss), with the reason a phase has no reference: ``why_none``
     (the caller's: e.g. the committed curve is of another global batch), or real data's own."""
-    from run_benchmarks import metrics
+    from run_benchmarks import references
 
-    gate = metrics.judge_loss(loss, reference, warmup)
+    gate = references.judge_loss(loss, reference, warmup)
     reason = (why_none or no_reference_reason(plan, phase)) if reference is None else None
     if reason and gate.verdict == "not judged" and gate.nonfinite_step is None:
         gate = gate.model_copy(update={"reason": reason})

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from run_benchmarks import registry
+from run_benchmarks import datacheck, registry
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.config import STANDARD_RECIPE, CaseConfig, ClusterConfig, VendorConfig
 from run_benchmarks.errors import InputError
@@ -317,7 +317,8 @@ def resolve(
                 f"--set {text!r}: the {case.family}/{case.framework} case ({entry.path / 'case.yaml'}) has no setting "
                 f"{key!r}; {registry.unknown_setting_hint(key, standard, case)}"
             )
-        user_overrides.append({"param": key, "value": value, "standard": registry.get_path(standard, key)})
+        if not datacheck.is_data_location(key):  # where the data is (like --data-dir), not how to train
+            user_overrides.append({"param": key, "value": value, "standard": registry.get_path(standard, key)})
         registry.set_path(settings, key, value)
     check_layout(settings, case.phases, cn.world_size, str(cfg_path))
     allocator_options(vendor, settings["parallel"], str(cfg_path))
@@ -374,6 +375,8 @@ def build(
     data_dir = data_dir or cluster.data_dir
     if data_dir:
         settings["data"]["data_dir"] = data_dir
+        if cluster.backend == "local" and Path(data_dir).is_file():
+            raise InputError(f"--data-dir {data_dir}: a file, not a folder (the folder that holds the data)")
         if cluster.backend == "local" and not Path(data_dir).is_dir():
             raise InputError(f"data dir {data_dir} does not exist on this host")
     else:

@@ -6,7 +6,8 @@
   for PaddleNLP's GPT data also one ``<name>_ids.npy`` + ``<name>_idx.npz`` pair);
 - ``name`` (or an absolute path): that corpus, ``.bin``/``.idx`` suffixes allowed;
 - Megatron's blended list, ``"0.3 wudao_a 0.7 wudao_b"`` (weight, prefix, weight,
-  prefix, ... as ``--data-path`` takes it; a YAML list of the same items works too):
+  prefix, ... as ``--data-path`` takes it; a YAML list of the same items works too;
+  prefixes alone, ``"wudao_a wudao_b"``, weigh them equally):
   sample ``k`` of the run comes from the corpus whose share so far lags its
   normalised weight the most (Megatron's blending rule), and inside that corpus
   from its own seeded window order.
@@ -45,7 +46,8 @@ def _strip(path: str) -> str:
 def parse_blend(spec: Any) -> list[tuple[float, str]] | None:
     """``data.prefix`` as ``[(weight, prefix), ...]``; None when it names one corpus (or none).
 
-    A blend is an even number of items, alternately a positive number and a prefix."""
+    A blend is an even number of items, alternately a positive number and a prefix, or
+    several prefixes without numbers (equal weights)."""
     if spec is None or spec == "":
         return None
     items = [str(x) for x in spec] if isinstance(spec, (list, tuple)) else str(spec).split()
@@ -58,10 +60,12 @@ def parse_blend(spec: Any) -> list[tuple[float, str]] | None:
         except ValueError:
             return None
 
+    if all(number(x) is None for x in items):
+        return [(1.0, x) for x in items]
     if len(items) % 2 or any(number(w) is None for w in items[0::2]) or any(number(p) is not None for p in items[1::2]):
         raise DataError(
             f"data.prefix {' '.join(items)!r}: a blend is 'weight prefix weight prefix ...' "
-            "(Megatron's --data-path), e.g. '0.3 wudao_a 0.7 wudao_b'"
+            "(Megatron's --data-path), e.g. '0.3 wudao_a 0.7 wudao_b', or prefixes alone for equal weights"
         )
     weights = [float(w) for w in items[0::2]]
     if any(not np.isfinite(w) or w <= 0 for w in weights):
@@ -74,6 +78,19 @@ def _found(data_dir: str, pattern: str, suffix: str, partner: str) -> list[str]:
     return [p for p in names if os.path.isfile(p + partner)]
 
 
+def lone_halves(data_dir: str, pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """Each file of ``data_dir`` that is one half of a corpus pair without the other, as
+    ``"<path> has no <name> beside it"``; ``pairs`` are the two suffixes of a pair."""
+    out = []
+    for a, b in pairs:
+        for first, second in ((a, b), (b, a)):
+            for path in sorted(glob.glob(os.path.join(data_dir, "*" + first))):
+                partner = path[: -len(first)] + second
+                if not os.path.exists(partner):
+                    out.append(f"{path} has no {os.path.basename(partner)} beside it")
+    return out
+
+
 def megatron_prefixes(data_dir: str, spec: Any) -> list[tuple[float, str]]:
     """The Megatron indexed corpora ``data.prefix`` names in ``data_dir``, as (weight, prefix) pairs
     (weight 1.0 for a single corpus). FileNotFoundError / DataError naming the setting otherwise."""
@@ -84,6 +101,9 @@ def megatron_prefixes(data_dir: str, spec: Any) -> list[tuple[float, str]]:
         blend = [(1.0, str(spec[0] if isinstance(spec, (list, tuple)) else spec))]
     if blend is None:
         found = _found(data_dir, "*.idx", ".idx", ".bin")
+        lone = lone_halves(data_dir, [(".bin", ".idx")])
+        if not found and lone:
+            raise FileNotFoundError(f"data.data_dir {data_dir} holds no Megatron corpus (<name>.bin + <name>.idx): {lone[0]}")
         if len(found) != 1:
             names = ", ".join(os.path.basename(p) for p in found)
             raise FileNotFoundError(

@@ -45,6 +45,7 @@ import zipfile
 import numpy as np
 
 from training.data import synthetic
+from training.data.corpus import lone_halves
 from training.data.indexed import IndexedReader, TokenWindows
 
 IDS_SUFFIX = "_ids.npy"
@@ -152,13 +153,24 @@ def read_tokens(prefix: str) -> np.ndarray:
 
 def _load(path: str, **kw):  # type: ignore[no-untyped-def]
     """``np.load`` whose failures name the file (a truncated or foreign file, a pickled array)."""
+    what = ".npz archive" if path.endswith(".npz") else ".npy array"
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(6)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    magic = b"PK\x03\x04" if path.endswith(".npz") else b"\x93NUMPY"
+    if not head.startswith(magic) and not (path.endswith(".npz") and head.startswith(b"\x93NUMPY")):
+        if head.startswith(b"\x80") and not path.endswith(".npz"):  # what np.save(allow_pickle=True) writes for objects
+            raise ValueError(f"{path}: not a readable numpy {what} (holds Python objects (a pickled array), not token ids)")
+        raise ValueError(f"{path}: not a numpy {what} (bad magic {head!r}; a numpy file starts with {magic!r})")
     try:
         return np.load(path, allow_pickle=False, **kw)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if "allow_pickle" in text or "Python objects" in text:
             text = "holds Python objects (a pickled array), not token ids"
-        raise ValueError(f"{path}: not a readable numpy {'.npz archive' if path.endswith('.npz') else '.npy array'} ({text})") from None
+        raise ValueError(f"{path}: not a readable numpy {what} ({text})") from None
 
 
 def read_corpus(prefix: str) -> Corpus:
@@ -200,6 +212,9 @@ def find_prefix(data_dir: str) -> str:
     npy = [p for p in npy if os.path.isfile(p + IDX_SUFFIX)]
     mmap = sorted(p[:-4] for p in glob.glob(os.path.join(data_dir, "*.idx")) if os.path.isfile(p[:-4] + ".bin"))
     found = npy + [p for p in mmap if p not in npy]
+    lone = lone_halves(data_dir, [(IDS_SUFFIX, IDX_SUFFIX), (".bin", ".idx")])
+    if not found and lone:
+        raise FileNotFoundError(f"data_dir {data_dir!r} holds no complete corpus: {lone[0]}")
     if not found:
         raise FileNotFoundError(
             f"data_dir {data_dir!r} holds no '<name>{IDS_SUFFIX}' + '<name>{IDX_SUFFIX}' pair "

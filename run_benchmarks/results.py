@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -332,10 +333,70 @@ def print_table(res: RunResults, console: Console | None = None) -> None:
     console.print(table)
 
 
+#: a spare file in the run folder, as large as a few copies of results.json: when the disk
+#: fills during the run, it is given up so that results.json can still be written (its status
+#: and error above all); removed when the run has finished
+RESERVE = ".results.reserve"
+RESERVE_MIN = 256 * 1024
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
 def write(res: RunResults, run_dir: Path) -> None:
-    """Write results.json and results.md atomically (finished rounds are never lost)."""
+    """Write results.json and results.md atomically (finished rounds are never lost). A full
+    disk gives up the run folder's reserve first; no temporary file is left behind."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(res.dump(), indent=2, default=str)), ("results.md", markdown(res))):
-        tmp = run_dir / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, run_dir / name)
+    reserve = run_dir / RESERVE
+    data = json.dumps(res.dump(), indent=2, default=str).encode()
+    for name, text in (("results.json", data), ("results.md", markdown(res).encode())):
+        _replace(run_dir / name, text, reserve)
+    if res.finished:
+        reserve.unlink(missing_ok=True)
+    else:
+        _keep_room(reserve, max(RESERVE_MIN, 4 * len(data)))
+
+
+def _replace(path: Path, data: bytes, reserve: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    while True:
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+            return
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno not in _FULL:
+                raise
+            if reserve.exists():  # the room kept for this
+                reserve.unlink()
+                continue
+            if _overwrite(path, data):
+                return
+            raise OSError(exc.errno, f"{os.strerror(exc.errno)}: {len(data):,} bytes needed for {path}", str(path)) from None
+
+
+def _overwrite(path: Path, data: bytes) -> bool:
+    """Write ``data`` over ``path`` in the blocks it already holds; False when they are too few."""
+    try:
+        if path.stat().st_blocks * 512 < len(data):
+            return False
+        with open(path, "r+b") as fh:
+            fh.write(data)
+            fh.truncate()
+        return True
+    except OSError:
+        return False
+
+
+def _keep_room(reserve: Path, size: int) -> None:
+    """Hold ``size`` bytes of disk in ``reserve`` (best effort: a disk already full keeps none)."""
+    try:
+        if reserve.exists() and reserve.stat().st_size >= size:
+            return
+        fd = os.open(reserve, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        reserve.unlink(missing_ok=True)

@@ -1,0 +1,58 @@
+"""results.json on a disk that fills during the run: the run's reserve gives it room, the
+last write still lands with its status and error, and no temporary file is left. A real
+tmpfs in a mount namespace of the test's own (unshare)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from run_benchmarks.registry import ROOT
+
+FILL = """
+import json, sys
+from pathlib import Path
+from run_benchmarks import results
+from tests.test_results_models import fake_run
+
+run_dir = Path(sys.argv[1]) / "run"
+res = fake_run().model_copy(update={"finished": None, "status": "running", "error": None})
+results.write(res, run_dir)  # the run's first write keeps room for later ones
+try:  # the rank logs fill the disk
+    with open(run_dir.parent / "filler", "wb") as fh:
+        while True:
+            fh.write(b"x" * 65536)
+            fh.flush()
+except OSError as exc:
+    print("disk full:", exc.strerror, flush=True)
+rnd = fake_run().rounds[0].model_copy(update={"status": "failed", "error": "node0 (h1): " + "lost " * 2000})
+res = res.model_copy(update={"rounds": [*res.rounds, rnd]})
+results.write(res, run_dir)
+res = res.model_copy(update={"finished": "2026-01-01T01:00:00+00:00", "status": "failed", "error": "round 2 failed"})
+results.write(res, run_dir)
+print("written", flush=True)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) and root")
+def test_results_json_ends_with_status_and_error_on_a_full_disk(tmp_path):
+    script = (
+        'mount -t tmpfs -o size=1m tmpfs "$1" && "$2" -c "$3" "$1" && echo === && ls -A "$1/run" && echo === && cat "$1/run/results.json"'
+    )
+    p = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(tmp_path), sys.executable, FILL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    said, files, text = p.stdout.split("===\n")
+    assert "disk full: No space left on device" in said and "written" in said, p.stdout + p.stderr
+    assert files.split() == ["results.json", "results.md"]  # no temporary file, the reserve given up or removed
+    res = json.loads(text)
+    assert (res["status"], res["error"], len(res["rounds"])) == ("failed", "round 2 failed", 2)

@@ -9,6 +9,7 @@ fixed port, are in every multi-node run of test_slurm_backend.py: n2 cannot reso
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path,
     res = results(tmp_path)
     (rnd,) = res["rounds"]
     first = rnd["error"].splitlines()[0]
-    assert first.startswith("node0 (n1): Slurm job ") and first.endswith(
+    assert first.startswith("Slurm job ") and first.endswith(
         "could not start its step: srun could not launch on node n2 (Communication connection failure): is slurmd running there?"
     ), first
     assert [n["host"] for n in rnd["nodes"]] == ["n1", "n2"]
@@ -153,3 +154,45 @@ def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
     (job,) = res["runtime_info"]["slurm"]["jobs"]
     assert job["cancelled_by_harness"] == "aborted"
     assert_nothing_left(slurm_cluster, res["run_id"])
+
+
+@pytest.mark.parametrize("state", ["drain", "down"])
+def test_a_job_that_needs_an_out_of_service_node_fails_at_once_naming_it(
+    tmp_path: Path, slurm_cluster: SlurmTestCluster, state: str
+) -> None:
+    """The cluster file pins n1 and n2; n2 is drained (or down) by an administrator: the job
+    could only wait for the round deadline, so it is cancelled as soon as Slurm says why."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    scontrol = ["scontrol", "update", "nodename=n2"]
+    if state == "down":  # as a crash leaves it: no slurmd to put it back in service
+        slurm_cluster.kill_node("n2")
+    subprocess.run([*scontrol, f"state={state}", "reason=disk swap"], env=slurm_cluster.env(), check=True, timeout=30)
+    try:
+        t0 = time.monotonic()
+        proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - t0
+    finally:
+        if state == "down":
+            slurm_cluster.restart_node("n2")
+        else:
+            subprocess.run([*scontrol, "state=resume"], env=slurm_cluster.env(), check=True, timeout=30)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    res = results(tmp_path)
+    (rnd,) = res["rounds"]
+    first = rnd["error"].splitlines()[0]
+    assert re.fullmatch(r"Slurm job \d+ can never start: node n2 is \S*(DOWN|DRAIN)\S* \(reason: disk swap[^)]*\); cancelled", first), first
+    (job,) = res["runtime_info"]["slurm"]["jobs"]
+    assert job["cancelled_by_harness"] == "node unavailable"
+    assert took < 60, f"{took:.0f} s to notice"  # the round deadline is 600 s
+    assert_nothing_left(slurm_cluster, res["run_id"])
+
+
+def test_a_wrong_slurm_conf_is_named_at_once(tmp_path: Path) -> None:
+    cfile = cluster_file(tmp_path, tmp_path / "no" / "slurm.conf")
+    t0 = time.monotonic()
+    proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"field 'slurm.slurm_conf': {tmp_path / 'no' / 'slurm.conf'}: no such file" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 20
+    clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=60)
+    assert clean.returncode == 2 and "no such file" in clean.stderr, clean.stdout + clean.stderr

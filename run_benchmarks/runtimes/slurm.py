@@ -53,6 +53,9 @@ WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", 
 ACTIVE = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
 #: terminal states other than COMPLETED, FAILED, TIMEOUT, CANCELLED: the job ended by Slurm's hand
 ENDED_BY_SLURM = {"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "OUT_OF_MEMORY", "REVOKED"}
+#: a pending job's reason when a node it asked for cannot serve; states that say so
+UNAVAILABLE_REASON = re.compile(r"ReqNodeNotAvail|NodeDown|Nodes_required_for_job_are_DOWN")
+OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE"}
 GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
 GONE_WAIT_S = 60.0
 REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
@@ -93,6 +96,8 @@ class Job:
     cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup" | "launch failed" | "aborted"
     state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
     launch_failure: str | None = None  # srun could not start the step on a node: why
+    unavailable: str | None = None  # the nodes it needs that are DOWN or DRAINED, and why
+    req_nodes: str = ""  # the nodes it asked for (ReqNodeList)
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -111,6 +116,7 @@ class Job:
             "cancelled_by_harness": self.cancelled_by_harness,
             "state_at_cancel": self.state_at_cancel or None,
             "launch_failure": self.launch_failure,
+            "unavailable": self.unavailable,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
             "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
@@ -138,6 +144,12 @@ class SlurmRuntime(Runtime):
         self.notes: list[str] = []  # leftovers of earlier runs removed at prepare
 
     # ------------------------------------------------------------------ client commands
+
+    def _check_conf(self) -> None:
+        """A ``slurm.slurm_conf`` that names no file, said at once (the clients would wait for
+        a controller they cannot find)."""
+        if self.conf.slurm_conf and not Path(self.conf.slurm_conf).expanduser().is_file():
+            raise InputError(f"cluster file: field 'slurm.slurm_conf': {self.conf.slurm_conf}: no such file")
 
     def _env(self) -> dict[str, str]:
         # a harness started inside an allocation must not hand that job's variables to sbatch
@@ -173,6 +185,7 @@ class SlurmRuntime(Runtime):
         missing = [c for c in CLIENTS if shutil.which(c) is None]
         if missing:
             raise InputError(f"backend slurm: {', '.join(missing)} not found on this host (Slurm client commands)")
+        self._check_conf()
         ping = self._run(["scontrol", "ping"], timeout=30)
         if ping.returncode != 0 or "DOWN" in ping.stdout:
             why = (ping.stdout + ping.stderr).strip().splitlines()
@@ -190,13 +203,15 @@ class SlurmRuntime(Runtime):
         died (SIGKILL, a crashed machine): each job's comment names its submitter's host and pid
         (``submitter_comment``), and a pid no longer alive here means nobody follows the job.
         Jobs of other submit hosts and of live runs are never touched. One line, or None."""
-        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%k"], timeout=30)
+        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%T|%k"], timeout=30)
         if proc.returncode != 0:
             return None  # the controller answered ping: a transient failure; the next run sweeps
         gone: dict[str, list[str]] = {}
         for row in proc.stdout.splitlines():
-            job_id, _, comment = row.strip().partition("|")
+            job_id, state, comment = (row.strip().split("|", 2) + ["", ""])[:3]
             owner = parse_comment(comment)
+            if state not in WAITING | ACTIVE - {"COMPLETING"}:
+                continue  # its steps ended (a run that finished normally): Slurm is tidying up
             if owner and owner[0] == socket.gethostname() and not _alive_pid(owner[1]):
                 if self._run(["scancel", job_id], timeout=60).returncode == 0:
                     gone.setdefault(owner[2], []).append(job_id)
@@ -392,6 +407,8 @@ class SlurmRuntime(Runtime):
         if info.get("NodeList") and info["NodeList"] != "(null)" and not job.nodelist:
             job.nodelist = info["NodeList"]  # the allocation (it shrinks while nodes complete)
         job.batch_host = info.get("BatchHost", job.batch_host)
+        if info.get("ReqNodeList") and info["ReqNodeList"] != "(null)":
+            job.req_nodes = info["ReqNodeList"]
 
     def _follow(self, job: Job, deadline: float, batch_out: Path) -> None:
         while True:
@@ -407,6 +424,11 @@ class SlurmRuntime(Runtime):
                 job.ended_at = time.time()
                 job.launch_failure = job.launch_failure or launch_failure(batch_out)
                 return
+            if job.state in WAITING and job.unavailable is None and UNAVAILABLE_REASON.match(job.reason):
+                job.unavailable = self._unavailable_nodes(job)
+                if job.unavailable:  # it can never start: no use waiting for the deadline
+                    self._cancel(job, "node unavailable")
+                    return
             if time.monotonic() > deadline:
                 self._cancel(job, "round deadline")
                 return
@@ -414,6 +436,19 @@ class SlurmRuntime(Runtime):
                 self._cancel(job, "aborted")
                 return
             time.sleep(self.conf.poll_interval_s)
+
+    def node_states(self, nodes: str) -> list[dict[str, str]]:
+        """``scontrol show node -o`` of a node list: each node's fields (NodeName, State, Reason)."""
+        proc = self._run(["scontrol", "show", "node", "-o", nodes], timeout=30)
+        return [parse_show_job(ln) for ln in proc.stdout.splitlines() if ln.strip()] if proc.returncode == 0 else []
+
+    def _unavailable_nodes(self, job: Job) -> str | None:
+        """ "node n2 is DOWN (reason: ...)" for each node the job asked for that cannot serve."""
+        if not job.req_nodes:
+            return None
+        bad = [n for n in self.node_states(job.req_nodes) if set(re.split(r"[+*~#$@%!^-]", n.get("State", ""))) & OUT_OF_SERVICE]
+        said = [f"node {n.get('NodeName')} is {n.get('State')}" + (f" (reason: {n['Reason']})" if n.get("Reason") else "") for n in bad]
+        return "; ".join(said) or None
 
     def _cancel(self, job: Job, why: str) -> None:
         if job.cancelled_by_harness is None:
@@ -459,7 +494,9 @@ class SlurmRuntime(Runtime):
                 "slurm_node": host,
             }
             error, timed_out = None, False
-            if job.launch_failure:
+            if job.unavailable:
+                error = f"Slurm job {job.job_id} can never start: {job.unavailable}; cancelled"
+            elif job.launch_failure:
                 error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"
             elif rep is not None and rep.get("error"):  # the node wrapper said why it stopped
                 error = f"{rep['error']} (Slurm job {job.job_id})"
@@ -566,6 +603,7 @@ def clean_jobs(cluster: ClusterConfig) -> list[str]:
     missing = [c for c in CLIENTS if shutil.which(c) is None]
     if missing:
         raise InputError(f"backend slurm: {', '.join(missing)} not found on this host (Slurm client commands)")
+    rt._check_conf()
     line = rt.cancel_orphans()
     return [line] if line else []
 

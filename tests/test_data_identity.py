@@ -187,7 +187,7 @@ def test_one_window_of_seq_plus_one_tokens_is_enough(tmp_path):
 
 def test_a_garbage_npy_and_half_a_corpus_pair_are_named(tmp_path):
     (tmp_path / "g_ids.npy").write_bytes(b"garbage!" * 64)
-    with pytest.raises(ValueError, match=r"g_ids\.npy: not a numpy \.npy array \(bad magic b'garbag'"):
+    with pytest.raises(ValueError, match=r"g_ids\.npy: not a readable numpy \.npy array \(bad magic b'garbag'"):
         paddle_gpt._load(str(tmp_path / "g_ids.npy"))
     lone = tmp_path / "lone"
     lone.mkdir()

@@ -163,7 +163,7 @@ def _load(path: str, **kw):  # type: ignore[no-untyped-def]
     if not head.startswith(magic) and not (path.endswith(".npz") and head.startswith(b"\x93NUMPY")):
         if head.startswith(b"\x80") and not path.endswith(".npz"):  # what np.save(allow_pickle=True) writes for objects
             raise ValueError(f"{path}: not a readable numpy {what} (holds Python objects (a pickled array), not token ids)")
-        raise ValueError(f"{path}: not a numpy {what} (bad magic {head!r}; a numpy file starts with {magic!r})")
+        raise ValueError(f"{path}: not a readable numpy {what} (bad magic {head!r}; a numpy file starts with {magic!r})")
     try:
         return np.load(path, allow_pickle=False, **kw)
     except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:

@@ -31,12 +31,15 @@ under whatever interpreter the site gives the nodes.
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import ipaddress
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -88,13 +91,32 @@ def free_port(port: int) -> int:
         return int(s.getsockname()[1])
 
 
+#: the lock files of the ports this node wrapper holds for its launcher, open while it lives
+HELD: list[int] = []
+
+
+def hold_port(port: int) -> None:
+    """Hold ``port`` on this host while this wrapper lives: between the check and torch's bind
+    the port itself is free, so a lock file named by it is what a second job's node 0 finds
+    taken (OSError EADDRINUSE)."""
+    fd = os.open(Path(tempfile.gettempdir()) / f"flagbench-port-{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise OSError(errno.EADDRINUSE, "held by another flagbench job's node 0 on this host") from None
+    HELD.append(fd)
+
+
 def rendezvous_port(spec: dict[str, Any], rank: int, job_id: str) -> int:
     """Node 0 picks the port and publishes it in the shared run dir; the others read it.
     ValueError with the reason when there is none."""
     path = Path(spec["round_dir"]) / "slurm" / "rendezvous.json"
     if rank == 0:
         try:
-            info: dict[str, Any] = {"job_id": job_id, "port": free_port(spec.get("master_port") or 0)}
+            port = free_port(spec.get("master_port") or 0)
+            hold_port(port)
+            info: dict[str, Any] = {"job_id": job_id, "port": port}
         except OSError as exc:
             info = {
                 "job_id": job_id,

@@ -436,3 +436,30 @@ def test_one_translation_of_the_vendors_container_options() -> None:
     assert args[:5] == ["--network", "host", "--init", "--ipc", "host"]
     assert ["--gpus", "all"] == args[args.index("--gpus") : args.index("--gpus") + 2]
     assert "memlock=-1:-1" in args and "A=1" in args and "/data:/data:ro" in args and args[-2:] == ["--workdir", "/w"]
+
+
+def test_node_0_holds_the_master_port_until_its_wrapper_ends(tmp_path: Path) -> None:
+    """Two jobs sharing a node with one ``master_port``: the second job's node 0 is refused
+    with the documented line while the first holds the port, though nothing listens on it
+    yet (torch binds it only later). Each job runs in a wrapper process of its own."""
+    from run_benchmarks import slurm_node
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "b" / "slurm").mkdir(parents=True)
+    code = (
+        "import sys, time; from run_benchmarks import slurm_node as n\n"
+        "spec = {'round_dir': sys.argv[1], 'master_port': int(sys.argv[2])}\n"
+        "print(n.rendezvous_port(spec, 0, 'job-a'), flush=True); time.sleep(60)\n"
+    )
+    first = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(port)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert first.stdout.readline().strip() == str(port)
+        with pytest.raises(ValueError, match=rf"master_port {port} of the cluster file is in use on .*leave it out to use a free port"):
+            slurm_node.rendezvous_port({"round_dir": str(tmp_path / "b"), "master_port": port}, 0, "job-b")
+    finally:
+        first.kill()
+        first.wait()
+    assert slurm_node.rendezvous_port({"round_dir": str(tmp_path / "b"), "master_port": port}, 0, "job-c") == port

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import socket
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +100,16 @@ def repeats_note(ref: Reference | None) -> str:
     return f"mean of {len(ref.repeats)} runs, spread {_mre(ref.spread)}"
 
 
-def loss_cell(g: LossGate, ref: Reference | None = None) -> str:
-    """The gate's verdict; against a mean of repeats, with their spread (a not-judged reason says it)."""
+def loss_cell(g: LossGate, ref: Reference | None = None, loss_final: float | None = None) -> str:
+    """The gate's verdict; against a mean of repeats, with their spread (a not-judged reason says it);
+    not judged: the phase's final loss and the reason."""
     note = repeats_note(ref)
     figure = _mre(g.mre) + (f"; {note}" if note else "")
     if g.verdict == "aligned":
         return f"aligned ({figure})"
     if g.verdict == "not aligned":
         return g.reason if g.nonfinite_step is not None else f"NOT aligned ({figure})"
-    return f"not judged: {g.reason}"
+    return ("" if loss_final is None else f"loss {loss_final:.4f}; ") + f"not judged: {g.reason}"
 
 
 def _mre(x: float | None) -> str:
@@ -119,11 +121,16 @@ def figure(text: str, status: str) -> str:
     return text if status == "ok" or text == "-" else f"{status}: {text}"
 
 
+def status_text(error: str, width: int = 60) -> str:
+    """An error's first line as a status cell holds it: at most ``width`` characters, cut between words."""
+    return textwrap.shorten(error.splitlines()[0], width, placeholder=" ...")
+
+
 def rows(res: RunResults) -> list[list[str]]:
     out = []
     fix = ", ".join(f"{o['param']}={o['value']}" for o in res.user_overrides) or "/"
     for rnd in res.rounds:
-        status = rnd.status + (f": {rnd.error.splitlines()[0][:60]}" if rnd.error and rnd.status != "ok" else "")
+        status = rnd.status + (f": {status_text(rnd.error)}" if rnd.error and rnd.status != "ok" else "")
         for p in rnd.phases:
             fig = lambda text, status=rnd.status: figure(text, status)
             out.append(
@@ -135,7 +142,7 @@ def rows(res: RunResults) -> list[list[str]]:
                     fix,
                     fig("-" if p.tokens_per_gpu_s is None else f"{p.tokens_per_gpu_s:.1f}"),
                     spread_cell(p.throughput_spread),
-                    loss_cell(p.gate, p.reference),
+                    loss_cell(p.gate, p.reference, p.loss_final),
                     fig(allocated_cell(p.peak_mem_gib, p.reserved_mem_gib, rnd.total_mem_gib, p.alloc_retries)),
                     fig(device_mem(p.device_mem)),
                     fig(_pct(p.mfu_6n)),

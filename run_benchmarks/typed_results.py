@@ -27,7 +27,7 @@ from training.ceiling import efficiency
 SCHEMA_VERSION = 2
 
 Status = Literal["ok", "unjudged", "invalid", "failed"]
-RunStatus = Literal["running", "ok", "unjudged", "invalid", "failed", "interrupted"]
+RunStatus = Literal["running", "ok", "unjudged", "invalid", "failed", "interrupted", "refused"]
 #: rounds that ran fine and had nothing not aligned: their figures are results
 CLEAN: tuple[str, ...] = ("ok", "unjudged")
 #: rounds that ran to their end without an error; an ``invalid`` one's curve only differed from
@@ -335,6 +335,8 @@ def run_outcome(rounds: list[RoundResult], stopped_by: BaseException | None, rou
         cause = text[0] if text else type(stopped_by).__name__
         from run_benchmarks.errors import InputError
 
+        if getattr(stopped_by, "refused", False):  # a busy host: the run did not start, nothing failed
+            return {"status": "refused", "error": cause}
         if not isinstance(stopped_by, InputError):  # bad input speaks for itself; other errors say what they are
             cause = f"{type(stopped_by).__name__}: {cause}"
         return {"status": "failed", "error": f"stopped after {len(rounds)} of {rounds_wanted} round(s): {cause}"}

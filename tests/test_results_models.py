@@ -182,7 +182,7 @@ def test_tables_mark_rounds_that_are_not_ok():
     rows = results.rows(run)
     tps, loss, status = results.COLUMNS.index("tokens/p/s"), results.COLUMNS.index("loss"), results.COLUMNS.index("status")
     assert [r[tps] for r in rows] == ["1000.0", "unjudged: 1000.0", "invalid: 1000.0"]
-    assert [r[loss] for r in rows] == ["aligned (1.00%)", "not judged: no reference curve", "NOT aligned (2.10%)"]
+    assert [r[loss] for r in rows] == ["aligned (1.00%)", "loss 4.0000; not judged: no reference curve", "NOT aligned (2.10%)"]
     assert [r[status] for r in rows] == ["ok", "unjudged: round 2 was unjudged", "invalid: round 3 was invalid"]
     mem = results.COLUMNS.index("mem in use (GiB)")
     assert rows[0][mem] == "-"  # no monitor device on a CPU

@@ -74,6 +74,8 @@ class EngineUnreachable(ContainerError):
 class HostBusy(RemoteError):
     """Another run holds the host's lock; ``holder`` is what that run recorded in it."""
 
+    refused = True  # the run did not start: its status is "refused", not "failed" (typed_results.run_outcome)
+
     def __init__(self, host: str, message: str, *, holder: str = "") -> None:
         super().__init__(host, message)
         self.holder = holder

@@ -33,6 +33,8 @@ WAIT_POLL_S = 2.0  # how often a run that waits for a busy host (--wait) tries a
 class HostBusy(InputError):
     """Another run holds this host or one of its devices."""
 
+    refused = True  # the run did not start: its status is "refused", not "failed" (typed_results.run_outcome)
+
 
 def lock_file(name: str = "local") -> Path:
     """This host's run lock (``local``) or one device's (``local.device<i>``); FLAGBENCH_LOCK_DIR

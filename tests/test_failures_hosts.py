@@ -358,3 +358,39 @@ def test_engine_crashed_twice_comes_back_each_time(fc):
         client.containers.get(ctr.id).remove(force=True)
         client.close()
     assert netns.restore(fc) == []
+
+
+def test_log_folder_filling_mid_run_fails_the_round_naming_it(fc, megatron_python, tmp_path):
+    """The log dir on an 8 MiB tmpfs (in a mount namespace of start_task's own), filled while
+    the ranks train: the round fails naming this machine's full path, exit 1, results.json
+    finished with its status and error, no temporary file left."""
+    full = tmp_path / "full"
+    full.mkdir()
+    runs = Path(fc.hosts[1].workdir, "fb", "runs")
+    before = set(runs.glob("*"))
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
+    argv = [sys.executable, START, "--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(full / "logs")]
+    argv += ["--set", "train.steps=150"]
+    script = (
+        'd=$1; shift; mount -t tmpfs -o size=8m tmpfs "$d" || exit 99; "$@"; rc=$?; '
+        'find "$d" -name "*.tmp" -o -name harness-error.log > "$d.left"; cat "$d"/logs/*/results.json > "$d.json"; exit $rc'
+    )
+    p = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(full), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    end = time.monotonic() + 300
+    while not [r for r in set(runs.glob("*")) - before if list(r.rglob("node*/ranks/**/stdout.log"))]:
+        assert p.poll() is None and time.monotonic() < end, p.communicate()
+        time.sleep(0.5)
+    fill = ["nsenter", "-t", str(p.pid), "-m", "dd", "if=/dev/zero", f"of={full}/filler", "bs=64k"]
+    subprocess.run(fill, capture_output=True, timeout=60)
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 1, out + err
+    res = json.loads(Path(f"{full}.json").read_text())
+    assert res["status"] == "failed" and res["finished"], res["status"]
+    first = res["rounds"][0]["error"].splitlines()[0]
+    assert f"{full}/logs/" in first and "No space left on device" in first, res["rounds"][0]["error"]
+    assert Path(f"{full}.left").read_text() == ""  # no temporary file, no harness crash log

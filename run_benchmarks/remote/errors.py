@@ -56,6 +56,11 @@ class RemoteCommandFailed(RemoteError):
         self.stderr = stderr
 
 
+class LocalWriteFailed(RemoteError):
+    """What came from the host could not be written here (this machine's disk full, read-only);
+    the message names the local path."""
+
+
 class ContainerError(RemoteError):
     """Base class of the container-engine errors; ``engine`` names the engine (host or socket).
 

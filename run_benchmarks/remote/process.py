@@ -121,6 +121,7 @@ class RemoteProcess:
         output_path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(output_path, "ab" if append else "wb")
         self._err = bytearray()
+        self.write_error: str | None = None
         self._marker_done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"remote-output-{spec.name}", daemon=True)
         self._thread.start()
@@ -145,9 +146,14 @@ class RemoteProcess:
             self._marker_done.set()
 
     def _write(self, data: bytes) -> None:
-        if data:
-            self._file.write(data)
-            self._file.flush()
+        """Into the local file; once that fails (a full disk here), the output is dropped and
+        ``write_error`` names the file, while the remote command runs on."""
+        if data and self.write_error is None:
+            try:
+                self._file.write(data)
+                self._file.flush()
+            except OSError as e:
+                self.write_error = f"{self.output_path}: {e.strerror or e} (its output from then on is lost)"
 
     def _run(self) -> None:
         try:
@@ -157,7 +163,10 @@ class RemoteProcess:
         finally:
             self._write(bytes(self._err))
             self._err.clear()
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                self.write_error = self.write_error or f"{self.output_path}: {e.strerror or e}"
             self._marker_done.set()
 
     def poll(self) -> int | None:

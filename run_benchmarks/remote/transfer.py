@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import paramiko
 
-from .errors import CommandTimeout, RemoteCommandFailed
+from .errors import CommandTimeout, LocalWriteFailed, RemoteCommandFailed
 
 if TYPE_CHECKING:
     from .ssh import HostSpec
@@ -121,6 +121,8 @@ class TransferMixin:
                         stats.copied += 1
                     elif stat.S_ISREG(mode):
                         _get_one(sftp, rpath, lpath, attr, stats)
+        except LocalWriteFailed as e:
+            raise LocalWriteFailed(spec.name, f"{e.detail}, bringing back {remote_dir} from {spec.name}") from None
         except TimeoutError:
             raise CommandTimeout(spec.name, f"get_tree from {remote_dir} stalled", timeout=timeout) from None
         except (OSError, paramiko.SSHException) as e:
@@ -192,7 +194,16 @@ def _get_one(sftp: paramiko.SFTPClient, remote: str, local: Path, rattr: paramik
             return
     except FileNotFoundError:
         pass
-    sftp.get(remote, str(local))
+    size = rattr.st_size or 0
+    with sftp.open(remote, "rb") as src:
+        src.prefetch(size)
+        try:
+            with open(local, "wb") as dst:
+                while chunk := src.read(32768):
+                    dst.write(chunk)
+        except OSError as e:  # this machine's side: say so, and what it needed
+            local.unlink(missing_ok=True)
+            raise LocalWriteFailed("", f"{local}: {e.strerror or e} ({size:,} bytes needed)") from None
     if rattr.st_mode is not None:
         os.chmod(local, stat.S_IMODE(rattr.st_mode))
     mtime = int(rattr.st_mtime or time.time())

@@ -512,22 +512,36 @@ class SSHRuntime(Runtime):
         return outcomes
 
     def _collect(self, plan: Plan, n: _Node, round_dir: Path, local: Path) -> None:
-        """Bring the node's folder back; keep the container's log; remove the container."""
+        """Bring the node's folder back; keep the container's log; remove the container. What
+        could not be written here (this machine's disk full) leads the node's error."""
+        from run_benchmarks.remote.errors import LocalWriteFailed
+
+        here: list[str] = []  # failures on this machine's side
         if n.container is not None:
             try:
-                (local / "container.log").write_text(n.container.logs())
+                text = n.container.logs()
+                try:
+                    (local / "container.log").write_text(text)
+                except OSError as exc:
+                    here.append(f"{local / 'container.log'}: {exc.strerror or exc} ({len(text.encode()):,} bytes needed)")
             except Exception as exc:
                 n.error = n.error or f"container logs unavailable: {exc}"
             try:
                 n.container.stop_and_remove()
             except Exception as exc:
                 n.error = n.error or f"container not removed: {exc}"
+        if n.proc is not None and n.proc.write_error:
+            here.append(n.proc.write_error)
         if n.proc is not None and n.rc == -1:
             n.error = n.error or "the SSH connection to the host was lost during the round"
         try:
             self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
+        except LocalWriteFailed as exc:
+            here.append(f"logs not collected: {exc.detail}")
         except RemoteError as exc:
             n.error = n.error or f"logs not collected: {exc.detail}"
+        if here:
+            n.error = "; ".join(here + ([n.error] if n.error else []))
 
     def _wait(self, deadline: float) -> bool:
         """Wait for every node; on the first failure stop the rest. True if the deadline passed."""

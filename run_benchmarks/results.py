@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import socket
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -122,8 +121,13 @@ def figure(text: str, status: str) -> str:
 
 
 def status_text(error: str, width: int = 60) -> str:
-    """An error's first line as a status cell holds it: at most ``width`` characters, cut between words."""
-    return textwrap.shorten(error.splitlines()[0], width, placeholder=" ...")
+    """An error's first line as a status cell holds it: about ``width`` characters, never cut
+    inside a word (letters and digits); " ..." where it was cut."""
+    line = error.splitlines()[0]
+    if len(line) <= width:
+        return line
+    cut = next((i for i in range(width, 0, -1) if not (line[i - 1].isalnum() and line[i].isalnum())), width)
+    return line[:cut].rstrip() + " ..."
 
 
 def rows(res: RunResults) -> list[list[str]]:

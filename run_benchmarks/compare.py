@@ -7,11 +7,9 @@ trained on the same data), the layout and every setting that differs. A table he
 ``compare.md`` and ``compare.html`` (the loss curves overlaid, drawn by the report's plotting
 code) in ``--out`` (default ``logs/compare-<time>``).
 
-``start_task.py --record-reference RUN/results.json [RUN2/results.json ...]``: the curves of
-the run's rounds that ran through (ok, unjudged or invalid by its own gate; several rounds or runs of one config: their
-per-step mean, with each round's curve as a repeat and their ``spread``) become the case's reference for its config and data:
-``reference/<model>/<config>[.<phase>].json`` for the synthetic set,
-``<config>[.<phase>].data-<fingerprint>.json`` for real data (docs/datasets.md).
+``start_task.py --record-reference RUN/results.json [RUN2/results.json ...] --why TEXT``: the
+curves of the runs' rounds that ran through become the reference of their model, phase, recipe
+and data (references.record: the mean of the repeats, with their provenance and spread).
 
 Exit status: 0 done, 2 bad input (a file that is not a results.json, only failed rounds, a
 curve too short to judge a run).
@@ -27,120 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks import datacheck, metrics, registry
+from run_benchmarks import datacheck, references
 from run_benchmarks import plan as planning
 from run_benchmarks import typed_results as tr
-from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
 from run_benchmarks.results import _pct, allocated_cell, ceiling_cell, clock_cell, device_mem, repeats_note, spread_cell
-
-# --------------------------------------------------------------------------- --record-reference
-
-
-def _rounds_ran_through(res: tr.RunResults, path: Path) -> list[tr.RoundResult]:
-    through = [r for r in res.rounds if r.ran_through]
-    if not through:
-        statuses = ", ".join(f"round {r.round} {r.status}" for r in res.rounds) or "no round"
-        raise InputError(
-            f"{path}: no round ran through (ok, unjudged or invalid by its own gate): {statuses}; a failed round is no reference"
-        )
-    return through
-
-
-def _same_config(first: tr.RunResults, first_path: Path, res: tr.RunResults, path: Path) -> None:
-    """Repeats of one config: the same model, config, phases, global batch and data; InputError naming ``path``."""
-    pairs = [
-        ("model", first.model, res.model),
-        ("config", first.config_name, res.config_name),
-        ("phases", first.phases, res.phases),
-        ("global batch", first.settings.get("train", {}).get("global_batch"), res.settings.get("train", {}).get("global_batch")),
-        (
-            "data",
-            {ph: (d or {}).get("fingerprint") for ph, d in (first.data or {}).items()},
-            {ph: (d or {}).get("fingerprint") for ph, d in (res.data or {}).items()},
-        ),
-    ]
-    for what, theirs, ours in pairs:
-        if theirs != ours:
-            raise InputError(f"{path}: {what} {ours!r}, but {theirs!r} in {first_path}; a reference's repeats are runs of one config")
-
-
-def _curves(runs: int, distinct: int) -> str:
-    """``3`` for three runs of three curves, ``2 distinct curves of 3`` where some are equal."""
-    return str(runs) if distinct == runs else f"{max(distinct, 1)} distinct curve(s) of {runs}"
-
-
-def record_reference(paths: list[Path], replace: bool = False) -> list[str]:
-    """Write the runs' curves as the case's reference for their config and data; one line per file.
-
-    Every round that ran through is a repeat of the config (metrics.read_reference says why an
-    invalid one counts): one such round in all gives the curve as it is; several (rounds of one
-    run, or runs of one config) their per-step mean, with the repeats themselves and their
-    spread (metrics.mean_reference), so the gate knows its noise floor. A reference already
-    there is replaced only with ``replace`` (a committed curve is no scratch file)."""
-    runs = [(path, tr.load(path)) for path in paths]
-    path, res = runs[0]
-    for other, r in runs[1:]:
-        _same_config(res, path, r, other)
-    through = [(p, r, _rounds_ran_through(r, p)) for p, r in runs]
-    rounds = [(r, q) for _, r, qs in through for q in qs]
-    rnd = rounds[0][1]
-    try:
-        cn = CaseName.parse(res.case)
-        case_dir = registry.find_case(cn).path
-    except InputError as exc:
-        raise InputError(f"{path}: {exc}") from None
-    lines, out = [], []
-    for p in rnd.phases:
-        ident = (res.data or {}).get(p.phase) or {"kind": datacheck.SYNTHETIC, "fingerprint": datacheck.SYNTHETIC}
-        fp = ident.get("fingerprint")
-        if not fp:
-            raise InputError(
-                f"{path}: phase {p.phase}: its data has no fingerprint ({ident.get('reason', 'not checked')}); "
-                "run where the data is readable to record a reference for it"
-            )
-        try:
-            repeats = [x for q, _, qs in through for x in metrics.round_repeats(str(q), qs, p.phase)]
-            curve = metrics.mean_reference(str(path), repeats) if len(repeats) > 1 else tr.Reference(path=str(path), loss=p.loss)
-            metrics.check_curve(curve)
-        except ValueError as exc:
-            raise InputError(f"phase {p.phase}: {exc}") from None
-        suffix = "" if p.phase == "train" else f".{p.phase}"
-        name = f"{res.config_name}{suffix}" + ("" if fp == datacheck.SYNTHETIC else f".data-{fp}") + ".json"
-        target = case_dir / "reference" / res.model / name
-        if target.is_file() and not replace:
-            raise InputError(f"{target}: a reference for this config and data exists; --replace replaces it")
-        steps = sorted(curve.loss)
-        made = [f"run {r.run_id} round {q.round}" for r, q in rounds]
-        doc: dict[str, Any] = {
-            "model": res.model,
-            "config": res.config_name,
-            "phase": p.phase,
-            "produced_on": f"{res.hardware} x{res.world_size} ({res.vendor}), {res.started[:10]}, "
-            + (made[0] if len(made) == 1 else f"the mean of {_curves(len(made), len(curve.repeats))} runs: {', '.join(made)}"),
-            "global_batch": planning.phase_value(res.settings.get("train") or {}, p.phase, "global_batch"),
-            "steps": steps,
-            "loss": [curve.loss[s] for s in steps],
-            "data": ident,
-        }
-        if curve.repeats:
-            doc["spread"] = curve.spread
-            doc["repeats"] = [{"path": r.path, "steps": sorted(r.loss), "loss": [r.loss[s] for s in sorted(r.loss)]} for r in curve.repeats]
-        same = len(repeats) - max(len(curve.repeats), 1)  # repeats equal to another at every step, left out
-        out.append((target, doc, same))
-    for target, doc, same in out:  # every phase checked before any file is written
-        existed = target.is_file()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        repeats = f", the mean of {len(doc['repeats'])} runs, their spread {100 * doc['spread']:.2f}%" if "repeats" in doc else ""
-        if same:
-            repeats += f"; {same} run(s) equal to another at every step left out, each curve counted once"
-        lines.append(
-            f"{'replaced' if existed else 'wrote'} {target} (phase {doc['phase']}, steps {doc['steps'][0]}-{doc['steps'][-1]}, "
-            f"data {doc['data'].get('fingerprint')}{repeats})"
-        )
-    return lines
-
 
 # --------------------------------------------------------------------------- --compare
 
@@ -217,13 +106,19 @@ class Side:
 
 
 def _mre(loss: dict[int, float], ref: dict[int, float]) -> tuple[float | None, str]:
-    steps = sorted(s for s in ref if s >= metrics.ALIGN_FROM_STEP and s in loss)
-    if len(steps) < metrics.MIN_COMPARED_STEPS:
-        return None, f"{len(steps)} common step(s) from step {metrics.ALIGN_FROM_STEP}"
-    vals = [abs(loss[s] - ref[s]) / abs(ref[s]) for s in steps if math.isfinite(ref[s]) and ref[s] != 0]
-    if len(vals) != len(steps) or any(not math.isfinite(v) for v in vals):
+    """The gate's MRE (references.loss_mre) of a run against the reference run, over the steps
+    from 21 on that both ran; None with why where they are too few or a loss is not finite."""
+    common = {s: v for s, v in ref.items() if s in loss}
+    steps = [s for s in sorted(common) if s >= references.ALIGN_FROM_STEP]
+    if len(steps) < references.MIN_COMPARED_STEPS:
+        return None, f"{len(steps)} common step(s) from step {references.ALIGN_FROM_STEP}"
+    if any(not math.isfinite(loss[s]) for s in steps):
         return None, "a non-finite or zero loss"
-    return sum(vals) / len(vals), f"steps {steps[0]}-{steps[-1]}"
+    try:
+        mre, _ = references.loss_mre(loss, common)
+    except ValueError:
+        return None, "a non-finite or zero loss"
+    return mre, f"steps {steps[0]}-{steps[-1]}"
 
 
 def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
@@ -376,7 +271,7 @@ def html_page(c: dict[str, Any]) -> str:
             steps = sorted(curve)
             style = {"color": "k", "ls": "--", "lw": 1.6} if s is sides[-1] else {"lw": 1}
             ax.plot(steps, [curve[k] for k in steps], label=("reference: " if s is sides[-1] else f"run {i + 1}: ") + s.label, **style)
-        ax.axvline(metrics.ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {metrics.ALIGN_FROM_STEP}")
+        ax.axvline(references.ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {references.ALIGN_FROM_STEP}")
         ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}")
         report._legend(ax)
         plots.append(report._img(fig, f"loss {phase}", f"phase {phase}: every run's first clean round"))
@@ -395,22 +290,21 @@ def html_page(c: dict[str, Any]) -> str:
 
 def _reference_of(res: tr.RunResults, phase: str, files: list[Path]) -> tr.Reference:
     """The reference a phase of ``res`` is judged against offline: the files' curves (several:
-    their mean and spread), each checked as a run's --reference is (orchestrator.same_training:
+    their mean and spread), each checked as a run's --reference is (references.same_training:
     the run's model, the phase, its global batch; InputError naming the file otherwise)."""
-    from run_benchmarks import orchestrator
 
     ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
     refs = []
     for f in files:
         try:
-            ref = metrics.read_reference(f, phase)
-            metrics.check_curve(ref)
-            orchestrator.same_training(f, phase, res.model, ours)
+            ref = references.read_reference(f, phase)
+            references.check_curve(ref)
+            references.same_training(f, phase, res.model, ours)
         except ValueError as exc:
             raise InputError(f"--reference {exc}") from None
         refs.append(ref)
     try:
-        return metrics.combine(refs)
+        return references.combine(refs)
     except ValueError as exc:
         raise InputError(f"--reference {exc}") from None
 
@@ -422,11 +316,11 @@ def run_fingerprint(res: tr.RunResults, phase: str) -> str | None:
     return datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")
 
 
-def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any]]:
+def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
     """Each run's rounds that ran through, each phase's curve judged again by the loss gate
-    (metrics.judge_loss) against ``references``: what the run would have said against them. The
+    (references.judge_loss) against the curve ``files``: what the run would have said against them. The
     runs' files are not changed. One row per run, round and phase, with the verdict recorded."""
-    if not references:
+    if not files:
         raise InputError("--judge needs at least one --reference FILE to judge against")
     rows = []
     for path in paths:
@@ -438,10 +332,10 @@ def judge_again(paths: list[Path], references: list[Path]) -> list[dict[str, Any
         for rnd in through:
             for p in rnd.phases:
                 if p.phase not in refs:
-                    for f in references:  # a curve of other data cannot judge it: refused, not judged
+                    for f in files:  # a curve of other data cannot judge it: refused, not judged
                         datacheck.check_reference_data(f, p.phase, run_fingerprint(res, p.phase), res.model)
-                    refs[p.phase] = _reference_of(res, p.phase, references)
-                gate = metrics.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
+                    refs[p.phase] = _reference_of(res, p.phase, files)
+                gate = references.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
                 rows.append(
                     {
                         "run": res.run_id,
@@ -506,6 +400,12 @@ def main(argv: list[str]) -> int:
         help="make a run's curves the case's reference for its data; several runs of one config: their mean, with the runs and their spread",
     )
     ap.add_argument("--replace", action="store_true", help="with --record-reference: replace a reference that exists")
+    ap.add_argument(
+        "--update",
+        action="store_true",
+        help="with --judge: write the verdicts into the runs' results.json (a reference made after they ran)",
+    )
+    ap.add_argument("--why", default="", metavar="TEXT", help="with --record-reference: why the reference is made or changed (kept in it)")
     ap.add_argument("--out", metavar="DIR", help="with --compare: where compare.md and compare.html go (default logs/compare-<time>)")
     ap.add_argument(
         "--with-invalid",
@@ -518,7 +418,13 @@ def main(argv: list[str]) -> int:
         return int(exc.code or 0) and 2
     try:
         if args.record_reference:
-            print("\n".join(record_reference([Path(a).expanduser().resolve() for a in args.record_reference], args.replace)))
+            paths = [Path(a).expanduser().resolve() for a in args.record_reference]
+            print("\n".join(references.record(paths, args.why, args.replace)))
+            return 0
+        if args.judge and args.update:
+            files = [Path(r).expanduser().resolve() for r in args.reference]
+            for a in args.judge:
+                print("\n".join(references.judge_file(Path(a).expanduser().resolve(), files)))
             return 0
         if args.judge:
             rows = judge_again(

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from run_benchmarks import datacheck, history, metrics, orchestrator, typed_results
+from run_benchmarks import datacheck, history, orchestrator, references, typed_results
 from run_benchmarks import plan as planning
 from run_benchmarks.casename import CaseName
 from run_benchmarks.config import ClusterConfig, cluster_with, load, parse_duration
@@ -47,7 +47,7 @@ class NightlyCase:
     plan: planning.Plan
     tolerances: Tolerances
     hardware_key: str
-    reference_notes: list[str] = dataclasses.field(default_factory=list)  # what its references can judge (metrics.resolution_note)
+    reference_notes: list[str] = dataclasses.field(default_factory=list)  # what its references can judge (references.resolution_note)
 
 
 @dataclasses.dataclass
@@ -93,13 +93,13 @@ def prepare(
             plan.reference = planning.reference_files(e.reference, base, "reference")
             plan.command = planning.command_line(plan, e.variant, list(e.sets), [str(p) for p in plan.reference])
             plan.data = datacheck.check(plan)  # its data read whole, as start_task.py does: bad data is bad input
-            references = orchestrator.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
+            refs = references.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
             raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
         hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
         hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
-        jobs.append(NightlyCase(i, e, plan, tol, hw, metrics.reference_notes(references)))
+        jobs.append(NightlyCase(i, e, plan, tol, hw, references.reference_notes(refs) + references.judging(plan, refs)))
     return Night(
         path=path,
         text=path.read_text(encoding="utf-8"),

@@ -17,6 +17,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import monitor_summary
 from run_benchmarks.plan import Plan
+from run_benchmarks.references import load_references, not_judged_reason, round_loss, shown_paths
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 from run_benchmarks.typed_results import LossGate, PhaseResult, Reference, RoundResult, RunResults, Status
 from training import metriclog as ml
@@ -26,25 +27,6 @@ TAIL_LINES = 20
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
-
-
-def reference_paths(plan: Plan, phase: str = "train") -> list[Path]:
-    """The curves a phase is compared with: the ``--reference`` files if given (several: repeats
-    of one config, judged against their mean), else the committed curve of the exact config,
-    else of the size's default config; none when there is none.
-
-    Files are ``reference/<model>/<config>.json`` (phase ``train``) or
-    ``<config>.<phase>.json``.
-    """
-    if plan.reference:  # --reference: earlier runs or curve files, every phase
-        return list(plan.reference)
-    base = plan.case_dir / "reference" / plan.case.model
-    suffix = "" if phase == "train" else f".{phase}"
-    for name in (plan.config_name, f"config_{plan.case.size}"):
-        for file in datacheck.reference_names(plan, name, suffix):  # the curve made on the run's data
-            if (base / file).is_file():
-                return [base / file]
-    return []
 
 
 def metric_files(node_dir: Path) -> list[Path]:
@@ -70,104 +52,6 @@ def _failed_rank_tail(outcome: NodeOutcome) -> str:
         if "Traceback" in text or "Error" in text:
             return f"{f.relative_to(outcome.node_dir.parent)}:\n{tail(f)}"
     return f"{outcome.node_dir.name}/stdout.log:\n{tail(outcome.node_dir / 'stdout.log')}"
-
-
-def load_references(plan: Plan) -> dict[str, Reference | None]:
-    """Every phase's reference curve, checked before anything runs: it must judge a run (at
-    least 5 finite, non-zero losses from step 21 on) of the same model, phase and global
-    batch, from a clean round when it is a results.json. InputError names the file otherwise."""
-    out: dict[str, Reference | None] = {}
-    for phase in plan.phases:
-        paths = [] if other_batch_reason(plan, phase) else reference_paths(plan, phase)
-        refs = [(path, datacheck.same_data(plan, phase, _checked_reference(plan, path, phase))) for path in paths]
-        kept = [r for _, r in refs if r is not None]
-        if kept and len(kept) < len(refs):  # some files made on this run's data, some on other data
-            other = next(path for path, r in refs if r is None)
-            raise InputError(f"--reference {other}: made on other data than this run's, unlike {kept[0].path}; repeats share their data")
-        out[phase] = _mean_of(kept) if kept else None
-    return out
-
-
-def _mean_of(refs: list[Reference]) -> Reference:
-    """Several --reference curves of one phase as one: their per-step mean, with their spread."""
-    if len(refs) == 1:
-        return refs[0]
-    try:
-        ref = metrics.combine(refs)
-        metrics.check_curve(ref)
-    except ValueError as exc:
-        raise InputError(f"--reference {exc}") from None
-    return ref
-
-
-def _checked_reference(plan: Plan, path: Path, phase: str) -> Reference:
-    label = "--reference " if plan.reference else "reference curve "
-    try:
-        ref = metrics.read_reference(path, phase)
-        metrics.check_curve(ref)
-        _same_training(plan, path, phase)
-    except ValueError as exc:
-        raise InputError(f"{label}{exc}") from None
-    return ref
-
-
-def _same_training(plan: Plan, path: Path, phase: str) -> None:
-    same_training(path, phase, plan.case.model, planning.phase_value(plan.settings["train"], phase, "global_batch"))
-
-
-def same_training(path: Path, phase: str, model: str, ours: Any) -> None:
-    """Loss curves compare step by step only for the same model and phase at the same global
-    batch: ``path`` (a reference, read by metrics.read_reference already) against a run of
-    ``model`` whose ``phase`` trains at global batch ``ours``. ValueError naming the file; a
-    curve file of another batch raises :class:`OtherBatch`."""
-    data = json.loads(path.read_text())
-    if "rounds" in data:  # an earlier run: read_reference has parsed it already, so it parses
-        run = typed_results.parse(data, str(path))
-        if run.model != model:
-            raise ValueError(f"{path}: a run of {run.model!r}, not of {model!r}")
-        theirs = planning.phase_value(run.settings.get("train") or {}, phase, "global_batch")
-        if theirs != ours:
-            raise ValueError(
-                f"{path}: global batch {theirs} there, {ours} here"
-                + ("" if phase == "train" else f" (phase {phase})")
-                + "; loss curves compare step by step only at the same global batch"
-            )
-        return
-    # a curve file: it may name its model, phase and global batch
-    if data.get("model") is not None and data["model"] != model:
-        raise ValueError(f"{path}: a curve of {data['model']!r}, not of {model!r}")
-    if data.get("phase") is not None and data["phase"] != phase:
-        raise ValueError(f"{path}: a curve of phase {data['phase']!r}, compared with phase {phase!r}")
-    if data.get("global_batch") is not None and data["global_batch"] != ours:
-        raise OtherBatch(path, data["global_batch"], ours, phase)
-
-
-class OtherBatch(ValueError):
-    """A reference curve made at another global batch than the run's."""
-
-    def __init__(self, path: Path, theirs: Any, ours: Any, phase: str) -> None:
-        self.path, self.theirs, self.ours = path, theirs, ours
-        super().__init__(
-            f"{path}: a curve of global batch {theirs} there, {ours} here"
-            + ("" if phase == "train" else f" (phase {phase})")
-            + "; loss curves compare step by step only at the same global batch"
-        )
-
-
-def other_batch_reason(plan: Plan, phase: str) -> str | None:
-    """Why a phase has no committed reference although its config has one: the committed curve
-    is of another global batch (a run shortened by ``--set train.global_batch``); None otherwise.
-    Such a phase is not judged; an explicit ``--reference`` of another batch is bad input."""
-    if plan.reference:
-        return None
-    for path in reference_paths(plan, phase):
-        try:
-            _same_training(plan, path, phase)
-        except OtherBatch as exc:
-            return f"no reference at global batch {exc.ours} (the committed curve {path.name} is of global batch {exc.theirs})"
-        except ValueError:
-            return None
-    return None
 
 
 def _used_gpus(plan: Plan, node_rank: int) -> set[int] | None:
@@ -219,7 +103,7 @@ def _phase_result(
     return PhaseResult(
         phase=phase,
         **fig,
-        gate=datacheck.judge(fig["loss"], reference, warmup, plan, phase, other_batch_reason(plan, phase)),
+        gate=datacheck.judge(fig["loss"], reference, warmup, plan, phase, not_judged_reason(plan, phase)),
         reference=reference,
         meta=meta,
         step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
@@ -335,7 +219,7 @@ def evaluate_round(
     status, reasons = round_status(_process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases})
     mem = metrics.memory_summary(parsed)
     one = phases[0] if len(phases) == 1 else None  # round-level figures only where they cannot be mistaken
-    loss_mre, loss_aligned = metrics.round_loss([p.gate for p in phases])
+    loss_mre, loss_aligned = round_loss([p.gate for p in phases])
     return RoundResult(
         round=round_no,
         status=status,
@@ -356,7 +240,7 @@ def evaluate_round(
         loss_aligned=loss_aligned,
         phases=phases,
         monitor={f"node{k}": m for k, m in monitors.items()},
-        reference={ph: (r.path if r else None) for ph, r in references.items()},
+        reference={ph: (shown_paths(r.path) if r else None) for ph, r in references.items()},
         nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
         metric_parse_errors=len(parsed.errors),
     )

@@ -23,7 +23,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from run_benchmarks import history
-from run_benchmarks.metrics import ALIGN_FROM_STEP
+from run_benchmarks.references import ALIGN_FROM_STEP
 from run_benchmarks.results import figure
 from run_benchmarks.typed_results import CLEAN
 

@@ -296,7 +296,7 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         if args.json and not args.dry_run:
             raise InputError("--json is only valid with --dry-run")
         check_name(args.vendor, "vendor")
-        from run_benchmarks import datacheck, metrics, orchestrator
+        from run_benchmarks import datacheck, orchestrator, references
 
         orchestrator.sent_code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
         cn = CaseName.parse(args.case_name)
@@ -311,15 +311,16 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs
         for line in datacheck.describe(plan.data):
             console.print(line, markup=False)
-        references = orchestrator.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
-        for note in metrics.reference_notes(references):
+        refs = references.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
+        judged_by = references.judging(plan, refs)
+        for note in [*judged_by, *references.reference_notes(refs)]:
             console.print(note, markup=False, soft_wrap=True)
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)
             plan.python = python
             plan.nodes = runtime.node_plans(plan, python, root, plan.run_dir / "round1")
-            out = {**plan.to_json(), "runtime_details": runtime.dry_run_details(plan)}
+            out = {**plan.to_json(), "judged_by": judged_by, "runtime_details": runtime.dry_run_details(plan)}
             print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, out["runtime_details"]))
             return 0
         runtime = make_runtime(cluster, args.python)

@@ -87,7 +87,7 @@ class Reference(Strict):
     Made from repeats (``--reference`` given several times, or a curve file that carries them):
     ``loss`` is their per-step mean, ``repeats`` the curves themselves and ``spread`` their noise
     floor, the largest MRE of one repeat against the mean of the others over the compared steps
-    (metrics.mean_reference). One curve: no repeats, no spread (files made before repeats too)."""
+    (references.mean_reference). One curve: no repeats, no spread (files made before repeats too)."""
 
     path: str  # the file; with several --reference files, their paths joined by "; "
     loss: dict[int, float]
@@ -96,7 +96,7 @@ class Reference(Strict):
 
 
 class LossGate(Strict):
-    """The loss gate's verdict on one phase (metrics.judge_loss)."""
+    """The loss gate's verdict on one phase (references.judge_loss)."""
 
     verdict: Verdict
     mre: float | None = None  # mean relative error over the compared steps

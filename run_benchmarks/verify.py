@@ -1,7 +1,7 @@
 """``start_task.py --verify RESULTS.json [...]``: recompute every figure of a results.json from its
 per-step records and recorded config, and name each one that does not match.
 
-Recomputed per phase with the code that made them (metrics.figures, metrics.judge_loss):
+Recomputed per phase with the code that made them (metrics.figures, references.judge_loss):
 the window, tokens/p/s, step time, the per-step spread (where the file records one), MFU both
 ways from the recorded model counts and peak,
 the loss curve and its gate verdict against the reference curve the file holds (or the
@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from run_benchmarks import metrics
+from run_benchmarks import metrics, references, registry
 from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
 from run_benchmarks.orchestrator import git, round_status
@@ -84,13 +84,15 @@ def _reference(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check
     path = rnd.reference.get(p.phase)
     if path is None:
         return True, None  # judged without a reference
+    if not Path(path).is_absolute():  # a repository-relative path, as results name committed references
+        path = str(registry.ROOT / path)
     if not Path(path).is_file():
         check.notes.append(
             f"{check.path}: round {rnd.round} phase {p.phase}: the loss verdict is not recomputed: its reference {path} is not here"
         )
         return False, None
     try:
-        return True, metrics.read_reference(Path(path), p.phase)
+        return True, references.read_reference(Path(path), p.phase)
     except ValueError as exc:
         raise InputError(f"{check.path}: round {rnd.round} phase {p.phase}: its reference: {exc}") from None
 
@@ -101,8 +103,8 @@ def _repeats(ref: tr.Reference, where: str, check: Check) -> tr.Reference:
         check.field(where, "reference spread", ref.spread, None)  # one curve has no spread
         return ref
     try:
-        mean = metrics.mean_reference(ref.path, ref.repeats)
-    except metrics.BadReference as exc:
+        mean = references.mean_reference(ref.path, ref.repeats)
+    except references.BadReference as exc:
         raise InputError(f"{check.path}: {where}: its reference repeats: {exc}") from None
     check.field(where, "reference loss (the mean of its repeats)", ref.loss, mean.loss)
     check.field(where, "reference spread", ref.spread, mean.spread)
@@ -116,8 +118,8 @@ def _gate(
     if not found:
         return None
     try:
-        gate = metrics.judge_loss(loss, ref, int(res.settings["train"]["warmup_steps"]))
-    except metrics.BadReference as exc:
+        gate = references.judge_loss(loss, ref, int(res.settings["train"]["warmup_steps"]))
+    except references.BadReference as exc:
         raise InputError(f"{check.path}: {where}: {exc}") from None
     for name in GATE_FIELDS if res.schema_ >= 2 else GATE_FIELDS_SCHEMA1:
         check.field(where, f"loss gate {name}", getattr(p.gate, name), getattr(gate, name))
@@ -147,7 +149,7 @@ def _round(res: tr.RunResults, rnd: tr.RoundResult, check: Check) -> None:
     one = rnd.phases[0] if len(rnd.phases) == 1 else None
     for name in ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "window"):
         check.field(where, name, getattr(rnd, name), getattr(one, name) if one else None)
-    loss_mre, loss_aligned = metrics.round_loss([p.gate for p in rnd.phases])
+    loss_mre, loss_aligned = references.round_loss([p.gate for p in rnd.phases])
     check.field(where, "loss_mre", rnd.loss_mre, loss_mre)
     check.field(where, "loss_aligned", rnd.loss_aligned, loss_aligned)
     if rnd.status != "failed" and all(g is not None for g in gates.values()):

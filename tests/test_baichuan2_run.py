@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 TINY = CASE["models"]["baichuan2_tiny"]
-REFERENCE = CASE_DIR / "reference" / "baichuan2_tiny" / "config_cpux1x2.json"
+REFERENCE = CASE_DIR / "reference" / "baichuan2_tiny" / "standard.json"
 
 
 def _python() -> str:

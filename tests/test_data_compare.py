@@ -125,10 +125,10 @@ def test_record_reference_refuses_what_cannot_judge(tmp_path):
     synthetic = fake_run()
     (tmp_path / "synthetic.json").write_text(json.dumps(synthetic.dump()))
     proc = start("--record-reference", str(tmp_path / "synthetic.json"))
-    target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.json"
+    target = "cases/llama3/megatron/reference/llama3_tiny/standard.json"
     assert (
         proc.returncode == 2
-        and proc.stderr.strip() == f"error: {target}: a reference for this config and data exists; --replace replaces it"
+        and proc.stderr.strip() == f"error: {target}: a reference of this model, recipe and data exists; --replace replaces it"
     )
 
 
@@ -142,7 +142,7 @@ def test_recorded_curves_name_their_phases_global_batch(tmp_path):
     run["settings"]["train"]["phases"] = {"pretrain": {"global_batch": 32}, "finetune": {"global_batch": 4}}
     path.write_text(json.dumps(run))
     folder = ROOT / "cases/llava/deepspeed/reference/llava_tiny"
-    files = {ph: folder / f"config_cpux1x2.{ph}.data-{fp}.json" for ph in ("pretrain", "finetune")}
+    files = {ph: folder / f"standard.{ph}.data-{fp}.json" for ph in ("pretrain", "finetune")}
     try:
         proc = start("--record-reference", str(path))
         assert proc.returncode == 0, proc.stdout + proc.stderr

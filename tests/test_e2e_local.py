@@ -59,7 +59,7 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     (p,) = rnd.phases
     assert rnd.status == "ok" and rnd.error is None
     assert p.gate.verdict == "aligned" and p.gate.mre < 0.02 and (p.gate.first_step, p.gate.last_step) == (21, 30)
-    assert p.reference.path.endswith("reference/llama3_tiny/config_cpux1x2.json") and sorted(p.reference.loss) == list(range(1, 31))
+    assert p.reference.path.endswith("reference/llama3_tiny/standard.json") and sorted(p.reference.loss) == list(range(1, 31))
     assert rnd.tokens_per_gpu_s == p.tokens_per_gpu_s > 0
     assert (res.status, res.error) == ("ok", None) and res.code_version  # the run's own status, and the code that made it
     assert p.mfu_6n is None and p.mfu_palm is None  # no peak for a CPU: never invented

@@ -35,7 +35,7 @@ START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
 CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
 TINY = CASE["models"]["gpt3_tiny"]
-REFERENCE = json.loads((CASE_DIR / "reference" / "gpt3_tiny" / "config_cpux1x2.json").read_text())
+REFERENCE = json.loads((CASE_DIR / "reference" / "gpt3_tiny" / "standard.json").read_text())
 
 pytestmark = pytest.mark.framework("paddle")
 

@@ -218,12 +218,13 @@ def run_case_script(tmp_path: Path, cfg: dict, nprocs: int, script: str = "train
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-#: the CPU layouts, each run once through start_task.py: (processes, --variant, its committed curve)
+#: the CPU layouts, each run once through start_task.py: (processes, --variant); one reference
+#: (the standard recipe's, made by one process) judges them all
 LAYOUTS = {
-    "1": (1, None, "config_cpux1x1.json"),
-    "DP2": (2, None, "config_cpux1x2.json"),
-    "TP2": (2, "TP2", "config_cpux1x2_TP2.json"),
-    "PP2": (2, "PP2", "config_cpux1x2.json"),  # the size's default config's curve serves its variants
+    "1": (1, None),
+    "DP2": (2, None),
+    "TP2": (2, "TP2"),
+    "PP2": (2, "PP2"),
 }
 
 
@@ -232,7 +233,7 @@ def layout_runs(tmp_path_factory, megatron_python, llama3_dp2_run) -> dict[str, 
     """Each of LAYOUTS through start_task.py (30 steps, judged): its results.json and rank logs.
     DP2, the size's committed config as it is, is the session's run (conftest.llama3_dp2_run)."""
     runs = {}
-    for name, (nprocs, variant, _) in LAYOUTS.items():
+    for name, (nprocs, variant) in LAYOUTS.items():
         if name == "DP2":
             proc, run_dir = llama3_dp2_run
             assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
@@ -266,13 +267,14 @@ def layout_runs(tmp_path_factory, megatron_python, llama3_dp2_run) -> dict[str, 
 @pytest.mark.framework("megatron")
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cpu_layout_through_start_task(layout_runs, name):
-    nprocs, _, reference = LAYOUTS[name]
+    nprocs, _ = LAYOUTS[name]
     res, log = layout_runs[name]
     assert not log.errors, log.errors[:3]
     (rnd,) = res["rounds"]
     (phase,) = rnd["phases"]
     assert rnd["status"] == "ok", rnd["error"]
-    assert phase["reference"]["path"] == str(REFERENCE / reference)
+    assert phase["reference"]["path"] == "cases/llama3/megatron/reference/llama3_tiny/standard.json"
+    assert phase["gate"]["verdict"] == "aligned" and res["recipe"] == "standard"
     # every layout starts from the same weights (startweights.py): the curves agree closely
     assert phase["gate"]["verdict"] == "aligned" and phase["gate"]["mre"] < 0.005, phase["gate"]
 
@@ -320,13 +322,11 @@ def test_cpu_layouts_train_alike(layout_runs):
         assert max(abs(a - b) / b for a, b in zip(loss, base)) < 0.005, (name, loss, base)
 
 
-def test_reference_curves_of_all_layouts_agree():
-    dp2 = json.loads((REFERENCE / "config_cpux1x2.json").read_text())
-    assert dp2["config"] == "config_cpux1x2" and dp2["loss"][-1] < dp2["loss"][0] - 2.0
-    for name in ("config_cpux1x1", "config_cpux1x2_TP2", "config_cpux2x1"):
-        other = json.loads((REFERENCE / f"{name}.json").read_text())
-        assert other["config"] == name and other["steps"] == dp2["steps"]
-        assert max(abs(a - b) / b for a, b in zip(other["loss"], dp2["loss"])) < 0.005, name  # at every step
+def test_one_reference_for_every_layout():
+    """llama3_tiny has one reference, the standard recipe's; no file per config."""
+    assert sorted(p.name for p in REFERENCE.iterdir()) == ["standard.json"]
+    ref = json.loads((REFERENCE / "standard.json").read_text())
+    assert ref["recipe"] == "standard" and ref["loss"][-1] < ref["loss"][0] - 2.0
 
 
 @pytest.mark.framework("megatron")

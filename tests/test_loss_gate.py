@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from run_benchmarks import metrics
+from run_benchmarks import references
 from run_benchmarks.orchestrator import round_status
 from run_benchmarks.registry import ROOT
 from run_benchmarks.typed_results import LossGate, Reference, Repeat
@@ -29,10 +29,10 @@ def ref(last: int = 30, **changes: float) -> Reference:
 
 
 def test_within_and_beyond_two_percent():
-    near = metrics.judge_loss(curve(1.019), ref(), warmup_steps=5)
+    near = references.judge_loss(curve(1.019), ref(), warmup_steps=5)
     assert (near.verdict, near.compared_steps, near.first_step, near.last_step) == ("aligned", 10, 21, 30)
     assert near.mre == pytest.approx(0.019) and near.reason == "MRE 1.90% over steps 21-30"
-    far = metrics.judge_loss(curve(1.021), ref(), warmup_steps=5)
+    far = references.judge_loss(curve(1.021), ref(), warmup_steps=5)
     assert far.verdict == "not aligned" and far.mre == pytest.approx(0.021)
     assert far.reason == "MRE 2.10% over steps 21-30 (at least 2%)"
 
@@ -41,57 +41,57 @@ def test_early_steps_do_not_count():
     got = curve()
     for s in range(1, 21):
         got[s] *= 3
-    assert metrics.judge_loss(got, ref(), warmup_steps=5).mre == 0
+    assert references.judge_loss(got, ref(), warmup_steps=5).mre == 0
 
 
 def test_steps_the_reference_has_must_be_in_the_run():
-    short = metrics.judge_loss(curve(last=25), ref(), warmup_steps=5)
+    short = references.judge_loss(curve(last=25), ref(), warmup_steps=5)
     assert short.verdict == "not judged" and short.reason == "steps 26-30 missing (reference to step 30)"
     assert short.mre is None and short.aligned is None
     holes = curve()
     del holes[22], holes[27]
-    assert metrics.judge_loss(holes, ref(), warmup_steps=5).reason == "steps 22, 27 missing (reference to step 30)"
+    assert references.judge_loss(holes, ref(), warmup_steps=5).reason == "steps 22, 27 missing (reference to step 30)"
     # the run going further than the reference is fine: compared up to the reference's last step
-    assert metrics.judge_loss(curve(last=40), ref(), warmup_steps=5).compared_steps == 10
+    assert references.judge_loss(curve(last=40), ref(), warmup_steps=5).compared_steps == 10
 
 
 def test_nan_or_inf_fails_whether_or_not_the_reference_has_the_step():
     lacks = curve(last=35)
     lacks[33] = NAN  # the reference ends at 30
-    g = metrics.judge_loss(lacks, ref(), warmup_steps=5)
+    g = references.judge_loss(lacks, ref(), warmup_steps=5)
     assert (g.verdict, g.nonfinite_step, g.reason) == ("not aligned", 33, "loss NaN at step 33")
     early = curve()
     early[7] = INF
-    assert metrics.judge_loss(early, ref(), warmup_steps=5).reason == "loss inf at step 7"
+    assert references.judge_loss(early, ref(), warmup_steps=5).reason == "loss inf at step 7"
     # with no reference at all a NaN still fails
-    assert metrics.judge_loss(lacks, None, warmup_steps=5).nonfinite_step == 33
-    status, why = round_status([], {"train": metrics.judge_loss(lacks, None, warmup_steps=5)})
+    assert references.judge_loss(lacks, None, warmup_steps=5).nonfinite_step == 33
+    status, why = round_status([], {"train": references.judge_loss(lacks, None, warmup_steps=5)})
     assert status == "failed" and why == ["phase train: loss NaN at step 33"]
 
 
 def test_too_few_compared_steps_judge_nothing():
     few = Reference(path="/refs/few.json", loss={s: 4.0 for s in range(1, 25)})  # 21-24: four steps
-    g = metrics.judge_loss(curve(), few, warmup_steps=5)
+    g = references.judge_loss(curve(), few, warmup_steps=5)
     assert g.verdict == "not judged" and g.reason == "4 step(s) compared, at least 5 needed"
     with pytest.raises(
-        metrics.BadReference, match=r"^/refs/few.json: 4 step\(s\) from step 21 on \(steps 21-24\); the loss gate compares at least 5$"
+        references.BadReference, match=r"^/refs/few.json: 4 step\(s\) from step 21 on \(steps 21-24\); the loss gate compares at least 5$"
     ):
-        metrics.check_curve(few)
-    with pytest.raises(metrics.BadReference, match=r"0 step\(s\) from step 21 on \(none\)"):
-        metrics.check_curve(Reference(path="/refs/early.json", loss=curve(last=20)))
+        references.check_curve(few)
+    with pytest.raises(references.BadReference, match=r"0 step\(s\) from step 21 on \(none\)"):
+        references.check_curve(Reference(path="/refs/early.json", loss=curve(last=20)))
 
 
 @pytest.mark.parametrize("bad", [0.0, NAN, INF])
 def test_a_zero_or_nonfinite_reference_loss_is_a_bad_reference(bad):
     r = ref(s24=bad)
-    with pytest.raises(metrics.BadReference, match=rf"^/refs/curve.json: step 24: reference loss {bad}"):
-        metrics.judge_loss(curve(), r, warmup_steps=5)
-    with pytest.raises(metrics.BadReference, match=r"/refs/curve.json: step 24: reference loss"):
-        metrics.check_curve(r)
+    with pytest.raises(references.BadReference, match=rf"^/refs/curve.json: step 24: reference loss {bad}"):
+        references.judge_loss(curve(), r, warmup_steps=5)
+    with pytest.raises(references.BadReference, match=r"/refs/curve.json: step 24: reference loss"):
+        references.check_curve(r)
 
 
 def test_no_reference_is_not_judged():
-    g = metrics.judge_loss(curve(), None, warmup_steps=5)
+    g = references.judge_loss(curve(), None, warmup_steps=5)
     assert (g.verdict, g.reason) == ("not judged", "no reference curve")
 
 
@@ -118,9 +118,9 @@ def test_round_statuses():
 
 
 def test_step_ranges():
-    assert metrics.step_ranges([26, 27, 28, 29, 30]) == "26-30"
-    assert metrics.step_ranges([30, 22, 26, 27]) == "22, 26-27, 30"
-    assert metrics.step_ranges([]) == ""
+    assert references.step_ranges([26, 27, 28, 29, 30]) == "26-30"
+    assert references.step_ranges([30, 22, 26, 27]) == "22, 26-27, 30"
+    assert references.step_ranges([]) == ""
 
 
 def _results_file(path, status):
@@ -136,14 +136,14 @@ def test_a_reference_run_must_have_run_through(tmp_path, status, usable):
     """A failed round is no reference; an invalid one is (its curve only differed from another)."""
     path = _results_file(tmp_path / "results.json", status)
     if usable:
-        r = metrics.read_reference(path, "train")
+        r = references.read_reference(path, "train")
         assert r.path == str(path) and sorted(r.loss) == list(range(1, 31)) and math.isfinite(r.loss[30])
     else:
         with pytest.raises(
             ValueError,
             match=rf"^{path}: no round ran through \(ok, unjudged or invalid by its own gate\): round 1 {status}; a failed round",
         ):
-            metrics.read_reference(path, "train")
+            references.read_reference(path, "train")
 
 
 def test_the_rounds_of_a_reference_run_are_its_repeats(tmp_path):
@@ -158,14 +158,14 @@ def test_the_rounds_of_a_reference_run_are_its_repeats(tmp_path):
         {"phases": [fake_phase(loss_scale=1.02)], "status": "invalid"},
     ]
     path.write_text(json.dumps(fake_run(rounds).dump()))
-    r = metrics.read_reference(path, "train")
+    r = references.read_reference(path, "train")
     assert [x.path for x in r.repeats] == [f"{path} (round 1)", f"{path} (round 3)"]
     assert r.loss[25] == pytest.approx((r.repeats[0].loss[25] + r.repeats[1].loss[25]) / 2)
     assert r.spread == pytest.approx(0.02)  # round 3 against round 1: 2 %; round 1 against round 3: 0.02/1.02
     short = tmp_path / "short.json"
     short.write_text(json.dumps(fake_run([{}, {"phases": [fake_phase(steps=27)]}]).dump()))
     with pytest.raises(ValueError, match=rf"^{short} \(round 2\): steps 28-30 missing, which another repeat has"):
-        metrics.read_reference(short, "train")
+        references.read_reference(short, "train")
 
 
 # --------------------------------------------------------------------------- reference repeats: the gate's noise floor
@@ -178,38 +178,38 @@ def repeat(path: str, level: float, last: int = 25, early: float | None = None) 
 
 def test_the_mean_of_repeats_and_their_leave_one_out_spread():
     a, b, c = repeat("/runs/a.json", 4.0, early=9.0), repeat("/runs/b.json", 4.2), repeat("/runs/c.json", 4.4)
-    r = metrics.mean_reference("/runs/a.json; /runs/b.json; /runs/c.json", [a, b, c])
+    r = references.mean_reference("/runs/a.json; /runs/b.json; /runs/c.json", [a, b, c])
     assert r.loss[21] == pytest.approx(4.2) and r.loss[25] == pytest.approx(4.2) and sorted(r.loss) == list(range(1, 26))
     assert r.loss[1] == pytest.approx((9.0 + 4.2 + 4.4) / 3)  # the early steps are averaged too, but never compared
     # leave one out over steps 21-25: a against (4.2+4.4)/2 = 4.3 -> 0.3/4.3; b against 4.2 -> 0; c against 4.1 -> 0.3/4.1
     assert r.spread == pytest.approx(0.3 / 4.1) and [x.path for x in r.repeats] == ["/runs/a.json", "/runs/b.json", "/runs/c.json"]
-    assert metrics.repeat_spread([a, b, c]) == pytest.approx(0.3 / 4.1)
+    assert references.repeat_spread([a, b, c]) == pytest.approx(0.3 / 4.1)
     # two repeats: each against the other; the larger of 0.4/4.4 and 0.4/4.0
-    assert metrics.repeat_spread([a, c]) == pytest.approx(0.1)
-    assert metrics.repeat_spread([a]) is None
+    assert references.repeat_spread([a, c]) == pytest.approx(0.1)
+    assert references.repeat_spread([a]) is None
     # several files as one reference: each file's curve is a repeat; one file stays as it is
     one = Reference(path="/runs/a.json", loss=a.loss)
-    assert metrics.combine([one]) is one and one.spread is None and one.repeats == []
-    both = metrics.combine([one, Reference(path="/runs/c.json", loss=c.loss)])
+    assert references.combine([one]) is one and one.spread is None and one.repeats == []
+    both = references.combine([one, Reference(path="/runs/c.json", loss=c.loss)])
     assert both.path == "/runs/a.json; /runs/c.json" and both.spread == pytest.approx(0.1) and both.loss[22] == pytest.approx(4.2)
     # a file that carries repeats brings them, not its mean
     d = repeat("/runs/d.json", 4.3)
-    assert len(metrics.combine([r, Reference(path=d.path, loss=d.loss)]).repeats) == 4
+    assert len(references.combine([r, Reference(path=d.path, loss=d.loss)]).repeats) == 4
     # a curve equal at every step to another (a machine that computes alike run after run, run
     # twice) counts once: in the mean, in the spread and among the repeats
-    assert [x.path for x in metrics.combine([r, one]).repeats] == ["/runs/a.json", "/runs/b.json", "/runs/c.json"]
-    twice = metrics.mean_reference("/runs/abb", [a, b, repeat("/runs/b2.json", 4.2)])
-    assert [x.path for x in twice.repeats] == ["/runs/a.json", "/runs/b.json"] and twice.spread == metrics.repeat_spread([a, b])
+    assert [x.path for x in references.combine([r, one]).repeats] == ["/runs/a.json", "/runs/b.json", "/runs/c.json"]
+    twice = references.mean_reference("/runs/abb", [a, b, repeat("/runs/b2.json", 4.2)])
+    assert [x.path for x in twice.repeats] == ["/runs/a.json", "/runs/b.json"] and twice.spread == references.repeat_spread([a, b])
     assert twice.loss[22] == pytest.approx(4.1)  # not (4.0 + 4.2 + 4.2) / 3
-    same = metrics.mean_reference("/runs/bb", [b, repeat("/runs/b2.json", 4.2)])  # one curve: judged as one curve
+    same = references.mean_reference("/runs/bb", [b, repeat("/runs/b2.json", 4.2)])  # one curve: judged as one curve
     assert same.repeats == [] and same.spread is None and same.loss == b.loss
 
 
 def test_the_verdict_switches_off_at_the_tolerance():
     run = {s: 50.5 for s in range(1, 26)}
-    at = metrics.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 51.0)])  # 1/50: 2 % exactly
-    assert at.spread == metrics.ALIGN_TOLERANCE
-    g = metrics.judge_loss(run, at, warmup_steps=5)
+    at = references.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 51.0)])  # 1/50: 2 % exactly
+    assert at.spread == references.ALIGN_TOLERANCE
+    g = references.judge_loss(run, at, warmup_steps=5)
     assert (g.verdict, g.aligned, g.mre, g.compared_steps, g.first_step, g.last_step) == ("not judged", None, 0.0, 5, 21, 25)
     assert g.reason == (
         "reference repeats differ by 2.00% among themselves (at least 2%): this batch and length cannot resolve the 2% rule; "
@@ -217,38 +217,38 @@ def test_the_verdict_switches_off_at_the_tolerance():
     )
     assert round_status([], {"train": g}) == ("unjudged", [f"phase train: loss not judged: {g.reason}"])
     # off the mean by up to twice the repeats' spread: still not judged, the reference cannot tell
-    assert metrics.judge_loss({s: 50.5 * 1.039 for s in range(1, 26)}, at, warmup_steps=5).verdict == "not judged"
+    assert references.judge_loss({s: 50.5 * 1.039 for s in range(1, 26)}, at, warmup_steps=5).verdict == "not judged"
     # further than that: not aligned, whatever the tolerance the repeats could resolve
-    far = metrics.judge_loss({s: 60.0 for s in range(1, 26)}, at, warmup_steps=5)
+    far = references.judge_loss({s: 60.0 for s in range(1, 26)}, at, warmup_steps=5)
     assert (far.verdict, far.aligned) == ("not aligned", False) and far.mre == pytest.approx(9.5 / 50.5)
     assert far.reason == (
         "MRE 18.81% over steps 21-25 against the mean of 2 runs, more than 2 times their spread (2.00%): beyond the repeats' own noise"
     )
     assert round_status([], {"train": far})[0] == "invalid"
-    below = metrics.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 50.99)])
+    below = references.mean_reference("/runs/ab", [repeat("/runs/a.json", 50.0), repeat("/runs/b.json", 50.99)])
     assert below.spread == pytest.approx(0.0198)
-    g = metrics.judge_loss(run, below, warmup_steps=5)
+    g = references.judge_loss(run, below, warmup_steps=5)
     assert g.verdict == "aligned" and g.mre == pytest.approx(0.005 / 50.495)
     assert g.reason == "MRE 0.01% over steps 21-25 against the mean of 2 runs (their spread 1.98%)"
-    off = metrics.judge_loss({s: 52.0 for s in range(1, 26)}, below, warmup_steps=5)
+    off = references.judge_loss({s: 52.0 for s in range(1, 26)}, below, warmup_steps=5)
     assert off.verdict == "not aligned"
     assert off.reason == "MRE 2.98% over steps 21-25 against the mean of 2 runs (their spread 1.98%) (at least 2%)"
     # a NaN still fails the round whatever the reference's spread
-    assert metrics.judge_loss({**run, 23: NAN}, at, warmup_steps=5).nonfinite_step == 23
+    assert references.judge_loss({**run, 23: NAN}, at, warmup_steps=5).nonfinite_step == 23
 
 
 def test_a_repeat_lacking_a_compared_step_is_named():
     long, short = repeat("/runs/long.json", 4.0, last=30), repeat("/runs/short.json", 4.1, last=27)
-    with pytest.raises(metrics.BadReference, match=r"^/runs/short.json: steps 28-30 missing, which another repeat has \(every compared"):
-        metrics.mean_reference("/runs/both", [long, short])
+    with pytest.raises(references.BadReference, match=r"^/runs/short.json: steps 28-30 missing, which another repeat has \(every compared"):
+        references.mean_reference("/runs/both", [long, short])
     holed = repeat("/runs/holed.json", 4.1, last=30)
     del holed.loss[24]
-    with pytest.raises(metrics.BadReference, match=r"^/runs/holed.json: step 24 missing"):
-        metrics.combine([Reference(path=long.path, loss=long.loss), Reference(path=holed.path, loss=holed.loss)])
+    with pytest.raises(references.BadReference, match=r"^/runs/holed.json: step 24 missing"):
+        references.combine([Reference(path=long.path, loss=long.loss), Reference(path=holed.path, loss=holed.loss)])
     nan = repeat("/runs/nan.json", 4.1, last=30)
     nan.loss[26] = NAN
-    with pytest.raises(metrics.BadReference, match=r"^/runs/nan.json: step 26: loss nan"):
-        metrics.mean_reference("/runs/both", [long, nan])
+    with pytest.raises(references.BadReference, match=r"^/runs/nan.json: step 26: loss nan"):
+        references.mean_reference("/runs/both", [long, nan])
 
 
 def jumping(level: float = 4.0, last: int = 30, at: int = 14, to: float = 9.0) -> dict[int, float]:
@@ -259,55 +259,55 @@ def jumping(level: float = 4.0, last: int = 30, at: int = 14, to: float = 9.0) -
 
 
 def test_a_jump_of_the_loss_is_found():
-    assert metrics.loss_jump(curve()) is None
-    assert metrics.loss_jump(jumping()) == (14, 4.0, 9.0)
-    assert metrics.loss_jump(jumping(), until=13) is None
+    assert references.loss_jump(curve()) is None
+    assert references.loss_jump(jumping()) == (14, 4.0, 9.0)
+    assert references.loss_jump(jumping(), until=13) is None
     # above the first step's loss but by less than 5 % over the step before: not a jump
-    assert metrics.loss_jump({1: 10.0, 2: 9.9, 3: 10.3}) is None
+    assert references.loss_jump({1: 10.0, 2: 9.9, 3: 10.3}) is None
     # 5 % up from the step before but still below where the curve began: an ordinary wobble
-    assert metrics.loss_jump({1: 10.0, 2: 8.0, 3: 8.5}) is None
-    assert metrics.loss_jump({1: 10.0, 2: 8.0, 3: NAN, 4: 12.0}) == (4, 8.0, 12.0)  # a NaN step is skipped
-    assert metrics.loss_jump({}) is None and metrics.loss_jump({1: 3.0}) is None
+    assert references.loss_jump({1: 10.0, 2: 8.0, 3: 8.5}) is None
+    assert references.loss_jump({1: 10.0, 2: 8.0, 3: NAN, 4: 12.0}) == (4, 8.0, 12.0)  # a NaN step is skipped
+    assert references.loss_jump({}) is None and references.loss_jump({1: 3.0}) is None
 
 
 def test_a_verdict_after_a_jump_of_the_reference_says_so():
     one = Reference(path="/refs/jump.json", loss=jumping())
     said = "the reference's loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00): runs that differ only by rounding part after such a jump, so this verdict may turn on rounding"
-    far = metrics.judge_loss({s: v * 1.03 for s, v in jumping().items()}, one, warmup_steps=5)
+    far = references.judge_loss({s: v * 1.03 for s, v in jumping().items()}, one, warmup_steps=5)
     assert far.verdict == "not aligned"
     assert (
         far.reason
         == f"MRE 3.00% over steps 21-30 (at least 2%); {said}; repeats of the reference (--reference given several times) measure how far"
     )
-    near = metrics.judge_loss({s: v * 1.01 for s, v in jumping().items()}, one, warmup_steps=5)
+    near = references.judge_loss({s: v * 1.01 for s, v in jumping().items()}, one, warmup_steps=5)
     assert (near.verdict, near.reason) == ("aligned", "MRE 1.00% over steps 21-30")  # an aligned verdict needs no excuse
-    note = metrics.resolution_note(one)
+    note = references.resolution_note(one)
     assert note == (
         "its loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00); the gate compares steps 21-30, and runs that "
         "differ only by rounding part after such a jump, so a verdict there may turn on rounding; repeats of the reference "
         "(--reference given several times) measure how far"
     )
-    assert metrics.resolution_note(ref()) is None and metrics.resolution_note(None) is None
+    assert references.resolution_note(ref()) is None and references.resolution_note(None) is None
     # repeats that agree (spread below 2 %) but jump: the verdict stands, with the warning and no advice to repeat
-    pair = metrics.mean_reference(
+    pair = references.mean_reference(
         "/runs/ab", [Repeat(path="/runs/a.json", loss=jumping()), Repeat(path="/runs/b.json", loss=jumping(4.04))]
     )
-    g = metrics.judge_loss({s: 4.3 for s in range(1, 31)}, pair, warmup_steps=5)
+    g = references.judge_loss({s: 4.3 for s in range(1, 31)}, pair, warmup_steps=5)
     assert g.verdict == "not aligned" and g.reason.endswith(f"(at least 2%); {said}")
-    assert metrics.resolution_note(pair).endswith("its 2 repeats (spread 1.00%) may not show how far")
+    assert references.resolution_note(pair).endswith("its 2 repeats (spread 1.00%) may not show how far")
     # repeats that cannot resolve 2 %: not judged, and the reason says where they jump
-    wide = metrics.mean_reference(
+    wide = references.mean_reference(
         "/runs/ac", [Repeat(path="/runs/a.json", loss=jumping()), Repeat(path="/runs/c.json", loss=jumping(4.2, at=15))]
     )
-    g = metrics.judge_loss({s: wide.loss[s] if s < 10 else 4.1 for s in range(1, 31)}, wide, warmup_steps=5)
+    g = references.judge_loss({s: wide.loss[s] if s < 10 else 4.1 for s in range(1, 31)}, wide, warmup_steps=5)
     assert g.verdict == "not judged"
     assert "cannot resolve the 2% rule (their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)); MRE" in g.reason
-    assert metrics.resolution_note(wide).endswith(
+    assert references.resolution_note(wide).endswith(
         "one within that is not judged; over steps 1-6, where they agree within 2%, a run 2% or more from them is not aligned; "
         "their loss jumps at step 14 (4.00 to 9.00, above its first step's 8.00)"
     )
     # the run jumps where the reference does not: its not-aligned reason names the run's jump
-    own = metrics.judge_loss(jumping(at=25, to=9.0), Reference(path="/refs/flat.json", loss={**jumping(), 14: 4.0}), warmup_steps=5)
+    own = references.judge_loss(jumping(at=25, to=9.0), Reference(path="/refs/flat.json", loss={**jumping(), 14: 4.0}), warmup_steps=5)
     assert own.verdict == "not aligned" and own.reason.endswith("; the run's loss jumps at step 25 (4.00 to 9.00, above its first step's)")
 
 
@@ -317,14 +317,14 @@ def test_repeats_that_part_still_judge_the_steps_where_they_agree():
     figures are that range's), one within it stays not judged and its reason gives that MRE."""
     a = jumping()
     b = {s: v * (1.001 if s < 14 else 1.2) for s, v in a.items()}  # equal to 0.1 % through step 13, 20 % apart after
-    wide = metrics.mean_reference("/runs/ab", [Repeat(path="/runs/a.json", loss=a), Repeat(path="/runs/b.json", loss=b)])
-    assert metrics.cannot_resolve(wide) and metrics.agreement_steps(wide) == list(range(1, 14))
+    wide = references.mean_reference("/runs/ab", [Repeat(path="/runs/a.json", loss=a), Repeat(path="/runs/b.json", loss=b)])
+    assert references.cannot_resolve(wide) and references.agreement_steps(wide) == list(range(1, 14))
     like = {s: wide.loss[s] * (1.004 if s < 14 else 1.05) for s in range(1, 31)}
-    g = metrics.judge_loss(like, wide, warmup_steps=5)
+    g = references.judge_loss(like, wide, warmup_steps=5)
     assert (g.verdict, g.first_step, g.last_step) == ("not judged", 21, 30)
     assert g.reason.endswith("; over steps 1-13, where the repeats agree within 2%, MRE 0.40%")
     off = {s: wide.loss[s] * (1.03 if s < 14 else 1.05) for s in range(1, 31)}  # 3 % off before they part, 5 % after
-    g = metrics.judge_loss(off, wide, warmup_steps=5)
+    g = references.judge_loss(off, wide, warmup_steps=5)
     assert (g.verdict, g.compared_steps, g.first_step, g.last_step) == ("not aligned", 13, 1, 13) and g.mre == pytest.approx(0.03)
     assert g.reason.startswith(
         "MRE 3.00% over steps 1-13 (at least 2%), where the reference's 2 repeats agree within 2% of each other: "
@@ -333,17 +333,17 @@ def test_repeats_that_part_still_judge_the_steps_where_they_agree():
     assert round_status([], {"train": g})[0] == "invalid"
     # too few steps of agreement (repeats apart from step 5 on), or none (one curve): no such verdict
     early = {s: v * (1.001 if s < 5 else 1.2) for s, v in a.items()}
-    short = metrics.mean_reference("/runs/ae", [Repeat(path="/runs/a.json", loss=a), Repeat(path="/runs/e.json", loss=early)])
-    assert metrics.agreement_steps(short) == [1, 2, 3, 4]
-    assert metrics.judge_loss({s: short.loss[s] * (1.03 if s < 5 else 1.05) for s in range(1, 31)}, short, 5).verdict == "not judged"
-    assert metrics.agreement_steps(Reference(path="/refs/one.json", loss=a)) == []
+    short = references.mean_reference("/runs/ae", [Repeat(path="/runs/a.json", loss=a), Repeat(path="/runs/e.json", loss=early)])
+    assert references.agreement_steps(short) == [1, 2, 3, 4]
+    assert references.judge_loss({s: short.loss[s] * (1.03 if s < 5 else 1.05) for s in range(1, 31)}, short, 5).verdict == "not judged"
+    assert references.agreement_steps(Reference(path="/refs/one.json", loss=a)) == []
 
 
 def test_the_committed_baichuan2_curve_jumps_at_step_14():
     """The 4 x H200 standard runs of baichuan2_13b (global batch 64) climb from about 6.8 to 17 at
     step 14, above their first loss of 12.24 (docs/results/README.md): the gate says so before a run."""
-    r = metrics.read_reference(ROOT / "cases/baichuan2/deepspeed/reference/baichuan2_13b/config_H200x1x4.json")
-    assert metrics.reference_jump(r).startswith("at step 14 (") and "above its first step's 12.24" in metrics.resolution_note(r)
+    r = references.read_reference(ROOT / "cases/baichuan2/deepspeed/reference/baichuan2_13b/standard.json")
+    assert references.reference_jump(r).startswith("at step 14 (") and "above its first step's 12.24" in references.resolution_note(r)
 
 
 def _repeats_file(tmp_path, spread_off: float):
@@ -356,8 +356,8 @@ def _repeats_file(tmp_path, spread_off: float):
         Repeat(path="/runs/a.json", loss=dict(p.loss)),
         Repeat(path="/runs/b.json", loss={s: v * (1 + spread_off) for s, v in p.loss.items()}),
     ]
-    ref = metrics.mean_reference("/runs/a.json; /runs/b.json", reps)
-    gate = metrics.judge_loss(p.loss, ref, 5)
+    ref = references.mean_reference("/runs/a.json; /runs/b.json", reps)
+    gate = references.judge_loss(p.loss, ref, 5)
     phase = p.model_copy(update={"gate": gate, "reference": ref})
     rnd = run.rounds[0].model_copy(
         update={"phases": [phase], "status": round_status([], {"train": gate})[0], "loss_mre": gate.mre, "loss_aligned": gate.aligned}
@@ -452,9 +452,9 @@ def test_repeated_reference_on_the_command_line(tmp_path):
 
 
 def test_record_a_reference_from_repeats(tmp_path):
-    """--record-reference RUN_A RUN_B: the mean curve with the runs and their spread, read back as
-    such; runs of another config are refused by name, a curve that is not its repeats' mean too."""
-    from run_benchmarks import compare
+    """--record-reference RUN_A RUN_B: the mean curve with the runs, their provenance and spread,
+    read back as such, at the model's recipe's path; runs of another recipe are refused by name, a
+    curve that is not its repeats' mean too; a reference is replaced only with --replace and a why."""
     from run_benchmarks.errors import InputError
     from run_benchmarks.registry import ROOT
     from tests.test_results_models import fake_phase, fake_run
@@ -462,46 +462,46 @@ def test_record_a_reference_from_repeats(tmp_path):
     data = {"train": {"kind": "real", "format": "megatron", "fingerprint": "0123456789abcdef"}}  # a data set of its own: no committed curve
     paths = []
     for i, scale in enumerate((1.0, 1.01, 1.02)):
-        run = fake_run([{"phases": [fake_phase(loss_scale=scale)]}], run_id=f"run{i}").model_copy(update={"data": data})
+        config = "config_cpux1x2_TP2" if i == 2 else "config_cpux1x2"  # layouts may differ: one reference judges them all
+        run = fake_run([{"phases": [fake_phase(loss_scale=scale)]}], run_id=f"run{i}", config_name=config).model_copy(update={"data": data})
         paths.append(tmp_path / f"run{i}.json")
         paths[-1].write_text(json.dumps(run.dump()))
     other = tmp_path / "other.json"
-    other.write_text(json.dumps(fake_run(config_name="config_cpux1x2_TP2").model_copy(update={"data": data}).dump()))
-    with pytest.raises(InputError, match=rf"^{other}: config 'config_cpux1x2_TP2', but 'config_cpux1x2' in {paths[0]}"):
-        compare.record_reference([paths[0], other])
-    target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.data-0123456789abcdef.json"
+    other.write_text(json.dumps(fake_run().model_copy(update={"data": data, "recipe": "short"}).dump()))
+    with pytest.raises(InputError, match=rf"^{other}: recipe 'short', but 'standard' in {paths[0]}"):
+        references.record([paths[0], other], "")
+    target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/standard.data-0123456789abcdef.json"
     two = tmp_path / "two-rounds.json"  # one run of two rounds: the rounds are the repeats
     two.write_text(
         json.dumps(fake_run([{}, {"phases": [fake_phase(loss_scale=1.01)]}], run_id="run9").model_copy(update={"data": data}).dump())
     )
     try:
-        (line,) = compare.record_reference([two])
-        assert line.endswith(", the mean of 2 runs, their spread 1.00%)")
+        (line,) = references.record([two], "")
+        assert line.endswith("(phase train, recipe standard, 2 run(s), spread 1.000%, steps 1-30)"), line
         doc = json.loads(target.read_text())
         assert [r["path"] for r in doc["repeats"]] == [f"{two} (round 1)", f"{two} (round 2)"]
-        assert "the mean of 2 runs: run run9 round 1, run run9 round 2" in doc["produced_on"]
-        target.unlink()
-        (line,) = compare.record_reference(paths)
-        assert line.startswith(f"wrote {target} (phase train, steps 1-30, data 0123456789abcdef, the mean of 3 runs, their spread ")
+        assert [(r["run_id"], r["round"], r["config"]) for r in doc["repeats"]] == [
+            ("run9", 1, "config_cpux1x2"),
+            ("run9", 2, "config_cpux1x2"),
+        ]
+        assert doc["why"].startswith("the first reference of llama3_tiny's standard recipe") and doc["recipe"] == "standard"
+        with pytest.raises(InputError, match="a reference of this model, recipe and data exists; --replace replaces it"):
+            references.record(paths, "")
+        with pytest.raises(InputError, match="--replace needs --why TEXT"):
+            references.record(paths, "", replace=True)
+        (line,) = references.record(paths, "three runs, two layouts", replace=True)
+        assert line.startswith("replaced cases/llama3/megatron/reference/llama3_tiny/standard.data-0123456789abcdef.json (phase train")
         doc = json.loads(target.read_text())
-        assert [r["path"] for r in doc["repeats"]] == [str(p) for p in paths]
-        assert "the mean of 3 runs: run run0 round 1, run run1 round 1, run run2 round 1" in doc["produced_on"]
+        assert [r["path"] for r in doc["repeats"]] == [str(p) for p in paths] and doc["why"] == "three runs, two layouts"
+        assert [r["config"] for r in doc["repeats"]] == ["config_cpux1x2", "config_cpux1x2", "config_cpux1x2_TP2"]
         # leave one out: run0 against 1.015 -> 0.015/1.015, run1 against 1.01 -> 0, run2 against 1.005 -> 0.015/1.005
         assert doc["loss"][0] == pytest.approx(6.9 * 1.01) and doc["spread"] == pytest.approx(0.015 / 1.005)
-        back = metrics.read_reference(target)
+        back = references.read_reference(target)
         assert back.spread == doc["spread"] and len(back.repeats) == 3 and back.loss[1] == pytest.approx(6.9 * 1.01)
         doc["loss"][24] += 0.1  # the curve no longer the mean of its repeats
         target.write_text(json.dumps(doc))
         with pytest.raises(ValueError, match=rf"^{target}: step 25: loss [\d.]+, but the mean of its repeats is"):
-            metrics.read_reference(target)
-        # a run equal at every step to another (one machine, run twice): its curve counts once
-        again = tmp_path / "run0-again.json"
-        again.write_text(paths[0].read_text().replace('"run0"', '"run0b"'))
-        (line,) = compare.record_reference([*paths, again], replace=True)
-        assert line.endswith("; 1 run(s) equal to another at every step left out, each curve counted once)"), line
-        doc = json.loads(target.read_text())
-        assert len(doc["repeats"]) == 3 and doc["spread"] == pytest.approx(0.015 / 1.005)
-        assert "the mean of 3 distinct curve(s) of 4 runs: run run0 round 1" in doc["produced_on"]
+            references.read_reference(target)
     finally:
         target.unlink(missing_ok=True)
 
@@ -510,7 +510,6 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
     """A curve file that names its global batch compares only with runs of that batch: given with
     --reference it is bad input naming the file; committed for the config (baichuan2_13b's H200
     curve, made at the standard 64), a run shortened to 32 is not judged and says why."""
-    from run_benchmarks import orchestrator
     from run_benchmarks import plan as planning
     from run_benchmarks.casename import CaseName
     from run_benchmarks.config import ClusterConfig
@@ -525,18 +524,21 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
 
     cn = CaseName.parse("baichuan2_13b:deepspeed:H200:1:4")
     short = planning.build(cn, "nvidia", ClusterConfig(), tmp_path, sets=["train.global_batch=32"])
-    assert orchestrator.load_references(short) == {"train": None}
-    assert orchestrator.other_batch_reason(short, "train") == (
-        "no reference at global batch 32 (the committed curve config_H200x1x4.json is of global batch 64)"
+    assert references.load_references(short) == {"train": None}
+    assert references.not_judged_reason(short, "train") == (
+        "--set train.global_batch=32 changes the standard recipe: its reference judges only runs of that recipe"
+    )
+    assert references.other_batch_reason(short, "train") == (
+        "no reference at global batch 32 (the committed curve standard.json is of global batch 64)"
     )
     standard = planning.build(cn, "nvidia", ClusterConfig(), tmp_path)
-    assert orchestrator.other_batch_reason(standard, "train") is None
-    (ref,) = orchestrator.load_references(standard).values()
-    assert ref is not None and ref.path.endswith("reference/baichuan2_13b/config_H200x1x4.json") and len(ref.loss) == 30
+    assert references.not_judged_reason(standard, "train") is None
+    (ref,) = references.load_references(standard).values()
+    assert ref is not None and ref.path == "cases/baichuan2/deepspeed/reference/baichuan2_13b/standard.json" and len(ref.loss) == 30
     from run_benchmarks import datacheck
 
-    gate = datacheck.judge({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", orchestrator.other_batch_reason(short, "train"))
-    assert gate.verdict == "not judged" and gate.reason.startswith("no reference at global batch 32")
+    gate = datacheck.judge({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", references.not_judged_reason(short, "train"))
+    assert gate.verdict == "not judged" and gate.reason.startswith("--set train.global_batch=32 changes the standard recipe")
 
 
 def test_judge_again_offline_against_repeats(tmp_path):
@@ -577,27 +579,21 @@ def test_judge_again_offline_against_repeats(tmp_path):
     )
 
 
-def test_every_committed_curve_names_the_phase_and_global_batch_of_its_config():
-    """A committed reference curve says which phase and global batch it was made at, and they
-    are its config's: a run shortened to another batch is then unjudged (or its --reference
-    refused), never judged step by step against another training."""
-    import re
-
+def test_every_committed_curve_names_its_model_phase_recipe_and_global_batch():
+    """A committed reference says which model, phase, recipe and global batch it was made at, sits
+    where the lookup finds it (references.committed_path), and its global batch is its recipe's:
+    a run of another training is then not judged, never judged step by step against it."""
     from run_benchmarks import plan as planning
     from run_benchmarks import registry
-    from run_benchmarks.casename import CaseName
 
     files = sorted(ROOT.glob("cases/*/*/reference/*/*.json"))
-    assert len(files) >= 13
+    assert len(files) >= 9
     for f in files:
         doc = json.loads(f.read_text())
-        stem = f.name.split(".")
-        phase = stem[1] if len(stem) > 2 and not stem[1].startswith("data-") else "train"
-        hw, nnodes, nprocs, variant = re.fullmatch(r"config_(\w+?)x(\d+)x(\d+)(?:_(\w+))?", doc["config"]).groups()
-        assert stem[0] == doc["config"] and doc["model"] == f.parent.name, f
-        cn = CaseName.parse(f"{doc['model']}:{f.parts[-4]}:{hw}:{nnodes}:{nprocs}")
-        vendor = registry.load_vendor("cpu" if hw == "cpu" else "nvidia")
-        entry = registry.find_case(cn)
-        settings = planning.resolve(cn, vendor, entry, registry.vendor_config_path(vendor.name, cn, variant)).settings
-        assert doc.get("phase") == phase, f
-        assert doc.get("global_batch") == planning.phase_value(settings["train"], phase, "global_batch"), f
+        case_dir = f.parents[2]
+        entry = next(e for e in registry.cases().values() if e.path == case_dir)
+        fp = doc["data"]["fingerprint"]
+        assert f == references.committed_path(case_dir, doc["model"], doc["recipe"], doc["phase"], fp), f
+        settings = registry.standard_settings(entry.config, doc["model"], doc["recipe"])
+        assert doc["global_batch"] == planning.phase_value(settings["train"], doc["phase"], "global_batch"), f
+        assert doc["why"] and references.read_reference(f, doc["phase"]).loss, f

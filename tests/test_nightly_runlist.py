@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import history, nightly, orchestrator
+from run_benchmarks import history, nightly, references
 from run_benchmarks.errors import InputError
 from run_benchmarks.registry import ROOT
 
@@ -29,7 +30,7 @@ BAD = [
     (
         "unknown case field",
         HEAD + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, round: 3}\n",
-        "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, set, reference, tolerances",
+        "field 'cases.0.round': unknown field; expected one of: case, vendor, rounds, variant, recipe, set, reference, tolerances",
     ),
     (
         "rounds not a number",
@@ -113,7 +114,7 @@ BAD = [
         "reference of another global batch",
         HEAD
         + "cases:\n  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, set: [train.global_batch=16], "
-        + f"reference: {ROOT}/cases/llama3/megatron/reference/llama3_tiny/config_cpux1x2.json}}\n",
+        + f"reference: {ROOT}/cases/llama3/megatron/reference/llama3_tiny/standard.json}}\n",
         "global batch 8 there, 16 here; loss curves compare step by step only at the same global batch",
     ),
     ("missing cluster file", HEAD + "cluster: nope.yaml\ncases:\n" + GOOD_CASE, "nope.yaml: file not found"),
@@ -234,8 +235,9 @@ def test_a_case_judged_against_its_own_reference(tmp_path, capsys):
     unjudged): the run list names one, one file or several, relative to its own folder."""
     (tmp_path / "ci" / "curves").mkdir(parents=True)
     committed = ROOT / "cases" / "llama3" / "megatron" / "reference" / "llama3_tiny"
-    for name in ("config_cpux1x1.json", "config_cpux1x2.json"):
-        (tmp_path / "ci" / "curves" / name).write_bytes((committed / name).read_bytes())
+    doc = json.loads((committed / "standard.json").read_text())
+    for name, scale in (("config_cpux1x1.json", 1.0), ("config_cpux1x2.json", 1.001)):  # the committed curve, and one a little off it
+        (tmp_path / "ci" / "curves" / name).write_text(json.dumps({**doc, "loss": [v * scale for v in doc["loss"]]}))
     path = tmp_path / "ci" / "nightly.yaml"
     path.write_text(
         HEAD
@@ -250,9 +252,9 @@ def test_a_case_judged_against_its_own_reference(tmp_path, capsys):
     curves = tmp_path / "ci" / "curves"
     assert one.plan.reference == [curves / "config_cpux1x1.json"]
     assert two.plan.reference == [curves / "config_cpux1x1.json", curves / "config_cpux1x2.json"]
-    ref = orchestrator.load_references(one.plan)["train"]
-    assert ref.path == str(curves / "config_cpux1x1.json")  # not the committed config_cpux1x2.json
-    mean = orchestrator.load_references(two.plan)["train"]
+    ref = references.load_references(one.plan)["train"]
+    assert ref.path == str(curves / "config_cpux1x1.json")  # not the committed standard.json
+    mean = references.load_references(two.plan)["train"]
     assert len(mean.repeats) == 2 and all(mean.loss[s] == pytest.approx(ref.loss[s] / 2 + mean.repeats[1].loss[s] / 2) for s in ref.loss)
     assert nightly.main(["--check", str(path)]) == 0
     out = capsys.readouterr().out

@@ -148,7 +148,7 @@ def test_a_plugin_vendor_runs_a_case_end_to_end(tmp_path, megatron_python):
     repo = _repo_copy(tmp_path / "repo")
     _plugin_vendor(repo)
     logs = tmp_path / "logs"
-    reference = repo / "cases" / "llama3" / "megatron" / "reference" / "llama3_tiny" / "config_cpux1x2.json"
+    reference = repo / "cases" / "llama3" / "megatron" / "reference" / "llama3_tiny" / "standard.json"
     proc = subprocess.run(
         [
             sys.executable,

@@ -225,7 +225,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
         pytest.param(
             "deepspeed",
             "baichuan2_tiny:deepspeed:cpu:2:1",
-            "cases/baichuan2/deepspeed/reference/baichuan2_tiny/config_cpux1x2.json",
+            "cases/baichuan2/deepspeed/reference/baichuan2_tiny/standard.json",
             "container",
             marks=pytest.mark.framework("deepspeed"),
             id="deepspeed-container",
@@ -235,7 +235,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
         pytest.param(
             "deepspeed",
             "llava_tiny:deepspeed:cpu:2:1",
-            "cases/llava/deepspeed/reference/llava_tiny/config_cpux1x2.{phase}.json",
+            "cases/llava/deepspeed/reference/llava_tiny/standard.{phase}.json",
             "container",
             marks=pytest.mark.framework("deepspeed"),
             id="llava-container",
@@ -244,7 +244,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
         pytest.param(
             "paddle",
             "gpt3_tiny:paddle:cpu:2:1",
-            "cases/gpt3/paddle/reference/gpt3_tiny/config_cpux1x2.json",
+            "cases/gpt3/paddle/reference/gpt3_tiny/standard.json",
             "process",
             marks=pytest.mark.framework("paddle"),
             id="paddle",
@@ -252,7 +252,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
     ],
 )
 def test_launcher_across_two_hosts(cluster, request, framework, case, reference, runtime, tmp_path):
-    from run_benchmarks import metrics
+    from run_benchmarks import references
 
     python = request.getfixturevalue(f"{framework}_python")
     cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)
@@ -269,9 +269,9 @@ def test_launcher_across_two_hosts(cluster, request, framework, case, reference,
     for p in rnd["phases"]:
         assert p["meta"]["world_size"] == 2
         # same global batch and data as the 1 node x 2 processes reference: the curves agree
-        ref = metrics.load_reference(ROOT / reference.format(phase=p["phase"]))
-        mre, n = metrics.loss_mre({int(k): v for k, v in p["loss"].items()}, ref)
-        assert n >= 5 and metrics.is_aligned(mre), (p["phase"], mre)
+        ref = references.load_reference(ROOT / reference.format(phase=p["phase"]))
+        mre, n = references.loss_mre({int(k): v for k, v in p["loss"].items()}, ref)
+        assert n >= 5 and references.is_aligned(mre), (p["phase"], mre)
     assert leftovers(cluster, res["run_id"]) == []
 
 

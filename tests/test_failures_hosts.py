@@ -226,7 +226,8 @@ def test_full_log_disk_is_named(fc, megatron_python, tmp_path):
     ), line
     for h in fc.hosts:  # nothing of the run reached the hosts
         assert set(Path(h.workdir, "fb", "runs").glob("*")) == runs[h.name]
-    assert leftovers(fc, "llama3_tiny_megatron_cpux2x1_") == []
+    run_id = line.split(f"{full}/logs/", 1)[1].split(":", 1)[0]  # this run's only: others of the case may be running
+    assert leftovers(fc, run_id) == []
 
 
 def test_missing_base_image_is_named_then_loaded_over_ssh(fc, megatron_python, tmp_path):
@@ -394,3 +395,28 @@ def test_log_folder_filling_mid_run_fails_the_round_naming_it(fc, megatron_pytho
     first = res["rounds"][0]["error"].splitlines()[0]
     assert f"{full}/logs/" in first and "No space left on device" in first, res["rounds"][0]["error"]
     assert Path(f"{full}.left").read_text() == ""  # no temporary file, no harness crash log
+
+
+@pytest.mark.parametrize(
+    ("mount", "cause"), [("ro,size=1m", "Read-only file system"), ("size=64k", "No space left on device")], ids=["read-only", "full"]
+)
+def test_a_work_dir_that_cannot_be_written_is_named_with_its_cause(fc, megatron_python, tmp_path, mount, cause):
+    """h2's work_dir on a small or read-only tmpfs: refused before any code is sent, naming
+    the host, the path and the cause."""
+    work = tmp_path / "work"
+    work.mkdir()
+    in_h2 = ["nsenter", "-t", str(fc.host("h2").sshd_pid), "-m"]  # the mount namespace h2's commands run in
+    subprocess.run([*in_h2, "mount", "-t", "tmpfs", "-o", mount, "tmpfs", str(work)], check=True)
+    try:
+        cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
+        doc = yaml.safe_load(cfile.read_text())
+        doc["hosts"][1]["work_dir"] = str(work)
+        cfile.write_text(yaml.safe_dump(doc))
+        p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=300)
+        assert p.returncode == 2, p.stdout + p.stderr
+        (line,) = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+        assert line.startswith(f"error: host h2: work_dir {work} cannot take the run's files (") and line.endswith(f"): {cause}"), line
+        listed = subprocess.run([*in_h2, "ls", "-A", str(work)], capture_output=True, text=True, check=True)
+        assert listed.stdout == ""  # nothing sent, the probe removed
+    finally:
+        subprocess.run([*in_h2, "umount", str(work)], check=False)

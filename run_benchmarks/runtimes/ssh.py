@@ -59,6 +59,28 @@ print(s.getsockname()[1])
 """
 
 
+# Run on each host before the code is sent: make work_dir and write a file of argv[2] bytes
+# there, or exit with what stops it (read-only, no space, permission).
+WORK_PROBE = """
+import os, sys
+work, need = sys.argv[1], int(sys.argv[2])
+path = os.path.join(work, ".flagbench-probe-%d" % os.getpid())
+try:
+    os.makedirs(work, exist_ok=True)
+    with open(path, "wb") as fh:
+        for done in range(0, need, 1 << 20):
+            fh.write(bytes(min(1 << 20, need - done)))
+        fh.flush()
+        os.fsync(fh.fileno())
+except OSError as e:
+    sys.exit(e.strerror or str(e))
+finally:
+    if os.path.exists(path):
+        os.unlink(path)
+"""
+WORK_ROOM = 4  # the code archive, unpacked beside its old copy, and a round's files
+
+
 def _expand(path: str | None) -> str | None:
     return os.path.expanduser(path) if path else None
 
@@ -194,7 +216,9 @@ class SSHRuntime(Runtime):
             for line in filter(None, self._each(lambda h: self._sweep(h, plan.run_id))):
                 self.notes.append(line)
                 print(line, file=sys.stderr, flush=True)
-            self._code_archive(staging)
+            archive, _ = self._code_archive(staging)
+            need = WORK_ROOM * archive.stat().st_size
+            self._each(lambda h: self._probe_work(h, need))
             self._each(lambda h: self._push_code(h, staging))
             self.timings["code_s"] = time.monotonic() - t0
             data_dir = plan.settings["data"].get("data_dir")
@@ -292,6 +316,14 @@ class SSHRuntime(Runtime):
             'set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; mv "$1.new" "$1"; touch "$3"; rm -f "$2"'
         )
         self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
+
+    def _probe_work(self, host: HostConfig, need: int) -> None:
+        """Write ``need`` bytes into the host's work_dir before anything is sent there."""
+        argv = ["python3", "-c", WORK_PROBE, str(self.work(host)), str(need)]
+        res = self.pool.run(host.name, argv, timeout=self.cluster.ssh.command_timeout_s)
+        if res.rc != 0:
+            why = (res.stderr.strip().splitlines() or [f"exit status {res.rc}"])[-1]
+            raise InputError(f"host {host.name}: work_dir {self.work(host)} cannot take the run's files ({need:,} bytes): {why}")
 
     def _check_dir(self, host: HostConfig, path: str) -> None:
         res = self.pool.run(host.name, ["test", "-d", path], timeout=self.cluster.ssh.command_timeout_s)

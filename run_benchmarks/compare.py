@@ -61,6 +61,8 @@ class Side:
         kept = [r for r in self.res.rounds if (r.ran_through if with_invalid else r.clean)]
         self.rounds = kept
         self.label = f"{self.res.vendor} {self.res.hardware} x{self.res.world_size} {self.res.config_name}"
+        host = (self.res.system or {}).get("host") or "host unknown"
+        self.tag = f"{self.res.run_id}, {host}, {self.res.started[:16].replace('T', ' ')}"  # tells runs of one config apart
         if not kept:
             statuses = ", ".join(f"round {r.round} {r.status}" for r in self.res.rounds) or "no round"
             if with_invalid:
@@ -217,7 +219,8 @@ def markdown(c: dict[str, Any]) -> str:
     lines = [f"# {sides[-1].res.model}: {len(sides) - 1} run(s) against the reference run", ""]
     kept = "round(s) that ran through" if c["with_invalid"] else "clean round(s)"
     lines += [
-        f"- {'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label}, `{s.path}` ({len(s.rounds)} {kept})"
+        f"- {side_name(s, i, sides)}, `{s.path}` ({len(s.rounds)} {kept}); data: "
+        + "; ".join(f"{ph} {datacheck.identity_text((s.res.data or {}).get(ph))}" for ph in c["phases"])
         for i, s in enumerate(sides)
     ]
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -249,6 +252,40 @@ def markdown(c: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_name(s: Side, i: int, sides: list[Side]) -> str:
+    """A run as the page names it: its place, what ran, and its run id, host and date."""
+    return f"{'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label} ({s.tag})"
+
+
+def _legend_below(ax: Any) -> None:
+    """The legend under the axes, outside the curves, one run a line."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.14), frameon=False)
+
+
+def _other_data_plot(phase: str, sides: list[Side], others: list[Side]) -> str:
+    """The curves of runs on other data than the reference run's, drawn apart: not comparable."""
+    from matplotlib.figure import Figure
+
+    from run_benchmarks import report
+
+    fig = Figure(figsize=(13, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for s in others:
+        curve = s.loss(phase)
+        steps = sorted(curve)
+        ax.plot(steps, [curve[k] for k in steps], lw=1, label=f"{side_name(s, sides.index(s), sides)}, data {s.fingerprint(phase)}")
+    ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}: runs on other data than the reference run (not compared)")
+    _legend_below(ax)
+    caption = f"phase {phase}: runs on other data (reference data {sides[-1].fingerprint(phase)})"
+    return report._img(fig, f"loss {phase}, other data", caption)
+
+
+def data_rows(sides: list[Side], phases: list[str]) -> list[list[str]]:
+    """Each run's data per phase: its identity in a few words and its fingerprint."""
+    return [[side_name(s, i, sides)] + [datacheck.identity_text((s.res.data or {}).get(ph)) for ph in phases] for i, s in enumerate(sides)]
+
+
 def html_page(c: dict[str, Any]) -> str:
     from matplotlib.figure import Figure
 
@@ -256,26 +293,31 @@ def html_page(c: dict[str, Any]) -> str:
 
     sides = c["sides"]
     body = [f"<h1>{report.e(sides[-1].res.model)}: {len(sides) - 1} run(s) against the reference run</h1>", "<ul>"]
-    body += [
-        f'<li>{"reference" if s is sides[-1] else f"run {i + 1}"}: {report.e(s.label)} <span class="meta">{report.e(s.path)}</span></li>'
-        for i, s in enumerate(sides)
-    ]
+    body += [f'<li>{report.e(side_name(s, i, sides))} <span class="meta">{report.e(s.path)}</span></li>' for i, s in enumerate(sides)]
     body.append("</ul>")
+    body.append(
+        "<h2>Data</h2>"
+        + report._table(["run", *(f"phase {ph}" for ph in c["phases"])], [[report.e(x) for x in r] for r in data_rows(sides, c["phases"])])
+    )
     body.append(report._table(COLUMNS, [[report.e(r[k]) for k in COLUMNS] for r in c["rows"]], numeric={3, 4, 5, 6, 7, 8, 9, 10}))
     plots = []
     for phase in c["phases"]:
-        fig = Figure(figsize=(6.4, 3.6))
+        same = [s for s in sides if s.fingerprint(phase) == sides[-1].fingerprint(phase)]
+        fig = Figure(figsize=(13, 4.2), layout="constrained")
         ax = fig.add_subplot()
-        for i, s in enumerate(sides):
+        for i, s in [(i, s) for i, s in enumerate(sides) if s in same]:
             curve = s.loss(phase)
             steps = sorted(curve)
             style = {"color": "k", "ls": "--", "lw": 1.6} if s is sides[-1] else {"lw": 1}
-            ax.plot(steps, [curve[k] for k in steps], label=("reference: " if s is sides[-1] else f"run {i + 1}: ") + s.label, **style)
+            ax.plot(steps, [curve[k] for k in steps], label=side_name(s, i, sides), **style)
         ax.axvline(references.ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {references.ALIGN_FROM_STEP}")
         ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}")
-        report._legend(ax)
-        plots.append(report._img(fig, f"loss {phase}", f"phase {phase}: every run's first clean round"))
-    body.append(f'<h2>Loss</h2><div class="plots">{"".join(plots)}</div>')
+        _legend_below(ax)
+        plots.append(report._img(fig, f"loss {phase}", f"phase {phase}: every run's first clean round, on the reference run's data"))
+        if len(same) < len(sides):
+            plots.append(_other_data_plot(phase, sides, [s for s in sides if s not in same]))
+    body.append(f'<h2>Loss</h2><div class="plots wide">{"".join(plots)}</div>')
+    body.append("<style>.wide figure { width: 100%; } .wide img.plot { width: 100%; }</style>")
     body.append("<h2>Settings that differ</h2>")
     if c["differ"]:
         head = ["setting"] + [f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)]

@@ -392,6 +392,23 @@ def is_data_location(key: str) -> bool:
     return parts[0] == "data" and parts[-1] in DATA_LOCATIONS
 
 
+def identity_text(ident: dict[str, Any] | None) -> str:
+    """A phase's data in a few words, with its fingerprint (results.json's ``data`` record; None:
+    the synthetic set, as a run made before data had identities)."""
+    if ident is None or ident.get("kind") == SYNTHETIC:
+        return "synthetic (the harness's own corpus)"
+    if not ident.get("checked"):
+        return f"not checked here ({ident.get('reason', 'no fingerprint')})"
+    fmt = str(ident.get("format"))
+    if fmt == "megatron":
+        what = " + ".join(f"{c['weight']:g} {c['prefix']}" if len(ident["corpora"]) > 1 else c["prefix"] for c in ident["corpora"])
+    elif fmt == "llava":
+        what = f"{ident['json']}, {ident['images']:,} images, tokenizer of {ident['tokenizer']['size']} ids"
+    else:
+        what = str(ident.get("prefix"))
+    return f"{fmt} {what}, fingerprint {ident.get('fingerprint')}"
+
+
 # --------------------------------------------------------------------------- references belong to their data
 
 

@@ -61,7 +61,7 @@ def test_compare_two_runs_table_markdown_and_page(tmp_path):
     assert proc.stdout.strip().splitlines()[-1] == f"comparison: {out / 'compare.md'}, {out / 'compare.html'}"
     page = load_page(out / "compare.html", tmp_path / "profile")
     assert_loads_offline_with_plots(page, plots=2)  # the loss curves of both phases, overlaid
-    assert page["title"] == "flagbench compare llava_tiny" and page["tables"] == 2
+    assert page["title"] == "flagbench compare llava_tiny" and page["tables"] == 3  # runs' data, figures, settings
     assert "run 1: iluvatar cpu x2 config_cpux1x2" in page["text"] and "parallel.tp" in page["text"]
     assert sorted(i["alt"] for i in page["images"]) == ["loss finetune", "loss pretrain"]
 

@@ -44,6 +44,7 @@ PROBE = """JSON.stringify({
   }),
   svgs: Array.from(document.querySelectorAll("svg")).map(s => [s.getBoundingClientRect().width, s.getBoundingClientRect().height]),
   links: Array.from(document.querySelectorAll("a[href]")).map(a => a.getAttribute("href")),
+  body_width: document.body.getBoundingClientRect().width,
 })"""
 
 
@@ -125,13 +126,22 @@ class Chromium:
         os.close(self._from_chrome)
 
 
-def load_page(page: Path, profile: Path) -> dict[str, Any]:
-    """Open ``page``; return what the page holds and every error or request it caused."""
+def load_page(page: Path, profile: Path, width: int | None = None, shot: Path | None = None) -> dict[str, Any]:
+    """Open ``page`` (in a window ``width`` pixels wide); return what the page holds and every
+    error or request it caused; with ``shot``, a PNG of the whole page is written there."""
+    import base64
+
     chrome = Chromium(profile)
     try:
+        if width:
+            metrics = {"width": width, "height": 900, "deviceScaleFactor": 1, "mobile": False}
+            chrome.call("Emulation.setDeviceMetricsOverride", metrics, session=True)
         chrome.call("Page.navigate", {"url": page.resolve().as_uri()}, session=True)
         chrome.wait_for("Page.loadEventFired")
         probe = json.loads(chrome.call("Runtime.evaluate", {"expression": PROBE, "returnByValue": True}, session=True)["result"]["value"])
+        if shot:
+            png = chrome.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=True)["data"]
+            shot.write_bytes(base64.b64decode(png))
     finally:
         chrome.close()
     errors = []

@@ -207,9 +207,10 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
         (p2,) = res2.rounds[0].phases
         assert res2.rounds[0].status == "ok" and p2.gate.verdict == "aligned" and p2.reference.path == str(ref_file)
         assert p2.gate.mre < 1e-3 and res2.data["train"]["fingerprint"] == ident["fingerprint"]
-        # the synthetic run is not judged against the real data's curve, nor the real run against the synthetic one
+        # a synthetic run given the real data's run as --reference is refused before anything runs
         syn, res3 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "third", "--set", "train.steps=25", "--reference", str(first))
-        assert syn.returncode == 1 and res3.rounds[0].phases[0].gate.reason == "no reference curve", syn.stdout + syn.stderr
+        assert syn.returncode == 2 and res3 is None, syn.stdout + syn.stderr
+        assert f"--reference {first}: made on other data (fingerprint {ident['fingerprint']}) than the run's phase train" in syn.stderr
     finally:
         ref_file.unlink(missing_ok=True)
 

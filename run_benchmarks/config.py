@@ -185,6 +185,8 @@ class ClusterConfig(Strict):
     stall_timeout_s: float = Field(1800.0, gt=0)
     # how long a run waits for a host another run holds (start_task.py --wait); 0: refused at once
     lock_wait_s: float = Field(0.0, ge=0)
+    # keep each host's <work_dir>/runs/<run> folder after the run (start_task.py --keep-remote)
+    keep_remote: bool = False
 
     @field_validator("work_dir")
     @classmethod

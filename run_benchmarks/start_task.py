@@ -130,6 +130,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="DURATION",
         help="when another run holds a host, wait for it (say 30m, 2h; alone: 1h) instead of being refused",
     )
+    ap.add_argument(
+        "--keep-remote",
+        action="store_true",
+        help="keep each host's <work_dir>/runs/<run> folder (removed once its logs are back, by default)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
     ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
     ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
@@ -146,6 +151,7 @@ def load_cluster(args: argparse.Namespace) -> ClusterConfig:
         startup_timeout_s=args.startup_timeout,
         stall_timeout_s=args.stall_timeout,
         lock_wait_s=args.wait,
+        keep_remote=args.keep_remote or None,
     )
 
 

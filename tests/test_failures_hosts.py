@@ -420,3 +420,29 @@ def test_a_work_dir_that_cannot_be_written_is_named_with_its_cause(fc, megatron_
         assert listed.stdout == ""  # nothing sent, the probe removed
     finally:
         subprocess.run([*in_h2, "umount", str(work)], check=False)
+
+
+def test_the_run_folders_on_the_hosts_go_unless_kept(fc, megatron_python, tmp_path):
+    """Each host's <work_dir>/runs/<run> is removed once the logs are back; --keep-remote keeps it."""
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
+    for extra, kept in (((), False), (("--keep-remote",), True)):
+        log_dir = tmp_path / f"logs-{kept}"
+        args = [
+            "--vendor",
+            "cpu",
+            "--case_name",
+            CASE,
+            "--cluster",
+            str(cfile),
+            "--log-dir",
+            str(log_dir),
+            "--set",
+            "train.steps=3",
+            *extra,
+        ]
+        p = run(args, timeout=300)
+        assert p.returncode in (0, 1), p.stdout + p.stderr
+        (run_dir,) = log_dir.iterdir()
+        assert list(run_dir.glob("round1/node1/ranks/**/stdout.log"))  # the logs came back first
+        for h in fc.hosts:
+            assert Path(h.workdir, "fb", "runs", run_dir.name).is_dir() == kept, (h.name, kept)

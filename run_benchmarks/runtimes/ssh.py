@@ -673,12 +673,22 @@ class SSHRuntime(Runtime):
             except Exception:
                 pass
         self.engines.clear()
+        if self.run_id and self.pool is not None and not self.cluster.keep_remote:
+            self._each(self._remove_run_folder)
         for lock in self.locks:
             lock.release()
         self.locks = []
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def _remove_run_folder(self, host: HostConfig) -> None:
+        """The run's folder on the host, its logs brought back (best effort: a lost host keeps it)."""
+        folder = str(self.work(host) / "runs" / str(self.run_id))
+        try:
+            self.pool.run(host.name, ["rm", "-rf", "--", folder], timeout=self.cluster.ssh.command_timeout_s)
+        except RemoteError:
+            pass
 
 
 def clean_hosts(cluster: ClusterConfig) -> list[str]:

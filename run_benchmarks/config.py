@@ -412,6 +412,7 @@ class VendorCaseConfig(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
     description: str = ""
     validated: bool = False
+    validated_by: str | None = None  # docs/results/runs/<file>.json: the run judged aligned that validates it
     hook: str | None = None  # "module:function", called as fn(cfg) in every rank, runtime only
 
     @field_validator("hook")

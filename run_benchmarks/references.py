@@ -752,9 +752,9 @@ def _provenance(res: tr.RunResults, rnd: tr.RoundResult, path: Path) -> dict[str
 def _refused_by(target: Path, res: tr.RunResults, path: Path, rnd: tr.RoundResult, phase: str, loss: dict[int, float]) -> str | None:
     """Why a repeat may not enter the reference ``target`` replaces: it was judged not aligned
     against it (as recorded, or judged now against the committed curve)."""
-    name = target.name
+    lineage = f"reference/{res.model}/"  # the reference of this model, by whatever name it had then
     for p in rnd.phases:
-        if p.phase == phase and p.gate.verdict == "not aligned" and name in str(rnd.reference.get(phase) or ""):
+        if p.phase == phase and p.gate.verdict == "not aligned" and lineage in str(rnd.reference.get(phase) or ""):
             return f"{path} round {rnd.round} was judged not aligned against {shown(target)} ({p.gate.reason})"
     try:
         old = read_reference(target, phase)
@@ -931,3 +931,93 @@ def _offline_reference(path: Path, res: tr.RunResults, phase: str, files: list[P
     except ValueError as exc:
         raise InputError(f"--reference {exc}") from None
     return ref.model_copy(update={"path": shown_paths(ref.path)})
+
+
+# --------------------------------------------------------------------------- what validates a config
+
+
+def validation_problem(cfg_path: Path) -> str | None:
+    """Why a vendor config's ``validated: true`` does not hold, or None (it holds, or the config
+    claims nothing). It holds when ``validated_by`` names a committed results.json of this vendor,
+    model and config, run with the config's layout under a recipe whose committed reference judges
+    every phase of one of its clean rounds aligned (judged again here, against the reference as it
+    is now), and not one of that reference's own repeats. "Not judged" never validates."""
+    import re
+
+    from run_benchmarks.casename import CaseName
+
+    vcfg = registry.load_vendor_case(cfg_path)
+    if not vcfg.validated:
+        return None
+    if not vcfg.validated_by:
+        return "validated: true needs validated_by: docs/results/runs/<file>.json, a run of this config judged aligned"
+    vendor, model, framework = cfg_path.parts[-5], cfg_path.parts[-3], cfg_path.parts[-2]
+    found = re.fullmatch(r"config_(\w+?)x(\d+)x(\d+)(?:_(\w+))?", cfg_path.stem)
+    if found is None:
+        return f"{cfg_path.name}: not a config_<HW>x<nodes>x<procs>[_<variant>] name"
+    hw, nnodes, nprocs, _ = found.groups()
+    run_path = registry.ROOT / vcfg.validated_by
+    if not run_path.is_file():
+        return f"validated_by {vcfg.validated_by}: no such file in the repository"
+    try:
+        res = tr.load(run_path)
+    except InputError as exc:
+        return f"validated_by {vcfg.validated_by}: {exc}"
+    for what, ours, theirs in (("vendor", vendor, res.vendor), ("model", model, res.model), ("config", cfg_path.stem, res.config_name)):
+        if ours != theirs:
+            return f"validated_by {vcfg.validated_by}: a run of {what} {theirs!r}, not {ours!r}"
+    if _changes_recipe(res):
+        return f"validated_by {vcfg.validated_by}: --set {', '.join(_changes_recipe(res))} changes its {res.recipe} recipe"
+    cn = CaseName.parse(f"{model}:{framework}:{hw}:{nnodes}:{nprocs}")
+    entry = registry.find_case(cn)
+    try:
+        settings = planning.resolve(cn, registry.load_vendor(vendor), entry, cfg_path, recipe=res.recipe).settings
+    except InputError as exc:
+        return f"{exc}"
+    layout = (settings["parallel"], settings["train"].get("micro_batch"))
+    if (res.settings.get("parallel"), res.settings.get("train", {}).get("micro_batch")) != layout:
+        return f"validated_by {vcfg.validated_by}: its layout (parallel, micro batch) is not the config's as it stands"
+    problems = []
+    for rnd in (r for r in res.rounds if r.status == "ok"):
+        verdicts = []
+        for p in rnd.phases:
+            fp = ((res.data or {}).get(p.phase) or {}).get("fingerprint")
+            path = committed_path(entry.path, model, res.recipe, p.phase, fp)
+            if not path.is_file():
+                verdicts.append(f"phase {p.phase}: no committed reference ({shown(path)})")
+                continue
+            doc = json.loads(path.read_text())
+            if any(r.get("run_id") == res.run_id or r.get("path", "").startswith(vcfg.validated_by) for r in doc.get("repeats") or []):
+                verdicts.append(f"phase {p.phase}: the run is one of {shown(path)}'s own repeats")
+                continue
+            ref = read_reference(path, p.phase)
+            if all(p.loss.get(s) == v for s, v in ref.loss.items()):
+                verdicts.append(f"phase {p.phase}: the run is {shown(path)}'s own curve")
+                continue
+            gate = judge_loss(p.loss, ref, p.window.warmup_steps)
+            if gate.verdict != "aligned":
+                verdicts.append(f"phase {p.phase}: {gate.verdict} against {shown(path)} ({gate.reason})")
+        if not verdicts:
+            return None
+        problems.append(f"round {rnd.round}: " + "; ".join(verdicts))
+    return f"validated_by {vcfg.validated_by}: not a run judged aligned: " + ("; ".join(problems) or "no round of status ok")
+
+
+def absorbed_failures(path: Path) -> list[str]:
+    """The repeats of a committed reference that were judged not aligned against a reference of
+    the same model (an earlier version of it, by whatever name it had then): a reference made to
+    absorb a run that failed against it. Repeats whose results.json is not in the repository are
+    not checked."""
+    doc = json.loads(path.read_text())
+    model, out = doc["model"], []
+    for rep in doc.get("repeats") or []:
+        file = registry.ROOT / str(rep.get("path", "")).split(" (round ")[0]
+        if not file.is_file():
+            continue
+        res = tr.load(file)
+        for rnd in res.rounds:
+            for p in rnd.phases:
+                ref = str(rnd.reference.get(p.phase) or "")
+                if p.phase == doc["phase"] and p.gate.verdict == "not aligned" and f"reference/{model}/" in ref:
+                    out.append(f"{shown(path)}: repeat {shown(file)} round {rnd.round} was judged not aligned against {ref}")
+    return out

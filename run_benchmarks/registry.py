@@ -22,7 +22,7 @@ from run_benchmarks.errors import InputError
 ROOT = Path(__file__).resolve().parent.parent
 CASES_DIR = ROOT / "cases"
 VENDORS_DIR = ROOT / "vendors"
-META_KEYS = {"description", "validated", "hook"}
+META_KEYS = {"description", "validated", "validated_by", "hook"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ if __package__ in (None, ""):
 import yaml
 
 from run_benchmarks import plan as planning
-from run_benchmarks import registry
+from run_benchmarks import references, registry
 from run_benchmarks.casename import CaseName, check_name
 from run_benchmarks.config import VendorCaseConfig, VendorConfig, load
 from run_benchmarks.config import problems as config_problems
@@ -116,6 +116,9 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
                 err = _function_defined(r.hook, root)
                 if err:
                     problems.append(f"{cfg_file}: field 'hook': {err}")
+            not_validated = references.validation_problem(cfg_file)
+            if not_validated:
+                problems.append(f"{cfg_file}: field 'validated': {not_validated}")
             prec = r.settings["train"]["precision"]
             if prec not in vendor.chips[m["hw"]].peak_flops:
                 problems.append(f"{vfile}: field 'chips.{m['hw']}.peak_flops': no entry for precision {prec!r} used by {cfg_file.name}")
@@ -261,7 +264,7 @@ def scaffold_config(vendor: str, case_name: str, variant: str | None, vendors_di
         "# needs; every value set here is listed in results.json as an override of the standard.",
         "# Allowed keys: " + ", ".join(entry.config.vendor_may_change),
         f"description: {cn.model} on {cn.nnodes} x {cn.nprocs} {cn.hardware}",
-        "validated: false   # true once run on this hardware",
+        "validated: false   # true with validated_by: docs/results/runs/<file>.json, a run of it judged aligned",
         "# the case's standard values:",
         *("# " + ln for ln in standard_text.splitlines()),
     ]

@@ -81,7 +81,8 @@ def wait_training_on(host: netns.HostInfo, log_dir: Path, p: subprocess.Popen[st
 
 
 def one_line(err: str) -> str:
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    """The one line of an error, past the plan's notes (which reference judges the run)."""
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("reference (")]
     assert len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
 
@@ -446,3 +447,32 @@ def test_the_run_folders_on_the_hosts_go_unless_kept(fc, megatron_python, tmp_pa
         assert list(run_dir.glob("round1/node1/ranks/**/stdout.log"))  # the logs came back first
         for h in fc.hosts:
             assert Path(h.workdir, "fb", "runs", run_dir.name).is_dir() == kept, (h.name, kept)
+
+
+def test_every_host_without_the_base_image_is_named_then_the_rootfs_tarball_is_imported(fc, megatron_python, tmp_path):
+    """The project's own base image (a root filesystem tarball, tests/cluster/baseimage.py)
+    given to --load-images is imported on each host that lacks it."""
+    import docker
+
+    from run_benchmarks.runtimes.ssh import load_base_images
+    from tests.cluster import baseimage
+
+    base = "flagbench/cpu-base:bookworm"
+    engines = {h.name: docker.DockerClient(base_url=f"unix://{h.docker_socket}") for h in fc.hosts}
+    for engine in engines.values():
+        for image in engine.images.list(name="flagbench/cpu-*"):  # the base and the images built on it
+            for tag in image.tags:
+                engine.images.remove(tag)
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    doc = yaml.safe_load(cfile.read_text())
+    del doc["image_build_args"]  # the Dockerfiles' default base
+    cfile.write_text(yaml.safe_dump(doc))
+    p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=120)
+    assert p.returncode == 2, p.stdout + p.stderr
+    named = [ln.removeprefix("error: ").split(":")[0] for ln in p.stderr.splitlines() if f"base image {base} " in ln]
+    assert named == ["host h1", "host h2"], p.stderr
+
+    lines = load_base_images(load(ClusterConfig, cfile), "cpu", ["megatron"], archive=baseimage.build_tarball())
+    assert [ln.split(" (")[0] for ln in lines] == [f"host {h}: imported {base} from a root filesystem" for h in ("h1", "h2")], lines
+    for engine in engines.values():
+        assert engine.images.get(base).attrs["RootFS"]["Layers"]

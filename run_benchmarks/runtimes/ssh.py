@@ -225,8 +225,8 @@ class SSHRuntime(Runtime):
             if data_dir:
                 self._each(lambda h: self._check_dir(h, data_dir))
             self.env_python = self._framework_python(plan, log)
-            if self.containerized:
-                self._each(lambda h: self._ensure_image(plan, h))
+            if self.containerized:  # every host that lacks an image is named, not the first alone
+                self._each_then_raise(lambda h: self._ensure_image(plan, h))
             self.master_port = self._master_port()
             self.timings["prepare_s"] = time.monotonic() - t0
         except RemoteError as exc:
@@ -267,6 +267,17 @@ class SSHRuntime(Runtime):
     def _each(self, fn: Any) -> list[Any]:
         with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
             return list(ex.map(fn, self.hosts))
+
+    def _each_then_raise(self, fn: Any) -> None:
+        """``fn`` on every host, all run to the end; then one line per host whose call was refused."""
+        with ThreadPoolExecutor(max_workers=len(self.hosts)) as ex:
+            futures = [ex.submit(fn, h) for h in self.hosts]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if not errors:
+            return
+        if all(isinstance(e, InputError) for e in errors):
+            raise InputError("\n".join(str(e) for e in errors))
+        raise next(e for e in errors if not isinstance(e, InputError))
 
     def _code_archive(self, staging: Path) -> tuple[Path, str]:
         """The harness's code as one tar.gz (built once per run, in the run's log folder) and its content hash."""

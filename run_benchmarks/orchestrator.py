@@ -17,7 +17,7 @@ from run_benchmarks import plan as planning
 from run_benchmarks.errors import InputError
 from run_benchmarks.monitors import monitor_summary
 from run_benchmarks.plan import Plan
-from run_benchmarks.references import load_references, not_judged_reason, round_loss, shown_paths
+from run_benchmarks.references import load_references, not_judged_reason, round_loss, shown, shown_paths
 from run_benchmarks.runtimes.base import NodeOutcome, Runtime
 from run_benchmarks.typed_results import LossGate, PhaseResult, Reference, RoundResult, RunResults, Status
 from training import metriclog as ml
@@ -38,11 +38,20 @@ def metric_files(node_dir: Path) -> list[Path]:
     return files
 
 
+#: a Python warning's first line ("file.py:12: UserWarning: ..."); its source line follows, indented
+_WARNING = re.compile(r":\d+: \w*Warning: ")
+
+
 def tail(path: Path, n: int = TAIL_LINES) -> str:
+    """The last ``n`` lines of a log, its Python warnings (a framework's UserWarnings) left out."""
     if not path.is_file():
         return ""
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    return "\n".join(lines[-n:])
+    lines, kept = path.read_text(encoding="utf-8", errors="replace").splitlines(), []
+    for i, line in enumerate(lines):
+        if _WARNING.search(line) or (line[:1].isspace() and i and _WARNING.search(lines[i - 1])):
+            continue
+        kept.append(line)
+    return "\n".join(kept[-n:])
 
 
 def _failed_rank_tail(outcome: NodeOutcome) -> str:
@@ -302,7 +311,7 @@ def base_results(plan: Plan) -> RunResults:
         nprocs=plan.case.nprocs,
         world_size=plan.world_size,
         config_name=plan.config_name,
-        config_file=str(plan.config_file),
+        config_file=shown(plan.config_file),  # repository-relative: results name no one machine's paths
         validated=plan.validated,
         recipe=plan.recipe,
         launcher=plan.launcher,

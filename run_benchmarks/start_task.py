@@ -168,11 +168,13 @@ def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no
     return select(cluster, python)
 
 
-def describe(plan: planning.Plan, details: dict | None = None) -> str:
+def describe(plan: planning.Plan, details: dict | None = None, judged_by: list[str] | None = None) -> str:
     d = plan.to_json()
     m, hw = d["model"], d["hardware"]
     lines = [
         f"case        {d['case']}  (vendor {d['vendor']}, config {d['config_name']}{'' if d['validated'] else ', not yet validated'})",
+        f"recipe      {d['recipe']}",
+        *(f"judged by   {line}" for line in judged_by or []),
         f"backend     {d['backend']}  runtime {d['runtime']}  launcher {d['launcher']}",
         f"hosts       {', '.join(h['name'] + '=' + h['address'] for h in d['hosts'])}",
         f"python      {d['python']}",
@@ -318,16 +320,16 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         for line in datacheck.describe(plan.data):
             console.print(line, markup=False)
         refs = references.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
-        judged_by = references.judging(plan, refs)
-        for note in [*judged_by, *references.reference_notes(refs)]:
+        for note in references.reference_notes(refs):
             console.print(note, markup=False, soft_wrap=True)
         if args.dry_run:
             runtime = make_runtime(cluster, args.python)
             python, root = runtime.dry_prepare(plan)
             plan.python = python
             plan.nodes = runtime.node_plans(plan, python, root, plan.run_dir / "round1")
+            judged_by = references.judging(plan, refs)
             out = {**plan.to_json(), "judged_by": judged_by, "runtime_details": runtime.dry_run_details(plan)}
-            print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, out["runtime_details"]))
+            print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, out["runtime_details"], judged_by))
             return 0
         runtime = make_runtime(cluster, args.python)
     except InputError as exc:

@@ -149,3 +149,41 @@ def test_expandable_segments_refused_where_it_cannot_apply(vendor, case, value, 
         timeout=60,
     )
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+
+
+def test_the_plan_names_the_reference_that_will_judge_each_phase(tmp_path):
+    """--dry-run says which committed reference judges a phase (its repeats and spread), or that
+    none will, and why: none committed for the recipe, or a --set that changes the recipe."""
+    short = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H200:1:1", "--recipe", "short", cwd=tmp_path)
+    (line,) = short["judged_by"]
+    assert line.startswith("reference (train): cases/llama3/megatron/reference/llama3_8b/short.json, the mean of 3 runs")
+    assert short["recipe"] == "short" and short["settings"]["train"]["lr"] == 3e-6 and short["user_overrides"] == []
+    standard = dry("--vendor", "nvidia", "--case_name", "llama3_8b:megatron:H200:1:2", cwd=tmp_path)
+    assert standard["judged_by"] == [
+        "reference (train): none: this run will not be judged (none committed (cases/llama3/megatron/reference/llama3_8b/standard.json))"
+    ]
+    changed = dry(
+        "--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--set", "train.phases.finetune.lr=0.1", "--json", cwd=tmp_path
+    )
+    assert changed["judged_by"][0].startswith("reference (pretrain): cases/llava/deepspeed/reference/llava_tiny/standard.pretrain.json")
+    assert changed["judged_by"][1] == (
+        "reference (finetune): none: this run will not be judged (--set train.phases.finetune.lr=0.1 changes the standard recipe: "
+        "its reference judges only runs of that recipe)"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "run_benchmarks/start_task.py",
+            "--vendor",
+            "cpu",
+            "--case_name",
+            "llama3_tiny:megatron:cpu:1:2",
+            "--recipe",
+            "short",
+            "--dry-run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "gives llama3_tiny no such recipe (it has: standard)" in proc.stderr, proc.stderr

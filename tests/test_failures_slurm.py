@@ -8,7 +8,9 @@ fixed port, are in every multi-node run of test_slurm_backend.py: n2 cannot reso
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -196,3 +198,48 @@ def test_a_wrong_slurm_conf_is_named_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 20
     clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=60)
     assert clean.returncode == 2 and "no such file" in clean.stderr, clean.stdout + clean.stderr
+
+
+@pytest.mark.framework("megatron")
+def test_a_node_that_crashes_mid_run_is_named_first_and_not_waited_for(
+    tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str
+) -> None:
+    """Every process on n2 is killed a few steps in, slurmd included, as a crash would: n1's
+    rank ends at once (its peer is gone), and the round ends ``PEER_LOST_S`` later naming n2
+    first, long before Slurm's SlurmdTimeout (60 s here, 300 s by default) would mark it down."""
+    from run_benchmarks.runtimes.slurm import PEER_LOST_S
+
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    proc = subprocess.Popen(
+        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def stepping() -> bool:
+        rd = run_dir(tmp_path)
+        logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
+        return any(text.count('"train_step"') >= 3 for text in logs)
+
+    wait_for("the first steps", stepping, proc)
+    victims = slurm_cluster.node_processes("n2")
+    try:
+        slurm_cluster.kill_node("n2")
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=240)
+        took = time.monotonic() - t0
+    finally:
+        slurm_cluster.restart_node("n2")
+    assert proc.returncode == 1, out
+    res = results(tmp_path)
+    (rnd,) = res["rounds"]
+    lines = rnd["error"].splitlines()
+    assert lines[0].startswith(
+        f"node1 (n2): node n2 lost: its launcher had not ended {PEER_LOST_S:g} s after n1's (Slurm's node state: "
+    ), lines
+    assert lines[0].endswith("cancelled"), lines
+    assert any(ln.startswith("rank ") for ln in lines[1:]), lines  # the survivor's error after it
+    assert took < PEER_LOST_S + 30, f"{took:.0f} s"  # SlurmdTimeout is 60 s
+    (job,) = res["runtime_info"]["slurm"]["jobs"]
+    assert job["cancelled_by_harness"] == "node lost"

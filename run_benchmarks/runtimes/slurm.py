@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run_benchmarks import causes
 from run_benchmarks.config import ClusterConfig, HostConfig, SlurmConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
 from run_benchmarks.errors import InputError
@@ -56,6 +57,10 @@ ENDED_BY_SLURM = {"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "OUT_OF_MEM
 #: a pending job's reason when a node it asked for cannot serve; states that say so
 UNAVAILABLE_REASON = re.compile(r"ReqNodeNotAvail|NodeDown|Nodes_required_for_job_are_DOWN")
 OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE"}
+#: how long the other nodes' launchers may outlive the first to end before their nodes count
+#: as lost (a crashed node never reports; Slurm would notice only at its SlurmdTimeout)
+PEER_LOST_S = 20.0
+LOST_GONE_WAIT_S = 10.0  # a lost node keeps the job COMPLETING until Slurm marks it down
 GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
 GONE_WAIT_S = 60.0
 REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
@@ -98,6 +103,8 @@ class Job:
     launch_failure: str | None = None  # srun could not start the step on a node: why
     unavailable: str | None = None  # the nodes it needs that are DOWN or DRAINED, and why
     req_nodes: str = ""  # the nodes it asked for (ReqNodeList)
+    first_end_seen: float | None = None  # monotonic: when a node's launcher was first seen ended
+    lost: dict[int, str] = dataclasses.field(default_factory=dict)  # node rank -> why it counts as lost
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -117,6 +124,7 @@ class Job:
             "state_at_cancel": self.state_at_cancel or None,
             "launch_failure": self.launch_failure,
             "unavailable": self.unavailable,
+            "lost_nodes": {str(k): v for k, v in self.lost.items()} or None,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
             "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
@@ -377,7 +385,7 @@ class SlurmRuntime(Runtime):
             self._cancel(job, "interrupted")
             self._wait_gone(job)
             raise
-        self._wait_gone(job, LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
+        self._wait_gone(job, LOST_GONE_WAIT_S if job.lost else LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
         return self._outcomes(plan, job, round_dir)
 
     def _submit(self, plan: Plan, round_dir: Path) -> Job:
@@ -415,6 +423,9 @@ class SlurmRuntime(Runtime):
             self._show(job)
             if job.state in ACTIVE and job.running_at is None:
                 job.running_at = time.time()
+            if job.state == "RUNNING" and self._lost_peers(job, batch_out.parent.parent):
+                self._cancel(job, "node lost")
+                return
             if job.state in ACTIVE and job.launch_failure is None:
                 job.launch_failure = launch_failure(batch_out)
                 if job.launch_failure:  # the step cannot run on every node: no use waiting for it
@@ -449,6 +460,29 @@ class SlurmRuntime(Runtime):
         bad = [n for n in self.node_states(job.req_nodes) if set(re.split(r"[+*~#$@%!^-]", n.get("State", ""))) & OUT_OF_SERVICE]
         said = [f"node {n.get('NodeName')} is {n.get('State')}" + (f" (reason: {n['Reason']})" if n.get("Reason") else "") for n in bad]
         return "; ".join(said) or None
+
+    def _lost_peers(self, job: Job, round_dir: Path) -> bool:
+        """Once a node's launcher has ended, the nodes whose launchers have not ended
+        ``PEER_LOST_S`` later (srun stops the others at once when one fails) are lost: named in
+        ``job.lost`` with what Slurm says of them."""
+        reports = _read_reports(round_dir, job.nnodes, wait=False)
+        ended = sorted((r["finished"], k) for k, r in reports.items() if r.get("finished"))
+        if not ended:
+            return False
+        now = time.monotonic()
+        job.first_end_seen = job.first_end_seen or now
+        if now - job.first_end_seen < PEER_LOST_S:
+            return False
+        hosts = self._hostnames(job.nodelist)
+        first = reports[ended[0][1]].get("slurm_node") or f"node {ended[0][1]}"
+        for k in range(job.nnodes):
+            if not reports.get(k, {}).get("finished"):
+                host = reports.get(k, {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
+                state = next((n.get("State", "") for n in self.node_states(host)), "") or "unknown"
+                job.lost[k] = (
+                    f"node {host} lost: its launcher had not ended {PEER_LOST_S:g} s after {first}'s (Slurm's node state: {state})"
+                )
+        return bool(job.lost)
 
     def _cancel(self, job: Job, why: str) -> None:
         if job.cancelled_by_harness is None:
@@ -494,7 +528,11 @@ class SlurmRuntime(Runtime):
                 "slurm_node": host,
             }
             error, timed_out = None, False
-            if job.unavailable:
+            if k in job.lost:
+                error, extra[causes.LOST_KEY] = f"{job.lost[k]}; Slurm job {job.job_id} cancelled", True
+            elif job.lost:
+                error = None  # stopped because the lost node's ranks were gone: its exit status says so
+            elif job.unavailable:
                 error = f"Slurm job {job.job_id} can never start: {job.unavailable}; cancelled"
             elif job.launch_failure:
                 error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"

@@ -257,7 +257,7 @@ def test_where_a_fatal_signal_struck_is_read_from_pythons_own_report(tmp_path):
 
 BUSY_TRAINER = (
     """\
-import ctypes, sys, threading, time
+import ctypes, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from training import case
 
@@ -285,8 +285,10 @@ class Trainer:
         if sys.argv[3] == "hold":
             hold_the_lock(3)
             return
-        end = time.monotonic() + 0.03
-        while time.monotonic() < end:  # short threads, one after another
+        # busy until the watch has written this step's stacks, however loaded the host
+        stacks = os.path.join(os.environ["FB_STACKS_DIR"], "rank0.txt")
+        size, end = os.path.getsize(stacks), time.monotonic() + 60
+        while os.path.getsize(stacks) == size and time.monotonic() < end:  # short threads, one after another
             threads = [threading.Thread(target=work) for _ in range(4)]
             for t in threads:
                 t.start()
@@ -310,7 +312,9 @@ def test_the_stacks_of_a_busy_call_are_dumped_without_harm_to_the_rank(tmp_path)
     p = subprocess.run([sys.executable, str(script), str(ROOT), "100", "busy"], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, f"exit {p.returncode}: {p.stderr[-2000:]}"
     text = (tmp_path / "stacks" / "rank0.txt").read_text()
-    assert text.count("Timeout (0:00:00.005000)!") == 100 and text.count("Finished after 0.") == 100, text[-3000:]
+    assert text.count("Timeout (0:00:00.005000)!") == 100 and len(re.findall(r"^Finished after \d+\.\d s: step \d+$", text, re.M)) == 100, (
+        text[-3000:]
+    )
     assert text.count(" in step\n") == 100 and text.count(" in <module>\n") == 100, text[-3000:]
     assert " in _dump\n" not in text  # the watch's own thread is left out
 

@@ -251,6 +251,16 @@ def test_a_case_judged_against_its_own_reference(tmp_path, capsys):
     assert committed_one.plan.reference == []
     curves = tmp_path / "ci" / "curves"
     assert one.plan.reference == [curves / "config_cpux1x1.json"]
+    # each case records the one command that plans it again (results.json's command)
+    assert one.plan.command == [
+        "run_benchmarks/start_task.py",
+        "--vendor",
+        "cpu",
+        "--case_name",
+        "llama3_tiny:megatron:cpu:1:2:3",
+        "--reference",
+        str(curves / "config_cpux1x1.json"),
+    ]
     assert two.plan.reference == [curves / "config_cpux1x1.json", curves / "config_cpux1x2.json"]
     ref = references.load_references(one.plan)["train"]
     assert ref.path == str(curves / "config_cpux1x1.json")  # not the committed standard.json

@@ -482,8 +482,14 @@ def main(argv: list[str] | None = None) -> int:
         night = prepare(Path(args.runlist or args.nightly), args.db, args.log_dir, args.report_dir, args.wait)
         if args.check:
             for j in night.jobs:
-                refs = "".join(f", reference {p}" for p in j.plan.reference)
-                print(f"{_label(j)}: {j.entry.rounds} round(s), config {j.plan.config_name}{refs}, tolerances {j.tolerances.model_dump()}")
+                given = [str(p) for p in j.plan.reference] or [
+                    references.shown(p) for ph in j.plan.phases for p in references.reference_paths(j.plan, ph)
+                ]
+                refs = "".join(f", reference {p}" for p in given)
+                print(
+                    f"{_label(j)}: {j.entry.rounds} round(s), config {j.plan.config_name}, recipe {j.plan.recipe}{refs}, "
+                    f"tolerances {j.tolerances.model_dump()}"
+                )
                 for note in j.reference_notes:
                     print(f"  {note}")
             print(f"history {night.db_path}\nlogs    {night.log_dir}\nreports {night.report_dir}")

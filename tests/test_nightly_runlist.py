@@ -196,8 +196,9 @@ def test_the_gpu_run_lists_plan_here(path, capsys):
     jobs = nightly.prepare(path).jobs
     planned = [line for line in out.splitlines() if " round(s), config " in line]
     assert len(planned) == len(jobs) and all(", reference " in line for line in planned)  # every run is judged
-    if path.name == "llama3_8b_H200x2.yaml":  # judged against repeats that cannot resolve 2 %: the plan says so
-        assert out.count("reference (train): its 4 repeats differ by 6.09% among themselves") == len(jobs)
+    if path.name.startswith("llama3_8b_"):  # the short recipe's one reference judges every layout
+        assert all(j.plan.recipe == "short" for j in jobs)
+        assert out.count("reference (train): cases/llama3/megatron/reference/llama3_8b/short.json, the mean of 3 runs") == len(jobs)
 
 
 def test_relative_paths_follow_the_run_list(tmp_path):
@@ -268,7 +269,7 @@ def test_a_case_judged_against_its_own_reference(tmp_path, capsys):
     assert len(mean.repeats) == 2 and all(mean.loss[s] == pytest.approx(ref.loss[s] / 2 + mean.repeats[1].loss[s] / 2) for s in ref.loss)
     assert nightly.main(["--check", str(path)]) == 0
     out = capsys.readouterr().out
-    assert f"config config_cpux1x2, reference {curves / 'config_cpux1x1.json'}, tolerances" in out
+    assert f"config config_cpux1x2, recipe standard, reference {curves / 'config_cpux1x1.json'}, tolerances" in out
 
 
 def test_exit_status_2_from_start_task_and_module(tmp_path):

@@ -268,6 +268,7 @@ def verify_images(folder: str, names: list[str], records: list[Any], json_path: 
     hash of the manifest (each name and the sha256 of its bytes). Images already seen at the same
     size and mtime are taken from the cache. InputError naming the first corrupt image and its
     JSON entry."""
+    from rich.console import Console
     from rich.progress import Progress
 
     from training.data import llava_images
@@ -280,7 +281,7 @@ def verify_images(folder: str, names: list[str], records: list[Any], json_path: 
     manifest = hashlib.sha256()
     bad: list[tuple[str, str]] = []
     changed = False
-    with Progress(transient=True, disable=len(names) < PROGRESS_FROM) as bar:
+    with Progress(console=Console(stderr=True), transient=True, disable=len(names) < PROGRESS_FROM) as bar:  # stdout: --json
         task = bar.add_task(f"checking the {phase} images", total=len(names))
         for name in names:
             path = os.path.abspath(os.path.join(folder, name))

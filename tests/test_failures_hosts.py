@@ -476,3 +476,25 @@ def test_every_host_without_the_base_image_is_named_then_the_rootfs_tarball_is_i
     assert [ln.split(" (")[0] for ln in lines] == [f"host {h}: imported {base} from a root filesystem" for h in ("h1", "h2")], lines
     for engine in engines.values():
         assert engine.images.get(base).attrs["RootFS"]["Layers"]
+
+
+def test_a_container_killed_from_outside_leads_the_round_error_with_its_engine_state(fc, megatron_python, tmp_path):
+    """docker kill of h2's container mid-round: the round's error leads with that node, 137 read
+    as SIGKILL with what its engine recorded; the survivor's collective error comes after."""
+    import docker
+
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    p = start(cfile, tmp_path / "logs", "--set", LONG)
+    run_id = wait_training_on(fc.host("h2"), tmp_path / "logs", p)
+    h2 = docker.DockerClient(base_url=f"unix://{fc.host('h2').docker_socket}")
+    (container,) = h2.containers.list(filters={"label": f"flagbench.run_id={run_id}"})
+    container.kill()
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 1, out + err
+    _, res = only_run(tmp_path / "logs")
+    first, *rest = res["rounds"][0]["error"].splitlines()
+    assert first.startswith(f"node1 (h2): container {container.name} killed by SIGKILL (exit status 137; the engine: OOMKilled false, "), (
+        first
+    )
+    assert any(ln.startswith(("rank 0", "node0 (h1)")) for ln in rest), rest  # the survivor after it
+    assert leftovers(fc, run_id) == []

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from run_benchmarks.causes import LOST_KEY
 from run_benchmarks.config import ClusterConfig, HostConfig
 from run_benchmarks.errors import InputError
 from run_benchmarks.plan import NodePlan, Plan, plan_nodes
@@ -92,6 +93,8 @@ class _Node:
         self.k, self.host, self.proc, self.container = k, host, proc, container
         self.rc: int | None = None
         self.error: str | None = None
+        self.stopped = False  # by this run (another node failed, the deadline, a signal)
+        self.lost = False  # the node itself went (killed from outside, its engine or host gone)
 
     def poll(self) -> int | None:
         if self.rc is not None:
@@ -107,15 +110,31 @@ class _Node:
             with engine_errors(self.host.name, "following the container"):
                 self.container.container.reload()
         except docker.errors.NotFound:
-            self.rc, self.error = -1, self.error or "the container disappeared during the round"
+            self.rc, self.error, self.lost = -1, self.error or "the container disappeared during the round", True
             return self.rc
         state = self.container.container.attrs["State"]
         if state["Status"] in ("exited", "dead"):
             self.rc = int(state["ExitCode"])
+            self._killed(state)
         return self.rc
+
+    def _killed(self, state: dict[str, Any]) -> None:
+        """A container that died of a signal this run did not send: the node was lost; say
+        so with what its engine recorded."""
+        from run_benchmarks.causes import STOP_SIGNALS, exit_signal
+
+        sig = exit_signal(self.rc)
+        if self.stopped or sig is None or sig in STOP_SIGNALS:
+            return
+        said = f"OOMKilled {str(state.get('OOMKilled', False)).lower()}, finished {state.get('FinishedAt', '?')}"
+        why = f", {state['Error']}" if state.get("Error") else ""
+        name = self.container.name
+        self.error = self.error or f"container {name} killed by {sig} (exit status {self.rc}; the engine: {said}{why})"
+        self.lost = True
 
     def stop(self) -> None:
         """Stop the agent (its launcher's process group gets SIGTERM, then SIGKILL); keep the container for its logs."""
+        self.stopped = True
         try:
             if self.proc is not None:
                 self.proc.kill(grace=KILL_GRACE_S)
@@ -548,7 +567,8 @@ class SSHRuntime(Runtime):
                 why = "not started" if failure is None else failure.detail if failure.host == host.name else f"not started: host {failure}"
                 outcomes.append(NodeOutcome(host.name, k, None, False, local, error=why))
             else:
-                outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error))
+                lost = {LOST_KEY: True} if n.lost else {}
+                outcomes.append(NodeOutcome(host.name, k, n.rc, k in late, local, n.error, extra=lost))
         shutil.rmtree(round_dir / ".stage", ignore_errors=True)
         self.timings["last_round_s"] = time.monotonic() - t0
         self.live = []
@@ -575,8 +595,9 @@ class SSHRuntime(Runtime):
                 n.error = n.error or f"container not removed: {exc}"
         if n.proc is not None and n.proc.write_error:
             here.append(n.proc.write_error)
-        if n.proc is not None and n.rc == -1:
+        if n.proc is not None and n.rc == -1 and not n.stopped:
             n.error = n.error or "the SSH connection to the host was lost during the round"
+            n.lost = True
         try:
             self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
         except LocalWriteFailed as exc:
@@ -597,7 +618,7 @@ class SSHRuntime(Runtime):
                     from run_benchmarks.remote.containers import brief
 
                     n.error, rc = f"lost the node: {brief(exc)}", -1
-                    n.rc = rc
+                    n.rc, n.lost = rc, True
                 if rc is not None:
                     pending.remove(n)
                     if rc != 0:

@@ -15,7 +15,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from training.case import STACK_DONE
+from training.case import STACK_DONE, STACK_LATE
 
 _ROOT = re.compile(r"Root Cause \(first observed failure\):(?P<block>.*?)(?:={10,}|\Z)", re.S)
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)", re.M)
@@ -139,8 +139,8 @@ def last_dump_main_thread(text: str) -> list[tuple[str, int, str]]:
     if "Timeout (" not in text:
         return []
     dump = text.rsplit("Timeout (", 1)[-1]
-    if any(line.startswith(STACK_DONE) for line in dump.splitlines()):
-        return []  # the call it caught ended after all: slow, not stuck
+    if any(line.startswith((STACK_DONE, STACK_LATE)) for line in dump.splitlines()):
+        return []  # the call it caught ended after all (slow, not stuck), or it was written on resuming
     threads = [frames for _, frames in _threads(dump)]
     main = [t for t in threads if t and t[-1][2] == "<module>"]
     return main[-1] if main else (threads[0] if threads else [])

@@ -361,3 +361,31 @@ def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ran
     assert f"round 1: failed - {lines[0]}" in " ".join(err.split())  # the terminal's width wraps it
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     print(f"found {time.monotonic() - stopped_at:.0f} s after the stop, {time.monotonic() - t0:.0f} s in all")
+
+
+def test_a_stack_written_on_resuming_a_stopped_rank_is_no_location(tmp_path):
+    """A rank stopped (SIGSTOP) inside a step, past its stall timeout, then resumed (as a
+    cancel's SIGCONT does) and killed: the stacks its watch writes on resuming are not where
+    it hung, and the line says that no stack was written at the stall timeout."""
+    script = tmp_path / "stopped.py"
+    script.write_text(TRAINER.replace("wait_here(1.5 if k in (2, 4) else 0.0)", "wait_here(60)"))
+    node = tmp_path / "node0"
+    env = {**os.environ, "FB_STALL_TIMEOUT_S": "1", "FB_STACKS_DIR": str(node / "stacks"), "RANK": "0"}
+    proc = subprocess.Popen([sys.executable, str(script), str(ROOT)], env=env)
+    try:
+        end = time.monotonic() + 30
+        while not (node / "stacks" / "rank0.txt").exists() and time.monotonic() < end:
+            time.sleep(0.05)  # the watch is armed
+        time.sleep(0.3)  # step 1 has begun
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(8)  # past the timeout and faulthandler's fallback, while stopped
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(2)
+    finally:
+        proc.kill()
+        proc.wait()
+    text = (node / "stacks" / "rank0.txt").read_text()
+    assert "Written late:" in text, text
+    assert causes.stall_stacks(node, [0], "node0 (n2)") == [
+        "rank 0 on node0 (n2): no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
+    ], text

@@ -68,6 +68,10 @@ class Trainer(Protocol):
 
 #: written after a stack dump when the call it caught returns after all: that dump is no hang
 STACK_DONE = "Finished after"
+#: written after a stack dump that came long after its deadline: the process was not running
+#: then (stopped by SIGSTOP, resumed by a cancel's SIGCONT), so the stacks are not where it hung
+STACK_LATE = "Written late:"
+LATE_S = 5.0
 
 
 class StallWatch:
@@ -137,8 +141,11 @@ class StallWatch:
                     self._cond.wait(left)
                     continue
                 faulthandler.cancel_dump_traceback_later()  # the lock is had: no fallback needed
-                self._deadline = None
+                late, self._deadline = -left, None
                 self._dump()
+                if late > LATE_S:
+                    self._file.write(f"{STACK_LATE} {late:.1f} s after the deadline (the process was stopped)\n")
+                    self._file.flush()
 
     def _dump(self) -> None:
         """Every other thread's stack, innermost frame first, as faulthandler writes them."""

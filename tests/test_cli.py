@@ -1,0 +1,68 @@
+"""``flagbench <command>``: one name for every tool, each command's options under its --help, and
+the older forms (start_task.py's flags, ``flagbench`` followed directly by options) unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from run_benchmarks import cli
+from run_benchmarks.registry import ROOT
+
+
+def flagbench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "run_benchmarks.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_help_lists_every_command():
+    proc = flagbench("--help")
+    assert proc.returncode == 0
+    listed = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.startswith("  ")]
+    assert listed == list(cli.COMMANDS) and {"run", "verify", "judge", "compare", "record-reference", "nightly", "check"} <= set(listed)
+
+
+@pytest.mark.parametrize(
+    "command, option",
+    [
+        ("run", "--case_name"),
+        ("verify", "--verify"),
+        ("judge", "--update"),
+        ("record-reference", "--why"),
+        ("nightly", "--check"),
+        ("cleanup", "--cluster"),
+        ("scaffold-case", "--model"),
+        ("scaffold-config", "case_name"),
+        ("check", "vendor"),
+    ],
+)
+def test_each_command_lists_its_own_options(command, option):
+    proc = flagbench(command, "--help")
+    assert proc.returncode == 0 and option in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_command_and_the_older_forms_plan_alike(tmp_path):
+    args = ["--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--dry-run", "--json", "--log-dir", str(tmp_path)]
+    plans = [flagbench("run", *args), flagbench(*args)]
+    plans.append(
+        subprocess.run([sys.executable, "run_benchmarks/start_task.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    )
+    docs = [json.loads(p.stdout) for p in plans]
+    assert all(p.returncode == 0 for p in plans)
+    assert len({json.dumps(d["settings"], sort_keys=True) for d in docs}) == 1 and {d["config_name"] for d in docs} == {"config_cpux1x2"}
+
+
+def test_an_unknown_command_is_named_with_the_closest():
+    proc = flagbench("verfy", "x.json")
+    assert (
+        proc.returncode == 2
+        and proc.stderr.strip() == "error: flagbench has no command 'verfy'; did you mean 'verify'? (flagbench --help lists them)"
+    )
+    assert flagbench().returncode == 2
+
+
+def test_verify_through_the_command(tmp_path):
+    proc = flagbench("verify", "docs/results/runs/2026-11-29_llama3_8b_H200x1_short-micro2.json")
+    assert proc.returncode == 0 and "every figure of 1 round(s) matches its records" in proc.stdout, proc.stdout + proc.stderr

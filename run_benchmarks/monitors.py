@@ -178,27 +178,33 @@ def ixsmi_reader() -> list[dict[str, Any]]:
 
 
 def gpu_reader(kind: str) -> Callable[[], list[dict[str, Any]]] | None:
+    """The device sampler of ``kind`` (``open_reader``), None where it cannot run."""
+    return open_reader(kind)[0]
+
+
+def open_reader(kind: str) -> tuple[Callable[[], list[dict[str, Any]]] | None, str | None]:
     """The device sampler a vendor names: a built-in (nvml, ixsmi, none) or its own
     ``module:function`` (imported from the code root, e.g. ``vendors.acme.monitor:sample``),
     called once per interval and returning one dict per device with the keys of
     ``NVMLReader`` (index, util_percent, mem_used_gib, mem_total_gib, power_w, temp_c; None
-    where the device does not tell)."""
+    where the device does not tell); with why it cannot run, where it cannot (host metrics
+    only then: the round goes on, and the reason reaches the round's monitor summary)."""
     if ":" in kind:
         import importlib
 
         module, _, func = kind.partition(":")
         try:
-            return getattr(importlib.import_module(module), func)
-        except (ImportError, AttributeError):  # said by vendor_tools check; host metrics only here
-            return None
+            return getattr(importlib.import_module(module), func), None
+        except (ImportError, AttributeError) as exc:
+            return None, f"monitor {kind}: {type(exc).__name__}: {exc}"
     if kind == "nvml":
         try:
-            return NVMLReader()
-        except Exception:  # no driver on this host: host metrics only
-            return None
+            return NVMLReader(), None
+        except Exception as exc:  # no driver on this host
+            return None, f"monitor nvml: {type(exc).__name__}: {exc}"
     if kind == "ixsmi":
-        return ixsmi_reader
-    return None
+        return ixsmi_reader, None
+    return None, None
 
 
 class MonitorThread:
@@ -217,7 +223,7 @@ class MonitorThread:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
-        read = gpu_reader(self.kind)
+        read, why = open_reader(self.kind)
         psutil.cpu_percent(interval=None)
         with open(self.out, "a", encoding="utf-8") as fh:
             first = True
@@ -231,11 +237,13 @@ class MonitorThread:
                         except Exception as exc:  # the identity is a record, never a failure
                             sample["identity"]["gpu_error"] = str(exc)
                     first = False
+                    if why:
+                        sample["gpu_error"] = why
                 if read is not None:
                     try:
                         sample["gpus"] = read()
                     except Exception as exc:  # a reader failing must not fail the round
-                        sample["gpu_error"] = str(exc)
+                        sample["gpu_error"] = f"monitor {self.kind}: {type(exc).__name__}: {exc}"
                 fh.write(json.dumps(sample) + "\n")
                 fh.flush()
                 self._stop.wait(self.interval)
@@ -259,7 +267,11 @@ def monitor_summary(path: Path) -> dict[str, Any] | None:
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
+    failed = [s["gpu_error"] for s in samples if s.get("gpu_error")]
     return {
+        # the device sampler's failure, once: no device figures came from this node
+        "error": failed[0] if failed else None,
+        "failed_samples": len(failed),
         "identity": next((s["identity"] for s in samples if "identity" in s), None),
         "samples": len(samples),
         "duration_s": samples[-1]["t"] - samples[0]["t"],

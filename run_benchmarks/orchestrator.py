@@ -389,6 +389,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
+        said_monitors: set[tuple[str, str]] = set()
         for r in range(1, plan.case.repeat + 1):
             round_dir = run_dir / f"round{r}"
             round_dir.mkdir(parents=True, exist_ok=True)
@@ -413,6 +414,13 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                 log = causes.rest_at(round_dir, _first_line(rnd.error))
                 rest = f"; the rank's log: {log}" if log else ""
                 console.print(f"  whole error: {run_dir / 'results.json'} (round {r}){rest}", markup=False, soft_wrap=True)
+            for node, mon in sorted(rnd.monitor.items()):  # a device monitor that cannot run, said once a run
+                if mon and mon.get("error") and (node, mon["error"]) not in said_monitors:
+                    said_monitors.add((node, mon["error"]))
+                    failed = f"{mon['failed_samples']} of {mon['samples']} samples"
+                    console.print(
+                        f"{node}: no device figures: {mon['error']} ({failed}; results.json has it)", markup=False, soft_wrap=True
+                    )
     except BaseException as exc:
         stopped_by = exc
         raise

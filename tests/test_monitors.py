@@ -97,3 +97,25 @@ def test_nvml_samples_carry_the_sm_clock_and_why_it_is_held_down():
     bare = Stand(**{k: v for k, v in vars(old).items() if k != "nvmlDeviceGetCurrentClocksThrottleReasons"})
     with unittest.mock.patch.dict("sys.modules", {"pynvml": bare}):
         assert monitors.NVMLReader().clocks("gpu0") == {"sm_clock_mhz": 1755.0, "sm_clock_max_mhz": 1980.0, "clock_held": None}
+
+
+def test_a_device_monitor_that_cannot_run_is_in_the_summary_once(tmp_path, monkeypatch):
+    """A vendor's sampler calling a tool that is not installed (npu-smi absent), and a module
+    that is not there: each node's summary (results.json's round monitor) says why, once,
+    with how many samples failed."""
+    import time
+
+    (tmp_path / "npu_monitor.py").write_text("import subprocess\n\ndef sample():\n    return subprocess.run(['npu-smi', 'info'])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for kind, error in (
+        ("npu_monitor:sample", "monitor npu_monitor:sample: FileNotFoundError: [Errno 2] No such file or directory: 'npu-smi'"),
+        ("no_such_monitor:sample", "monitor no_such_monitor:sample: ModuleNotFoundError: No module named 'no_such_monitor'"),
+    ):
+        out = tmp_path / f"{kind.split(':')[0]}.jsonl"
+        mon = monitors.MonitorThread(kind, out, interval=0.05)
+        mon.start()
+        time.sleep(0.3)
+        mon.stop()
+        s = monitors.monitor_summary(out)
+        assert s["error"] == error, s
+        assert s["failed_samples"] == (s["samples"] if "npu" in kind else 1) and s["samples"] >= 2, s

@@ -118,6 +118,9 @@ def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(
     clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=120)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     assert clean.stdout.strip() == f"cancelled Slurm jobs whose start_task.py is gone: job {jid} of run {run_id}"
+    res = results(tmp_path)  # the dead run's file finished for it
+    assert res["status"] == "failed" and res["finished"], res["status"]
+    assert res["error"] == f"start_task.py ended without finishing the run; its Slurm job {jid} was cancelled by --cleanup"
     end = time.monotonic() + 60
     while slurm_cluster.jobs() and time.monotonic() < end:
         time.sleep(0.5)

@@ -211,18 +211,19 @@ class SlurmRuntime(Runtime):
         died (SIGKILL, a crashed machine): each job's comment names its submitter's host and pid
         (``submitter_comment``), and a pid no longer alive here means nobody follows the job.
         Jobs of other submit hosts and of live runs are never touched. One line, or None."""
-        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%T|%k"], timeout=30)
+        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%T|%Z|%k"], timeout=30)
         if proc.returncode != 0:
             return None  # the controller answered ping: a transient failure; the next run sweeps
         gone: dict[str, list[str]] = {}
         for row in proc.stdout.splitlines():
-            job_id, state, comment = (row.strip().split("|", 2) + ["", ""])[:3]
+            job_id, state, workdir, comment = (row.strip().split("|", 3) + ["", "", ""])[:4]
             owner = parse_comment(comment)
             if state not in WAITING | ACTIVE - {"COMPLETING"}:
                 continue  # its steps ended (a run that finished normally): Slurm is tidying up
             if owner and owner[0] == socket.gethostname() and not _alive_pid(owner[1]):
                 if self._run(["scancel", job_id], timeout=60).returncode == 0:
                     gone.setdefault(owner[2], []).append(job_id)
+                    finish_abandoned(Path(workdir).parent, job_id)  # the job runs in <run_dir>/round<r>
         if not gone:
             return None
         runs = "; ".join(f"job {', '.join(ids)} of run {run}" for run, ids in sorted(gone.items()))
@@ -644,6 +645,28 @@ def clean_jobs(cluster: ClusterConfig) -> list[str]:
     rt._check_conf()
     line = rt.cancel_orphans()
     return [line] if line else []
+
+
+def finish_abandoned(run_dir: Path, job_id: str) -> None:
+    """The results.json of a run whose start_task.py died while its job ran: finished as
+    failed, saying so, when it still says running (another run's or a finished file is kept)."""
+    from run_benchmarks import results, typed_results
+
+    path = run_dir / "results.json"
+    try:
+        res = typed_results.load(path)
+    except Exception:  # no such file, or not a results.json: nothing of ours to finish
+        return
+    if res.finished or res.status != "running":
+        return
+    error = f"start_task.py ended without finishing the run; its Slurm job {job_id} was cancelled by --cleanup"
+    results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now_iso()}), run_dir)
+
+
+def _now_iso() -> str:
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
 def _venv_home(env: Path) -> Path | None:

@@ -214,3 +214,15 @@ def test_data_dir_a_file_and_tokenizer_path_a_data_location(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["user_overrides"] == []
     assert datacheck.is_data_location("data.phases.finetune.data_dir") and not datacheck.is_data_location("train.steps")
+
+
+def test_a_large_image_set_shows_a_progress_bar(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("FLAGBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FORCE_COLOR", "1")  # stderr counts as a terminal
+    d = llava(tmp_path / "a")
+    monkeypatch.setattr(datacheck, "PROGRESS_FROM", 6)  # six images: the bar
+    llava_fp(d)
+    assert "checking the pretrain images" in capfd.readouterr().err
+    monkeypatch.setattr(datacheck, "PROGRESS_FROM", 7)  # a smaller set: no bar
+    llava_fp(d)
+    assert "checking" not in capfd.readouterr().err

@@ -67,6 +67,9 @@ COMMANDS: dict[str, Command] = {
     "scaffold-config": Command(
         "write a vendor's config of a case", _module("vendor_tools", "scaffold-config"), _help("vendor_tools", "scaffold-config")
     ),
+    "runs-table": Command(
+        "write docs/results/runs.md from the committed results (--check: is it current)", _module("runs_table"), _help("runs_table")
+    ),
     "check": Command("check a vendor folder: every problem, nothing run", _module("vendor_tools", "check"), _help("vendor_tools", "check")),
 }
 

@@ -35,6 +35,9 @@ def _signal_name(code: int) -> str:
 #: in a NodeOutcome's ``extra``: the node itself was lost (crashed, its engine, sshd or slurmd
 #: gone, Slurm's NODE_FAIL); it leads the round's error, before the ranks that fell with it
 LOST_KEY = "node_lost"
+#: in a NodeOutcome's ``extra``: other jobs that ran on the node beside the round (a
+#: scheduler's shared nodes): the round's figures are not of a whole node, said beside them
+SHARED_KEY = "shared_with"
 #: signals by which a node's processes are stopped (by the launcher, srun, the harness) after
 #: something else failed: such an exit comes after the cause, never before it
 STOP_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP"}

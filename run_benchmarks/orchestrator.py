@@ -409,7 +409,11 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
             # plain text: a rank's message may hold brackets that rich would read as markup
-            console.print(f"round {r}: {rnd.status}" + (f" - {_first_line(rnd.error)}" if rnd.error else ""), markup=False, soft_wrap=True)
+            shared = sorted({j for n in rnd.nodes for j in n.get(causes.SHARED_KEY) or []})
+            note = f" (nodes shared with {', '.join(shared)}: the figures are not of whole nodes)" if shared else ""
+            console.print(
+                f"round {r}: {rnd.status}{note}" + (f" - {_first_line(rnd.error)}" if rnd.error else ""), markup=False, soft_wrap=True
+            )
             if rnd.error:  # the whole first line above, the rest where it lies
                 log = causes.rest_at(round_dir, _first_line(rnd.error))
                 rest = f"; the rank's log: {log}" if log else ""

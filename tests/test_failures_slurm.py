@@ -246,3 +246,27 @@ def test_a_node_that_crashes_mid_run_is_named_first_and_not_waited_for(
     assert took < PEER_LOST_S + 30, f"{took:.0f} s"  # SlurmdTimeout is 60 s
     (job,) = res["runtime_info"]["slurm"]["jobs"]
     assert job["cancelled_by_harness"] == "node lost"
+
+
+@pytest.mark.framework("megatron")
+def test_a_round_on_shared_nodes_says_so_beside_its_figures(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    """``exclusive: false`` and another job holding a core of n1 all along: the round's line
+    and its nodes in results.json name that job."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf, exclusive=False)
+    other = subprocess.run(
+        ["sbatch", "--parsable", "--nodelist=n1", "--ntasks=1", f"--output={tmp_path / 'other.out'}", "--wrap", "sleep 600"],
+        env=slurm_cluster.env(),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
+    try:
+        proc = subprocess.run(start_argv(tmp_path, cfile, megatron_python), capture_output=True, text=True, timeout=400)
+    finally:
+        subprocess.run(["scancel", other], env=slurm_cluster.env(), timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    note = f"round 1: ok (nodes shared with Slurm job {other}: the figures are not of whole nodes)"
+    assert note in proc.stderr, proc.stderr
+    (rnd,) = results(tmp_path)["rounds"]
+    assert rnd["nodes"][0]["shared_with"] == [f"Slurm job {other}"], rnd["nodes"]

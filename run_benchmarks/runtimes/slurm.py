@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from run_benchmarks import causes
+from run_benchmarks.causes import SHARED_KEY
 from run_benchmarks.config import ClusterConfig, HostConfig, SlurmConfig
 from run_benchmarks.envs import env_dir, framework_python, python_of
 from run_benchmarks.errors import InputError
@@ -105,6 +106,7 @@ class Job:
     req_nodes: str = ""  # the nodes it asked for (ReqNodeList)
     first_end_seen: float | None = None  # monotonic: when a node's launcher was first seen ended
     lost: dict[int, str] = dataclasses.field(default_factory=dict)  # node rank -> why it counts as lost
+    shared_with: set[str] = dataclasses.field(default_factory=set)  # other jobs seen running on its nodes
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -125,6 +127,7 @@ class Job:
             "launch_failure": self.launch_failure,
             "unavailable": self.unavailable,
             "lost_nodes": {str(k): v for k, v in self.lost.items()} or None,
+            "shared_with": sorted(self.shared_with, key=int) or None,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
             "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
@@ -424,6 +427,8 @@ class SlurmRuntime(Runtime):
             self._show(job)
             if job.state in ACTIVE and job.running_at is None:
                 job.running_at = time.time()
+            if job.state == "RUNNING" and not self.conf.exclusive and job.nodelist:
+                self._note_sharers(job)
             if job.state == "RUNNING" and self._lost_peers(job, batch_out.parent.parent):
                 self._cancel(job, "node lost")
                 return
@@ -461,6 +466,13 @@ class SlurmRuntime(Runtime):
         bad = [n for n in self.node_states(job.req_nodes) if set(re.split(r"[+*~#$@%!^-]", n.get("State", ""))) & OUT_OF_SERVICE]
         said = [f"node {n.get('NodeName')} is {n.get('State')}" + (f" (reason: {n['Reason']})" if n.get("Reason") else "") for n in bad]
         return "; ".join(said) or None
+
+    def _note_sharers(self, job: Job) -> None:
+        """Other jobs running on the job's nodes (``exclusive: false``): its figures are not
+        of whole nodes."""
+        proc = self._run(["squeue", "--noheader", "--states=RUNNING", f"--nodelist={job.nodelist}", "--format=%i"], timeout=30)
+        if proc.returncode == 0:
+            job.shared_with |= {i.strip() for i in proc.stdout.split() if i.strip() and i.strip() != job.job_id}
 
     def _lost_peers(self, job: Job, round_dir: Path) -> bool:
         """Once a node's launcher has ended, the nodes whose launchers have not ended
@@ -528,6 +540,8 @@ class SlurmRuntime(Runtime):
                 "slurm_exit_code": job.exit_code,
                 "slurm_node": host,
             }
+            if job.shared_with:  # beside the round's figures: they are not of whole nodes
+                extra[SHARED_KEY] = [f"Slurm job {i}" for i in sorted(job.shared_with, key=int)]
             error, timed_out = None, False
             if k in job.lost:
                 error, extra[causes.LOST_KEY] = f"{job.lost[k]}; Slurm job {job.job_id} cancelled", True

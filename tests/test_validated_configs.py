@@ -70,3 +70,10 @@ def test_a_run_not_judged_or_of_another_layout_validates_nothing(tmp_path) -> No
         assert said.endswith("not a run judged aligned: no round of status ok"), said
     finally:
         cfg.write_text(text)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(registry.VENDORS_DIR)))
+def test_a_config_says_what_it_is_in_one_line(path: Path) -> None:
+    """History lives in docs/results (config-notes.md keeps what the descriptions said before)."""
+    text = str((yaml.safe_load(path.read_text()) or {}).get("description", ""))
+    assert text and "\n" not in text and len(text) <= 200, text

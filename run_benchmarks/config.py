@@ -83,7 +83,7 @@ class SSHConfig(Strict):
 
 class HostConfig(Strict):
     name: str
-    address: str
+    address: str = ""  # needed by the ssh backend; Slurm's nodes are found by name
     user: str | None = None
     port: int | None = Field(None, ge=1, le=65535)
     key_file: str | None = None
@@ -207,6 +207,10 @@ class ClusterConfig(Strict):
                 seen[where] = h.name
         if not self.hosts:
             raise ValueError("hosts: at least one host is needed")
+        if self.backend != "slurm":
+            bare = [h.name for h in self.hosts if not h.address]
+            if bare:
+                raise ValueError(f"hosts {', '.join(bare)}: field 'address' is needed with backend {self.backend!r}")
         if self.backend == "local" and self.runtime == "container":
             raise ValueError("runtime 'container' needs backend 'ssh' or 'slurm'")
         return self

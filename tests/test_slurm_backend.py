@@ -463,3 +463,16 @@ def test_node_0_holds_the_master_port_until_its_wrapper_ends(tmp_path: Path) -> 
         first.kill()
         first.wait()
     assert slurm_node.rendezvous_port({"round_dir": str(tmp_path / "b"), "master_port": port}, 0, "job-c") == port
+
+
+def test_slurm_hosts_need_no_address_ssh_hosts_do(tmp_path: Path) -> None:
+    """docs/slurm.md: Slurm finds its nodes by name, the address fields are not used."""
+    cfile = tmp_path / "slurm.yaml"
+    cfile.write_text(yaml.safe_dump({"backend": "slurm", "hosts": [{"name": "n1"}, {"name": "n2"}]}))
+    cluster = load(ClusterConfig, cfile)
+    plan = planning.build(CaseName.parse(CASE), "cpu", cluster, tmp_path / "logs")
+    assert "--nodelist=n1,n2" in SlurmRuntime(cluster).dry_run_details(plan)["sbatch"]
+    ssh = tmp_path / "ssh.yaml"
+    ssh.write_text(yaml.safe_dump({"backend": "ssh", "hosts": [{"name": "h1", "address": "10.0.0.1"}, {"name": "h2"}]}))
+    with pytest.raises(InputError, match=r"ssh\.yaml: .*hosts h2: field 'address' is needed with backend 'ssh'"):
+        load(ClusterConfig, ssh)

@@ -498,3 +498,43 @@ def test_a_container_killed_from_outside_leads_the_round_error_with_its_engine_s
     )
     assert any(ln.startswith(("rank 0", "node0 (h1)")) for ln in rest), rest  # the survivor after it
     assert leftovers(fc, run_id) == []
+
+
+def _drop_packets(host: netns.HostInfo, on: bool) -> None:
+    """Every packet into and out of the host's own network namespace dropped (or let through again)."""
+    for chain in ("INPUT", "OUTPUT"):
+        argv = ["ip", "netns", "exec", host.netns, "iptables", "-I" if on else "-D", chain, "-j", "DROP"]
+        subprocess.run(argv, check=on, capture_output=True, timeout=10)
+
+
+def test_a_host_that_drops_every_packet_mid_run_is_lost_within_lost_after(fc, megatron_python, tmp_path):
+    """h2 silent from step ~5 (its sshd and dockerd still up): the run ends within its bounds,
+    in every phase log collection included, naming h2 first, with no paramiko noise; once h2
+    answers again, --cleanup removes what stayed there."""
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
+    doc = yaml.safe_load(cfile.read_text())
+    doc["ssh"].update(lost_after_s=6, connect_timeout_s=3)
+    cfile.write_text(yaml.safe_dump(doc))
+    p = start(cfile, tmp_path / "logs", "--set", LONG)
+    run_id = wait_training_on(fc.host("h2"), tmp_path / "logs", p)
+    h2 = fc.host("h2")
+    try:
+        _drop_packets(h2, True)
+        t0 = time.monotonic()
+        out, err = p.communicate(timeout=180)
+        took = time.monotonic() - t0
+    finally:
+        _drop_packets(h2, False)
+    assert p.returncode == 1, out + err
+    assert took < 90, took  # lost_after_s 6 and connect_timeout_s 3 for each call to h2, not minutes
+    assert "unrequested channel" not in err and "Traceback" not in err, err
+    _, res = only_run(tmp_path / "logs")
+    assert res["rounds"][0]["error"].startswith("node1 (h2): "), res["rounds"][0]["error"]
+    end = time.monotonic() + 60
+    while True:  # h2's sshd finds the run's connection gone (the lock holder's next byte), its lock freed
+        p = run(["--cluster", str(cfile), "--cleanup"], timeout=120)
+        if p.returncode == 0 or "in use by run" not in p.stderr or time.monotonic() > end:
+            break
+        time.sleep(2)
+    assert p.returncode == 0 and f"of run {run_id}" in p.stdout, p.stdout + p.stderr
+    assert leftovers(fc, run_id) == []

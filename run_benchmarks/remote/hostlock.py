@@ -9,7 +9,9 @@ The lock is ``flock`` on ``flagbench.lock`` in the first writable directory of
 Python process on the host takes it and holds it: it writes the holder's description into
 the file, then waits until its stdout reports a hang-up, which happens when the SSH
 channel it runs in closes (the run released it, ended, or died and its connection with
-it). So a run killed without any teardown does not block the host for long.
+it). So a run killed without any teardown does not block the host for long. It writes a
+byte every 2 s, so that sshd learns of a client that went while the host's packets were
+dropped (the reset its next write meets) once they flow again.
 """
 
 from __future__ import annotations
@@ -49,7 +51,11 @@ os.pwrite(fd, info.encode(), 0)
 print("LOCKED", path, flush=True)
 poller = select.poll()
 poller.register(sys.stdout.fileno(), 0)  # only errors and hang-ups: the channel is gone
-poller.poll()
+while not poller.poll(2000):
+    try:  # a byte now and then: sshd finds a client that vanished unheard (its packets dropped)
+        os.write(sys.stdout.fileno(), b".")
+    except OSError:
+        break
 """
 
 

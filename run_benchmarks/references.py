@@ -860,8 +860,7 @@ def _offline_reference(path: Path, res: tr.RunResults, phase: str, files: list[P
             same_training(f, phase, res.model, ours, res.recipe)
         except ValueError as exc:
             raise InputError(f"--reference {exc}") from None
-        if datacheck.reference_fingerprint(f, phase) != fp:
-            raise InputError(f"--reference {f}: made on other data than {path}'s phase {phase} ({fp})")
+        datacheck.check_reference_data(f, phase, fp, res.model)  # both fingerprints named, and the committed one of the run's data
         refs.append(ref)
     try:
         ref = combine(refs)
@@ -923,8 +922,7 @@ def _offline_reference(path: Path, res: tr.RunResults, phase: str, files: list[P
             same_training(f, phase, res.model, ours, res.recipe)
         except ValueError as exc:
             raise InputError(f"--reference {exc}") from None
-        if datacheck.reference_fingerprint(f, phase) != fp:
-            raise InputError(f"--reference {f}: made on other data than {path}'s phase {phase} ({fp})")
+        datacheck.check_reference_data(f, phase, fp, res.model)  # both fingerprints named, and the committed one of the run's data
         refs.append(ref)
     try:
         ref = combine(refs)

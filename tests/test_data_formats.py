@@ -189,23 +189,24 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
     assert p.loss[25] < p.loss[1] - 1.0  # it learns the corpus
 
     first = tmp_path / "first" / res.run_id / "results.json"
-    ref_file = ROOT / "cases/llama3/megatron/reference/llama3_tiny" / f"config_cpux1x1.data-{ident['fingerprint']}.json"
+    shown = f"cases/llama3/megatron/reference/llama3_tiny/standard.data-{ident['fingerprint']}.json"
+    ref_file = ROOT / shown
     try:
         rec = start_task("--record-reference", str(first), timeout=120)
         assert rec.returncode == 0, rec.stdout + rec.stderr
-        assert rec.stdout.strip() == f"wrote {ref_file} (phase train, steps 1-25, data {ident['fingerprint']})"
+        assert rec.stdout.strip() == f"wrote {shown} (phase train, recipe standard, 1 run(s), steps 1-25)"
         doc = json.loads(ref_file.read_text())
         assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 26)]
         again = start_task("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
         assert (
             again.returncode == 2
-            and again.stderr.strip() == f"error: {ref_file}: a reference for this config and data exists; --replace replaces it"
+            and again.stderr.strip() == f"error: {shown}: a reference of this model, recipe and data exists; --replace replaces it"
         )
         # the second run on the same data aligns against it
         proc2, res2 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "second", "--data-dir", str(data), "--set", "train.steps=25")
         assert proc2.returncode == 0, proc2.stdout + proc2.stderr
         (p2,) = res2.rounds[0].phases
-        assert res2.rounds[0].status == "ok" and p2.gate.verdict == "aligned" and p2.reference.path == str(ref_file)
+        assert res2.rounds[0].status == "ok" and p2.gate.verdict == "aligned" and p2.reference.path == shown
         assert p2.gate.mre < 1e-3 and res2.data["train"]["fingerprint"] == ident["fingerprint"]
         # a synthetic run given the real data's run as --reference is refused before anything runs
         syn, res3 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "third", "--set", "train.steps=25", "--reference", str(first))

@@ -77,3 +77,17 @@ def test_a_config_says_what_it_is_in_one_line(path: Path) -> None:
     """History lives in docs/results (config-notes.md keeps what the descriptions said before)."""
     text = str((yaml.safe_load(path.read_text()) or {}).get("description", ""))
     assert text and "\n" not in text and len(text) <= 200, text
+
+
+def test_the_run_a_reference_was_made_of_validates_nothing() -> None:
+    """llava1.5_7b's standard references are one run of config_H200x1x2: that run cannot be judged
+    against itself, so it does not validate the config."""
+    cfg = registry.VENDORS_DIR / "nvidia/cases/llava1.5_7b/deepspeed/config_H200x1x2.yaml"
+    text = cfg.read_text()
+    run = "docs/results/runs/2026-11-28_llava1.5_7b_H200x2_hostX-standard-config.json"
+    try:
+        cfg.write_text(text.replace("validated: false", f"validated: true\nvalidated_by: {run}"))
+        said = references.validation_problem(cfg)
+        assert "phase pretrain: the run is the one cases/llava/deepspeed/reference/llava1.5_7b/standard.pretrain.json was made of" in said
+    finally:
+        cfg.write_text(text)

@@ -270,3 +270,27 @@ def test_a_round_on_shared_nodes_says_so_beside_its_figures(tmp_path: Path, slur
     assert note in proc.stderr, proc.stderr
     (rnd,) = results(tmp_path)["rounds"]
     assert rnd["nodes"][0]["shared_with"] == [f"Slurm job {other}"], rnd["nodes"]
+
+
+@pytest.mark.framework("megatron")
+def test_a_slurmd_killed_mid_run_is_named(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    """n2's slurmd is killed a few steps in; its ranks run on and the round ends, but the job
+    would stay COMPLETING until Slurm marks n2 down: the line names n2 instead of waiting."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    proc = subprocess.Popen(start_argv(tmp_path, cfile, megatron_python), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def stepping() -> bool:
+        rd = run_dir(tmp_path)
+        logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
+        return any('"train_step"' in text for text in logs)
+
+    wait_for("the first step", stepping, proc)
+    try:
+        slurm_cluster.kill_node("n2")
+        out, err = proc.communicate(timeout=240)
+    finally:
+        slurm_cluster.restart_node("n2")
+    assert "node n2 has not confirmed the job's end within 10 s (state " in err and "is its slurmd running?" in err, out + err
+    (job,) = results(tmp_path)["runtime_info"]["slurm"]["jobs"]
+    assert job["silent_nodes"].startswith("node n2 has not confirmed"), job
+    assert job["teardown_s"] < 30, job  # not Slurm's 60 s

@@ -61,7 +61,8 @@ OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FU
 #: how long the other nodes' launchers may outlive the first to end before their nodes count
 #: as lost (a crashed node never reports; Slurm would notice only at its SlurmdTimeout)
 PEER_LOST_S = 20.0
-LOST_GONE_WAIT_S = 10.0  # a lost node keeps the job COMPLETING until Slurm marks it down
+LOST_GONE_WAIT_S = 10.0
+SILENT_CHECK_AFTER_S = 10.0  # a job still completing this long after its end: which nodes hold it?  # a lost node keeps the job COMPLETING until Slurm marks it down
 GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
 GONE_WAIT_S = 60.0
 REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
@@ -107,6 +108,8 @@ class Job:
     first_end_seen: float | None = None  # monotonic: when a node's launcher was first seen ended
     lost: dict[int, str] = dataclasses.field(default_factory=dict)  # node rank -> why it counts as lost
     shared_with: set[str] = dataclasses.field(default_factory=set)  # other jobs seen running on its nodes
+    silent_nodes: str | None = None  # its nodes that stopped answering the controller while it ended
+    completing_since: float | None = None  # monotonic: first seen COMPLETING
 
     def summary(self) -> dict[str, Any]:
         def span(a: float | None, b: float | None) -> float | None:
@@ -128,6 +131,7 @@ class Job:
             "unavailable": self.unavailable,
             "lost_nodes": {str(k): v for k, v in self.lost.items()} or None,
             "shared_with": sorted(self.shared_with, key=int) or None,
+            "silent_nodes": self.silent_nodes,
             "submit_to_running_s": span(self.submitted_at, self.running_at),
             "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
             "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
@@ -437,7 +441,11 @@ class SlurmRuntime(Runtime):
                 if job.launch_failure:  # the step cannot run on every node: no use waiting for it
                     self._cancel(job, "launch failed")
                     return
-            if job.state not in WAITING | ACTIVE:
+            if job.state == "COMPLETING":  # its steps ended; a node that does not confirm keeps it so
+                job.completing_since = job.completing_since or time.monotonic()
+                if time.monotonic() - job.completing_since > SILENT_CHECK_AFTER_S and job.cancelled_by_harness is None:
+                    self._check_silent(job)
+            if job.state not in WAITING | ACTIVE or job.silent_nodes:
                 job.ended_at = time.time()
                 job.launch_failure = job.launch_failure or launch_failure(batch_out)
                 return
@@ -473,6 +481,23 @@ class SlurmRuntime(Runtime):
         proc = self._run(["squeue", "--noheader", "--states=RUNNING", f"--nodelist={job.nodelist}", "--format=%i"], timeout=30)
         if proc.returncode == 0:
             job.shared_with |= {i.strip() for i in proc.stdout.split() if i.strip() and i.strip() != job.job_id}
+
+    def _check_silent(self, job: Job) -> None:
+        job.silent_nodes = self._silent_nodes(job)
+        if job.silent_nodes:
+            print(f"Slurm job {job.job_id}: {job.silent_nodes}; not waiting for Slurm to end the job", file=sys.stderr, flush=True)
+
+    def _silent_nodes(self, job: Job) -> str | None:
+        """ "node n2 has not confirmed the job's end ..." for each node the ended job still
+        holds (the allocation shrinks as nodes confirm)."""
+        proc = self._run(["squeue", "--noheader", "--jobs", job.job_id, "--states=COMPLETING", "--format=%N"], timeout=30)
+        held = proc.stdout.strip() if proc.returncode == 0 else ""
+        said = [
+            f"node {n.get('NodeName')} has not confirmed the job's end within {SILENT_CHECK_AFTER_S:g} s "
+            f"(state {n.get('State')}): is its slurmd running?"
+            for n in (self.node_states(held) if held else [])
+        ]
+        return "; ".join(said) or None
 
     def _lost_peers(self, job: Job, round_dir: Path) -> bool:
         """Once a node's launcher has ended, the nodes whose launchers have not ended
@@ -510,9 +535,13 @@ class SlurmRuntime(Runtime):
         return proc.returncode == 0 and bool(proc.stdout.strip())
 
     def _wait_gone(self, job: Job, limit: float = GONE_WAIT_S) -> None:
-        """Until squeue no longer lists the job (its steps and processes are gone)."""
-        end = time.monotonic() + limit
-        while self._alive(job) and time.monotonic() < end:
+        """Until squeue no longer lists the job (its steps and processes are gone), or one of
+        its nodes no longer answers the controller (its slurmd gone: the job would stay
+        COMPLETING until Slurm marks the node down), which is said, naming the node."""
+        start = time.monotonic()
+        while self._alive(job) and time.monotonic() < start + limit and not job.silent_nodes:
+            if time.monotonic() - start > SILENT_CHECK_AFTER_S and job.cancelled_by_harness is None:
+                self._check_silent(job)
             time.sleep(min(self.conf.poll_interval_s, 0.5))
         job.gone_at = time.time()
         if job.ended_at is None:

@@ -130,7 +130,7 @@ def next_steps(family: str, framework: str, model: str, root: Path) -> list[str]
         "                  (exit 1, status unjudged: no reference curve yet)",
         "  2. record its reference curve from that run:",
         "                  python run_benchmarks/start_task.py --record-reference logs/<run_id>/results.json",
-        f"                  (writes cases/{family}/{framework}/reference/{model}/config_cpux1x2.json)",
+        f"                  (writes cases/{family}/{framework}/reference/{model}/standard.json: the standard recipe)",
         f"  3. run it again: exit 0, loss aligned; python -m pytest tests/test_{family}_{framework}_case.py",
         "  4. put the real model in model.py and its shapes in case.yaml; docs/adding-a-case.md has the contract",
     ]

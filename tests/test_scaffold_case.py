@@ -88,7 +88,7 @@ def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, frame
     proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", framework, "--model", model, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote cases/gpt2/{framework}/train.py" in proc.stdout and "--record-reference" in proc.stdout, proc.stdout
-    reference = repo / "cases" / "gpt2" / framework / "reference" / model / "config_cpux1x2.json"
+    reference = repo / "cases" / "gpt2" / framework / "reference" / model / "standard.json"
 
     logs = tmp_path / "logs"
     first = _run(

@@ -329,9 +329,9 @@ def test_a_rank_stopped_in_its_container_is_found_at_the_stall_timeout(fc, megat
     _, res = only_run(tmp_path / "logs")
     (rnd,) = res["rounds"]
     lines = rnd["error"].splitlines()
-    assert re.fullmatch(
-        r"node\d \(h\d\): no record from any rank for 4 s after step \d+ \(stall_timeout_s\): the ranks hang; stopped", lines[0]
-    ), rnd["error"]
+    assert re.fullmatch(r"no record from any rank for 4 s after step \d+ \(stall_timeout_s\): the ranks hang; stopped", lines[0]), rnd[
+        "error"
+    ]
     assert any(
         re.fullmatch(r"rank 0 on node0 \(h1\): waited in \S+ \(\S+:\d+\), called from \S+ \(cases/llama3/megatron/\S+:\d+\)", ln)
         for ln in lines

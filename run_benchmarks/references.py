@@ -847,28 +847,6 @@ def record(paths: list[Path], why: str, replace: bool = False) -> list[str]:
     return lines
 
 
-def _offline_reference(path: Path, res: tr.RunResults, phase: str, files: list[Path]) -> Reference:
-    """``files`` as the reference of a finished run's phase: each checked as a live run's
-    --reference is (model, phase, recipe, global batch, data), their mean where several."""
-    ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
-    fp = ((res.data or {}).get(phase) or {}).get("fingerprint", datacheck.SYNTHETIC)
-    refs = []
-    for f in files:
-        try:
-            ref = read_reference(f, phase)
-            check_curve(ref)
-            same_training(f, phase, res.model, ours, res.recipe)
-        except ValueError as exc:
-            raise InputError(f"--reference {exc}") from None
-        datacheck.check_reference_data(f, phase, fp, res.model)  # both fingerprints named, and the committed one of the run's data
-        refs.append(ref)
-    try:
-        ref = combine(refs)
-    except ValueError as exc:
-        raise InputError(f"--reference {exc}") from None
-    return ref.model_copy(update={"path": shown_paths(ref.path)})
-
-
 # --------------------------------------------------------------------------- judging a finished run
 
 

@@ -495,10 +495,10 @@ def test_tiny_both_phases_two_processes(standard):
         assert b["trace"] == f"profile_rank0_{phase}_step12.json.gz" and (out / b["trace"]).is_file()
 
         # the committed reference (same machine type), judged by the harness: steps 21-30
-        ref_path = REFERENCE / f"config_cpux1x2.{phase}.json"
+        ref_path = REFERENCE / f"standard.{phase}.json"
         ref = json.loads(ref_path.read_text())
-        assert (ref["model"], ref["config"], ref["phase"]) == ("llava_tiny", "config_cpux1x2", phase)
-        assert run.round["reference"][phase] == str(ref_path)
+        assert (ref["model"], ref["recipe"], ref["phase"]) == ("llava_tiny", "standard", phase)
+        assert run.round["reference"][phase] == str(ref_path.relative_to(ROOT))
         (gate,) = [p["gate"] for p in run.round["phases"] if p["phase"] == phase]
         assert (gate["verdict"], gate["first_step"], gate["last_step"]) == ("aligned", 21, 30) and gate["mre"] < 0.02, gate
     assert run.round["status"] == "ok"

@@ -40,7 +40,7 @@ def test_a_second_local_run_is_refused_while_one_runs(tmp_path, megatron_python)
         assert "one run at a time per host" in line
         (run_b,) = (tmp_path / "b").iterdir()  # its results.json says why it did not run
         res = json.loads((run_b / "results.json").read_text())
-        assert res["status"] == "failed" and "this host is busy" in res["error"] and not (run_b / "round1").exists()
+        assert res["status"] == "refused" and "this host is busy" in res["error"] and not (run_b / "round1").exists()
     finally:
         first.kill()  # SIGKILL: no teardown of its own; the kernel drops its lock
         first.wait()

@@ -41,12 +41,13 @@ CPU_SHARE = 50  # percent of one CPU for the slowed night (the others have two C
 NEIGHBOURS = 3  # without cgroups: busy loops sharing the one CPU the slowed night may use
 
 
-def write_runlist(tmp: Path, python: str, rounds: int, sets: str = "[]") -> Path:
+def write_runlist(tmp: Path, python: str, rounds: int, sets: str = "[]", reference: str | None = None) -> Path:
     path = tmp / f"nightly-{rounds}.yaml"
+    ref = f", reference: {reference}" if reference else ""
     path.write_text(
         f"log_dir: logs\nhistory_db: history.sqlite\npython: {python}\nround_timeout_s: 600\nbaseline_runs: 5\n"
         "tolerances: {throughput_drop_pct: 50, memory_rise_pct: 25}\n"
-        f"cases:\n  - {{case: '{CASE}', vendor: cpu, rounds: {rounds}, set: {sets}}}\n"
+        f"cases:\n  - {{case: '{CASE}', vendor: cpu, rounds: {rounds}, set: {sets}{ref}}}\n"
     )
     return path
 
@@ -182,8 +183,11 @@ def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
 @pytest.mark.framework("megatron")
 def test_a_loss_that_stops_aligning_fails_the_night(tmp_path, megatron_python):
     """A real run that trains differently (a tenth of the learning rate) than its committed
-    reference curve: the loss no longer aligns, the night fails and names the case."""
-    proc = nightly(write_runlist(tmp_path, megatron_python, rounds=1, sets="[train.lr=0.0003]"))
+    reference curve, named in the run list (a --set of the learning rate leaves the recipe, which
+    the committed reference alone would then not judge): the loss no longer aligns, the night
+    fails and names the case."""
+    committed = ROOT / "cases/llama3/megatron/reference/llama3_tiny/standard.json"
+    proc = nightly(write_runlist(tmp_path, megatron_python, rounds=1, sets="[train.lr=0.0003]", reference=str(committed)))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("REGRESSION")]
     assert line.startswith(f"REGRESSION {CASE} on cpu (config_cpux1x2): loss no longer aligns with the reference: MRE ")

@@ -44,7 +44,9 @@ def test_a_second_local_run_is_refused_while_one_runs(tmp_path, megatron_python)
     finally:
         first.kill()  # SIGKILL: no teardown of its own; the kernel drops its lock
         first.wait()
-    subprocess.run(["pkill", "-KILL", "-f", str(tmp_path / "a")], check=False)  # its ranks, orphaned by the kill
+        for _ in range(3):  # its launcher and ranks, orphaned by the kill, pass or fail
+            subprocess.run(["pkill", "-KILL", "-f", str(tmp_path / "a")], check=False)
+            time.sleep(0.5)
     from run_benchmarks.runtimes.local import LocalRuntime
 
     class P:

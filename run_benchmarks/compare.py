@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from run_benchmarks import datacheck, references
-from run_benchmarks import plan as planning
 from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
 from run_benchmarks.results import _pct, allocated_cell, ceiling_cell, clock_cell, device_mem, repeats_note, spread_cell
@@ -330,34 +329,6 @@ def html_page(c: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- --judge
 
 
-def _reference_of(res: tr.RunResults, phase: str, files: list[Path]) -> tr.Reference:
-    """The reference a phase of ``res`` is judged against offline: the files' curves (several:
-    their mean and spread), each checked as a run's --reference is (references.same_training:
-    the run's model, the phase, its global batch; InputError naming the file otherwise)."""
-
-    ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
-    refs = []
-    for f in files:
-        try:
-            ref = references.read_reference(f, phase)
-            references.check_curve(ref)
-            references.same_training(f, phase, res.model, ours)
-        except ValueError as exc:
-            raise InputError(f"--reference {exc}") from None
-        refs.append(ref)
-    try:
-        return references.combine(refs)
-    except ValueError as exc:
-        raise InputError(f"--reference {exc}") from None
-
-
-def run_fingerprint(res: tr.RunResults, phase: str) -> str | None:
-    """The fingerprint of the data a run's phase trained on: the synthetic set when results.json
-    names none (made before data had identities), None when it was not checked."""
-    ident = (res.data or {}).get(phase)
-    return datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")
-
-
 def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
     """Each run's rounds that ran through, each phase's curve judged again by the loss gate
     (references.judge_loss) against the curve ``files``: what the run would have said against them. The
@@ -373,10 +344,8 @@ def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
         refs: dict[str, tr.Reference] = {}  # per phase: a run's rounds share its settings
         for rnd in through:
             for p in rnd.phases:
-                if p.phase not in refs:
-                    for f in files:  # a curve of other data cannot judge it: refused, not judged
-                        datacheck.check_reference_data(f, p.phase, run_fingerprint(res, p.phase), res.model)
-                    refs[p.phase] = _reference_of(res, p.phase, files)
+                if p.phase not in refs:  # checked as a live run's --reference is, data first
+                    refs[p.phase] = references.offline_reference(res, p.phase, files)
                 gate = references.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
                 rows.append(
                     {

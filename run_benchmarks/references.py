@@ -525,21 +525,26 @@ def reference_paths(plan: Plan, phase: str = "train") -> list[Path]:
     return [path] if path is not None and path.is_file() else []
 
 
-def recipe_changed(plan: Plan, phase: str) -> str | None:
-    """Why a phase's committed reference cannot judge it although one exists: a ``--set`` of a
-    train value that changes the curve (its recipe's learning rate, batch, ...); None otherwise."""
-    if plan.reference:
-        return None
+def recipe_sets(overrides: Sequence[Mapping[str, Any]], phase: str | None = None) -> list[str]:
+    """The ``--set`` values (``param=value``) among ``overrides`` that change the recipe's curve:
+    a train value other than CURVE_NEUTRAL, of ``phase`` (None: of any phase)."""
     changed = []
-    for o in plan.user_overrides:
-        parts = o["param"].split(".")
+    for o in overrides:
+        parts = str(o["param"]).split(".")
         if parts[0] != "train":
             continue
         key = parts[-1] if len(parts) == 4 and parts[1] == "phases" else parts[1] if len(parts) == 2 else None
-        if key is not None and len(parts) == 4 and parts[2] != phase:
+        if key is not None and len(parts) == 4 and phase is not None and parts[2] != phase:
             continue
         if key is None or key not in CURVE_NEUTRAL:
             changed.append(f"{o['param']}={o['value']}")
+    return changed
+
+
+def recipe_changed(plan: Plan, phase: str) -> str | None:
+    """Why a phase's committed reference cannot judge it although one exists: a ``--set`` of a
+    train value that changes the curve (its recipe's learning rate, batch, ...); None otherwise."""
+    changed = [] if plan.reference else recipe_sets(plan.user_overrides, phase)
     if not changed:
         return None
     return f"--set {', '.join(changed)} changes the {plan.recipe} recipe: its reference judges only runs of that recipe"
@@ -699,16 +704,6 @@ def _rounds_ran_through(res: tr.RunResults, path: Path) -> list[tr.RoundResult]:
     return through
 
 
-def _changes_recipe(res: tr.RunResults) -> list[str]:
-    """The user overrides of a run that change its recipe's curve (as :func:`recipe_changed`)."""
-    out = []
-    for o in res.user_overrides:
-        parts = str(o["param"]).split(".")
-        if parts[0] == "train" and parts[-1] not in CURVE_NEUTRAL:
-            out.append(f"{o['param']}={o['value']}")
-    return out
-
-
 def _same_key(first: tr.RunResults, first_path: Path, res: tr.RunResults, path: Path) -> None:
     """Repeats of one reference: the same model, recipe, phases, global batch and data, any layout;
     InputError naming ``path``."""
@@ -781,8 +776,8 @@ def record(paths: list[Path], why: str, replace: bool = False) -> list[str]:
     path, res = runs[0]
     for other, r in runs:
         _same_key(res, path, r, other)
-        if _changes_recipe(r):
-            raise InputError(f"{other}: --set {', '.join(_changes_recipe(r))} changes its {r.recipe} recipe: no reference of it")
+        if changed := recipe_sets(r.user_overrides):
+            raise InputError(f"{other}: --set {', '.join(changed)} changes its {r.recipe} recipe: no reference of it")
     through = [(p, r, _rounds_ran_through(r, p)) for p, r in runs]
     try:
         case_dir = registry.find_case(CaseName.parse(res.case)).path
@@ -866,7 +861,7 @@ def judge_file(path: Path, files: list[Path]) -> list[str]:
             continue
         phases, gates = [], {}
         for p in rnd.phases:
-            ref = _offline_reference(path, res, p.phase, files)
+            ref = offline_reference(res, p.phase, files)
             gates[p.phase] = judge_loss(p.loss, ref, p.window.warmup_steps)
             phases.append(p.model_copy(update={"gate": gates[p.phase], "reference": ref}))
         status, reasons = round_status([], gates)
@@ -887,11 +882,15 @@ def judge_file(path: Path, files: list[Path]) -> list[str]:
     return lines
 
 
-def _offline_reference(path: Path, res: tr.RunResults, phase: str, files: list[Path]) -> Reference:
-    """``files`` as the reference of a finished run's phase: each checked as a live run's
-    --reference is (model, phase, recipe, global batch, data), their mean where several."""
+def offline_reference(res: tr.RunResults, phase: str, files: list[Path]) -> Reference:
+    """``files`` as the reference of a finished run's phase (``--judge``): each checked as a live
+    run's --reference is (data first, then model, phase, recipe, global batch), their mean where
+    several. InputError naming the file otherwise."""
     ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
-    fp = ((res.data or {}).get(phase) or {}).get("fingerprint", datacheck.SYNTHETIC)
+    ident = (res.data or {}).get(phase)
+    fp = datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")  # None: not checked, any data
+    for f in files:  # a curve of other data cannot judge it: both fingerprints named
+        datacheck.check_reference_data(f, phase, fp, res.model)
     refs = []
     for f in files:
         try:
@@ -900,7 +899,6 @@ def _offline_reference(path: Path, res: tr.RunResults, phase: str, files: list[P
             same_training(f, phase, res.model, ours, res.recipe)
         except ValueError as exc:
             raise InputError(f"--reference {exc}") from None
-        datacheck.check_reference_data(f, phase, fp, res.model)  # both fingerprints named, and the committed one of the run's data
         refs.append(ref)
     try:
         ref = combine(refs)
@@ -942,8 +940,8 @@ def validation_problem(cfg_path: Path) -> str | None:
     for what, ours, theirs in (("vendor", vendor, res.vendor), ("model", model, res.model), ("config", cfg_path.stem, res.config_name)):
         if ours != theirs:
             return f"validated_by {vcfg.validated_by}: a run of {what} {theirs!r}, not {ours!r}"
-    if _changes_recipe(res):
-        return f"validated_by {vcfg.validated_by}: --set {', '.join(_changes_recipe(res))} changes its {res.recipe} recipe"
+    if changed := recipe_sets(res.user_overrides):
+        return f"validated_by {vcfg.validated_by}: --set {', '.join(changed)} changes its {res.recipe} recipe"
     cn = CaseName.parse(f"{model}:{framework}:{hw}:{nnodes}:{nprocs}")
     entry = registry.find_case(cn)
     try:

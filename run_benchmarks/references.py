@@ -744,13 +744,22 @@ def _provenance(res: tr.RunResults, rnd: tr.RoundResult, path: Path) -> dict[str
     }
 
 
+def _failed_against_model(model: str, rnd: tr.RoundResult, phase: str) -> tr.LossGate | None:
+    """The gate of ``phase`` in ``rnd`` where it was judged not aligned against a committed
+    reference of ``model`` (by whatever name that reference had then); None otherwise."""
+    lineage = f"reference/{model}/"
+    for p in rnd.phases:
+        if p.phase == phase and p.gate.verdict == "not aligned" and lineage in str(rnd.reference.get(phase) or ""):
+            return p.gate
+    return None
+
+
 def _refused_by(target: Path, res: tr.RunResults, path: Path, rnd: tr.RoundResult, phase: str, loss: dict[int, float]) -> str | None:
     """Why a repeat may not enter the reference ``target`` replaces: it was judged not aligned
     against it (as recorded, or judged now against the committed curve)."""
-    lineage = f"reference/{res.model}/"  # the reference of this model, by whatever name it had then
-    for p in rnd.phases:
-        if p.phase == phase and p.gate.verdict == "not aligned" and lineage in str(rnd.reference.get(phase) or ""):
-            return f"{path} round {rnd.round} was judged not aligned against {shown(target)} ({p.gate.reason})"
+    failed = _failed_against_model(res.model, rnd, phase)
+    if failed is not None:
+        return f"{path} round {rnd.round} was judged not aligned against {shown(target)} ({failed.reason})"
     try:
         old = read_reference(target, phase)
     except ValueError:
@@ -991,8 +1000,7 @@ def absorbed_failures(path: Path) -> list[str]:
             continue
         res = tr.load(file)
         for rnd in res.rounds:
-            for p in rnd.phases:
-                ref = str(rnd.reference.get(p.phase) or "")
-                if p.phase == doc["phase"] and p.gate.verdict == "not aligned" and f"reference/{model}/" in ref:
-                    out.append(f"{shown(path)}: repeat {shown(file)} round {rnd.round} was judged not aligned against {ref}")
+            if _failed_against_model(model, rnd, doc["phase"]) is not None:
+                ref = rnd.reference.get(doc["phase"])
+                out.append(f"{shown(path)}: repeat {shown(file)} round {rnd.round} was judged not aligned against {ref}")
     return out

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from run_benchmarks.casename import GRAMMAR
+from run_benchmarks.planning.casename import GRAMMAR
 
 
 @dataclass(frozen=True)
@@ -48,29 +48,37 @@ def _help(name: str, *head: str) -> Callable[[], int]:
 
 COMMANDS: dict[str, Command] = {
     "run": Command(f"run a case ({GRAMMAR}) and judge it", _start(), _help("start_task")),
-    "verify": Command("recompute results.json files' figures and verdicts from their records", _start("--verify"), _help("verify")),
-    "judge": Command("judge finished runs against references (--update writes the verdict)", _start("--judge"), _help("compare")),
-    "compare": Command("set runs side by side against the last one", _start("--compare"), _help("compare")),
+    "verify": Command("recompute results.json files' figures and verdicts from their records", _start("--verify"), _help("judging.verify")),
+    "judge": Command("judge finished runs against references (--update writes the verdict)", _start("--judge"), _help("judging.compare")),
+    "compare": Command("set runs side by side against the last one", _start("--compare"), _help("judging.compare")),
     "record-reference": Command(
-        "make runs the reference of their model, phase, recipe and data", _start("--record-reference"), _help("compare")
+        "make runs the reference of their model, phase, recipe and data", _start("--record-reference"), _help("judging.compare")
     ),
-    "ceiling": Command("measure a case's kernel ceiling on this host's first device", _start("--ceiling"), _help("ceiling")),
-    "nightly": Command("run a nightly run list and judge it against history", _start("--nightly"), _help("nightly")),
+    "ceiling": Command("measure a case's kernel ceiling on this host's first device", _start("--ceiling"), _help("tools.ceiling")),
+    "nightly": Command("run a nightly run list and judge it against history", _start("--nightly"), _help("nightly.driver")),
     "cleanup": Command("remove what runs left on a cluster's hosts", _start("--cleanup"), lambda: _start()(["--cleanup", "--help"])),
     "load-images": Command(
         "put a vendor's images on a cluster's hosts", _start("--load-images"), lambda: _start()(["--load-images", "--help"])
     ),
-    "scaffold-case": Command("write a runnable tiny case", _module("case_tools", "scaffold-case"), _help("case_tools", "scaffold-case")),
+    "scaffold-case": Command(
+        "write a runnable tiny case", _module("tools.case_tools", "scaffold-case"), _help("tools.case_tools", "scaffold-case")
+    ),
     "scaffold-vendor": Command(
-        "write a vendor folder", _module("vendor_tools", "scaffold-vendor"), _help("vendor_tools", "scaffold-vendor")
+        "write a vendor folder", _module("tools.vendor_tools", "scaffold-vendor"), _help("tools.vendor_tools", "scaffold-vendor")
     ),
     "scaffold-config": Command(
-        "write a vendor's config of a case", _module("vendor_tools", "scaffold-config"), _help("vendor_tools", "scaffold-config")
+        "write a vendor's config of a case",
+        _module("tools.vendor_tools", "scaffold-config"),
+        _help("tools.vendor_tools", "scaffold-config"),
     ),
     "runs-table": Command(
-        "write docs/results/runs.md from the committed results (--check: is it current)", _module("runs_table"), _help("runs_table")
+        "write docs/results/runs.md from the committed results (--check: is it current)",
+        _module("judging.runs_table"),
+        _help("judging.runs_table"),
     ),
-    "check": Command("check a vendor folder: every problem, nothing run", _module("vendor_tools", "check"), _help("vendor_tools", "check")),
+    "check": Command(
+        "check a vendor folder: every problem, nothing run", _module("tools.vendor_tools", "check"), _help("tools.vendor_tools", "check")
+    ),
 }
 
 

@@ -52,120 +52,14 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from rich.console import Console
 
-from run_benchmarks import plan as planning
-from run_benchmarks import results
-from run_benchmarks.casename import GRAMMAR, CaseName, check_name
-from run_benchmarks.config import ClusterConfig, cluster_with, load, parse_duration
 from run_benchmarks.errors import InputError
-from run_benchmarks.runtimes.base import stop_on_signals
-
-
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="start_task.py",
-        description=__doc__.split("\n\n")[0],
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--vendor", required=True, help="vendor folder under vendors/ (nvidia, iluvatar, cpu, ...)")
-    ap.add_argument("--case_name", "--case-name", dest="case_name", required=True, help=f"{GRAMMAR}, e.g. llama3_8b:megatron:A100:1:8")
-    ap.add_argument("--variant", help="layout variant of the size's config, e.g. PP4DP2TP1 -> config_A100x1x8_PP4DP2TP1.yaml")
-    ap.add_argument(
-        "--recipe",
-        default="standard",
-        help="the training recipe: standard (the seeds' settings, default) or one the model names in its case.yaml, "
-        "e.g. short (the short runs of the GPU measurements; its reference judges every layout and vendor)",
-    )
-    ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (default: this host, no SSH, no container)")
-    ap.add_argument(
-        "--log-dir", "--log_dir", dest="log_dir", metavar="DIR", help="where run folders go (default: the cluster's log_dir, else ./logs)"
-    )
-    ap.add_argument(
-        "--data-dir",
-        "--data_dir",
-        dest="data_dir",
-        metavar="DIR",
-        help="dataset folder (default: the cluster's data_dir, else a synthetic corpus)",
-    )
-    ap.add_argument("--python", metavar="PATH", help="use this Python as is instead of building the framework environment")
-    ap.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a setting for a shorter run, e.g. train.steps=20; VALUE is YAML: a scalar or a list of scalars, "
-        "e.g. parallel.zero.leaf_modules=[DecoderLayer] (listed in the results as a user override)",
-    )
-    ap.add_argument(
-        "--reference",
-        metavar="FILE",
-        action="append",
-        default=[],
-        help="compare the loss with this curve instead of the committed one: an earlier run's results.json "
-        "(e.g. another parallel layout of the same case) or a {steps, loss} file; given several times (repeats "
-        "of one config), with their per-step mean, not judged when they differ by 2%% or more among themselves "
-        "(unless the run is more than twice that spread away from their mean, or 2%% or more from it over the early "
-        "steps where they still agree within 2%%: not aligned)",
-    )
-    ap.add_argument("--round-timeout", type=float, metavar="S", help="deadline per round in seconds")
-    ap.add_argument(
-        "--startup-timeout",
-        type=float,
-        metavar="S",
-        help="seconds from launch to the first rank's report before the round is stopped (default 900)",
-    )
-    ap.add_argument(
-        "--stall-timeout",
-        type=float,
-        metavar="S",
-        help="seconds without a new record from any rank, once one has reported, before the round is stopped "
-        "as hung, the ranks' stacks named (default 1800)",
-    )
-    ap.add_argument(
-        "--wait",
-        nargs="?",
-        const="1h",
-        type=_duration,
-        metavar="DURATION",
-        help="when another run holds a host, wait for it (say 30m, 2h; alone: 1h) instead of being refused",
-    )
-    ap.add_argument(
-        "--keep-remote",
-        action="store_true",
-        help="keep each host's <work_dir>/runs/<run> folder (removed once its logs are back, by default)",
-    )
-    ap.add_argument("--dry-run", action="store_true", help="print the plan and execute nothing")
-    ap.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object")
-    ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="run a nightly run list instead of one case (see docs/nightly.md)")
-    return ap
-
-
-def load_cluster(args: argparse.Namespace) -> ClusterConfig:
-    cluster = load(ClusterConfig, args.cluster) if args.cluster else ClusterConfig()
-    return cluster_with(
-        cluster,
-        "command line",
-        python=args.python,
-        round_timeout_s=args.round_timeout,
-        startup_timeout_s=args.startup_timeout,
-        stall_timeout_s=args.stall_timeout,
-        lock_wait_s=args.wait,
-        keep_remote=args.keep_remote or None,
-    )
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def make_runtime(cluster: ClusterConfig, python: str | None):  # type: ignore[no-untyped-def]
-    from run_benchmarks.runtimes import select
-
-    return select(cluster, python)
+from run_benchmarks.judging import results
+from run_benchmarks.planning import code_version, options
+from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.casename import CaseName, check_name
+from run_benchmarks.planning.config import ClusterConfig, load
+from run_benchmarks.running.runtimes import select
+from run_benchmarks.running.runtimes.base import stop_on_signals
 
 
 def describe(plan: planning.Plan, details: dict | None = None, judged_by: list[str] | None = None) -> str:
@@ -221,18 +115,18 @@ def host_command(argv: list[str]) -> int:
     try:
         cluster = load(ClusterConfig, args.cluster)
         if args.cleanup and cluster.backend == "slurm":
-            from run_benchmarks.runtimes.slurm import clean_jobs
+            from run_benchmarks.running.runtimes.slurm import clean_jobs
 
             lines = clean_jobs(cluster) or ["no Slurm job of a run whose start_task.py is gone"]
         elif args.cleanup:
-            from run_benchmarks.runtimes.ssh import clean_hosts
+            from run_benchmarks.running.runtimes.ssh import clean_hosts
 
             lines = clean_hosts(cluster) or ["nothing left on the hosts"]
         else:
             if not args.vendor:
                 raise InputError("--load-images needs --vendor (whose Dockerfiles name the base images)")
             check_name(args.vendor, "vendor")
-            from run_benchmarks.runtimes.ssh import load_base_images
+            from run_benchmarks.running.runtimes.ssh import load_base_images
 
             lines = load_base_images(cluster, args.vendor, None, Path(args.load_images) if args.load_images else None)
     except InputError as exc:
@@ -279,36 +173,38 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--nightly" or a.startswith("--nightly=") for a in argv):  # a run list: the nightly driver
-        from run_benchmarks import nightly
+        from run_benchmarks.nightly import driver as nightly
 
         return nightly.main(argv)
     if "--ceiling" in argv:  # the case's kernel ceiling on this host's device, printed alone
-        from run_benchmarks import ceiling
+        from run_benchmarks.tools import ceiling
 
         return ceiling.main(argv)
     if any(
         a in ("--record-reference", "--compare", "--judge") or a.startswith(("--record-reference=", "--compare=", "--judge=")) for a in argv
     ):
-        from run_benchmarks import compare  # a run's curve made a reference, or runs set side by side: nothing runs
+        from run_benchmarks.judging import compare  # a run's curve made a reference, or runs set side by side: nothing runs
 
         return compare.main(argv)
     if any(a == "--verify" or a.startswith("--verify=") for a in argv):  # check results files, run nothing
-        from run_benchmarks import verify
+        from run_benchmarks.judging import verify
 
         return verify.main(argv)
     if any(a in ("--load-images", "--cleanup") or a.startswith("--load-images=") for a in argv):
         return host_command(argv)  # a cluster's hosts made ready or cleaned, no case run
-    args = parser().parse_args(argv)
+    args = options.parser(__doc__).parse_args(argv)
     console = Console(stderr=True)
     try:
         if args.json and not args.dry_run:
             raise InputError("--json is only valid with --dry-run")
         check_name(args.vendor, "vendor")
-        from run_benchmarks import datacheck, orchestrator, references
+        from run_benchmarks.judging import references
+        from run_benchmarks.planning import datacheck
+        from run_benchmarks.running import orchestrator
 
-        orchestrator.sent_code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
+        code_version.sent_code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
         cn = CaseName.parse(args.case_name)
-        cluster = load_cluster(args)
+        cluster = options.load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
         plan = planning.build(
             cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir, args.recipe
@@ -323,7 +219,7 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
         for note in references.reference_notes(refs):
             console.print(note, markup=False, soft_wrap=True)
         if args.dry_run:
-            runtime = make_runtime(cluster, args.python)
+            runtime = select(cluster, args.python)
             python, root = runtime.dry_prepare(plan)
             plan.python = python
             plan.nodes = runtime.node_plans(plan, python, root, plan.run_dir / "round1")
@@ -331,7 +227,7 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
             out = {**plan.to_json(), "judged_by": judged_by, "runtime_details": runtime.dry_run_details(plan)}
             print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, out["runtime_details"], judged_by))
             return 0
-        runtime = make_runtime(cluster, args.python)
+        runtime = select(cluster, args.python)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

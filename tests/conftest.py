@@ -1,6 +1,6 @@
 """Shared fixtures.
 
-Framework environments are the harness's own (run_benchmarks.envs): the cpu
+Framework environments are the harness's own (run_benchmarks.planning.envs): the cpu
 vendor's per-framework virtualenvs, built once and cached.  Tests of a case
 find its Python through FB_TEST_<FRAMEWORK>_PYTHON, set here when not given.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import envs
+from run_benchmarks.planning import envs
 
 FRAMEWORKS = ("megatron", "deepspeed", "paddle")
 
@@ -113,7 +113,7 @@ def llama3_dp2_run(tmp_path_factory: pytest.TempPathFactory, megatron_python: st
     DP2, 30 steps, judged against its reference curve), once a session, with a plain progress
     line every second: the process and its run folder. tests/test_e2e_local.py and
     tests/test_llama3_megatron_case.py both check it."""
-    from run_benchmarks.registry import ROOT
+    from run_benchmarks.planning.registry import ROOT
 
     log_dir = tmp_path_factory.mktemp("llama3_dp2")
     proc = subprocess.run(

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 from training.metriclog import ParsedLog, parse_lines
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")

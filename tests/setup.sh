@@ -20,7 +20,7 @@ trap 'for j in "${jobs_[@]}"; do kill "${j##* }" 2>/dev/null || true; done' EXIT
 build_env() {  # FRAMEWORK: prints the environment's Python
   python3 - "$1" <<'PY'
 import sys, time
-from run_benchmarks import envs
+from run_benchmarks.planning import envs
 from run_benchmarks.errors import InputError
 fw = sys.argv[1]
 t = time.monotonic()

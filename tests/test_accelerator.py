@@ -156,7 +156,7 @@ def test_ranks_record_the_variables_the_vendor_names(monkeypatch):
     its environment whose name starts with one of the vendor's prefixes, by name, and nothing
     else; a vendor naming none records none; a prefix that is no variable name is refused naming
     the field."""
-    from run_benchmarks.config import VendorConfig
+    from run_benchmarks.planning.config import VendorConfig
     from training import runtime
 
     for name in [n for n in os.environ if n.startswith(("NCCL_", "GLOO_"))]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.start_task import main
 
 GOOD = ["--vendor", "nvidia", "--case_name", "llama3_8b:megatron:A100:1:8"]
@@ -93,7 +93,7 @@ def test_bad_argv(what, argv, fragment, tmp_path, capsys, monkeypatch):
 def test_set_names_a_setting_of_the_case_or_of_one_of_its_phases():
     """--set takes what the case's standard holds, what a vendor may change (and under a section a
     vendor may change), and either for one of the case's phases; nothing else."""
-    from run_benchmarks import registry
+    from run_benchmarks.planning import registry
 
     llava = registry.cases()["llava1.5_7b:deepspeed"].config
     std = registry.standard_settings(llava, "llava1.5_7b")
@@ -163,7 +163,7 @@ def test_exit_status_2_from_the_command_line(tmp_path):
 
 
 def test_unknown_nested_field_lists_the_fields_of_its_own_section(tmp_path):
-    from run_benchmarks.config import ClusterConfig, load
+    from run_benchmarks.planning.config import ClusterConfig, load
 
     path = tmp_path / "cluster.yaml"
     path.write_text("hosts:\n  - {name: a, address: 10.0.0.1, wrk_dir: /x}\nssh: {usr: me}\n")
@@ -177,7 +177,7 @@ def test_unknown_nested_field_lists_the_fields_of_its_own_section(tmp_path):
 
 
 def test_unknown_field_under_a_mapping_names_the_entry_model(tmp_path):
-    from run_benchmarks.config import VendorConfig, load
+    from run_benchmarks.planning.config import VendorConfig, load
 
     path = tmp_path / "vendor.yaml"
     path.write_text(

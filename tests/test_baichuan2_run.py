@@ -257,8 +257,8 @@ def test_overrides_of_zero_stage_and_global_batch_are_honoured(tmp_path):
 
 def test_resolved_matches_case_yaml_and_cpu_config():
     """The hand-written resolved.json above is what case.yaml + config_cpux1x2 give (no drift)."""
-    from run_benchmarks import registry
-    from run_benchmarks.config import CaseConfig, load
+    from run_benchmarks.planning import registry
+    from run_benchmarks.planning.config import CaseConfig, load
 
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     std = registry.standard_settings(case, "baichuan2_tiny")

@@ -1,7 +1,7 @@
 import pytest
 
-from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
+from run_benchmarks.planning.casename import CaseName
 
 
 def test_parse_full_and_default_repeat():

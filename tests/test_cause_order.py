@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from run_benchmarks import causes, orchestrator
-from run_benchmarks import plan as planning
-from run_benchmarks.casename import CaseName
-from run_benchmarks.config import ClusterConfig
-from run_benchmarks.runtimes.base import NodeOutcome
+from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.planning.config import ClusterConfig
+from run_benchmarks.running import causes, orchestrator
+from run_benchmarks.running.runtimes.base import NodeOutcome
 from training.metriclog import MetricLogger
 
 GLOO = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:40123"

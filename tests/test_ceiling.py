@@ -13,10 +13,11 @@ import sys
 
 import pytest
 
-from run_benchmarks import ceiling as ceiling_cli
-from run_benchmarks import registry, results
-from run_benchmarks import typed_results as tr
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import results
+from run_benchmarks.judging import typed_results as tr
+from run_benchmarks.planning import registry
+from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.tools import ceiling as ceiling_cli
 from tests.case_helpers import start_task
 from training import ceiling, flops
 

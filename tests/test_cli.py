@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from run_benchmarks import cli
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 
 def flagbench(*args: str) -> subprocess.CompletedProcess[str]:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks.config import ClusterConfig, load
 from run_benchmarks.errors import InputError
+from run_benchmarks.planning.config import ClusterConfig, load
 
 
 def _write(tmp_path: Path, doc: dict) -> Path:

@@ -9,7 +9,7 @@ import json
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from run_benchmarks import compare
+from run_benchmarks.judging import compare
 from tests.test_data_compare import start, two_phase_run
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 

@@ -1,4 +1,4 @@
-"""Pre-launch data checks (run_benchmarks/datacheck.py): each corruption a user meets is exit 2
+"""Pre-launch data checks (run_benchmarks/planning/datacheck.py): each corruption a user meets is exit 2
 before anything starts, one line naming the file and the problem; the ranks' readers name the
 file too when they meet one.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 from tests.test_data_formats import PADDLE_WRITER, framework_run, llava_data, megatron_corpora
 from training.data import corpus, paddle_gpt
 from training.data.indexed import IndexedReader, write_indexed

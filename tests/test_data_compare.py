@@ -8,7 +8,7 @@ import functools
 import json
 from pathlib import Path
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 from tests.case_helpers import start_task
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 from tests.test_results_models import fake_phase, fake_run
@@ -158,7 +158,7 @@ def test_compare_names_the_environment_the_ranks_recorded(tmp_path):
     variable): "settings that differ" names it with both values; a variable one run recorded
     unset says so, and a run that recorded no environment at all (older, or a vendor without
     ``recorded_env``) reads "(not recorded)" instead of passing for the same."""
-    from run_benchmarks import compare
+    from run_benchmarks.judging import compare
 
     def run(name: str, environment: dict | None) -> Path:
         phase = fake_phase()

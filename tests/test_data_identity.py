@@ -1,4 +1,4 @@
-"""Data that keeps its identity (run_benchmarks/datacheck.py): fingerprints that see a tokenizer's
+"""Data that keeps its identity (run_benchmarks/planning/datacheck.py): fingerprints that see a tokenizer's
 content, the images' bytes and a blend's normalized weights; references of other data refused by
 --judge and by a live run before anything starts; LLaVA images decoded before launch; the data
 readers' messages for a short corpus, a garbage .npy, half a corpus pair, a data dir that is a file."""
@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from run_benchmarks import compare, datacheck
 from run_benchmarks.errors import InputError
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import compare, references
+from run_benchmarks.planning import datacheck
+from run_benchmarks.planning.registry import ROOT
 from tests.test_results_models import fake_phase, fake_run
 from training.data import corpus, llava_images, paddle_gpt
 from training.data.indexed import write_indexed
@@ -169,7 +170,7 @@ def test_a_live_run_given_a_reference_of_other_data_is_refused_before_anything_r
     assert proc.returncode == 2 and not logs.exists(), proc.stderr
     assert f"error: --reference {ref}: made on other data (fingerprint synthetic) than the run's phase train (fingerprint " in proc.stderr
     plan = SimpleNamespace(data={"train": {"fingerprint": "synthetic"}}, reference=[ref], case=SimpleNamespace(model="llama3_tiny"))
-    assert datacheck.same_data(plan, "train", SimpleNamespace(path=str(ref))) is not None
+    assert references.same_data(plan, "train", SimpleNamespace(path=str(ref))) is not None
 
 
 # --------------------------------------------------------------------------- messages

@@ -8,7 +8,9 @@ read with ast, nothing imported):
    wrapper, the launchers, the progress writer, the metric-log protocol) is standard library only;
 4. a case never imports the host side;
 5. what a case.yaml names for the host to call (``flops``, ``memory``, ``settings``) imports,
-   at module level and through the repository's own modules it imports, the standard library only.
+   at module level and through the repository's own modules it imports, the standard library only;
+6. the host side's stages (planning, judging, running, nightly, tools) import only the stages
+   below them, at any level, and no module of the host side is part of an import circle.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import registry
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning import registry
+from run_benchmarks.planning.registry import ROOT
 
 FRAMEWORKS = {
     "torch",
@@ -38,10 +40,12 @@ FRAMEWORKS = {
 }
 STDLIB = set(sys.stdlib_module_names)
 NODE_SIDE = [
-    "run_benchmarks/node_agent.py",
-    "run_benchmarks/slurm_node.py",
-    "run_benchmarks/launchers.py",
-    "run_benchmarks/progress.py",
+    "run_benchmarks/planning/__init__.py",
+    "run_benchmarks/running/__init__.py",
+    "run_benchmarks/running/node_agent.py",
+    "run_benchmarks/running/slurm_node.py",
+    "run_benchmarks/planning/launchers.py",
+    "run_benchmarks/running/progress.py",
     "training/metriclog.py",
 ]
 
@@ -72,6 +76,24 @@ def imported(path: Path, module_level: bool) -> set[str]:
     return out
 
 
+def module_name(path: Path) -> str:
+    """A repository file's module name (a package's ``__init__.py``: the package's)."""
+    name = path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+    return name.removesuffix(".__init__")
+
+
+def relative_imports(path: Path) -> set[str]:
+    """The absolute names of a file's relative imports (``from .ssh import X``), at any level."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            mod = f"{base}.{node.module}" if node.module else base
+            out |= {mod} | {f"{mod}.{a.name}" for a in node.names if module_file(f"{mod}.{a.name}")}
+    return out
+
+
 def files(folder: str) -> list[Path]:
     return sorted((ROOT / folder).rglob("*.py"))
 
@@ -96,7 +118,7 @@ def test_the_in_process_side_imports_only_stdlib_numpy_torch_at_module_level():
 @pytest.mark.parametrize("rel", NODE_SIDE)
 def test_what_runs_on_every_node_is_standard_library_only(rel):
     path = ROOT / rel
-    own = {Path(p).with_suffix("").as_posix().replace("/", ".") for p in NODE_SIDE} | {"run_benchmarks", "training"}
+    own = {module_name(ROOT / p) for p in NODE_SIDE} | {"run_benchmarks", "training"}
     bad = {m for m in imported(path, True) if top(m) not in STDLIB | {"__future__"} and m not in own}
     assert not bad, f"{rel}: {sorted(bad)}"
 
@@ -104,6 +126,78 @@ def test_what_runs_on_every_node_is_standard_library_only(rel):
 def test_a_case_never_imports_the_host_side():
     bad = {f"{f.relative_to(ROOT)}: {m}" for f in files("cases") for m in imported(f, False) if top(m) == "run_benchmarks"}
     assert not bad, sorted(bad)
+
+
+#: the host side's stages, lowest first (docs/architecture.md); each imports only those before it
+STAGES = ["planning", "judging", "running", "nightly", "tools"]
+BELOW = {"run_benchmarks", "run_benchmarks.errors"}  # below every stage
+ABOVE = {"run_benchmarks.start_task", "run_benchmarks.cli"}  # the entry points, above every stage
+
+
+def stage_rank(module: str) -> int | None:
+    """Where a host-side module stands: -1 below the stages, a stage's index, len(STAGES) for an
+    entry point, None for a module outside the host side or in no stage."""
+    if module in BELOW:
+        return -1
+    if module in ABOVE:
+        return len(STAGES)
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if parts[0] == "run_benchmarks" and len(parts) > 1 and parts[1] in STAGES else None
+
+
+def host_graph(module_level: bool) -> dict[str, set[str]]:
+    """Host-side module -> the host-side modules it imports (absolute and relative imports)."""
+    graph = {}
+    for f in files("run_benchmarks"):
+        names = imported(f, module_level) | relative_imports(f)
+        graph[module_name(f)] = {m for m in names if top(m) == "run_benchmarks" and module_file(m)}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a graph: its strongly connected parts of more than one module (or one
+    importing itself), each sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            part = stack[stack.index(v) :]
+            del stack[stack.index(v) :]
+            if len(part) > 1 or v in graph.get(v, ()):
+                found.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return found
+
+
+def test_every_host_module_is_in_a_stage():
+    loose = sorted(m for m in host_graph(True) if stage_rank(m) is None)
+    assert not loose, f"modules of run_benchmarks/ in no stage ({', '.join(STAGES)}): {loose}"
+
+
+def test_a_stage_imports_only_the_stages_below_it():
+    graph = host_graph(False)
+    bad = sorted(
+        f"{m} -> {d}" for m, deps in graph.items() for d in deps if stage_rank(m) is not None and (stage_rank(d) or 0) > stage_rank(m)
+    )
+    assert not bad, bad
+
+
+def test_the_host_side_has_no_import_circle():
+    assert circles(host_graph(False)) == []
 
 
 def non_stdlib_imports(name: str, seen: set[str] | None = None) -> set[str]:
@@ -143,3 +237,6 @@ def test_the_checks_see_a_violation(tmp_path):
     f.write_text("import os\ntry:\n    import torch\nexcept ImportError:\n    pass\n\ndef g():\n    from megatron.core import mpu\n")
     assert imported(f, True) == {"os", "torch"}
     assert imported(f, False) == {"os", "torch", "megatron.core"}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"a"}, "b": set()}) == [["a"]]
+    assert stage_rank("run_benchmarks.planning.plan") < stage_rank("run_benchmarks.judging.references") < stage_rank("run_benchmarks.cli")

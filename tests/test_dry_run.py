@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 
@@ -87,7 +87,7 @@ def test_human_plan_lists_everything(tmp_path):
 def test_expandable_segments_reach_the_ranks_through_the_vendors_allocator_variable(tmp_path):
     """parallel.expandable_segments sets the vendor's allocator_env for every rank before it starts;
     off, the variable is left to the environment; a vendor's own options in it are kept."""
-    from run_benchmarks import plan, registry
+    from run_benchmarks.planning import plan, registry
 
     on = dry(
         "--vendor",

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from run_benchmarks import registry
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning import registry
+from run_benchmarks.planning.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 

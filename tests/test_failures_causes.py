@@ -18,8 +18,8 @@ import time
 import psutil
 import pytest
 
-from run_benchmarks import causes
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.running import causes
 
 TORCHRUN = """\
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks.config import ClusterConfig, load
+from run_benchmarks.planning.config import ClusterConfig, load
 from tests.cluster import netns
 from tests.cluster.fixtures import cluster_skip_reason
 from tests.test_ssh_runtime import CASE, START, cluster_file, leftovers, only_run, run
@@ -234,8 +234,8 @@ def test_full_log_disk_is_named(fc, megatron_python, tmp_path):
 def test_missing_base_image_is_named_then_loaded_over_ssh(fc, megatron_python, tmp_path):
     import docker
 
-    from run_benchmarks.remote.containers import connect_engine
-    from run_benchmarks.runtimes.ssh import load_base_images
+    from run_benchmarks.running.remote.containers import connect_engine
+    from run_benchmarks.running.runtimes.ssh import load_base_images
 
     base = "flagbench/cpu-base:bookworm"
     h2 = docker.DockerClient(base_url=f"unix://{fc.host('h2').docker_socket}")
@@ -272,7 +272,7 @@ def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_
     """No python: in the cluster file: each host builds or finds the environment with its own
     python3 (Debian's, another patch version than this one). h1 finds the one built here
     (same major.minor); h2 has none and no package index: said in seconds, with the log."""
-    from run_benchmarks import envs
+    from run_benchmarks.planning import envs
 
     cfile = cluster_file(fc, tmp_path, None, runtime="process")
     t0 = time.monotonic()
@@ -454,7 +454,7 @@ def test_every_host_without_the_base_image_is_named_then_the_rootfs_tarball_is_i
     given to --load-images is imported on each host that lacks it."""
     import docker
 
-    from run_benchmarks.runtimes.ssh import load_base_images
+    from run_benchmarks.running.runtimes.ssh import load_base_images
     from tests.cluster import baseimage
 
     base = "flagbench/cpu-base:bookworm"

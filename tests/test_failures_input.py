@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 

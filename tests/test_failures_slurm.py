@@ -210,7 +210,7 @@ def test_a_node_that_crashes_mid_run_is_named_first_and_not_waited_for(
     """Every process on n2 is killed a few steps in, slurmd included, as a crash would: n1's
     rank ends at once (its peer is gone), and the round ends ``PEER_LOST_S`` later naming n2
     first, long before Slurm's SlurmdTimeout (60 s here, 300 s by default) would mark it down."""
-    from run_benchmarks.runtimes.slurm import PEER_LOST_S
+    from run_benchmarks.running.runtimes.slurm import PEER_LOST_S
 
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(

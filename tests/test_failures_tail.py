@@ -3,7 +3,7 @@ died is not buried under UserWarnings. A real log file, read as the orchestrator
 
 from __future__ import annotations
 
-from run_benchmarks.orchestrator import tail
+from run_benchmarks.running.orchestrator import tail
 
 LOG = """\
 step 9 loss 4.51

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import unicodedata
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 
 def bad_names(names: list[str]) -> list[str]:

@@ -4,11 +4,11 @@ import time
 
 import pytest
 
-from run_benchmarks import orchestrator
-from run_benchmarks import plan as planning
-from run_benchmarks.casename import CaseName
-from run_benchmarks.config import ClusterConfig
-from run_benchmarks.runtimes.base import NodeOutcome
+from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.planning.config import ClusterConfig
+from run_benchmarks.running import orchestrator
+from run_benchmarks.running.runtimes.base import NodeOutcome
 from training.metriclog import REQUIRED_META, MetricLogger
 
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 
 def ruff() -> list[str]:

@@ -566,8 +566,8 @@ def test_vendor_overrides_reach_the_effective_config(tmp_path):
 
 def test_resolved_matches_case_yaml_and_cpu_config():
     """The hand-written resolved.json above is what case.yaml + config_cpux1x2 give (no drift)."""
-    from run_benchmarks import plan, registry
-    from run_benchmarks.config import CaseConfig, load
+    from run_benchmarks.planning import plan, registry
+    from run_benchmarks.planning.config import CaseConfig, load
 
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     assert case.phases == ["pretrain", "finetune"] and case.flops == "training.flops_llava:llava_flops"
@@ -583,8 +583,8 @@ def test_resolved_matches_case_yaml_and_cpu_config():
 
 
 def test_nvidia_configs_fit_the_case():
-    from run_benchmarks import plan, registry
-    from run_benchmarks.config import CaseConfig, load
+    from run_benchmarks.planning import plan, registry
+    from run_benchmarks.planning.config import CaseConfig, load
 
     case = load(CaseConfig, CASE_DIR / "case.yaml")
     std = registry.standard_settings(case, "llava1.5_7b")

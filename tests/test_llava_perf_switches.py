@@ -35,9 +35,9 @@ KEYS = ("recompute_num_layers", "fused_elementwise")
 
 
 def test_case_yaml_whitelists_the_switches_and_vendor_configs_hold_valid_values():
-    from run_benchmarks import registry
-    from run_benchmarks.config import CaseConfig, load
     from run_benchmarks.errors import InputError
+    from run_benchmarks.planning import registry
+    from run_benchmarks.planning.config import CaseConfig, load
 
     par = CASE["standard"]["parallel"]
     assert (par["recompute_num_layers"], par["fused_elementwise"]) == (None, "none")

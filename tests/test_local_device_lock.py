@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.runtimes.local import LocalRuntime, claimed_devices
+from run_benchmarks.running.runtimes.local import LocalRuntime, claimed_devices
 
 VAR = "CUDA_VISIBLE_DEVICES"
 
@@ -88,7 +88,7 @@ def test_a_whole_host_run_excludes_device_runs_and_frees_them(take, tmp_path):
 
 
 def test_a_device_run_records_the_runs_beside_it(take):
-    from run_benchmarks.results import beside_lines
+    from run_benchmarks.judging.results import beside_lines
 
     a = take("run-a", "0,1")
     assert a.describe() == {"devices_claimed": [0, 1], "runs_beside": []}

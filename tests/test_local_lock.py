@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE = "llama3_tiny:megatron:cpu:1:1"
@@ -47,7 +47,7 @@ def test_a_second_local_run_is_refused_while_one_runs(tmp_path, megatron_python)
         for _ in range(3):  # its launcher and ranks, orphaned by the kill, pass or fail
             subprocess.run(["pkill", "-KILL", "-f", str(tmp_path / "a")], check=False)
             time.sleep(0.5)
-    from run_benchmarks.runtimes.local import LocalRuntime
+    from run_benchmarks.running.runtimes.local import LocalRuntime
 
     class P:
         run_id = "next"

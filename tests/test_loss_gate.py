@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from run_benchmarks import references
-from run_benchmarks.orchestrator import round_status
-from run_benchmarks.registry import ROOT
-from run_benchmarks.typed_results import LossGate, Reference, Repeat
+from run_benchmarks.judging import references
+from run_benchmarks.judging.references import round_status
+from run_benchmarks.judging.typed_results import LossGate, Reference, Repeat
+from run_benchmarks.planning.registry import ROOT
 
 NAN, INF = float("nan"), float("inf")
 
@@ -368,8 +368,8 @@ def _repeats_file(tmp_path, spread_off: float):
 
 
 def test_verify_recomputes_a_repeats_gate_from_the_file_alone(tmp_path):
-    from run_benchmarks import results, verify
-    from run_benchmarks import typed_results as tr
+    from run_benchmarks.judging import results, verify
+    from run_benchmarks.judging import typed_results as tr
 
     wide, gate = _repeats_file(tmp_path, 0.05)
     assert gate.verdict == "not judged" and gate.reason.startswith("reference repeats differ by 5.00% among themselves")
@@ -456,7 +456,7 @@ def test_record_a_reference_from_repeats(tmp_path):
     read back as such, at the model's recipe's path; runs of another recipe are refused by name, a
     curve that is not its repeats' mean too; a reference is replaced only with --replace and a why."""
     from run_benchmarks.errors import InputError
-    from run_benchmarks.registry import ROOT
+    from run_benchmarks.planning.registry import ROOT
     from tests.test_results_models import fake_phase, fake_run
 
     data = {"train": {"kind": "real", "format": "megatron", "fingerprint": "0123456789abcdef"}}  # a data set of its own: no committed curve
@@ -510,9 +510,9 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
     """A curve file that names its global batch compares only with runs of that batch: given with
     --reference it is bad input naming the file; committed for the config (baichuan2_13b's H200
     curve, made at the standard 64), a run shortened to 32 is not judged and says why."""
-    from run_benchmarks import plan as planning
-    from run_benchmarks.casename import CaseName
-    from run_benchmarks.config import ClusterConfig
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning.casename import CaseName
+    from run_benchmarks.planning.config import ClusterConfig
 
     other = tmp_path / "gb16.json"
     other.write_text(json.dumps({"model": "llama3_tiny", "global_batch": 16, "steps": list(range(1, 31)), "loss": [5.0] * 30}))
@@ -535,9 +535,8 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
     assert references.not_judged_reason(standard, "train") is None
     (ref,) = references.load_references(standard).values()
     assert ref is not None and ref.path == "cases/baichuan2/deepspeed/reference/baichuan2_13b/standard.json" and len(ref.loss) == 30
-    from run_benchmarks import datacheck
 
-    gate = datacheck.judge({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", references.not_judged_reason(short, "train"))
+    gate = references.judge_phase({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", references.not_judged_reason(short, "train"))
     assert gate.verdict == "not judged" and gate.reason.startswith("--set train.global_batch=32 changes the standard recipe")
 
 
@@ -548,7 +547,7 @@ def test_judge_again_offline_against_repeats(tmp_path):
     import subprocess
     import sys
 
-    from run_benchmarks.registry import ROOT
+    from run_benchmarks.planning.registry import ROOT
     from tests.test_results_models import fake_phase, fake_run
 
     def run_file(name, scale, gb=8):
@@ -583,8 +582,8 @@ def test_every_committed_curve_names_its_model_phase_recipe_and_global_batch():
     """A committed reference says which model, phase, recipe and global batch it was made at, sits
     where the lookup finds it (references.committed_path), and its global batch is its recipe's:
     a run of another training is then not judged, never judged step by step against it."""
-    from run_benchmarks import plan as planning
-    from run_benchmarks import registry
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning import registry
 
     files = sorted(ROOT.glob("cases/*/*/reference/*/*.json"))
     assert len(files) >= 9

@@ -125,10 +125,10 @@ def test_the_one_h200_config_fits_a_128_gb_host_and_full_offload_does_not():
     """llama3_8b on one H200: the whole optimizer on the host needs 119.7 GiB of it, more than 75 %
     of the 125.9 GiB a 128 GB host has (such a run was killed at 124.2 GiB, 2026-11-29); the
     config's half offload needs 59.8 GiB and passes."""
-    from run_benchmarks import plan as planning
-    from run_benchmarks.casename import CaseName
-    from run_benchmarks.config import ClusterConfig
     from run_benchmarks.errors import InputError
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning.casename import CaseName
+    from run_benchmarks.planning.config import ClusterConfig
 
     host = {"vm": int(125.9 * GiB)}
     cn = CaseName.parse("llama3_8b:megatron:H200:1:1")

@@ -54,7 +54,7 @@ def test_peak_memory_carries_the_allocators_reserve_and_retries_where_there_are_
     """A rank's peak_memory line holds the cache's reserve and its retries when the framework
     reports them; the host takes the largest of each over ranks next to the allocated peak (the
     retries of a rank with none reported count for nothing), None when no rank reported it."""
-    from run_benchmarks import metrics
+    from run_benchmarks.judging import metrics
 
     buf = io.StringIO()
     for rank, (peak, reserved, retries) in enumerate([(100 << 30, 110 << 30, 3), (105 << 30, 108 << 30, 0), (90 << 30, 95 << 30, None)]):

@@ -4,7 +4,7 @@ import json
 import time
 from pathlib import Path
 
-from run_benchmarks import monitors
+from run_benchmarks.running import monitors
 
 SAMPLE = Path(__file__).parent / "data" / "ixsmi_query_sample.csv"
 

@@ -12,8 +12,11 @@ import sqlite3
 
 import pytest
 
-from run_benchmarks import history, nightly, orchestrator, results
 from run_benchmarks.errors import InputError
+from run_benchmarks.judging import results
+from run_benchmarks.nightly import driver as nightly
+from run_benchmarks.nightly import history
+from run_benchmarks.running import orchestrator
 from tests.test_history import fake_results
 
 CASE = "llama3_tiny:megatron:cpu:1:2"

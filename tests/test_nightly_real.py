@@ -1,6 +1,6 @@
 """Nightly rounds on real runs of the tiny CPU case, through the real orchestrator.
 
-Three nights over one history file, each a ``python -m run_benchmarks.nightly`` process
+Three nights over one history file, each a ``python -m run_benchmarks.nightly.driver`` process
 as CI starts it:
 
 1. seed: no history yet -> "baseline: none", exit 0;
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import history
-from run_benchmarks.registry import ROOT
+from run_benchmarks.nightly import history
+from run_benchmarks.planning.registry import ROOT
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 from training import metriclog as ml
 
@@ -56,7 +56,7 @@ def nightly(runlist: Path, setup: Callable[[], None] | None = None) -> subproces
     """One nightly process; ``setup`` runs in it before it starts (its ranks inherit the result)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "run_benchmarks.nightly", str(runlist)],
+        [sys.executable, "-m", "run_benchmarks.nightly.driver", str(runlist)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import history, nightly, references
 from run_benchmarks.errors import InputError
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import references
+from run_benchmarks.nightly import driver as nightly
+from run_benchmarks.nightly import history
+from run_benchmarks.planning.registry import ROOT
 
 GOOD_CASE = "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 2, set: [train.steps=10]}\n"
 HEAD = "log_dir: logs\nhistory_db: h.sqlite\n"
@@ -217,7 +219,7 @@ def test_relative_paths_follow_the_run_list(tmp_path):
 def test_the_run_lists_timeouts_reach_the_ranks(tmp_path):
     """round_timeout_s and stall_timeout_s of a run list set the cluster's; the stall timeout
     and the node's stack folder are in every node's environment (training/case.py reads them)."""
-    from run_benchmarks.plan import plan_nodes
+    from run_benchmarks.planning.plan import plan_nodes
 
     path = tmp_path / "nightly.yaml"
     path.write_text("round_timeout_s: 7200\nstall_timeout_s: 120\ncases:\n" + GOOD_CASE)
@@ -273,12 +275,12 @@ def test_a_case_judged_against_its_own_reference(tmp_path, capsys):
 
 
 def test_exit_status_2_from_start_task_and_module(tmp_path):
-    """Both entry points: python -m run_benchmarks.nightly, and start_task.py --nightly where dispatched."""
+    """Both entry points: python -m run_benchmarks.nightly.driver, and start_task.py --nightly where dispatched."""
     path = tmp_path / "nightly.yaml"
     path.write_text("cases: []\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "run_benchmarks.nightly", str(path)], capture_output=True, text=True, cwd=tmp_path, env=env
+        [sys.executable, "-m", "run_benchmarks.nightly.driver", str(path)], capture_output=True, text=True, cwd=tmp_path, env=env
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"error: {path}: field 'cases': at least one case is needed, got []"]

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from run_benchmarks import node_agent
+from run_benchmarks.running import node_agent
 
 
 def test_without_an_engine_the_debian_default_is_assumed(monkeypatch):

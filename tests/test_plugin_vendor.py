@@ -9,7 +9,7 @@ start_task.py runs it with the variable set to two of the four devices, and resu
 carry the plug-ins' figures: the ranks' memory and device name from the memory query, the
 monitor's devices from the sampler, device memory over the two visible devices only, and the
 variable's value as the ranks saw it (run_meta). The sampler also runs under the node side's
-``python -m run_benchmarks.monitors`` (SSH and Slurm start it that way).
+``python -m run_benchmarks.running.monitors`` (SSH and Slurm start it that way).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks import registry, vendor_tools
-from run_benchmarks.casename import CaseName
+from run_benchmarks.planning import registry
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.tools import vendor_tools
 
 COPIED = ("run_benchmarks", "training", "cases", "vendors", "setup.cfg", "pyproject.toml")
 CASE = "llama3_tiny:megatron:X1:1:2"
@@ -110,12 +111,22 @@ def test_the_plugin_vendor_passes_check(tmp_path):
 
 
 def test_the_plugin_sampler_runs_as_the_node_side_monitor(tmp_path):
-    """SSH and Slurm nodes start ``python -m run_benchmarks.monitors --kind <the vendor's monitor>``."""
+    """SSH and Slurm nodes start ``python -m run_benchmarks.running.monitors --kind <the vendor's monitor>``."""
     repo = _repo_copy(tmp_path / "repo")
     _plugin_vendor(repo)
     out = tmp_path / "monitor.jsonl"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "run_benchmarks.monitors", "--kind", "vendors.acme.plugin:sample", "--out", str(out), "--interval", "0.2"],
+        [
+            sys.executable,
+            "-m",
+            "run_benchmarks.running.monitors",
+            "--kind",
+            "vendors.acme.plugin:sample",
+            "--out",
+            str(out),
+            "--interval",
+            "0.2",
+        ],
         cwd=repo,
         env={**os.environ, "PYTHONPATH": str(repo)},
         stdout=subprocess.PIPE,
@@ -133,7 +144,7 @@ def test_the_plugin_sampler_runs_as_the_node_side_monitor(tmp_path):
     assert len(samples) >= 2 and all("gpu_error" not in s for s in samples), samples
     assert [g["mem_used_gib"] for g in samples[0]["gpus"]] == [10.0, 11.0, 12.0, 13.0]
     bad = subprocess.run(
-        [sys.executable, "-m", "run_benchmarks.monitors", "--kind", "no spec", "--out", str(out)],
+        [sys.executable, "-m", "run_benchmarks.running.monitors", "--kind", "no spec", "--out", str(out)],
         cwd=repo,
         env={**os.environ, "PYTHONPATH": str(repo)},
         capture_output=True,

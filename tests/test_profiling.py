@@ -142,7 +142,7 @@ def test_cpu_breakdown_counts_self_time_once():
 
 def test_gaps_in_the_report():
     """The longest stretches with no kernel, as results.md shows them; none on a CPU trace."""
-    from run_benchmarks.results import gap_lines
+    from run_benchmarks.judging.results import gap_lines
 
     gaps = [{"s": 0.189, "at_s": 1.9796, "host": OPTIMIZER_RANGE}, {"s": 0.005, "at_s": 1.9665, "host": ""}]
     assert gap_lines(gaps) == [

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import progress, start_task
+from run_benchmarks import start_task
+from run_benchmarks.running import progress
 from training import metriclog as ml
 
 
@@ -86,7 +87,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_a_file(tmp_path, monk
 
 @pytest.mark.framework("megatron")
 def test_a_crash_during_the_run_leaves_its_traceback_in_the_run_folder(tmp_path, monkeypatch, capsys, megatron_python):
-    from run_benchmarks import orchestrator
+    from run_benchmarks.running import orchestrator
 
     def broken(*_a, **_k):
         raise RuntimeError("the table could not be made")

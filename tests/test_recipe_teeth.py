@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 CONFIGS = ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny" / "megatron"
 

@@ -14,8 +14,8 @@ import subprocess
 
 import pytest
 
-from run_benchmarks import references
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import references
+from run_benchmarks.planning.registry import ROOT
 
 REFERENCES = sorted(ROOT.glob("cases/*/*/reference/*/*.json"))
 SINCE = "5851a7a"

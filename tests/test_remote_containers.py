@@ -15,7 +15,7 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from run_benchmarks.remote.containers import (
+from run_benchmarks.running.remote.containers import (
     LABEL_RUN_ID,
     ContainerSpec,
     Mount,
@@ -28,7 +28,7 @@ from run_benchmarks.remote.containers import (
     image_tag,
     run_container,
 )
-from run_benchmarks.remote.errors import ContainerTimeout, ImageBuildFailed
+from run_benchmarks.running.remote.errors import ContainerTimeout, ImageBuildFailed
 from tests.cluster.fixtures import HOST_PYTHON_PREFIX
 
 

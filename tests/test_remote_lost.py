@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from run_benchmarks.remote.errors import RemoteError
-from run_benchmarks.remote.ssh import SSHPool
+from run_benchmarks.running.remote.errors import RemoteError
+from run_benchmarks.running.remote.ssh import SSHPool
 from tests.cluster import netns
 
 LOST_AFTER = 6.0

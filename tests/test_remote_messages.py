@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import docker
 import pytest
 
-from run_benchmarks.remote.containers import engine_errors
-from run_benchmarks.remote.errors import EngineUnreachable
+from run_benchmarks.running.remote.containers import engine_errors
+from run_benchmarks.running.remote.errors import EngineUnreachable
 
 
 @pytest.fixture

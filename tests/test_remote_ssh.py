@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.remote.errors import (
+from run_benchmarks.running.remote.errors import (
     AuthFailed,
     CommandTimeout,
     HostKeyMismatch,
@@ -19,7 +19,7 @@ from run_benchmarks.remote.errors import (
     HostUnreachable,
     RemoteCommandFailed,
 )
-from run_benchmarks.remote.ssh import PGID_MARK, HostSpec, SSHPool, remote_command
+from run_benchmarks.running.remote.ssh import PGID_MARK, HostSpec, SSHPool, remote_command
 
 
 def _workdir(cluster, host: str) -> str:

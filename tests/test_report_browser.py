@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from run_benchmarks import history, report
+from run_benchmarks.nightly import history, report
 from tests.test_history import HW, fake_results
 
 FLAGS = [

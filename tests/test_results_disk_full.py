@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 FILL = """
 import json, sys
 from pathlib import Path
-from run_benchmarks import results
+from run_benchmarks.judging import results
 from tests.test_results_models import fake_run
 
 run_dir = Path(sys.argv[1]) / "run"

@@ -9,11 +9,11 @@ import os
 import subprocess
 import sys
 
-from run_benchmarks import results
-from run_benchmarks import typed_results as tr
-from run_benchmarks.registry import ROOT
-from run_benchmarks.remote.errors import HostBusy
-from run_benchmarks.runtimes import local
+from run_benchmarks.judging import results
+from run_benchmarks.judging import typed_results as tr
+from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.running.remote.errors import HostBusy
+from run_benchmarks.running.runtimes import local
 from tests.test_results_models import fake_phase, fake_run
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from run_benchmarks import results
-from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import results
+from run_benchmarks.judging import typed_results as tr
+from run_benchmarks.planning.registry import ROOT
 
 RUNS = sorted((ROOT / "docs" / "results" / "runs").glob("*.json"))
 
@@ -195,7 +195,7 @@ def test_tables_mark_rounds_that_are_not_ok():
 
 
 def test_device_memory_per_phase_from_the_monitor():
-    from run_benchmarks import metrics
+    from run_benchmarks.judging import metrics
 
     def sample(t: float, used: list[float]) -> dict:
         return {"t": t, "gpus": [{"index": i, "mem_used_gib": u, "mem_total_gib": 140.0} for i, u in enumerate(used)]}
@@ -211,7 +211,7 @@ def test_device_memory_per_phase_from_the_monitor():
 def test_gpu_clocks_per_phase_from_the_monitor():
     """The SM clock over a phase's steps: the GPUs the run used, the samples inside the phase, the
     share of them the driver held the clock down, by reason; in results.md under the table."""
-    from run_benchmarks import metrics
+    from run_benchmarks.judging import metrics
 
     def sample(t: float, clocks: list[float], held: list[list[str]]) -> dict:
         gpus = [{"index": i, "sm_clock_mhz": c, "sm_clock_max_mhz": 1980.0, "clock_held": h} for i, (c, h) in enumerate(zip(clocks, held))]

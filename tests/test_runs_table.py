@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import shutil
 
-from run_benchmarks import runs_table
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import runs_table
+from run_benchmarks.planning.registry import ROOT
 
 
 def test_the_committed_page_is_the_one_the_files_make():

@@ -1,4 +1,4 @@
-"""``python -m run_benchmarks.case_tools scaffold-case``: a case written from the templates runs
+"""``python -m run_benchmarks.tools.case_tools scaffold-case``: a case written from the templates runs
 end to end on the CPU, for each framework with a template (DeepSpeed, megatron-core, paddle).
 In a copy of the repository: scaffold the case, run it through start_task.py (unjudged: no
 reference yet), record its first reference curve with ``--record-reference``, then run the
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 COPIED = ("run_benchmarks", "training", "cases", "vendors", "tests", "setup.cfg", "pyproject.toml")
 
@@ -47,13 +47,13 @@ def test_bad_names_are_refused_with_exit_2(tmp_path):
         (["gpt2", "jax", "--model", "gpt2_tiny"], "framework 'jax': scaffold-case has a template for deepspeed, megatron, paddle"),
         (["gpt2", "deepspeed", "--model", "gpt2-tiny"], "model 'gpt2-tiny'"),
     ):
-        proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", *args, timeout=60)
+        proc = _run(repo, "-m", "run_benchmarks.tools.case_tools", "scaffold-case", *args, timeout=60)
         assert proc.returncode == 2 and said in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in (repo / "cases").iterdir()) == []
-    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "x", timeout=60)
+    proc = _run(repo, "-m", "run_benchmarks.tools.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "x", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "wrote vendors/cpu/cases/x/deepspeed/config_cpux1x2.yaml" in proc.stdout, proc.stdout
-    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "y", timeout=60)
+    proc = _run(repo, "-m", "run_benchmarks.tools.case_tools", "scaffold-case", "gpt2", "deepspeed", "--model", "y", timeout=60)
     assert proc.returncode == 2 and "cases/gpt2/deepspeed exists" in proc.stderr, proc.stderr
 
 
@@ -65,7 +65,15 @@ def test_every_template_writes_lint_clean_files(tmp_path):
     shutil.copy2(ROOT / "pyproject.toml", repo / "pyproject.toml")
     for framework in FRAMEWORKS:
         proc = _run(
-            repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "mixtral", framework, "--model", f"mixtral_{framework}", timeout=60
+            repo,
+            "-m",
+            "run_benchmarks.tools.case_tools",
+            "scaffold-case",
+            "mixtral",
+            framework,
+            "--model",
+            f"mixtral_{framework}",
+            timeout=60,
         )
         assert proc.returncode == 0, proc.stderr
     written = [str(p.relative_to(repo)) for p in sorted([*repo.glob("cases/mixtral/*/*.py"), *repo.glob("tests/test_mixtral_*.py")])]
@@ -85,7 +93,7 @@ def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, frame
     request.getfixturevalue(f"{framework}_python")  # the framework's environment, built once
     repo = _repo_copy(tmp_path / "repo")
     model = f"gpt2_{framework}_tiny"
-    proc = _run(repo, "-m", "run_benchmarks.case_tools", "scaffold-case", "gpt2", framework, "--model", model, timeout=60)
+    proc = _run(repo, "-m", "run_benchmarks.tools.case_tools", "scaffold-case", "gpt2", framework, "--model", model, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote cases/gpt2/{framework}/train.py" in proc.stdout and "--record-reference" in proc.stdout, proc.stdout
     reference = repo / "cases" / "gpt2" / framework / "reference" / model / "standard.json"

@@ -12,7 +12,7 @@ import re
 import pytest
 import yaml
 
-from run_benchmarks.registry import CASES_DIR
+from run_benchmarks.planning.registry import CASES_DIR
 from training import settings as common
 from training.settings import MISSING, SettingsError, option
 

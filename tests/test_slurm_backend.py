@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import yaml
 
-from run_benchmarks import plan as planning
-from run_benchmarks.casename import CaseName
-from run_benchmarks.config import ClusterConfig, load
 from run_benchmarks.errors import InputError
-from run_benchmarks.registry import ROOT
-from run_benchmarks.runtimes.slurm import MASTER_PLACEHOLDER, SlurmRuntime, parse_show_job
-from run_benchmarks.slurm_node import EXIT_NO_SPEC
+from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.planning.config import ClusterConfig, load
+from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.running.runtimes.slurm import MASTER_PLACEHOLDER, SlurmRuntime, parse_show_job
+from run_benchmarks.running.slurm_node import EXIT_NO_SPEC
 from tests.slurm.cluster import KNOWN_NAMES, SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
 from training import metriclog as ml
@@ -174,7 +174,7 @@ def test_dry_run_details_show_the_batch_script(tmp_path: Path) -> None:
     script = details["script"]
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "exec srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1" in script
-    assert "--mpi=none" in script and "-m run_benchmarks.slurm_node --spec" in script
+    assert "--mpi=none" in script and "-m run_benchmarks.running.slurm_node --spec" in script
     assert details["srun"][0] == "srun"
     nodes = details["spec"]["nodes"]
     assert [n["node_rank"] for n in nodes] == [0, 1]
@@ -213,7 +213,7 @@ def test_config_errors_name_the_field(tmp_path: Path) -> None:
 
 def test_node_wrapper_says_the_run_dir_is_not_shared(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "run_benchmarks.slurm_node", "--spec", str(tmp_path / "gone" / "spec.json")],
+        [sys.executable, "-m", "run_benchmarks.running.slurm_node", "--spec", str(tmp_path / "gone" / "spec.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -417,8 +417,8 @@ def test_a_job_still_pending_at_the_round_deadline_is_cancelled(tmp_path: Path, 
 def test_one_translation_of_the_vendors_container_options() -> None:
     """The SSH runtime (engine API) and the Slurm node wrapper (docker run) start the same
     container from the vendor's options: NVIDIA's here, with GPUs, host IPC and its limits."""
-    from run_benchmarks.registry import load_vendor
-    from run_benchmarks.remote.containers import Mount, docker_run_args, vendor_container
+    from run_benchmarks.planning.registry import load_vendor
+    from run_benchmarks.running.remote.containers import Mount, docker_run_args, vendor_container
 
     nv = load_vendor("nvidia").container
     spec = vendor_container(
@@ -442,7 +442,7 @@ def test_node_0_holds_the_master_port_until_its_wrapper_ends(tmp_path: Path) -> 
     """Two jobs sharing a node with one ``master_port``: the second job's node 0 is refused
     with the documented line while the first holds the port, though nothing listens on it
     yet (torch binds it only later). Each job runs in a wrapper process of its own."""
-    from run_benchmarks import slurm_node
+    from run_benchmarks.running import slurm_node
 
     with socket.socket() as s:
         s.bind(("", 0))
@@ -450,7 +450,7 @@ def test_node_0_holds_the_master_port_until_its_wrapper_ends(tmp_path: Path) -> 
     (tmp_path / "slurm").mkdir()
     (tmp_path / "b" / "slurm").mkdir(parents=True)
     code = (
-        "import sys, time; from run_benchmarks import slurm_node as n\n"
+        "import sys, time; from run_benchmarks.running import slurm_node as n\n"
         "spec = {'round_dir': sys.argv[1], 'master_port': int(sys.argv[2])}\n"
         "print(n.rendezvous_port(spec, 0, 'job-a'), flush=True); time.sleep(60)\n"
     )

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE = "llama3_tiny:megatron:cpu:2:1"
@@ -252,7 +252,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
     ],
 )
 def test_launcher_across_two_hosts(cluster, request, framework, case, reference, runtime, tmp_path):
-    from run_benchmarks import references
+    from run_benchmarks.judging import references
 
     python = request.getfixturevalue(f"{framework}_python")
     cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning.registry import ROOT
 
 HANGING_TEARDOWN = """
 import time
-from run_benchmarks.runtimes.base import stop_on_signals
+from run_benchmarks.running.runtimes.base import stop_on_signals
 with stop_on_signals(left_behind=lambda: ["h2: containers marked FLAGBENCH_RUN_ID=r1"]):
     try:
         print("running", flush=True)
@@ -45,8 +45,8 @@ def test_a_second_signal_ends_a_hanging_teardown_within_seconds(second):
 
 
 def test_the_ssh_runtime_names_each_host_and_what_may_be_left_there():
-    from run_benchmarks.config import ClusterConfig
-    from run_benchmarks.runtimes.ssh import SSHRuntime
+    from run_benchmarks.planning.config import ClusterConfig
+    from run_benchmarks.running.runtimes.ssh import SSHRuntime
 
     cluster = ClusterConfig(
         backend="ssh",

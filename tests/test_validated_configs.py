@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks import references, registry
+from run_benchmarks.judging import references
+from run_benchmarks.planning import registry
 
 CONFIGS = sorted(registry.VENDORS_DIR.glob("*/cases/*/*/config_*.yaml"))
 

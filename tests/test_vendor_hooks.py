@@ -46,9 +46,9 @@ def test_a_hook_changing_settings_is_refused(hook_module, hook, path):
 
 
 def test_hook_reaches_the_resolved_config(tmp_path):
-    from run_benchmarks import plan as planning
-    from run_benchmarks.casename import CaseName
-    from run_benchmarks.config import ClusterConfig
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning.casename import CaseName
+    from run_benchmarks.planning.config import ClusterConfig
 
     p = planning.build(CaseName.parse("llama3_tiny:megatron:cpu:1:2"), "cpu", ClusterConfig(), tmp_path)
     assert p.resolved(1, "o", "c")["vendor"]["hooks"] == []

@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks import plan, registry, vendor_tools
-from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
+from run_benchmarks.planning import plan, registry
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.tools import vendor_tools
 
 MODEL = "llama3_tiny"
 DEEPSPEED_CONFIG = (
@@ -152,7 +153,7 @@ def test_start_task_and_check_in_a_tree_with_two_frameworks(tmp_path):
     deepspeed.mkdir()
     (deepspeed / "config_cpux1x2.yaml").write_text(DEEPSPEED_CONFIG)
 
-    check = _run(repo, "-m", "run_benchmarks.vendor_tools", "check", "cpu")
+    check = _run(repo, "-m", "run_benchmarks.tools.vendor_tools", "check", "cpu")
     assert check.returncode == 0 and check.stdout.strip().endswith("cpu: ok"), check.stdout + check.stderr
     plans = {}
     for fw in ("megatron", "deepspeed"):
@@ -189,5 +190,5 @@ def test_start_task_and_check_in_a_tree_with_two_frameworks(tmp_path):
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert f"move it to vendors/cpu/cases/{MODEL}/deepspeed/config_cpux1x2.yaml" in proc.stderr, proc.stderr
-    check = _run(repo, "-m", "run_benchmarks.vendor_tools", "check", "cpu")
+    check = _run(repo, "-m", "run_benchmarks.tools.vendor_tools", "check", "cpu")
     assert check.returncode == 1 and "not read: configs live in a framework folder" in check.stdout, check.stdout

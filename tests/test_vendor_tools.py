@@ -5,9 +5,10 @@ import shutil
 import pytest
 import yaml
 
-from run_benchmarks import registry, vendor_tools
-from run_benchmarks.casename import CaseName
 from run_benchmarks.errors import InputError
+from run_benchmarks.planning import registry
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.tools import vendor_tools
 from tests.case_helpers import start_task
 
 
@@ -184,8 +185,8 @@ def test_values_equal_to_the_standard_are_no_overrides(tmp_path):
     entry = registry.find_case(CaseName.parse("llama3_8b:megatron:H100:1:8"))
     standard = registry.standard_settings(entry.config, "llama3_8b")
     cfg.write_text(yaml.safe_dump({"train": {"micro_batch": standard["train"]["micro_batch"]}, "parallel": {"tp": 2}}))
-    from run_benchmarks import plan as planning
-    from run_benchmarks.config import VendorConfig, load
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning.config import VendorConfig, load
 
     vendor = load(VendorConfig, v / "vendor.yaml")
     r = planning.resolve(CaseName.parse("llama3_8b:megatron:H100:1:8"), vendor, entry, cfg)

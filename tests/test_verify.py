@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from run_benchmarks import metrics, references, verify
-from run_benchmarks import typed_results as tr
-from run_benchmarks.orchestrator import round_status
-from run_benchmarks.registry import ROOT
+from run_benchmarks.judging import metrics, references, verify
+from run_benchmarks.judging import typed_results as tr
+from run_benchmarks.judging.references import round_status
+from run_benchmarks.planning.registry import ROOT
 from tests.test_results_models import RUNS, fake_phase, fake_run
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from run_benchmarks.registry import ROOT
-from run_benchmarks.remote import hostlock
-from run_benchmarks.remote.errors import HostBusy
-from run_benchmarks.remote.ssh import SSHPool
+from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.running.remote import hostlock
+from run_benchmarks.running.remote.errors import HostBusy
+from run_benchmarks.running.remote.ssh import SSHPool
 
 START = [sys.executable, str(ROOT / "run_benchmarks" / "start_task.py"), "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1"]
 

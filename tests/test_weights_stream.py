@@ -66,7 +66,7 @@ print(json.dumps({"dtype": str(x.dtype), "shape": list(x.shape), "same_chunked":
 
 @pytest.mark.framework("megatron")
 def test_full_normal_is_the_written_algorithm_whatever_the_chunking(megatron_python):
-    from run_benchmarks.registry import ROOT
+    from run_benchmarks.planning.registry import ROOT
 
     spec = {
         "seed": 1234,

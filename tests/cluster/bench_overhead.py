@@ -6,7 +6,7 @@ Builds a namespace cluster of the largest size (tests/cluster/netns.py), runs th
 case with one process per host through start_task.py, and prints the ``orchestration`` figures
 of each round's results.json: round start to the last node's launcher started, last training
 step to results written, and the framework's own start-up between them (not overhead).
-Needs root and the cpu megatron environment (built by run_benchmarks.envs).
+Needs root and the cpu megatron environment (built by run_benchmarks.planning.envs).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from run_benchmarks import envs
-from run_benchmarks.registry import ROOT
+from run_benchmarks.planning import envs
+from run_benchmarks.planning.registry import ROOT
 from tests.cluster import netns
 
 

@@ -62,7 +62,7 @@ def cluster() -> Iterator[netns.Cluster]:
 
 @pytest.fixture(scope="session")
 def cluster_pool(cluster: netns.Cluster):
-    from run_benchmarks.remote.ssh import SSHPool
+    from run_benchmarks.running.remote.ssh import SSHPool
 
     pool = SSHPool(cluster.host_specs())
     pool.connect()

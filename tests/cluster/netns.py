@@ -108,8 +108,8 @@ class Cluster:
         raise KeyError(name)
 
     def host_specs(self, **overrides: object) -> list:
-        """``HostSpec`` objects for ``run_benchmarks.remote.ssh.SSHPool``."""
-        from run_benchmarks.remote.ssh import HostSpec
+        """``HostSpec`` objects for ``run_benchmarks.running.remote.ssh.SSHPool``."""
+        from run_benchmarks.running.remote.ssh import HostSpec
 
         base = dict(key_file=self.key_file, known_hosts=self.known_hosts)
         base.update(overrides)

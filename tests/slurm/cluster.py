@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from run_benchmarks.runtimes.local import kill_group
+from run_benchmarks.running.runtimes.local import kill_group
 
 NODES = (("n1", "127.0.0.2"), ("n2", "127.0.0.3"))
 KNOWN_NAMES = {"n1": ("n1", "n2"), "n2": ("n2",)}  # the node names each node's /etc/hosts maps

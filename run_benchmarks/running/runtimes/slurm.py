@@ -1,0 +1,774 @@
+"""The slurm runtime: each round is one batch job of ``nnodes`` whole nodes.
+
+Per round it writes ``<round_dir>/slurm/``: ``spec.json`` (every node's launcher
+command, planned with a placeholder for the master address) and ``job.sh`` (the
+batch script), submits the script with ``sbatch`` (options as arguments), and
+follows the job through ``scontrol show job -o`` until it ends. Inside the job one
+``srun`` step starts ``python -m run_benchmarks.running.slurm_node`` once per node; that
+wrapper picks its node rank from ``SLURM_NODEID``, puts the allocation's first host
+in as the master, runs a monitor beside the launcher and writes the node's logs
+straight into ``<round_dir>/node<k>/``.
+
+The run directory, the harness's code and the interpreters must be on a filesystem
+that the submit host and every node share (docs/slurm.md). Ctrl-C during a round
+cancels its job (``scancel``) and waits until Slurm has nothing left of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from run_benchmarks.errors import InputError
+from run_benchmarks.planning.config import ClusterConfig, HostConfig, SlurmConfig
+from run_benchmarks.planning.envs import env_dir, framework_python, python_of
+from run_benchmarks.planning.plan import NodePlan, Plan, plan_nodes
+from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.running import causes
+from run_benchmarks.running.causes import SHARED_KEY
+from run_benchmarks.running.node_agent import agent_spec
+from run_benchmarks.running.runtimes.base import NodeOutcome, Runtime
+from run_benchmarks.running.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC
+from training import metriclog as ml
+
+#: the master address in planned commands; slurm_node puts the allocation's first node's address in
+MASTER_PLACEHOLDER = "fb-slurm-master"
+#: the rendezvous port in planned commands; slurm_node puts the port node 0 chose in
+PORT_PLACEHOLDER = "@@FB_MASTER_PORT@@"
+#: what srun prints when it cannot start the step on a node (its slurmd down or unreachable)
+TASK_LAUNCH_FAILED = re.compile(r"srun: error: Task launch for StepId=\S+ failed on node (\S+): (.+)")
+APP_LAUNCH_FAILED = re.compile(r"srun: error: Application launch failed: (.+)")
+LAUNCH_FAILED_GONE_WAIT_S = 15.0  # a node that cannot be reached keeps the job COMPLETING until Slurm marks it down
+CLIENTS = ("sbatch", "srun", "squeue", "scontrol", "scancel")
+#: job states (scontrol's JobState) while the job waits or runs
+WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT"}
+ACTIVE = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZING", "STOPPED"}
+#: terminal states other than COMPLETED, FAILED, TIMEOUT, CANCELLED: the job ended by Slurm's hand
+ENDED_BY_SLURM = {"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "OUT_OF_MEMORY", "REVOKED"}
+#: a pending job's reason when a node it asked for cannot serve; states that say so
+UNAVAILABLE_REASON = re.compile(r"ReqNodeNotAvail|NodeDown|Nodes_required_for_job_are_DOWN")
+OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE"}
+#: how long the other nodes' launchers may outlive the first to end before their nodes count
+#: as lost (a crashed node never reports; Slurm would notice only at its SlurmdTimeout)
+PEER_LOST_S = 20.0
+LOST_GONE_WAIT_S = 10.0
+SILENT_CHECK_AFTER_S = 10.0  # a job still completing this long after its end: which nodes hold it?  # a lost node keeps the job COMPLETING until Slurm marks it down
+GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
+GONE_WAIT_S = 60.0
+REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
+TAIL = 15
+
+
+def parse_show_job(line: str) -> dict[str, str]:
+    """``scontrol show job -o`` output -> {field: value}; values may hold spaces."""
+    keys = list(re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=", line))
+    out = {}
+    for i, m in enumerate(keys):
+        end = keys[i + 1].start() if i + 1 < len(keys) else len(line)
+        out[m.group(1)] = line[m.end() : end].strip()
+    return out
+
+
+@dataclasses.dataclass
+class Job:
+    """One round's batch job as the harness saw it; times are wall-clock seconds."""
+
+    job_id: str
+    name: str
+    round: str
+    nnodes: int
+    submitted_at: float
+    state: str = "PENDING"
+    reason: str = ""
+    exit_code: str = ""
+    nodelist: str = ""
+    batch_host: str = ""
+    time_limit: str = ""
+    running_at: float | None = None  # first seen running (poll resolution)
+    ended_at: float | None = None  # first seen in a terminal state (poll resolution)
+    gone_at: float | None = None  # squeue no longer lists it
+    nodes_started_at: float | None = None  # the first node wrapper started (node.json)
+    nodes_finished_at: float | None = None  # the last launcher exited (node.json)
+    first_step_at: float | None = None  # the first train_step line
+    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup" | "launch failed" | "aborted"
+    state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
+    launch_failure: str | None = None  # srun could not start the step on a node: why
+    unavailable: str | None = None  # the nodes it needs that are DOWN or DRAINED, and why
+    req_nodes: str = ""  # the nodes it asked for (ReqNodeList)
+    first_end_seen: float | None = None  # monotonic: when a node's launcher was first seen ended
+    lost: dict[int, str] = dataclasses.field(default_factory=dict)  # node rank -> why it counts as lost
+    shared_with: set[str] = dataclasses.field(default_factory=set)  # other jobs seen running on its nodes
+    silent_nodes: str | None = None  # its nodes that stopped answering the controller while it ended
+    completing_since: float | None = None  # monotonic: first seen COMPLETING
+
+    def summary(self) -> dict[str, Any]:
+        def span(a: float | None, b: float | None) -> float | None:
+            return round(b - a, 3) if a is not None and b is not None else None
+
+        return {
+            "job_id": self.job_id,
+            "name": self.name,
+            "round": self.round,
+            "state": self.state,
+            "reason": self.reason,
+            "exit_code": self.exit_code,
+            "nodelist": self.nodelist,
+            "batch_host": self.batch_host,
+            "time_limit": self.time_limit,
+            "cancelled_by_harness": self.cancelled_by_harness,
+            "state_at_cancel": self.state_at_cancel or None,
+            "launch_failure": self.launch_failure,
+            "unavailable": self.unavailable,
+            "lost_nodes": {str(k): v for k, v in self.lost.items()} or None,
+            "shared_with": sorted(self.shared_with, key=int) or None,
+            "silent_nodes": self.silent_nodes,
+            "submit_to_running_s": span(self.submitted_at, self.running_at),
+            "submit_to_nodes_started_s": span(self.submitted_at, self.nodes_started_at),
+            "submit_to_first_step_s": span(self.submitted_at, self.first_step_at),
+            "nodes_running_s": span(self.nodes_started_at, self.nodes_finished_at),
+            # from the last launcher's exit until Slurm has nothing left of the job
+            "teardown_s": span(self.nodes_finished_at or self.ended_at, self.gone_at),
+        }
+
+
+class SlurmRuntime(Runtime):
+    name = "slurm"
+
+    def __init__(self, cluster: ClusterConfig, python: str | None = None) -> None:
+        self.cluster = cluster
+        self.conf: SlurmConfig = cluster.slurm or SlurmConfig()
+        self.python_override = python or cluster.python
+        docker = self.conf.container_runtime == "docker"
+        if docker != (cluster.runtime == "container"):
+            raise InputError(
+                f"cluster file: runtime {cluster.runtime!r} and slurm.container_runtime "
+                f"{self.conf.container_runtime!r} disagree (container goes with docker, process with none)"
+            )
+        self.node_python = self.conf.node_python or sys.executable
+        self.jobs: list[Job] = []
+        self.notes: list[str] = []  # leftovers of earlier runs removed at prepare
+
+    # ------------------------------------------------------------------ client commands
+
+    def _check_conf(self) -> None:
+        """A ``slurm.slurm_conf`` that names no file, said at once (the clients would wait for
+        a controller they cannot find)."""
+        if self.conf.slurm_conf and not Path(self.conf.slurm_conf).expanduser().is_file():
+            raise InputError(f"cluster file: field 'slurm.slurm_conf': {self.conf.slurm_conf}: no such file")
+
+    def _env(self) -> dict[str, str]:
+        # a harness started inside an allocation must not hand that job's variables to sbatch
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+        if self.conf.slurm_conf:
+            env["SLURM_CONF"] = str(Path(self.conf.slurm_conf).expanduser())
+        elif os.environ.get("SLURM_CONF"):
+            env["SLURM_CONF"] = os.environ["SLURM_CONF"]
+        return env
+
+    def _run(self, argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """A Slurm client command; one the controller does not answer in ``timeout`` is a failed
+        call (exit 124, as timeout(1) says), read again at the next poll, never a crash."""
+        try:
+            return subprocess.run(argv, env=self._env(), capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: no answer from the Slurm controller within {timeout:g} s")
+
+    # ------------------------------------------------------------------ prepare
+
+    def _python(self, plan: Plan, log: Path | None) -> str:
+        fw, vendor = plan.case.framework, plan.vendor
+        if self.conf.container_runtime == "docker" and not vendor.container.mount_framework_env:
+            return self.python_override or "python3"  # the image's interpreter
+        if log is None:
+            return self.python_override or str(python_of(env_dir(vendor.name, fw)))
+        return str(framework_python(vendor.name, fw, self.python_override, log))
+
+    def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
+        return self._python(plan, None), ROOT
+
+    def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
+        missing = [c for c in CLIENTS if shutil.which(c) is None]
+        if missing:
+            raise InputError(f"backend slurm: {', '.join(missing)} not found on this host (Slurm client commands)")
+        self._check_conf()
+        ping = self._run(["scontrol", "ping"], timeout=30)
+        if ping.returncode != 0 or "DOWN" in ping.stdout:
+            why = (ping.stdout + ping.stderr).strip().splitlines()
+            raise InputError(f"backend slurm: the Slurm controller does not answer ({why[-1] if why else 'scontrol ping failed'})")
+        if not plan.run_dir.is_absolute():
+            raise InputError(f"backend slurm: run dir {plan.run_dir} must be an absolute path on a shared filesystem")
+        line = self.cancel_orphans()
+        if line:
+            self.notes.append(line)
+            print(line, file=sys.stderr, flush=True)
+        return self._python(plan, log), ROOT
+
+    def cancel_orphans(self) -> str | None:
+        """Cancel the jobs that runs started from this host left behind when their start_task.py
+        died (SIGKILL, a crashed machine): each job's comment names its submitter's host and pid
+        (``submitter_comment``), and a pid no longer alive here means nobody follows the job.
+        Jobs of other submit hosts and of live runs are never touched. One line, or None."""
+        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%T|%Z|%k"], timeout=30)
+        if proc.returncode != 0:
+            return None  # the controller answered ping: a transient failure; the next run sweeps
+        gone: dict[str, list[str]] = {}
+        for row in proc.stdout.splitlines():
+            job_id, state, workdir, comment = (row.strip().split("|", 3) + ["", "", ""])[:4]
+            owner = parse_comment(comment)
+            if state not in WAITING | ACTIVE - {"COMPLETING"}:
+                continue  # its steps ended (a run that finished normally): Slurm is tidying up
+            if owner and owner[0] == socket.gethostname() and not _alive_pid(owner[1]):
+                if self._run(["scancel", job_id], timeout=60).returncode == 0:
+                    gone.setdefault(owner[2], []).append(job_id)
+                    finish_abandoned(Path(workdir).parent, job_id)  # the job runs in <run_dir>/round<r>
+        if not gone:
+            return None
+        runs = "; ".join(f"job {', '.join(ids)} of run {run}" for run, ids in sorted(gone.items()))
+        return f"cancelled Slurm jobs whose start_task.py is gone: {runs}"
+
+    # ------------------------------------------------------------------ what a round submits
+
+    def node_plans(self, plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:
+        """The planner's node commands with the master address and port left as placeholders
+        (model_copy does not validate: the port field holds the placeholder text)."""
+        hosts = [HostConfig(name=f"slurm-node{k}", address=MASTER_PLACEHOLDER) for k in range(plan.case.nnodes)]
+        cluster = plan.cluster.model_copy(update={"hosts": hosts, "master_port": PORT_PLACEHOLDER})
+        return plan_nodes(dataclasses.replace(plan, cluster=cluster), python, root, round_dir)
+
+    def _docker_options(self, plan: Plan, python: str, data: dict[str, Any]) -> list[str]:
+        """The vendor's container options as ``docker run`` arguments, translated as the SSH
+        runtime's are (remote.containers.vendor_container), with the run's mounts."""
+        from run_benchmarks.running.remote.containers import Mount, docker_run_args, vendor_container
+
+        mounts = [Mount(str(ROOT), str(ROOT), True), Mount(str(plan.run_dir), str(plan.run_dir))]
+        if plan.vendor.container.mount_framework_env:  # the host-built environment and the Python it was made from
+            env = Path(python).parent.parent
+            home = _venv_home(env)
+            mounts += [Mount(str(env), str(env), True)] + ([Mount(str(home), str(home), True)] if home else [])
+        if data.get("cache_dir"):
+            mounts.append(Mount(data["cache_dir"], data["cache_dir"]))
+        if data.get("data_dir"):
+            mounts.append(Mount(data["data_dir"], data["data_dir"], True))
+        spec = vendor_container(
+            plan.vendor.container, image="-", command=["-"], run_id=plan.run_id, name=None, env={}, mounts=mounts, workdir=None
+        )
+        return docker_run_args(spec)
+
+    def spec(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], python: str) -> dict[str, Any]:
+        container = None
+        if self.conf.container_runtime == "docker":
+            image = (self.conf.image or "").format(vendor=plan.vendor.name, framework=plan.case.framework)
+            resolved = round_dir / "resolved.json"
+            data = json.loads(resolved.read_text())["data"] if resolved.is_file() else plan.settings["data"]
+            container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, python, data)}
+        monitor = {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)}
+        return agent_spec(
+            str(round_dir),
+            MASTER_PLACEHOLDER,
+            monitor,
+            container,
+            nodes,
+            run_id=plan.run_id,
+            port_placeholder=PORT_PLACEHOLDER,
+            # the cluster file's port, checked free on node 0; None: node 0 picks a free one
+            master_port=self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
+        )
+
+    def job_name(self, plan: Plan, round_dir: Path) -> str:
+        return f"fb-{plan.run_id}-{round_dir.name}"
+
+    def sbatch_argv(self, plan: Plan, round_dir: Path) -> list[str]:
+        c, n = self.conf, plan.case.nnodes
+        argv = [
+            "sbatch",
+            "--parsable",
+            f"--job-name={self.job_name(plan, round_dir)}",
+            f"--nodes={n}",
+            "--ntasks-per-node=1",
+            f"--time={c.time_limit}",
+            "--no-requeue",
+            f"--chdir={round_dir}",
+            f"--output={round_dir / 'slurm' / 'job-%j.out'}",
+            f"--comment={submitter_comment(plan.run_id)}",
+        ]
+        if c.exclusive:
+            argv.append("--exclusive")
+        if c.partition:
+            argv.append(f"--partition={c.partition}")
+        if c.account:
+            argv.append(f"--account={c.account}")
+        if "hosts" in self.cluster.model_fields_set:  # named hosts pin the job to those nodes
+            argv.append("--nodelist=" + ",".join(h.name for h in self.cluster.hosts[:n]))
+        return argv + list(c.extra_sbatch) + [str(round_dir / "slurm" / "job.sh")]
+
+    def srun_argv(self, plan: Plan, round_dir: Path) -> list[str]:
+        n = plan.case.nnodes
+        return [
+            "srun",
+            f"--nodes={n}",
+            f"--ntasks={n}",
+            "--ntasks-per-node=1",
+            "--kill-on-bad-exit=1",
+            *self.conf.srun_extra,
+            self.node_python,
+            "-m",
+            "run_benchmarks.running.slurm_node",
+            "--spec",
+            str(round_dir / "slurm" / "spec.json"),
+        ]
+
+    def batch_script(self, plan: Plan, round_dir: Path) -> str:
+        q = shlex.quote
+        srun = self.srun_argv(plan, round_dir)
+        spec = round_dir / "slurm" / "spec.json"
+        # every CPU the job has on a node goes to that node's one task (the launcher's ranks)
+        srun_line = f'{shlex.join(srun[:5])} --cpus-per-task="$SLURM_CPUS_ON_NODE" {shlex.join(srun[5:])}'
+        return "\n".join(
+            [
+                "#!/bin/bash",
+                f"# flagbench {plan.run_id} {round_dir.name}: {plan.case} on {plan.case.nnodes} node(s), one task per node",
+                f"# submitted as: {shlex.join(self.sbatch_argv(plan, round_dir))}",
+                "set -u",
+                f"if [ ! -r {q(str(spec))} ]; then",
+                (
+                    f'  echo "flagbench: {q(str(spec))} is not readable on $(hostname): the run directory must be on a'
+                    ' filesystem shared by the submit host and every node" >&2'
+                ),
+                f"  exit {EXIT_NO_SPEC}",
+                "fi",
+                f'export PYTHONPATH={q(str(ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+                f"exec {srun_line}",
+                "",
+            ]
+        )
+
+    def dry_run_details(self, plan: Plan) -> dict[str, Any]:
+        round_dir = plan.run_dir / "round1"
+        python = plan.python or self.dry_prepare(plan)[0]
+        nodes = self.node_plans(plan, python, ROOT, round_dir)
+        return {
+            "backend": "slurm",
+            "sbatch": self.sbatch_argv(plan, round_dir),
+            "script": self.batch_script(plan, round_dir),
+            "srun": self.srun_argv(plan, round_dir),
+            "master": (
+                f"address of the allocation's first node (Slurm's NodeAddr), in place of {MASTER_PLACEHOLDER!r}; "
+                f"port chosen on it, in place of {PORT_PLACEHOLDER!r}; node rank = SLURM_NODEID"
+            ),
+            "spec": self.spec(plan, round_dir, nodes, python),
+        }
+
+    # ------------------------------------------------------------------ a round
+
+    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+        python, root = plan.python, Path(nodes[0].cwd) if nodes else ROOT
+        planned = self.node_plans(plan, python, root, round_dir)
+        slurm_dir = round_dir / "slurm"
+        slurm_dir.mkdir(parents=True, exist_ok=True)
+        for n in planned:  # the layout the orchestrator reads, even if a node never writes
+            (round_dir / f"node{n.node_rank}" / "ranks").mkdir(parents=True, exist_ok=True)
+            (round_dir / f"node{n.node_rank}" / "stdout.log").touch()
+        spec = self.spec(plan, round_dir, planned, python)
+        if spec["container"]:  # a volume docker would otherwise create as an empty root-owned dir
+            cache = json.loads((round_dir / "resolved.json").read_text())["data"].get("cache_dir")
+            if cache:
+                Path(cache).mkdir(parents=True, exist_ok=True)
+        (slurm_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+        (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
+        self.aborted = None
+        job = self._submit(plan, round_dir)
+        try:
+            self._follow(job, time.monotonic() + timeout_s, slurm_dir / f"job-{job.job_id}.out")
+        except KeyboardInterrupt:
+            self._cancel(job, "interrupted")
+            self._wait_gone(job)
+            raise
+        self._wait_gone(job, LOST_GONE_WAIT_S if job.lost else LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
+        return self._outcomes(plan, job, round_dir)
+
+    def _submit(self, plan: Plan, round_dir: Path) -> Job:
+        argv = self.sbatch_argv(plan, round_dir)
+        name = self.job_name(plan, round_dir)
+        # known by name before its id is: an interrupt during sbatch still finds the job
+        placeholder = Job("", name, round_dir.name, plan.case.nnodes, time.time())
+        self.jobs.append(placeholder)
+        proc = self._run(argv, timeout=120)
+        if proc.returncode != 0:
+            self.jobs.remove(placeholder)
+            raise InputError(f"sbatch refused the job: {(proc.stderr or proc.stdout).strip()} (submitted: {shlex.join(argv)})")
+        placeholder.job_id = proc.stdout.strip().split(";")[0]
+        return placeholder
+
+    def _show(self, job: Job) -> None:
+        proc = self._run(["scontrol", "show", "job", "-o", job.job_id], timeout=30)
+        if proc.returncode != 0:
+            if "Invalid job id" in proc.stderr:
+                job.state = GONE if job.state in WAITING | ACTIVE else job.state
+            return  # a controller hiccup: read it again next time
+        info = parse_show_job(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
+        job.state = info.get("JobState", job.state)
+        job.reason = info.get("Reason", job.reason)
+        job.exit_code = info.get("ExitCode", job.exit_code)
+        job.time_limit = info.get("TimeLimit", job.time_limit)
+        if info.get("NodeList") and info["NodeList"] != "(null)" and not job.nodelist:
+            job.nodelist = info["NodeList"]  # the allocation (it shrinks while nodes complete)
+        job.batch_host = info.get("BatchHost", job.batch_host)
+        if info.get("ReqNodeList") and info["ReqNodeList"] != "(null)":
+            job.req_nodes = info["ReqNodeList"]
+
+    def _follow(self, job: Job, deadline: float, batch_out: Path) -> None:
+        while True:
+            self._show(job)
+            if job.state in ACTIVE and job.running_at is None:
+                job.running_at = time.time()
+            if job.state == "RUNNING" and not self.conf.exclusive and job.nodelist:
+                self._note_sharers(job)
+            if job.state == "RUNNING" and self._lost_peers(job, batch_out.parent.parent):
+                self._cancel(job, "node lost")
+                return
+            if job.state in ACTIVE and job.launch_failure is None:
+                job.launch_failure = launch_failure(batch_out)
+                if job.launch_failure:  # the step cannot run on every node: no use waiting for it
+                    self._cancel(job, "launch failed")
+                    return
+            if job.state == "COMPLETING":  # its steps ended; a node that does not confirm keeps it so
+                job.completing_since = job.completing_since or time.monotonic()
+                if time.monotonic() - job.completing_since > SILENT_CHECK_AFTER_S and job.cancelled_by_harness is None:
+                    self._check_silent(job)
+            if job.state not in WAITING | ACTIVE or job.silent_nodes:
+                job.ended_at = time.time()
+                job.launch_failure = job.launch_failure or launch_failure(batch_out)
+                return
+            if job.state in WAITING and job.unavailable is None and UNAVAILABLE_REASON.match(job.reason):
+                job.unavailable = self._unavailable_nodes(job)
+                if job.unavailable:  # it can never start: no use waiting for the deadline
+                    self._cancel(job, "node unavailable")
+                    return
+            if time.monotonic() > deadline:
+                self._cancel(job, "round deadline")
+                return
+            if self.aborted:
+                self._cancel(job, "aborted")
+                return
+            time.sleep(self.conf.poll_interval_s)
+
+    def node_states(self, nodes: str) -> list[dict[str, str]]:
+        """``scontrol show node -o`` of a node list: each node's fields (NodeName, State, Reason)."""
+        proc = self._run(["scontrol", "show", "node", "-o", nodes], timeout=30)
+        return [parse_show_job(ln) for ln in proc.stdout.splitlines() if ln.strip()] if proc.returncode == 0 else []
+
+    def _unavailable_nodes(self, job: Job) -> str | None:
+        """ "node n2 is DOWN (reason: ...)" for each node the job asked for that cannot serve."""
+        if not job.req_nodes:
+            return None
+        bad = [n for n in self.node_states(job.req_nodes) if set(re.split(r"[+*~#$@%!^-]", n.get("State", ""))) & OUT_OF_SERVICE]
+        said = [f"node {n.get('NodeName')} is {n.get('State')}" + (f" (reason: {n['Reason']})" if n.get("Reason") else "") for n in bad]
+        return "; ".join(said) or None
+
+    def _note_sharers(self, job: Job) -> None:
+        """Other jobs running on the job's nodes (``exclusive: false``): its figures are not
+        of whole nodes."""
+        proc = self._run(["squeue", "--noheader", "--states=RUNNING", f"--nodelist={job.nodelist}", "--format=%i"], timeout=30)
+        if proc.returncode == 0:
+            job.shared_with |= {i.strip() for i in proc.stdout.split() if i.strip() and i.strip() != job.job_id}
+
+    def _check_silent(self, job: Job) -> None:
+        job.silent_nodes = self._silent_nodes(job)
+        if job.silent_nodes:
+            print(f"Slurm job {job.job_id}: {job.silent_nodes}; not waiting for Slurm to end the job", file=sys.stderr, flush=True)
+
+    def _silent_nodes(self, job: Job) -> str | None:
+        """ "node n2 has not confirmed the job's end ..." for each node the ended job still
+        holds (the allocation shrinks as nodes confirm)."""
+        proc = self._run(["squeue", "--noheader", "--jobs", job.job_id, "--states=COMPLETING", "--format=%N"], timeout=30)
+        held = proc.stdout.strip() if proc.returncode == 0 else ""
+        said = [
+            f"node {n.get('NodeName')} has not confirmed the job's end within {SILENT_CHECK_AFTER_S:g} s "
+            f"(state {n.get('State')}): is its slurmd running?"
+            for n in (self.node_states(held) if held else [])
+        ]
+        return "; ".join(said) or None
+
+    def _lost_peers(self, job: Job, round_dir: Path) -> bool:
+        """Once a node's launcher has ended, the nodes whose launchers have not ended
+        ``PEER_LOST_S`` later (srun stops the others at once when one fails) are lost: named in
+        ``job.lost`` with what Slurm says of them."""
+        reports = _read_reports(round_dir, job.nnodes, wait=False)
+        ended = sorted((r["finished"], k) for k, r in reports.items() if r.get("finished"))
+        if not ended:
+            return False
+        now = time.monotonic()
+        job.first_end_seen = job.first_end_seen or now
+        if now - job.first_end_seen < PEER_LOST_S:
+            return False
+        hosts = self._hostnames(job.nodelist)
+        first = reports[ended[0][1]].get("slurm_node") or f"node {ended[0][1]}"
+        for k in range(job.nnodes):
+            if not reports.get(k, {}).get("finished"):
+                host = reports.get(k, {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
+                state = next((n.get("State", "") for n in self.node_states(host)), "") or "unknown"
+                job.lost[k] = (
+                    f"node {host} lost: its launcher had not ended {PEER_LOST_S:g} s after {first}'s (Slurm's node state: {state})"
+                )
+        return bool(job.lost)
+
+    def _cancel(self, job: Job, why: str) -> None:
+        if job.cancelled_by_harness is None:
+            job.cancelled_by_harness = why
+            job.state_at_cancel = f"{job.state} ({job.reason})" if job.reason and job.reason != "None" else job.state
+        target = [job.job_id] if job.job_id else [f"--name={job.name}"]
+        self._run(["scancel", *target], timeout=60)
+
+    def _alive(self, job: Job) -> bool:
+        target = ["--jobs", job.job_id] if job.job_id else ["--name", job.name]
+        proc = self._run(["squeue", "--noheader", "--format=%i %T", *target], timeout=30)
+        return proc.returncode == 0 and bool(proc.stdout.strip())
+
+    def _wait_gone(self, job: Job, limit: float = GONE_WAIT_S) -> None:
+        """Until squeue no longer lists the job (its steps and processes are gone), or one of
+        its nodes no longer answers the controller (its slurmd gone: the job would stay
+        COMPLETING until Slurm marks the node down), which is said, naming the node."""
+        start = time.monotonic()
+        while self._alive(job) and time.monotonic() < start + limit and not job.silent_nodes:
+            if time.monotonic() - start > SILENT_CHECK_AFTER_S and job.cancelled_by_harness is None:
+                self._check_silent(job)
+            time.sleep(min(self.conf.poll_interval_s, 0.5))
+        job.gone_at = time.time()
+        if job.ended_at is None:
+            job.ended_at = job.gone_at
+        self._show(job)
+
+    def _outcomes(self, plan: Plan, job: Job, round_dir: Path) -> list[NodeOutcome]:
+        hosts = self._hostnames(job.nodelist)
+        reports = _read_reports(round_dir, job.nnodes, wait=job.state == "COMPLETED")
+        started = [r["started"] for r in reports.values() if r.get("started")]
+        finished = [r["finished"] for r in reports.values() if r.get("finished")]
+        job.nodes_started_at = min(started) if started else None
+        job.nodes_finished_at = max(finished) if finished else None
+        job.first_step_at = _first_step_time(round_dir)
+        batch_out = round_dir / "slurm" / f"job-{job.job_id}.out"
+        outcomes = []
+        for k in range(job.nnodes):
+            rep = reports.get(k)
+            host = (rep or {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
+            rc = rep.get("returncode") if rep else None
+            extra = {
+                "slurm_job_id": job.job_id,
+                "slurm_state": job.state,
+                "slurm_reason": job.reason,
+                "slurm_exit_code": job.exit_code,
+                "slurm_node": host,
+            }
+            if job.shared_with:  # beside the round's figures: they are not of whole nodes
+                extra[SHARED_KEY] = [f"Slurm job {i}" for i in sorted(job.shared_with, key=int)]
+            error, timed_out = None, False
+            if k in job.lost:
+                error, extra[causes.LOST_KEY] = f"{job.lost[k]}; Slurm job {job.job_id} cancelled", True
+            elif job.lost:
+                error = None  # stopped because the lost node's ranks were gone: its exit status says so
+            elif job.unavailable:
+                error = f"Slurm job {job.job_id} can never start: {job.unavailable}; cancelled"
+            elif job.launch_failure:
+                error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"
+            elif rep is not None and rep.get("error"):  # the node wrapper said why it stopped
+                error = f"{rep['error']} (Slurm job {job.job_id})"
+            elif job.cancelled_by_harness == "aborted":
+                error = f"{self.aborted} (Slurm job {job.job_id} cancelled)"
+            elif job.cancelled_by_harness == "round deadline":
+                timed_out = True
+                if job.running_at is None:
+                    error = f"Slurm job {job.job_id} still {job.state_at_cancel} when the round deadline passed; cancelled"
+            elif job.state == "TIMEOUT":
+                timed_out = True
+                error = f"Slurm job {job.job_id} reached its time limit {job.time_limit or self.conf.time_limit} (TIMEOUT)"
+            elif job.state == "CANCELLED":
+                error = f"Slurm job {job.job_id} was CANCELLED outside the harness"
+            elif job.state in ENDED_BY_SLURM:
+                error = f"Slurm job {job.job_id} ended {job.state} (reason {job.reason})"
+            elif rep is None:
+                error = _no_report(job, k, host, plan.run_dir, batch_out)
+            elif rc is None:
+                error = f"node report says it never finished (job {job.job_id} {job.state})"
+            outcomes.append(NodeOutcome(host, k, rc, timed_out, round_dir / f"node{k}", error, extra))
+        return outcomes
+
+    def _hostnames(self, nodelist: str) -> list[str]:
+        if not nodelist:
+            return []
+        proc = self._run(["scontrol", "show", "hostnames", nodelist], timeout=30)
+        return proc.stdout.split() if proc.returncode == 0 else []
+
+    # ------------------------------------------------------------------ facts and teardown
+
+    def describe(self) -> dict[str, Any]:
+        c = self.conf
+        return {
+            "slurm": {
+                "partition": c.partition,
+                "account": c.account,
+                "time_limit": c.time_limit,
+                "container_runtime": c.container_runtime,
+                "image": c.image,
+                "exclusive": c.exclusive,
+                "node_python": self.node_python,
+                "jobs": [j.summary() for j in self.jobs if j.job_id],
+            },
+            "leftovers_removed": list(self.notes),
+        }
+
+    def host_memory(self) -> dict[str, int]:
+        return {}  # the nodes are known once the job runs: not checked before
+
+    def running_since(self) -> float | None:
+        job = next((j for j in reversed(self.jobs) if j.gone_at is None), None)
+        if job is None or job.running_at is None:
+            return float("inf")  # queued: the startup clock has not started
+        return job.running_at
+
+    def note(self) -> str | None:
+        """The round's job: "Slurm job 57 PENDING (Resources)", "Slurm job 57 RUNNING on n[1-2]"."""
+        job = next((j for j in reversed(self.jobs) if j.job_id and j.gone_at is None), None)
+        if job is None:
+            return None
+        text = f"Slurm job {job.job_id} {job.state}"
+        if job.state in WAITING and job.reason and job.reason != "None":
+            text += f" ({job.reason})"
+        elif job.state in ACTIVE and job.nodelist:
+            text += f" on {job.nodelist}"
+        return text
+
+    def cleanup(self) -> None:
+        for job in self.jobs:
+            if job.gone_at is None and self._alive(job):
+                self._cancel(job, "cleanup")
+                self._wait_gone(job, limit=30.0)
+
+
+COMMENT_TAG = "flagbench"
+
+
+def submitter_comment(run_id: str) -> str:
+    """A job's comment: who follows it ("flagbench submitter=HOST:PID run=RUN_ID")."""
+    return f"{COMMENT_TAG} submitter={socket.gethostname()}:{os.getpid()} run={run_id}"
+
+
+def parse_comment(comment: str) -> tuple[str, int, str] | None:
+    """(host, pid, run id) of a ``submitter_comment``; None for any other comment."""
+    m = re.fullmatch(rf"{COMMENT_TAG} submitter=(\S+):(\d+) run=(\S+)", comment.strip())
+    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def _alive_pid(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_jobs(cluster: ClusterConfig) -> list[str]:
+    """``start_task.py --cluster FILE --cleanup`` for a Slurm cluster: the jobs of runs whose
+    start_task.py is gone, cancelled (``SlurmRuntime.cancel_orphans``)."""
+    rt = SlurmRuntime(cluster)
+    missing = [c for c in CLIENTS if shutil.which(c) is None]
+    if missing:
+        raise InputError(f"backend slurm: {', '.join(missing)} not found on this host (Slurm client commands)")
+    rt._check_conf()
+    line = rt.cancel_orphans()
+    return [line] if line else []
+
+
+def finish_abandoned(run_dir: Path, job_id: str) -> None:
+    """The results.json of a run whose start_task.py died while its job ran: finished as
+    failed, saying so, when it still says running (another run's or a finished file is kept)."""
+    from run_benchmarks.judging import results, typed_results
+
+    path = run_dir / "results.json"
+    try:
+        res = typed_results.load(path)
+    except Exception:  # no such file, or not a results.json: nothing of ours to finish
+        return
+    if res.finished or res.status != "running":
+        return
+    error = f"start_task.py ended without finishing the run; its Slurm job {job_id} was cancelled by --cleanup"
+    results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now_iso()}), run_dir)
+
+
+def _now_iso() -> str:
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def _venv_home(env: Path) -> Path | None:
+    """The installation a virtualenv was made from (``home`` in pyvenv.cfg), one level up from bin."""
+    cfg = env / "pyvenv.cfg"
+    if not cfg.is_file():
+        return None
+    for line in cfg.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "home":
+            return Path(value.strip()).parent
+    return None
+
+
+def _read_reports(round_dir: Path, nnodes: int, wait: bool) -> dict[int, dict[str, Any]]:
+    end = time.monotonic() + (REPORT_WAIT_S if wait else 0.0)
+    while True:
+        reports = {}
+        for k in range(nnodes):
+            try:
+                reports[k] = json.loads((round_dir / f"node{k}" / "node.json").read_text())
+            except (OSError, ValueError):
+                pass
+        if len(reports) == nnodes or time.monotonic() >= end:
+            return reports
+        time.sleep(0.2)
+
+
+def _no_report(job: Job, k: int, host: str, run_dir: Path, batch_out: Path) -> str:
+    lines = batch_out.read_text(errors="replace").splitlines()[-TAIL:] if batch_out.is_file() else []
+    text = "\n".join(lines)
+    if not batch_out.is_file() or job.exit_code.startswith(f"{EXIT_NO_SPEC}:") or "filesystem shared by" in text:
+        hint = (
+            f"; nothing came back from {host}: the run directory {run_dir} must be on a filesystem "
+            "shared by this host and every node (docs/slurm.md)"
+        )
+    elif job.exit_code.startswith(f"{EXIT_BAD_ALLOCATION}:"):
+        hint = "; the allocation did not match the plan (one task per node)"
+    else:
+        hint = ""
+    tail = f"\n{batch_out.name}:\n{text}" if text else ""
+    return f"no report from node {k} (Slurm job {job.job_id} {job.state}, exit code {job.exit_code}){hint}{tail}"
+
+
+def launch_failure(batch_out: Path) -> str | None:
+    """srun's word that it could not start the step on a node, as one line, or None."""
+    try:
+        text = batch_out.read_text(errors="replace")
+    except OSError:
+        return None
+    task = TASK_LAUNCH_FAILED.search(text)
+    if task:
+        return f"srun could not launch on node {task.group(1)} ({task.group(2).strip()}): is slurmd running there?"
+    app = APP_LAUNCH_FAILED.search(text)
+    return f"srun: Application launch failed ({app.group(1).strip()})" if app else None
+
+
+def _first_step_time(round_dir: Path) -> float | None:
+    ranks = round_dir / "node0" / "ranks"
+    files = [p for p in ranks.rglob("*") if p.is_file()] if ranks.is_dir() else []
+    times = [r.t for f in files for r in ml.parse_file(f).of(ml.EV_STEP, ml.K_TRAIN_STEP)]
+    return min(times) if times else None

@@ -1,0 +1,3 @@
+"""Tools: vendor and case scaffolds, the vendor folder check, and the kernel ceiling.
+Imports any stage below it.
+"""

@@ -30,7 +30,7 @@ It also keeps a watch on each call: where the harness sets ``FB_STALL_TIMEOUT_S`
 seconds has every thread's stack written to ``FB_STACKS_DIR/rank<RANK>.txt`` (by a thread of
 its own, in faulthandler's format; faulthandler itself only where the call holds the
 interpreter lock: :class:`StallWatch`). The harness stops a round whose ranks report nothing
-for that long and names, from these files, where each rank waited (run_benchmarks/causes.py).
+for that long and names, from these files, where each rank waited (run_benchmarks/running/causes.py).
 
 Case modules are imported by their package path, ``cases.<family>.<framework>.<module>``
 (the repository root is on ``PYTHONPATH``); :func:`isolate` takes the entry point's own

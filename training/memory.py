@@ -5,7 +5,7 @@ FLOPs counter. The harness checks the bound before anything starts: a layout who
 alone leave no room on the device (or, with offload, on the host) is refused with the
 figures, instead of dying minutes later with an out-of-memory error or a SIGKILL.
 Activations, communication buffers, the framework's workspace and the CUDA context come on
-top, which is why the limits in run_benchmarks/plan.py stay below the full capacity.
+top, which is why the limits in run_benchmarks/planning/plan.py stay below the full capacity.
 
 Mixed-precision Adam throughout: bf16/fp16 weights (2 bytes), fp32 master weights (4) and two
 fp32 moments (8). Frozen parameters (LLaVA's vision tower) hold weights only. Standard

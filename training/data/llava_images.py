@@ -1,6 +1,6 @@
 """LLaVA images read before launch: each one's header decoded (Pillow's ``verify``) and its bytes hashed.
 
-Pillow is imported where it is used: the host's pre-launch check (``run_benchmarks/datacheck.py``)
+Pillow is imported where it is used: the host's pre-launch check (``run_benchmarks/planning/datacheck.py``)
 calls :func:`inspect` and the ranks never need this module.
 """
 

@@ -1,6 +1,6 @@
 """LLaVA's JSON schema, checked: the entries of a phase's file, their images, the tokenizer's size.
 
-Standard library only, so the host's pre-launch check (``run_benchmarks/datacheck.py``) and the
+Standard library only, so the host's pre-launch check (``run_benchmarks/planning/datacheck.py``) and the
 ranks' reader (``training.data.llava``) apply the same rules.  An entry is::
 
     {"id": "...", "image": "sub/dir/file.jpg",          # absent: a text-only entry

@@ -62,8 +62,8 @@ from run_benchmarks.running.runtimes import select
 from run_benchmarks.running.runtimes.base import stop_on_signals
 
 
-def describe(plan: planning.Plan, details: dict | None = None, judged_by: list[str] | None = None) -> str:
-    d = plan.to_json()
+def describe(plan: planning.Plan, rnd: planning.RoundPlan, details: dict | None = None, judged_by: list[str] | None = None) -> str:
+    d = plan.to_json(rnd)
     m, hw = d["model"], d["hardware"]
     lines = [
         f"case        {d['case']}  (vendor {d['vendor']}, config {d['config_name']}{'' if d['validated'] else ', not yet validated'})",
@@ -159,17 +159,27 @@ def crash_report(exc: BaseException, run_dir: Path | None) -> str:
     return f"error: unexpected {type(exc).__name__}" + (f": {lines[0]}" if lines else "") + f" ({where})"
 
 
+class Crashed(Exception):
+    """An unexpected error once the plan names the run folder, where its traceback goes."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(str(run_dir))
+        self.run_dir = run_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command line; an error nobody foresaw is one line and exit 3, never a traceback."""
-    run_dir: list[Path] = []  # the run folder, once the plan names it
     try:
-        return _main(argv, run_dir)
+        return _main(argv)
+    except Crashed as crash:
+        print(crash_report(crash.__cause__ or crash, crash.run_dir), file=sys.stderr)
+        return 3
     except Exception as exc:
-        print(crash_report(exc, run_dir[0] if run_dir else None), file=sys.stderr)
+        print(crash_report(exc, None), file=sys.stderr)
         return 3
 
 
-def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
+def _main(argv: list[str] | None) -> int:
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--nightly" or a.startswith("--nightly=") for a in argv):  # a run list: the nightly driver
@@ -193,41 +203,55 @@ def _main(argv: list[str] | None, run_dir: list[Path]) -> int:
     if any(a in ("--load-images", "--cleanup") or a.startswith("--load-images=") for a in argv):
         return host_command(argv)  # a cluster's hosts made ready or cleaned, no case run
     args = options.parser(__doc__).parse_args(argv)
-    console = Console(stderr=True)
     try:
         if args.json and not args.dry_run:
             raise InputError("--json is only valid with --dry-run")
         check_name(args.vendor, "vendor")
-        from run_benchmarks.judging import references
-        from run_benchmarks.planning import datacheck
-        from run_benchmarks.running import orchestrator
-
         code_version.sent_code_version()  # what results.json will name: a mistyped FLAGBENCH_CODE_VERSION is bad input, before anything runs
         cn = CaseName.parse(args.case_name)
         cluster = options.load_cluster(args)
         log_dir = Path(args.log_dir or cluster.log_dir or "logs").expanduser().resolve()
         plan = planning.build(
-            cn, args.vendor, cluster, log_dir, planning.check_variant(args.variant), args.sets, args.data_dir, args.recipe
-        )
-        plan.command = ["run_benchmarks/start_task.py", *argv]
-        run_dir.append(plan.run_dir)
-        plan.reference = planning.reference_files(args.reference)
-        plan.data = datacheck.check(plan)  # the data read whole: a bad file is bad input, before anything runs
+            cn,
+            args.vendor,
+            cluster,
+            log_dir,
+            planning.check_variant(args.variant),
+            args.sets,
+            args.data_dir,
+            args.recipe,
+            references=planning.reference_files(args.reference),
+            command=["run_benchmarks/start_task.py", *argv],
+        )  # the data read whole: a bad file is bad input, before anything runs
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run(plan, args, t0)
+    except Exception as exc:
+        raise Crashed(plan.run_dir) from exc
+
+
+def _run(plan: planning.Plan, args: argparse.Namespace, t0: float) -> int:
+    """The planned run: its references checked, then printed (--dry-run) or run round by round."""
+    from run_benchmarks.judging import references
+    from run_benchmarks.planning import datacheck
+    from run_benchmarks.running import orchestrator
+
+    console = Console(stderr=True)
+    try:
         for line in datacheck.describe(plan.data):
             console.print(line, markup=False)
         refs = references.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
         for note in references.reference_notes(refs):
             console.print(note, markup=False, soft_wrap=True)
+        runtime = select(plan.cluster, args.python)
         if args.dry_run:
-            runtime = select(cluster, args.python)
-            python, root = runtime.dry_prepare(plan)
-            plan.python = python
-            plan.nodes = runtime.node_plans(plan, python, root, plan.run_dir / "round1")
+            rnd = runtime.dry_round(plan)
             judged_by = references.judging(plan, refs)
-            out = {**plan.to_json(), "judged_by": judged_by, "runtime_details": runtime.dry_run_details(plan)}
-            print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, out["runtime_details"], judged_by))
+            out = {**plan.to_json(rnd), "judged_by": judged_by, "runtime_details": runtime.dry_run_details(plan, rnd)}
+            print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, rnd, out["runtime_details"], judged_by))
             return 0
-        runtime = select(cluster, args.python)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -187,3 +187,35 @@ def test_the_plan_names_the_reference_that_will_judge_each_phase(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "gives llama3_tiny no such recipe (it has: standard)" in proc.stderr, proc.stderr
+
+
+def test_start_task_and_a_run_list_build_one_frozen_plan_alike(tmp_path):
+    """One function builds the plan for start_task.py and for a nightly run list: the same case
+    planned both ways has the same settings, data, references and command; the plan cannot be
+    changed once built, and each round's nodes and interpreter belong to the round's own plan."""
+    import dataclasses
+
+    from run_benchmarks.nightly import driver
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning.casename import CaseName
+    from run_benchmarks.planning.config import ClusterConfig
+
+    ref = ROOT / "cases/llama3/megatron/reference/llama3_tiny/standard.json"
+    runlist = tmp_path / "night.yaml"
+    runlist.write_text(
+        f"cases:\n  - {{case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 1, sets: ['train.steps=24'], reference: {ref}}}\n"
+    )
+    (night,) = driver.prepare(runlist, log_dir=str(tmp_path / "logs")).jobs
+    argv = ["--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2:1", "--set", "train.steps=24", "--reference", str(ref)]
+    here = dry(*argv, "--log-dir", str(tmp_path / "logs"), cwd=tmp_path)
+    there = night.plan.to_json()
+    for key in ("settings", "data", "reference", "overrides", "user_overrides", "memory", "config_file", "recipe"):
+        assert there[key] == here[key], key
+    assert there["command"] == ["run_benchmarks/start_task.py", *argv]  # the command that plans it again
+    assert here["nodes"] and here["python"] and there["nodes"] == [] and there["python"] == ""  # rounds own them
+
+    plan = planning.build(CaseName.parse("llama3_tiny:megatron:cpu:1:2"), "cpu", ClusterConfig(), tmp_path)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.data = None
+    assert plan.data == {"train": {"kind": "synthetic", "fingerprint": "synthetic"}}
+    assert plan.command == ["run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2:1"]

@@ -34,7 +34,7 @@ from run_benchmarks.judging import references, typed_results
 from run_benchmarks.judging.typed_results import RunResults, environment_changes, recorded_environment
 from run_benchmarks.nightly import history
 from run_benchmarks.nightly.runlist import RunList, RunListEntry, Tolerances, parse_runlist
-from run_benchmarks.planning import code_version, datacheck
+from run_benchmarks.planning import code_version
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.casename import CaseName
 from run_benchmarks.planning.config import ClusterConfig, cluster_with, load, parse_duration
@@ -92,10 +92,8 @@ def prepare(
     for i, e in enumerate(rl.cases):
         cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
         try:
-            plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets), recipe=e.recipe)
-            plan.reference = planning.reference_files(e.reference, base, "reference")
-            plan.command = planning.command_line(plan, e.variant, list(e.sets), [str(p) for p in plan.reference])
-            plan.data = datacheck.check(plan)  # its data read whole, as start_task.py does: bad data is bad input
+            refs_given = planning.reference_files(e.reference, base, "reference")
+            plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets), recipe=e.recipe, references=refs_given)
             refs = references.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
             raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None

@@ -1,6 +1,9 @@
-"""Planning: from a case name, a vendor and a cluster to what each node runs.
+"""The plan: from a case name, a vendor and a cluster to what each node runs.
 
-Nothing here executes anything; ``--dry-run`` prints the plan.
+``build`` makes a run's ``Plan`` once, frozen: settings, layout, phases, the data read whole,
+the reference files given, the command that re-runs it. Each round's ``RoundPlan`` (the nodes'
+commands, the interpreter on them) is made when the round starts. Nothing here executes
+anything; ``--dry-run`` prints the plan.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from run_benchmarks.planning.config import STANDARD_RECIPE, CaseConfig, ClusterC
 from run_benchmarks.planning.launchers import LAUNCHERS, LaunchSpec
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class NodePlan:
     host: str
     address: str
@@ -33,7 +36,18 @@ class NodePlan:
     leftovers: list[str] = dataclasses.field(default_factory=list)  # glob patterns removed after the round
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundPlan:
+    """One round as planned when it starts: its folder, the interpreter on the nodes and each
+    node's launcher command."""
+
+    number: int
+    dir: Path
+    python: str
+    nodes: tuple[NodePlan, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     run_id: str
     case: CaseName
@@ -54,8 +68,6 @@ class Plan:
     counts: dict[str, dict[str, Any]]  # phase -> params and FLOPs per token
     hardware: dict[str, Any]
     run_dir: Path
-    python: str  # interpreter on the nodes ("" until the runtime resolves it)
-    nodes: list[NodePlan] = dataclasses.field(default_factory=list)
     # --reference: compare the loss with this curve instead of the committed one; several: with their mean
     reference: list[Path] = dataclasses.field(default_factory=list)
     command: list[str] = dataclasses.field(default_factory=list)  # the start_task.py arguments, to re-run it
@@ -79,8 +91,10 @@ class Plan:
             self.case, self.config_name, self.model, self.settings, self.vendor, self.hook, self.run_id, round_no, output_dir, cache_dir
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, rnd: RoundPlan | None = None) -> dict[str, Any]:
+        """The plan as JSON; with a round's plan, its interpreter and nodes too (plan.json, --dry-run)."""
         first = self.phases[0]
+        nodes = rnd.nodes if rnd else ()
         return {
             "run_id": self.run_id,
             "case": str(self.case),
@@ -92,9 +106,9 @@ class Plan:
             "backend": self.cluster.backend,
             "runtime": "local" if self.cluster.backend == "local" else self.cluster.runtime,
             "launcher": self.launcher,
-            "python": self.python,
-            "hosts": [{"name": n.host, "address": n.address} for n in self.nodes],
-            "nodes": [dataclasses.asdict(n) for n in self.nodes],
+            "python": rnd.python if rnd else "",
+            "hosts": [{"name": n.host, "address": n.address} for n in nodes],
+            "nodes": [dataclasses.asdict(n) for n in nodes],
             "settings": self.settings,
             "overrides": self.overrides,
             "user_overrides": self.user_overrides,
@@ -362,7 +376,14 @@ def build(
     sets: list[str] | None = None,
     data_dir: str | None = None,
     recipe: str = STANDARD_RECIPE,
+    references: list[Path] | None = None,
+    command: list[str] | None = None,
 ) -> Plan:
+    """The run's plan, the one way start_task.py and a nightly run list make it: the case and the
+    vendor's config resolved with ``sets`` on the ``recipe``, the cluster checked against the case,
+    the data read whole (datacheck.check), ``references`` (--reference files, absolute) and
+    ``command`` (the arguments that re-run it; None: made from the others). InputError, naming the
+    file or field, for anything wrong; nothing is written."""
     vendor = registry.load_vendor(vendor_name)
     entry = registry.find_case(cn)
     check_chip(vendor, cn)  # before the config's path: the chip is the clearer cause
@@ -383,7 +404,7 @@ def build(
         settings["data"].setdefault("data_dir", None)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     run_id = f"{cn.model}_{cn.framework}_{cn.size}_{stamp}"
-    return Plan(
+    plan = Plan(
         run_id=run_id,
         case=cn,
         vendor=vendor,
@@ -405,8 +426,11 @@ def build(
         memory=r.memory,
         recipe=r.recipe,
         run_dir=log_dir / run_id,
-        python="",
+        reference=list(references or []),
     )
+    if command is None:
+        command = command_line(plan, variant, list(sets or []), [str(p) for p in plan.reference])
+    return dataclasses.replace(plan, command=list(command), data=datacheck.check(plan))
 
 
 def allocator_options(vendor: VendorConfig, parallel: dict[str, Any], source: str = "") -> dict[str, str]:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,11 @@ def _failed_rank_tail(outcome: NodeOutcome) -> str:
     return f"{outcome.node_dir.name}/stdout.log:\n{tail(outcome.node_dir / 'stdout.log')}"
 
 
-def _used_gpus(plan: Plan, node_rank: int) -> set[int] | None:
+def _used_gpus(plan: Plan, nodes: Sequence[planning.NodePlan], node_rank: int) -> set[int] | None:
     """The device indices a node's ranks used: those its visible-devices variable names, else the
     first ``nprocs`` (one per local rank); None (all) when the variable names them otherwise."""
     var = plan.vendor.visible_devices_env
-    env = next((n.env for n in plan.nodes if n.node_rank == node_rank), {})
+    env = next((n.env for n in nodes if n.node_rank == node_rank), {})
     value = env.get(var) if var else None
     if value is None and var and plan.cluster.backend == "local":
         value = os.environ.get(var)
@@ -198,15 +199,21 @@ def _process_errors(
 
 
 def evaluate_round(
-    plan: Plan, round_no: int, outcomes: list[NodeOutcome], started: float, references: dict[str, Reference | None] | None = None
+    plan: Plan,
+    round_no: int,
+    outcomes: list[NodeOutcome],
+    started: float,
+    references: dict[str, Reference | None] | None = None,
+    nodes: Sequence[planning.NodePlan] = (),
 ) -> RoundResult:
-    """A round's result from its logs: every phase's figures and loss gate, and the round's status."""
+    """A round's result from its logs: every phase's figures and loss gate, and the round's status
+    (``nodes``: the round's node plans, whose environment names the devices each node used)."""
     parsed = ml.ParsedLog([], [])
     for o in outcomes:
         for f in metric_files(o.node_dir):
             parsed.extend(ml.parse_file(f))
     references = load_references(plan) if references is None else references
-    monitor_nodes = [(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, o.node_rank)) for o in outcomes]
+    monitor_nodes = [(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, nodes, o.node_rank)) for o in outcomes]
     phases = [_phase_result(plan, parsed, ph, references[ph], monitor_nodes) for ph in plan.phases]
     devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
     monitors = {o.node_rank: monitor_summary(o.node_dir / "monitor.jsonl") for o in outcomes}
@@ -327,7 +334,6 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
     try:
         with console.status(f"preparing {plan.case.framework} environment"):
             python, root = runtime.prepare(plan, run_dir / "env_build.log")
-        plan.python = python
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
@@ -335,18 +341,17 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         for r in range(1, plan.case.repeat + 1):
             round_dir = run_dir / f"round{r}"
             round_dir.mkdir(parents=True, exist_ok=True)
-            nodes = runtime.node_plans(plan, python, root, round_dir)
-            plan.nodes = nodes
+            rnd_plan = planning.RoundPlan(r, round_dir, python, tuple(runtime.node_plans(plan, python, root, round_dir)))
             (round_dir / "resolved.json").write_text(
                 json.dumps(plan.resolved(r, str(round_dir / "output"), str(_cache_dir(plan, root))), indent=2)
             )
-            for name, text in nodes[0].files.items():  # launcher files (e.g. DeepSpeed's hostfile)
+            for name, text in rnd_plan.nodes[0].files.items():  # launcher files (e.g. DeepSpeed's hostfile)
                 (round_dir / name).write_text(text)
-            (round_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2, default=str))
+            (round_dir / "plan.json").write_text(json.dumps(plan.to_json(rnd_plan), indent=2, default=str))
             started = time.monotonic()
             begin = t0 if r == 1 else time.time()
-            outcomes = _watched_round(plan, runtime, console, r, round_dir, nodes)
-            rnd = evaluate_round(plan, r, outcomes, started, references)
+            outcomes = _watched_round(plan, runtime, console, rnd_plan)
+            rnd = evaluate_round(plan, r, outcomes, started, references, rnd_plan.nodes)
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
@@ -387,12 +392,11 @@ PLAIN_EVERY_S = float(os.environ.get("FLAGBENCH_PROGRESS_EVERY_S", "60"))
 STACKS_GRACE_S = 10.0
 
 
-def _watched_round(
-    plan: Plan, runtime: Runtime, console: Console, r: int, round_dir: Path, nodes: list[planning.NodePlan]
-) -> list[NodeOutcome]:
+def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning.RoundPlan) -> list[NodeOutcome]:
     """``runtime.run_round`` with a live line: the runtime's note (a Slurm job's id, state and
     pending reason), the newest step (k of n, tokens/p/s, loss) and the time so far."""
-    title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(nodes)} node(s)"
+    r, round_dir = rnd.number, rnd.dir
+    title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(rnd.nodes)} node(s)"
     steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
     t0, begun = time.monotonic(), time.time()
     shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None}
@@ -438,7 +442,7 @@ def _watched_round(
         watch = progress.Watch(tick, PROGRESS_EVERY_S)
         watch.start()
         try:
-            return runtime.run_round(plan, round_dir, nodes, plan.cluster.round_timeout_s)
+            return runtime.run_round(plan, rnd, plan.cluster.round_timeout_s)
         finally:
             watch.stop()
             if not console.is_terminal:

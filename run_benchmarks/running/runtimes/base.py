@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from run_benchmarks.planning.plan import NodePlan, Plan
+    from run_benchmarks.planning.plan import NodePlan, Plan, RoundPlan
 
 
 @dataclasses.dataclass
@@ -57,10 +57,19 @@ class Runtime:
 
         return plan_nodes(plan, python, root, round_dir)
 
-    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+    def run_round(self, plan: Plan, rnd: RoundPlan, timeout_s: float) -> list[NodeOutcome]:
+        """Run the round's node commands and bring their logs into ``rnd.dir``."""
         raise NotImplementedError
 
-    def dry_run_details(self, plan: Plan) -> dict[str, Any]:
+    def dry_round(self, plan: Plan) -> RoundPlan:
+        """The first round as it would be planned, without touching anything (for --dry-run)."""
+        from run_benchmarks.planning.plan import RoundPlan
+
+        python, root = self.dry_prepare(plan)
+        first = plan.run_dir / "round1"
+        return RoundPlan(1, first, python, tuple(self.node_plans(plan, python, root, first)))
+
+    def dry_run_details(self, plan: Plan, rnd: RoundPlan | None = None) -> dict[str, Any]:
         """What --dry-run shows beyond the node commands (a batch script, submit lines); runs nothing."""
         return {}
 

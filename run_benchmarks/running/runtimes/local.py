@@ -20,7 +20,7 @@ from typing import IO, Any
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning.config import ClusterConfig
 from run_benchmarks.planning.envs import env_dir, framework_python, python_of
-from run_benchmarks.planning.plan import NodePlan, Plan
+from run_benchmarks.planning.plan import Plan, RoundPlan
 from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.running.monitors import MonitorThread
 from run_benchmarks.running.node_agent import descendants, kill_all, remove_leftovers
@@ -216,7 +216,8 @@ class LocalRuntime(Runtime):
         py = framework_python(plan.vendor.name, plan.case.framework, self.python_override, log)
         return str(py), ROOT
 
-    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+    def run_round(self, plan: Plan, rnd: RoundPlan, timeout_s: float) -> list[NodeOutcome]:
+        round_dir, nodes = rnd.dir, list(rnd.nodes)
         started = time.monotonic()
         self.aborted = None
         outcomes: list[NodeOutcome] = []

@@ -32,7 +32,7 @@ from typing import Any
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning.config import ClusterConfig, HostConfig, SlurmConfig
 from run_benchmarks.planning.envs import env_dir, framework_python, python_of
-from run_benchmarks.planning.plan import NodePlan, Plan, plan_nodes
+from run_benchmarks.planning.plan import NodePlan, Plan, RoundPlan, plan_nodes
 from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.running import causes
 from run_benchmarks.running.causes import SHARED_KEY
@@ -352,10 +352,9 @@ class SlurmRuntime(Runtime):
             ]
         )
 
-    def dry_run_details(self, plan: Plan) -> dict[str, Any]:
-        round_dir = plan.run_dir / "round1"
-        python = plan.python or self.dry_prepare(plan)[0]
-        nodes = self.node_plans(plan, python, ROOT, round_dir)
+    def dry_run_details(self, plan: Plan, rnd: RoundPlan | None = None) -> dict[str, Any]:
+        rnd = rnd or self.dry_round(plan)
+        round_dir, python, nodes = rnd.dir, rnd.python, list(rnd.nodes)
         return {
             "backend": "slurm",
             "sbatch": self.sbatch_argv(plan, round_dir),
@@ -370,9 +369,8 @@ class SlurmRuntime(Runtime):
 
     # ------------------------------------------------------------------ a round
 
-    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
-        python, root = plan.python, Path(nodes[0].cwd) if nodes else ROOT
-        planned = self.node_plans(plan, python, root, round_dir)
+    def run_round(self, plan: Plan, rnd: RoundPlan, timeout_s: float) -> list[NodeOutcome]:
+        round_dir, python, planned = rnd.dir, rnd.python, list(rnd.nodes)
         slurm_dir = round_dir / "slurm"
         slurm_dir.mkdir(parents=True, exist_ok=True)
         for n in planned:  # the layout the orchestrator reads, even if a node never writes

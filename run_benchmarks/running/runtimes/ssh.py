@@ -36,7 +36,7 @@ from typing import Any
 
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning.config import ClusterConfig, HostConfig
-from run_benchmarks.planning.plan import NodePlan, Plan, plan_nodes
+from run_benchmarks.planning.plan import NodePlan, Plan, RoundPlan, plan_nodes
 from run_benchmarks.planning.registry import ROOT, VENDORS_DIR
 from run_benchmarks.running.causes import LOST_KEY
 from run_benchmarks.running.remote.errors import RemoteCommandFailed, RemoteError
@@ -527,7 +527,8 @@ class SSHRuntime(Runtime):
         if errors:
             raise errors[0]
 
-    def run_round(self, plan: Plan, round_dir: Path, nodes: list[NodePlan], timeout_s: float) -> list[NodeOutcome]:
+    def run_round(self, plan: Plan, rnd: RoundPlan, timeout_s: float) -> list[NodeOutcome]:
+        round_dir, nodes = rnd.dir, list(rnd.nodes)
         t0 = time.monotonic()
         self.aborted = None
         deadline = t0 + timeout_s

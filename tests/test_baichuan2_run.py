@@ -50,7 +50,7 @@ def resolved(tmp: Path, **over) -> dict:
         "global_batch": 16,
         "micro_batch": 4,
         "gradient_accumulation_steps": None,
-        "precision": "bf16",
+        "precision": "fp32",
         "lr": 1.0e-3,
         "min_lr": 1.0e-4,
         "lr_warmup_steps": 3,
@@ -160,7 +160,7 @@ def test_tiny_zero3_two_processes(standard):
     assert m["world_size"] == 2 and m["parallel"]["dp"] == 2
     assert m["zero_stage"] == 3 and m["parallel"]["zero_stage"] == 3
     assert (m["global_batch"], m["micro_batch"], m["grad_accum"]) == (16, 4, 2)
-    assert m["precision"] == "bf16" and m["recompute"] == "full"
+    assert m["precision"] == "fp32" and m["recompute"] == "full"
     assert m["data"]["source"] == "synthetic"
     assert m["init_weights"]["parameters"] == 31 and m["init_weights"]["seconds"] > 0
 
@@ -168,7 +168,7 @@ def test_tiny_zero3_two_processes(standard):
     ds = json.loads((run.output / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization_stage"] == 3
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
-    assert ds["bf16"]["enabled"] is True
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
     assert ds["zero_optimization"]["reduce_bucket_size"] == 160 * 160  # null resolved from the hidden size
     (info,) = log.of("info", "ds_config")
     assert info.value["config"]["zero_optimization_stage"] == 3

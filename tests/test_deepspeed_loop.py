@@ -38,6 +38,22 @@ def loop():
 
 
 @needs_torch
+@pytest.mark.parametrize("precision, bf16, fp16", [("bf16", True, False), ("fp16", False, True), ("fp32", False, False)])
+def test_the_precision_reaches_deepspeeds_config(precision, bf16, fp16):
+    """The tiny cases train in fp32 on the CPU; the full-size ones in bf16: both reach DeepSpeed."""
+    from training import settings
+
+    cfg = {
+        "case": {"model": "m"},
+        "model": {"params_nominal": 1.0},
+        "train": {"steps": 1, "global_batch": 2, "micro_batch": 1, "precision": precision, "lr": 1e-3},
+        "parallel": {"zero": {"stage": 2}},
+    }
+    ds = loop().build_ds_config(settings.from_config(cfg, 2), 64)
+    assert (ds["bf16"]["enabled"], ds["fp16"]["enabled"]) == (bf16, fp16)
+
+
+@needs_torch
 def test_sizes_derived_and_stage3_keys_only_at_stage3():
     z = loop().zero_section(STANDARD_ZERO3, 128)
     assert z == {
@@ -117,4 +133,4 @@ def test_leaf_modules_counted_and_a_class_that_matches_nothing_refused():
 @pytest.mark.framework("deepspeed")
 @pytest.mark.skipif(torch is not None, reason="torch is importable here: the unit tests above ran in this interpreter")
 def test_units_in_framework_env():
-    assert "3 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)
+    assert "6 passed" in units_in_env("FB_TEST_DEEPSPEED_PYTHON", Path(__file__), timeout=300)

@@ -341,7 +341,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         for r in range(1, plan.case.repeat + 1):
             round_dir = run_dir / f"round{r}"
             round_dir.mkdir(parents=True, exist_ok=True)
-            rnd_plan = planning.RoundPlan(r, round_dir, python, tuple(runtime.node_plans(plan, python, root, round_dir)))
+            rnd_plan = runtime.round_plan(plan, r, round_dir, python, root)
             (round_dir / "resolved.json").write_text(
                 json.dumps(plan.resolved(r, str(round_dir / "output"), str(_cache_dir(plan, root))), indent=2)
             )

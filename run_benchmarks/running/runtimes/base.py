@@ -61,13 +61,16 @@ class Runtime:
         """Run the round's node commands and bring their logs into ``rnd.dir``."""
         raise NotImplementedError
 
-    def dry_round(self, plan: Plan) -> RoundPlan:
-        """The first round as it would be planned, without touching anything (for --dry-run)."""
+    def round_plan(self, plan: Plan, number: int, round_dir: Path, python: str, root: Path) -> RoundPlan:
+        """Round ``number`` as planned when it starts: each node's command, ``python`` and ``root`` there."""
         from run_benchmarks.planning.plan import RoundPlan
 
+        return RoundPlan(number, round_dir, python, tuple(self.node_plans(plan, python, root, round_dir)))
+
+    def dry_round(self, plan: Plan) -> RoundPlan:
+        """The first round as it would be planned, without touching anything (for --dry-run)."""
         python, root = self.dry_prepare(plan)
-        first = plan.run_dir / "round1"
-        return RoundPlan(1, first, python, tuple(self.node_plans(plan, python, root, first)))
+        return self.round_plan(plan, 1, plan.run_dir / "round1", python, root)
 
     def dry_run_details(self, plan: Plan, rnd: RoundPlan | None = None) -> dict[str, Any]:
         """What --dry-run shows beyond the node commands (a batch script, submit lines); runs nothing."""

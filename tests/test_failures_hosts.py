@@ -53,17 +53,32 @@ def _daemons_back(fc: netns.Cluster) -> Iterator[None]:
     """A test that stops a daemon and fails before starting it again leaves the next
     tests a host without it: they would fail for that, not for what they test."""
     yield
+    for p in _STARTED:  # a test that failed mid-run must not leave its run holding the hosts
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)  # as Ctrl-C: the harness stops what it started on the hosts
+            try:
+                p.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    _STARTED.clear()
     netns.restore(fc)
 
 
+_STARTED: list[subprocess.Popen[str]] = []
+
+
 def start(cfile: Path, log_dir: Path, *extra: str, case: str = CASE) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    p = subprocess.Popen(
         [sys.executable, START, "--vendor", "cpu", "--case_name", case, "--cluster", str(cfile), "--log-dir", str(log_dir), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=START.rsplit("/run_benchmarks", 1)[0],
+        start_new_session=True,  # its own process group, which _daemons_back can stop whole
     )
+    _STARTED.append(p)
+    return p
 
 
 def wait_training_on(host: netns.HostInfo, log_dir: Path, p: subprocess.Popen[str], timeout: float = 300) -> str:
@@ -382,7 +397,9 @@ def test_log_folder_filling_mid_run_fails_the_round_naming_it(fc, megatron_pytho
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,
     )
+    _STARTED.append(p)
     end = time.monotonic() + 300
     while not [r for r in set(runs.glob("*")) - before if list(r.rglob("node*/ranks/**/stdout.log"))]:
         assert p.poll() is None and time.monotonic() < end, p.communicate()

@@ -453,9 +453,19 @@ def stop_daemon(c: Cluster, name: str, daemon: str) -> None:
     again, stopped, when it starts), as a failing host would."""
     h, hdir = c.host(name), Path(c.dir) / "hosts" / name
     if daemon == "sshd":
-        for pid in _children(h.sshd_pid or 0):  # the sessions: one sshd per connection
-            _end(pid, "", timeout=5)
-        _end(h.sshd_pid, f"-f {hdir / 'sshd_config'}")
+        pid = h.sshd_pid
+        if not (pid and _alive(pid) and f"-f {hdir / 'sshd_config'}" in _cmdline(pid)):
+            return
+        # Stopped first, the daemon accepts no session while its sessions end (one sshd per
+        # connection); a session accepted between the two would outlive it, and the host
+        # would stay reachable through it.
+        os.kill(pid, signal.SIGSTOP)
+        while sessions := [c for c in _children(pid) if _alive(c)]:  # ended ones stay, unreaped
+            for session in sessions:
+                _end(session, "", timeout=5)
+        os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.05)
     elif daemon == "dockerd":
         # not TERM: a stopping engine still answers while it stops its containers, and the
         # harness would see them exit and remove them, a race a crash does not have

@@ -299,3 +299,45 @@ def test_a_slurmd_killed_mid_run_is_named(tmp_path: Path, slurm_cluster: SlurmTe
     (job,) = results(tmp_path)["runtime_info"]["slurm"]["jobs"]
     assert "node n2 has not confirmed" in job["silent_nodes"], job  # (n1 too, on a loaded host)
     assert job["teardown_s"] < 30, job  # not Slurm's 60 s
+
+
+@pytest.mark.framework("megatron")
+def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    """n2 crashes a few steps in and a health check sets it down at once: Slurm ends the job
+    NODE_FAIL long before the harness's own watch would call n2 lost. The round's error names
+    n2 first, with the state and reason Slurm gives, and n1 after it as stopped."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    proc = subprocess.Popen(
+        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+    def stepping() -> bool:
+        rd = run_dir(tmp_path)
+        logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
+        return any('"train_step"' in text for text in logs)
+
+    wait_for("the first step", stepping, proc)
+    victims = slurm_cluster.node_processes("n2")
+    try:
+        slurm_cluster.kill_node("n2")
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        down = ["scontrol", "update", "nodename=n2", "state=down", "reason=fan failure"]
+        subprocess.run(down, env=slurm_cluster.env(), check=True, timeout=30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        slurm_cluster.restart_node("n2")
+    assert proc.returncode == 1, out
+    res = results(tmp_path)
+    (job,) = res["runtime_info"]["slurm"]["jobs"]
+    assert job["state"] == "NODE_FAIL" and job["cancelled_by_harness"] is None, (job, out)
+    assert list(job["failed_nodes"]) == ["n2"], job
+    (rnd,) = res["rounds"]
+    lines = rnd["error"].splitlines()
+    lead = rf"node1 \(n2\): Slurm job {job['job_id']} ended NODE_FAIL: node n2 is \S*DOWN\S* \(reason: fan failure.*\)"
+    assert re.fullmatch(lead, lines[0]), lines
+    assert f"node0 (n1): stopped: Slurm job {job['job_id']} ended NODE_FAIL for node n2" in lines[1:], lines
+    assert_nothing_left(slurm_cluster, res["run_id"])

@@ -107,6 +107,9 @@ class Job:
     req_nodes: str = ""  # the nodes it asked for (ReqNodeList)
     first_end_seen: float | None = None  # monotonic: when a node's launcher was first seen ended
     lost: dict[int, str] = dataclasses.field(default_factory=dict)  # node rank -> why it counts as lost
+    #: ended NODE_FAIL: the job's nodes out of service when that was seen, each with Slurm's
+    #: state and reason (a node whose slurmd answers is back in service soon after)
+    failed_nodes: dict[str, str] | None = None
     shared_with: set[str] = dataclasses.field(default_factory=set)  # other jobs seen running on its nodes
     silent_nodes: str | None = None  # its nodes that stopped answering the controller while it ended
     completing_since: float | None = None  # monotonic: first seen COMPLETING
@@ -126,6 +129,7 @@ class Job:
             "batch_host": self.batch_host,
             "time_limit": self.time_limit,
             "cancelled_by_harness": self.cancelled_by_harness,
+            "failed_nodes": self.failed_nodes,
             "state_at_cancel": self.state_at_cancel or None,
             "launch_failure": self.launch_failure,
             "unavailable": self.unavailable,
@@ -415,6 +419,8 @@ class SlurmRuntime(Runtime):
             return  # a controller hiccup: read it again next time
         info = parse_show_job(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
         job.state = info.get("JobState", job.state)
+        if job.state == "NODE_FAIL" and job.failed_nodes is None:
+            job.failed_nodes = self._out_of_service(self._hostnames(job.nodelist or info.get("NodeList", "")))
         job.reason = info.get("Reason", job.reason)
         job.exit_code = info.get("ExitCode", job.exit_code)
         job.time_limit = info.get("TimeLimit", job.time_limit)
@@ -546,8 +552,20 @@ class SlurmRuntime(Runtime):
             job.ended_at = job.gone_at
         self._show(job)
 
+    def _out_of_service(self, hosts: list[str]) -> dict[str, str]:
+        """Those of ``hosts`` out of service now, each with what Slurm says of it
+        ("DOWN+NOT_RESPONDING (reason: ...)")."""
+        if not hosts:
+            return {}
+        said = {}
+        for n in self.node_states(",".join(hosts)):
+            if set(re.split(r"[+*~#$@%!^-]", n.get("State", ""))) & OUT_OF_SERVICE:
+                said[n.get("NodeName", "")] = n.get("State", "") + (f" (reason: {n['Reason']})" if n.get("Reason") else "")
+        return said
+
     def _outcomes(self, plan: Plan, job: Job, round_dir: Path) -> list[NodeOutcome]:
         hosts = self._hostnames(job.nodelist)
+        failed = job.failed_nodes or {}
         reports = _read_reports(round_dir, job.nnodes, wait=job.state == "COMPLETED")
         started = [r["started"] for r in reports.values() if r.get("started")]
         finished = [r["finished"] for r in reports.values() if r.get("finished")]
@@ -591,6 +609,10 @@ class SlurmRuntime(Runtime):
                 error = f"Slurm job {job.job_id} reached its time limit {job.time_limit or self.conf.time_limit} (TIMEOUT)"
             elif job.state == "CANCELLED":
                 error = f"Slurm job {job.job_id} was CANCELLED outside the harness"
+            elif host in failed:  # the node Slurm's NODE_FAIL was for leads the round's error
+                error, extra[causes.LOST_KEY] = f"Slurm job {job.job_id} ended NODE_FAIL: node {host} is {failed[host]}", True
+            elif failed:
+                error = f"stopped: Slurm job {job.job_id} ended NODE_FAIL for node {', '.join(sorted(failed))}"
             elif job.state in ENDED_BY_SLURM:
                 error = f"Slurm job {job.job_id} ended {job.state} (reason {job.reason})"
             elif rep is None:

@@ -359,3 +359,31 @@ def test_one_process_reads_data_dir_corpus(tmp_path):
     assert meta.value["parallel"]["dp"] == 1 and meta.value["parallel"]["grad_accum"] == 8
     assert [r.value["step"] for r in log.of("step")] == [1, 2, 3, 4, 5, 6]
     assert not (tmp_path / "cache").exists()  # no synthetic corpus written
+
+
+@pytest.mark.framework("megatron")
+def test_the_cpu_adapter_imports_megatron_with_its_jit_fuser_off(megatron_python):
+    """The cpu vendor's adapter imports megatron-core with ``torch.compile`` standing in as the
+    plain function: megatron's fused helpers are the functions themselves, torch.compile is
+    torch's again afterwards, and neither dynamo nor inductor was imported for them."""
+    snippet = """
+import json, sys, torch
+compile_ = torch.compile
+from vendors.cpu.adapters import megatron as adapter
+adapter.install({"vendor": {"device": "cpu"}})
+import megatron.core.models.gpt
+import megatron.core.jit as mjit
+from megatron.core.fusions import fused_bias_swiglu, fused_cross_entropy
+print(json.dumps({
+    "compile_restored": torch.compile is compile_,
+    "fuser": mjit.jit_fuser.__name__,
+    "helpers": [type(f).__name__ for f in (fused_cross_entropy.calculate_logits_max, fused_bias_swiglu.swiglu)],
+    "dynamo": sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules),
+}))
+"""
+    proc = subprocess.run(
+        [megatron_python, "-c", snippet], capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"compile_restored": True, "fuser": "noop_decorator", "helpers": ["function", "function"], "dynamo": []}, got

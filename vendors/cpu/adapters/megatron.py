@@ -36,6 +36,12 @@ Redirections, and why each one is needed:
   ``torch.cuda.nvtx.range_push/pop`` do nothing; ``is_current_stream_capturing``
   returns False.
 
+* megatron's JIT fuser is off: megatron-core wraps a few elementwise helpers
+  (fused bias-activations, its fused cross entropy's parts) in ``torch.compile``
+  when it is imported, which costs about 3 s of each rank's start on a CPU
+  (dynamo and inductor are imported for it), and compiling them on first use
+  would need a C++ toolchain. They run as the plain functions they wrap.
+
 ``torch.cuda.is_available()`` is left False, and nothing of the model's
 computation is changed: the same kernels run as in any CPU torch program.
 """
@@ -232,6 +238,26 @@ def _patch_cuda_module() -> None:
         mod.manual_seed_all = manual_seed
 
 
+def _plain(model: Any = None, **_: Any) -> Any:
+    """``torch.compile`` while megatron-core is imported: the function itself, or, called with
+    options only, a decorator that returns it."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def _import_megatron_without_jit_fuser() -> None:
+    """megatron-core's first import, with its JIT fuser off. ``megatron.core.jit`` binds
+    ``jit_fuser = torch.compile`` and the modules import that name as they load, so torch.compile
+    is the plain wrapper for the length of the import; ``disable_jit_fuser`` then holds for
+    modules imported later."""
+    compile_ = torch.compile
+    torch.compile = _plain
+    try:
+        import megatron.core.jit as mjit
+    finally:
+        torch.compile = compile_
+    mjit.disable_jit_fuser()
+
+
 def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -256,4 +282,5 @@ def install(cfg: dict) -> None:
     _INSTALLED = True
     _patch_factories()
     _patch_cuda_module()
+    _import_megatron_without_jit_fuser()
     _patch_megatron_rng()

@@ -33,6 +33,9 @@ def _framework_python(framework: str) -> str | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from tests import parallel
+
+    config.pluginmanager.register(parallel, "flagbench-parallel")  # the suite on several workers
     # the test session's local runs lock among themselves (one at a time, as the tests run),
     # not against a benchmark that may be running on this machine
     if not os.environ.get("FLAGBENCH_LOCK_DIR"):

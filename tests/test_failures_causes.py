@@ -191,6 +191,7 @@ class Trainer:
 )
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_names_it(tmp_path):
     """training/case.py's watch, in a real process: steps 2 and 4 outlast the timeout (each
     writes a dump), the others do not; step 2 ends after all (a line says so: slow, not
@@ -334,6 +335,7 @@ def test_a_call_holding_the_interpreter_lock_is_dumped_by_faulthandler(tmp_path)
     assert re.search(r"^Finished after 3\.\d s: step 1$", text, re.M), text
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ranks_waited(megatron_python, tmp_path):
     """A real two-rank run: rank 1 is stopped (SIGSTOP, as a rank stuck in the kernel would
     be) a few steps in; rank 0 waits for it in a collective. Long before the round deadline
@@ -363,6 +365,7 @@ def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ran
     print(f"found {time.monotonic() - stopped_at:.0f} s after the stop, {time.monotonic() - t0:.0f} s in all")
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 def test_a_stack_written_on_resuming_a_stopped_rank_is_no_location(tmp_path):
     """A rank stopped (SIGSTOP) inside a step, past its stall timeout, then resumed (as a
     cancel's SIGCONT does) and killed: the stacks its watch writes on resuming are not where

@@ -311,6 +311,7 @@ def test_missing_environment_on_a_host_without_network(fc, megatron_python, tmp_
     assert leftovers(fc, res["run_id"]) == []
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 def test_a_rank_stopped_in_its_container_is_found_at_the_stall_timeout(fc, megatron_python, tmp_path):
     """h2's rank, in its container, is stopped (SIGSTOP) a few steps in: h1's rank waits for it.
     The round fails as hung long before its deadline, h1's rank's stack (written in its

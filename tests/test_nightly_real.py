@@ -35,6 +35,8 @@ from run_benchmarks.planning.registry import ROOT
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 from training import metriclog as ml
 
+pytestmark = pytest.mark.alone  # the nights compare speeds: tests/parallel.py
+
 CASE = "llama3_tiny:megatron:cpu:1:2"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1 CPU controller
 CPU_SHARE = 50  # percent of one CPU for the slowed night (the others have two CPUs: 4 x less)

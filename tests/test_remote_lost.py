@@ -31,6 +31,7 @@ def silent_h2(cluster: netns.Cluster) -> Iterator[netns.HostInfo]:
     _drop(h2, False)
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.cluster
 def test_a_host_dropping_packets_is_lost_within_lost_after_in_every_call(cluster, silent_h2, tmp_path):
     with SSHPool(cluster.host_specs(), connect_timeout=3, lost_after=LOST_AFTER) as pool:

@@ -44,6 +44,7 @@ def test_remote_command_quotes_argv_once():
         remote_command([])
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.cluster
 def test_parallel_connect_two_hosts(cluster):
     with SSHPool(cluster.host_specs()) as pool:
@@ -88,6 +89,7 @@ def test_exec_env_cwd_and_exact_argv(cluster, cluster_pool):
     assert cluster_pool.run("h1", ["true"], timeout=10, cwd="/nonexistent-dir").rc != 0
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.cluster
 def test_fifty_sequential_execs_are_fast(cluster, cluster_pool):
     transport = cluster_pool.transport("h2")

@@ -25,6 +25,7 @@ with stop_on_signals(left_behind=lambda: ["h2: containers marked FLAGBENCH_RUN_I
 """
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_ends_a_hanging_teardown_within_seconds(second):
     p = subprocess.Popen([sys.executable, "-c", HANGING_TEARDOWN], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

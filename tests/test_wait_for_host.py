@@ -35,6 +35,7 @@ def _env(tmp_path):
     return {**os.environ, "FLAGBENCH_LOCK_DIR": str(tmp_path / "locks")}
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 def test_a_local_run_waits_at_most_its_bound(tmp_path):
     held = _hold(tmp_path / "locks" / "local.lock")
     argv = [*START, "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, "--wait", "3s"]
@@ -46,6 +47,7 @@ def test_a_local_run_waits_at_most_its_bound(tmp_path):
     assert res.stderr.strip().splitlines()[-1].endswith("(still, after waiting 3s: --wait)")
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 def test_a_local_run_takes_the_host_once_it_is_free(tmp_path):
     path = tmp_path / "locks" / "local.lock"
     held = _hold(path)
@@ -73,6 +75,7 @@ def test_a_local_run_takes_the_host_once_it_is_free(tmp_path):
         p.wait(timeout=60)
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.cluster
 def test_hosts_held_by_another_run_are_waited_for_then_taken(cluster, monkeypatch):
     monkeypatch.setattr(hostlock, "WAIT_POLL_S", 0.5)

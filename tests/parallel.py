@@ -1,0 +1,98 @@
+"""The suite on several workers (pytest-xdist: ``-n 2 --dist loadgroup``, as the README runs it).
+
+Nearly every test starts real processes, and a tiny run spends most of its time starting
+them: one run leaves the machine's second core idle about a quarter of the time, which a
+second worker fills.
+
+- **One file, one worker.** Each test file is a group that one worker runs whole, so a
+  file's module fixtures (the runs its tests share) run once. Files that share a session
+  fixture starting something heavy are one group: the network-namespace cluster, the Slurm
+  cluster, the shared llama3 DP2 run.
+- **Tests that time something run alone** (``@pytest.mark.alone``): those comparing speeds,
+  or bounding how long a thing takes to a few seconds. Such a test waits until the test on
+  the other worker ends, and no test starts beside it until it ends. Its fixtures are set up
+  and torn down inside that window too.
+- Without xdist (``-n 0``, a single test) nothing of this applies.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+#: session fixtures that start something heavy: the files using one share its group
+SHARED = {
+    "cluster": "netns-cluster",
+    "cluster_pool": "netns-cluster",
+    "slurm_cluster": "slurm-cluster",
+    "llama3_dp2_run": "llama3-dp2-run",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "alone: under xdist, runs with no other test running (it times something)")
+
+
+def is_worker(config: pytest.Config) -> bool:
+    """This process is an xdist worker (a pytest started inside a test, which inherits the
+    worker's environment, is not)."""
+    return hasattr(config, "workerinput")
+
+
+def group_of(item: pytest.Item) -> str:
+    """The xdist group of a test: the heavy session fixture it uses, else its file."""
+    for name in item.fixturenames:  # type: ignore[attr-defined]
+        if name in SHARED:
+            return SHARED[name]
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks into the node ids
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not is_worker(config):
+        return
+    by_file: dict[str, set[str]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], set()).add(group_of(item))
+    for item in items:
+        # a file whose tests fall in two groups (some use a shared fixture, some not) stays whole
+        groups = sorted(by_file[item.nodeid.split("::", 1)[0]])
+        if not any(m.name == "xdist_group" for m in item.iter_markers()):
+            item.add_marker(pytest.mark.xdist_group(next((g for g in groups if g in SHARED.values()), groups[0])))
+
+
+def _lock_dir(config: pytest.Config) -> Path:
+    """A folder every worker of this test run finds (the run's id is the same in each)."""
+    folder = Path(tempfile.gettempdir()) / f"flagbench-xdist-{config.workerinput['testrunuid']}"  # type: ignore[attr-defined]
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Every test holds the shared lock while it runs (setup to teardown); an ``alone`` test
+    the exclusive one. An ``alone`` test first takes the gate, which a test about to start
+    passes through, so no test starts while it waits for the running one to end."""
+    if not is_worker(item.config):
+        yield
+        return
+    folder = _lock_dir(item.config)
+    alone = item.get_closest_marker("alone") is not None
+    with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(running, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_SH)
+            fcntl.flock(running, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)

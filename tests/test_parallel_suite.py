@@ -1,0 +1,61 @@
+"""tests/parallel.py, the suite on two xdist workers: a pytest session of two small files
+(no framework), each test writing when it ran and on which worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TIMED = """
+import json, os, time
+import pytest
+
+def record(name, t0, path={out!r}):
+    with open(path, "a") as f:
+        f.write(json.dumps({{"name": name, "worker": os.environ["PYTEST_XDIST_WORKER"], "t0": t0, "t1": time.time()}}) + "\\n")
+"""
+
+
+def test_an_alone_test_runs_with_nothing_beside_it_and_a_file_stays_on_one_worker(tmp_path):
+    out = tmp_path / "ran.jsonl"
+    (tmp_path / "test_a.py").write_text(
+        TIMED.format(out=str(out))
+        + """
+@pytest.mark.parametrize("k", range(2))
+def test_before(k):
+    t0 = time.time(); time.sleep(0.4); record(f"a{k}", t0)
+
+@pytest.mark.alone
+def test_timed():
+    t0 = time.time(); time.sleep(1.5); record("alone", t0)
+
+@pytest.mark.parametrize("k", range(2))
+def test_after(k):
+    t0 = time.time(); time.sleep(0.4); record(f"a-after{k}", t0)
+"""
+    )
+    (tmp_path / "test_b.py").write_text(
+        TIMED.format(out=str(out))
+        + """
+@pytest.mark.parametrize("k", range(12))
+def test_beside(k):
+    t0 = time.time(); time.sleep(0.3); record(f"b{k}", t0)
+"""
+    )
+    argv = [sys.executable, "-m", "pytest", "-p", "tests.parallel", "-n", "2", "--dist", "loadgroup", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run([*argv, "--rootdir", str(tmp_path), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ran = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(ran) == 17
+    workers = {f: {r["worker"] for n, r in ran.items() if n.startswith(f) or (f == "a" and n == "alone")} for f in ("a", "b")}
+    assert len(workers["a"]) == len(workers["b"]) == 1 and workers["a"] != workers["b"], workers  # a file each
+    alone = ran.pop("alone")
+    beside = [r for r in ran.values() if r["worker"] != alone["worker"]]
+    assert beside and all(r["t1"] <= alone["t0"] or r["t0"] >= alone["t1"] for r in beside), (alone, beside)
+    # the other worker did run while the file's other tests did: the files were side by side
+    a_tests = [r for n, r in ran.items() if n.startswith("a")]
+    assert any(b["t0"] < a["t1"] and a["t0"] < b["t1"] for a in a_tests for b in beside), ran

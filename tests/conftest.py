@@ -37,8 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config.pluginmanager.register(parallel, "flagbench-parallel")  # the suite on several workers
     # the test session's local runs lock among themselves (one at a time, as the tests run),
-    # not against a benchmark that may be running on this machine
-    if not os.environ.get("FLAGBENCH_LOCK_DIR"):
+    # not against a benchmark that may be running on this machine; each xdist worker's among
+    # its own (a worker inherits the controller's environment)
+    if not os.environ.get("FLAGBENCH_LOCK_DIR") or parallel.is_worker(config):
         import tempfile
 
         os.environ["FLAGBENCH_LOCK_DIR"] = tempfile.mkdtemp(prefix="flagbench-test-locks-")

@@ -184,7 +184,9 @@ def test_a_reference_that_cannot_judge_stops_before_anything_runs(tmp_path):
 
 @pytest.mark.framework("deepspeed")
 def test_two_phases_each_judged(tmp_path, deepspeed_python):
-    """llava_tiny: the finetune reference alone is off, so the round is invalid and names that phase."""
+    """llava_tiny: the finetune reference alone is off, so the round is invalid and names that phase.
+    The run is judged against it again (``--judge --update``: the live gate's judging, on the
+    curves the run recorded) rather than run twice."""
     llava = "llava_tiny:deepspeed:cpu:1:2"
     proc, first = run_case(tmp_path / "first", "--set", "train.steps=25", case=llava)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # 25 of the committed curves' 30 steps: not judged
@@ -203,8 +205,11 @@ def test_two_phases_each_judged(tmp_path, deepspeed_python):
     )
     ref = first.model_copy(update={"rounds": [rnd.model_copy(update={"phases": [rnd.phases[0], off]})]})
     (tmp_path / "ref.json").write_text(json.dumps(ref.dump()))
-    proc, res = run_case(tmp_path / "second", "--set", "train.steps=25", "--reference", str(tmp_path / "ref.json"), case=llava)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    again = tmp_path / "again.json"
+    again.write_text(json.dumps(first.dump()))
+    proc = start_task("--judge", str(again), "--reference", str(tmp_path / "ref.json"), "--update", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = tr.load(again)
     (rnd,) = res.rounds
     pre, fine = rnd.phases
     assert pre.gate.verdict == "aligned" and fine.gate.verdict == "not aligned" and rnd.status == "invalid"

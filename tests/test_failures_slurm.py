@@ -317,12 +317,15 @@ def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_clust
         return any('"train_step"' in text for text in logs)
 
     wait_for("the first step", stepping, proc)
-    victims = slurm_cluster.node_processes("n2")
     try:
         slurm_cluster.kill_node("n2")
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for _ in range(50):  # what ran there, started until slurmd was gone
+            if not (victims := slurm_cluster.node_processes("n2")):
+                break
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
         down = ["scontrol", "update", "nodename=n2", "state=down", "reason=fan failure"]
         subprocess.run(down, env=slurm_cluster.env(), check=True, timeout=30)
         out, _ = proc.communicate(timeout=240)

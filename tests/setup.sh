@@ -52,9 +52,24 @@ print(f"DeepSpeed CPU comm op in {os.environ['TORCH_EXTENSIONS_DIR']} ({time.mon
 PY
 }
 
+# the test cluster's hosts (and their containers) build it in their user's cache, with the
+# environment's ninja first on PATH (node_agent puts the environment's bin/ there): built here
+# the same way, the first DeepSpeed run on the hosts finds it (about a minute and a half of
+# compiling on two hosts at once otherwise)
+build_hosts_comm_op() {  # DEEPSPEED_PYTHON
+  env -u TORCH_EXTENSIONS_DIR PATH="$(dirname "$1"):$PATH" "$1" - <<'PY'
+import os, sys, time
+t = time.monotonic()
+from deepspeed.comm.torch import build_shm_op
+if build_shm_op() is None:
+    sys.exit(f"setup.sh: DeepSpeed has no CPU comm op for {sys.executable}")
+print(f"DeepSpeed CPU comm op for the test cluster's hosts ({time.monotonic() - t:.0f} s)", file=sys.stderr)
+PY
+}
+
 deepspeed_with_op() {
   local py
-  py=$(build_env deepspeed) && build_shm_comm_op "$py" >/dev/null
+  py=$(build_env deepspeed) && build_shm_comm_op "$py" >/dev/null && build_hosts_comm_op "$py" >/dev/null
 }
 
 background() {  # WHAT COMMAND...: run in the background, remembered for the wait below

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -74,7 +75,15 @@ def deepspeed_launch(py: str, tmp: Path, cfg: dict, train_py: Path, timeout: int
     }
     cmd = [py, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2"]
     cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(train_py), "--config", str(path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # its own process group: on a timeout the ranks go with the launcher, not left running
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+            raise
+    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     (tmp / "stdout.log").write_text(proc.stdout)
     (tmp / "stderr.log").write_text(proc.stderr)
     return proc

@@ -161,6 +161,13 @@ def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
     assert_nothing_left(slurm_cluster, res["run_id"])
 
 
+def stepped(tmp_path: Path, steps: int) -> bool:
+    """A rank log of node0 in round 1 of the run logging under ``tmp_path`` holds ``steps`` steps."""
+    rd = run_dir(tmp_path)
+    logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
+    return any(text.count('"train_step"') >= steps for text in logs)
+
+
 @pytest.mark.parametrize("state", ["drain", "down"])
 def test_a_job_that_needs_an_out_of_service_node_fails_at_once_naming_it(
     tmp_path: Path, slurm_cluster: SlurmTestCluster, state: str
@@ -217,12 +224,7 @@ def test_a_node_that_crashes_mid_run_is_named_first_and_not_waited_for(
         start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
-    def stepping() -> bool:
-        rd = run_dir(tmp_path)
-        logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
-        return any(text.count('"train_step"') >= 3 for text in logs)
-
-    wait_for("the first steps", stepping, proc)
+    wait_for("the first steps", lambda: stepped(tmp_path, 3), proc)
     victims = slurm_cluster.node_processes("n2")
     try:
         slurm_cluster.kill_node("n2")
@@ -279,12 +281,7 @@ def test_a_slurmd_killed_mid_run_is_named(tmp_path: Path, slurm_cluster: SlurmTe
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(start_argv(tmp_path, cfile, megatron_python), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def stepping() -> bool:
-        rd = run_dir(tmp_path)
-        logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
-        return any('"train_step"' in text for text in logs)
-
-    wait_for("the first step", stepping, proc)
+    wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
     try:
         slurm_cluster.kill_node("n2")
         out, err = proc.communicate(timeout=240)
@@ -311,12 +308,7 @@ def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_clust
         start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
-    def stepping() -> bool:
-        rd = run_dir(tmp_path)
-        logs = [f.read_text(errors="replace") for f in rd.glob("round1/node0/ranks/**/*") if f.is_file()] if rd else []
-        return any('"train_step"' in text for text in logs)
-
-    wait_for("the first step", stepping, proc)
+    wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
     try:
         slurm_cluster.kill_node("n2")
         for _ in range(50):  # what ran on n2 (its namespace is a retired one now), started until slurmd was gone

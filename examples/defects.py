@@ -17,6 +17,15 @@ reference of an intact stack (docs/metrics.md, the recipe study; tests/test_reci
 - ``frozen_embeddings``: the token embedding gets no gradient (a sparse-gradient path that drops
   it): the model learns around embeddings that never change.
 
+Attention defects for the conformance check (training/conformance/; docs/metrics.md, its teeth),
+each a hook on torch's ``scaled_dot_product_attention`` (as a vendor's faulty kernel would be):
+
+- ``attention_times_zero``: the attention output multiplied by 0.
+- ``softmax_scale_x4``: the softmax scale 4 x the one asked for.
+- ``attention_window``: causal attention limited to the last ``seq / 16`` keys (512 at 8,192).
+- ``qkv_float8``: query, key and value rounded to float8 e4m3 before the kernel (a run that
+  declares bf16 computing in float8); where torch has float8.
+
 On the synthetic corpus (an order-1 Markov chain: the next token depends on the current one only,
 training/data/synthetic.py) position carries no information, so ``rope_base_off`` cannot change a
 loss curve there, and ``repeated_micro_batch`` changes one sample in eight: both stay within the
@@ -93,3 +102,52 @@ def frozen_embeddings(cfg: dict[str, Any]) -> None:
         return original(self, *args, **kwargs).detach()
 
     LanguageModelEmbedding.forward = forward
+
+
+def _wrap_sdpa(change: Any) -> None:
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    @functools.wraps(sdpa)
+    def changed(*args: Any, **kwargs: Any) -> Any:
+        return change(sdpa, *args, **kwargs)
+
+    F.scaled_dot_product_attention = changed
+
+
+def attention_times_zero(cfg: dict[str, Any]) -> None:
+    _wrap_sdpa(lambda sdpa, *a, **k: sdpa(*a, **k) * 0)
+
+
+def softmax_scale_x4(cfg: dict[str, Any]) -> None:
+    def scaled(sdpa: Any, q: Any, *a: Any, **k: Any) -> Any:
+        k["scale"] = 4 * (k.get("scale") or q.shape[-1] ** -0.5)
+        return sdpa(q, *a, **k)
+
+    _wrap_sdpa(scaled)
+
+
+def attention_window(cfg: dict[str, Any]) -> None:
+    import torch
+
+    def windowed(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
+        if not k.pop("is_causal", False):
+            return sdpa(q, key, v, *a, **k)
+        n = q.shape[-2]
+        width = max(1, n // 16)
+        i = torch.arange(n, device=q.device)
+        allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)
+        return sdpa(q, key, v, *a, attn_mask=allowed, **k)
+
+    _wrap_sdpa(windowed)
+
+
+def qkv_float8(cfg: dict[str, Any]) -> None:
+    import torch
+
+    def rounded(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
+        f8 = torch.float8_e4m3fn
+        return sdpa(q.to(f8).to(q.dtype), key.to(f8).to(key.dtype), v.to(f8).to(v.dtype), *a, **k)
+
+    _wrap_sdpa(rounded)

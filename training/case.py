@@ -164,11 +164,21 @@ class StallWatch:
         self._file.flush()
 
 
-def run(make: Callable[[str | None], Trainer], log: Any, phases: Sequence[str | None] = (None,)) -> list[Trainer]:
+def run(
+    make: Callable[[str | None], Trainer], log: Any, phases: Sequence[str | None] = (None,), cfg: dict[str, Any] | None = None
+) -> list[Trainer]:
     """Drive ``make(phase)`` for each phase in order through build, steps, finish; write
-    ``run_end`` (and on failure ``run_error``). Returns the trainers."""
+    ``run_end`` (and on failure ``run_error``). Returns the trainers. With the run's ``cfg``,
+    rank 0 first runs the conformance check (:func:`conformance_gate`)."""
     done = []
     stall = StallWatch.from_env()
+    if cfg is not None:
+        try:
+            conformance_gate(cfg, log)
+        except BaseException as exc:
+            log.error(f"{type(exc).__name__}: {exc}", phase=phases[0])
+            log.end("failed", 0, phase=phases[0])
+            raise
     for phase in phases:
         steps_done = 0
         named = f"{phase} " if phase is not None else ""
@@ -191,6 +201,30 @@ def run(make: Callable[[str | None], Trainer], log: Any, phases: Sequence[str | 
             raise
         done.append(trainer)
     return done
+
+
+def conformance_gate(cfg: dict[str, Any], log: Any) -> None:
+    """On rank 0, the conformance check of the run's stack (training/conformance/), its verdict
+    sent as the ``conformance`` record; a failed check ends the run before training
+    (``NonConformant``), as does a probe that cannot finish. The other ranks go on to build and
+    wait for rank 0 in the process group's start."""
+    from training import conformance, runtime
+    from training.metriclog import K_CONFORMANCE
+
+    if runtime.dist_info().rank != 0:
+        return
+    path = runtime.CONFIG_PATH
+    if path is None:
+        raise RuntimeError("the conformance check needs the run's resolved.json: training.runtime.setup() reads it")
+    try:
+        verdict = conformance.check(cfg, path)
+    except conformance.ProbeError as exc:
+        log.info(K_CONFORMANCE, {"verdict": "error", "message": str(exc), "cached": False})
+        print(exc.tail, file=sys.stderr, flush=True)
+        raise
+    log.info(K_CONFORMANCE, verdict)
+    if verdict["verdict"] == "failed":
+        raise conformance.NonConformant(f"conformance check failed: {verdict['message']}")
 
 
 def isolate(entry_file: str) -> None:

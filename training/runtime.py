@@ -65,6 +65,10 @@ def _vendor_variable(vendor: dict[str, Any], field: str) -> dict[str, str | None
     return {str(name): os.environ.get(str(name))} if name else None
 
 
+#: the resolved.json :func:`setup` read (the conformance check hands it to its probe)
+CONFIG_PATH: str | None = None
+
+
 def load_config(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
         return json.load(fh)
@@ -130,7 +134,9 @@ def setup(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True, help="resolved.json written by the harness")
     args, _ = parser.parse_known_args(argv)
+    global CONFIG_PATH
     cfg = load_config(args.config)
+    CONFIG_PATH = os.path.abspath(args.config)
     os.environ.setdefault("FB_RUN_ID", str(cfg.get("run_id", "")))
     apply_adapter(cfg)
     seed_everything(int(cfg["train"].get("seed", 1234)))

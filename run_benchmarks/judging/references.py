@@ -314,9 +314,13 @@ def reference_notes(references: Mapping[str, Reference | None]) -> list[str]:
 # --------------------------------------------------------------------------- reference curves
 
 
-def round_status(errors: list[str], gates: dict[str, LossGate]) -> tuple[Status, list[str]]:
-    """The round's status and why: failed (a process or protocol error, a NaN/inf loss), invalid
-    (a phase not aligned), unjudged (a phase not judged), else ok; each phase's reason named."""
+def round_status(errors: list[str], gates: dict[str, LossGate], conformance: Mapping[str, Any] | None = None) -> tuple[Status, list[str]]:
+    """The round's status and why: invalid where the conformance check failed (the run stopped
+    before training, so the errors of its ranks' stop are not the cause), failed (a process or
+    protocol error, a NaN/inf loss), invalid (a phase not aligned), unjudged (a phase not judged),
+    else ok; each phase's reason named."""
+    if conformance and conformance.get("verdict") == "failed":
+        return "invalid", [f"conformance check failed: {conformance.get('message')}"]
     lines = list(errors)
     lines += [f"phase {ph}: {g.reason}" for ph, g in gates.items() if g.nonfinite_step is not None]
     lines += [

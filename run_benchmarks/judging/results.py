@@ -191,10 +191,33 @@ def markdown(res: RunResults) -> str:
             "User overrides (not a standard run): "
             + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides)
         )
+    notes += conformance_lines(res)
     notes += beside_lines(res.runtime_info)
     notes += clock_lines(res)
     notes += breakdown_lines(res)
     return head + "\n".join(lines + notes) + "\n"
+
+
+def conformance_text(c: dict | None) -> str:
+    """One line of a round's conformance verdict (training/conformance/)."""
+    if not c:
+        return "not run"
+    verdict = str(c.get("verdict"))
+    if c.get("cached"):
+        how = "the verdict of an earlier run on the same stack"
+    elif c.get("check_s") is not None:
+        how = f"{c['check_s']:.1f} s: probe {c.get('probe_s', 0):.1f} s, reference {c.get('reference_s', 0):.1f} s"
+    else:
+        how = ""
+    return f"{verdict}: {c.get('message')}" + (f" ({how})" if how else "")
+
+
+def conformance_lines(res: RunResults) -> list[str]:
+    """The conformance check of each round: its verdict, the largest difference, its time."""
+    out = []
+    for r in res.rounds:
+        out.append(f"Conformance (round {r.round}): {conformance_text(r.conformance)}")
+    return ["", *out] if out else []
 
 
 def clock_cell(c: DeviceClocks | None) -> str:
@@ -342,6 +365,8 @@ def print_table(res: RunResults, console: Console | None = None) -> None:
     for r in rows(res):  # cells as plain text: an error may hold brackets that rich would read as markup
         table.add_row(*(Text(c) for c in r), style=None if r[-1] == "ok" else "red")
     console.print(table)
+    for line in conformance_lines(res)[1:]:
+        console.print(Text(line))
 
 
 #: a spare file in the run folder, as large as a few copies of results.json: when the disk

@@ -208,15 +208,22 @@ class RoundResult(Strict):
     nodes: list[dict[str, Any]] = []
     metric_parse_errors: int = 0
     orchestration: dict[str, Any] | None = None
+    # the conformance check's verdict (training/conformance/): verdict, message, figures; None: not run
+    conformance: dict[str, Any] | None = None
 
     @property
     def clean(self) -> bool:
         return self.status in CLEAN
 
     @property
+    def nonconformant(self) -> bool:
+        """Ended before training by a failed conformance check."""
+        return bool(self.conformance) and self.conformance.get("verdict") == "failed"
+
+    @property
     def ran_through(self) -> bool:
         """Ran to its end without an error (its loss gate's verdict aside): its curve can be a reference."""
-        return self.status in RAN_THROUGH
+        return self.status in RAN_THROUGH and not self.nonconformant
 
 
 class RunResults(Strict):

@@ -395,6 +395,7 @@ class CaseConfig(Strict):
     memory: str | None = None  # lower bound of the states' memory, e.g. training.memory:zero_states (none: not checked)
     settings: str | None = None  # the case's own settings check, fn(resolved, world_size), run before launch (none: in the ranks only)
     ceiling: bool = False  # the entry measures its kernel ceiling alone under --ceiling (training/ceiling.py)
+    conformance: str | None = None  # the probe of the conformance check, fn(cfg, out) (training/conformance/)
     phases: list[str] = ["train"]
     models: dict[str, ModelEntry]
     standard: CaseStandard
@@ -402,7 +403,7 @@ class CaseConfig(Strict):
     reference_dir: str = "reference"
     description: str = ""
 
-    @field_validator("flops", "memory", "settings")
+    @field_validator("flops", "memory", "settings", "conformance")
     @classmethod
     def _flops(cls, v: str | None) -> str | None:
         if v is not None and not _MODSPEC.match(v):

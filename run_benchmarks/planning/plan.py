@@ -74,6 +74,7 @@ class Plan:
     data: dict[str, Any] | None = None  # phase -> the identity of its data, after the pre-launch check (datacheck.py)
     memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # phase -> lower bound of the states' memory
     recipe: str = STANDARD_RECIPE  # the named training recipe the settings start from (case.yaml)
+    conformance: str | None = None  # the case's conformance probe, "module:function" (case.yaml)
 
     @property
     def world_size(self) -> int:
@@ -88,7 +89,17 @@ class Plan:
     def resolved(self, round_no: int, output_dir: str, cache_dir: str) -> dict[str, Any]:
         """The resolved.json a round's ranks read (docs/architecture.md)."""
         return ranks_config(
-            self.case, self.config_name, self.model, self.settings, self.vendor, self.hook, self.run_id, round_no, output_dir, cache_dir
+            self.case,
+            self.config_name,
+            self.model,
+            self.settings,
+            self.vendor,
+            self.hook,
+            self.run_id,
+            round_no,
+            output_dir,
+            cache_dir,
+            conformance=self.conformance,
         )
 
     def to_json(self, rnd: RoundPlan | None = None) -> dict[str, Any]:
@@ -248,13 +259,21 @@ def ranks_config(
     round_no: int,
     output_dir: str,
     cache_dir: str,
+    conformance: str | None = None,
 ) -> dict[str, Any]:
     """The resolved.json a round's ranks read (docs/architecture.md); ``model`` is the case.yaml
-    model entry, shape included."""
+    model entry, shape included; ``conformance`` the case's probe (None: the case has none)."""
     return {
         "run_id": run_id,
         "round": round_no,
-        "case": {"model": cn.model, "framework": cn.framework, "hardware": cn.hardware, "nnodes": cn.nnodes, "nprocs": cn.nprocs},
+        "case": {
+            "model": cn.model,
+            "framework": cn.framework,
+            "hardware": cn.hardware,
+            "nnodes": cn.nnodes,
+            "nprocs": cn.nprocs,
+            "conformance": conformance,
+        },
         "config_name": config_name,
         "model": {"name": cn.model, "params_nominal": model["params_nominal"], **model["shape"]},
         "train": settings["train"],
@@ -425,6 +444,7 @@ def build(
         hardware=r.hardware,
         memory=r.memory,
         recipe=r.recipe,
+        conformance=entry.config.conformance,
         run_dir=log_dir / run_id,
         reference=list(references or []),
     )

@@ -217,7 +217,11 @@ def evaluate_round(
     phases = [_phase_result(plan, parsed, ph, references[ph], monitor_nodes) for ph in plan.phases]
     devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
     monitors = {o.node_rank: monitor_summary(o.node_dir / "monitor.jsonl") for o in outcomes}
-    status, reasons = round_status(_process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases})
+    checks = parsed.of(ml.EV_INFO, ml.K_CONFORMANCE)
+    conformance = checks[0].value if checks else None
+    status, reasons = round_status(
+        _process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases}, conformance
+    )
     mem = metrics.memory_summary(parsed)
     one = phases[0] if len(phases) == 1 else None  # round-level figures only where they cannot be mistaken
     loss_mre, loss_aligned = round_loss([p.gate for p in phases])
@@ -244,6 +248,7 @@ def evaluate_round(
         reference={ph: (shown_paths(r.path) if r else None) for ph, r in references.items()},
         nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
         metric_parse_errors=len(parsed.errors),
+        conformance=conformance,
     )
 
 

@@ -359,7 +359,7 @@ def main() -> int:
     if "--ceiling" in sys.argv[1:]:
         ceiling_only(cfg, log)
         return 0
-    case.run(lambda phase: Trainer(cfg, log, phase), log)
+    case.run(lambda phase: Trainer(cfg, log, phase), log, cfg=cfg)
     import torch.distributed as dist
 
     dist.barrier()

@@ -1,0 +1,163 @@
+"""The conformance check: the math of a case's step on the vendor's own stack, against the
+architecture's published math in float64.
+
+Run once per run, before training, by training/case.py on the node of rank 0 (and alone by
+``flagbench conformance``), in two processes of the rank's own Python:
+
+1. the probe (training/conformance/probe.py): the vendor's adapter and hooks, then the case's
+   probe (case.yaml ``conformance``), which builds one decoder layer, the embedding and the loss
+   head as the run builds them and writes their weights, inputs, sampled outputs and gradient
+   projections to a probe file;
+2. the reference (training/conformance/reference.py), in Python's isolated mode, numpy only:
+   the same computation from the declared architecture, and the verdict.
+
+The verdict is cached under the node's cache folder by what decides the math (:func:`stack_key`):
+the code of the node side, the framework and library versions, the device, the vendor's
+adapters and hooks, the model and the settings that reach the kernels. A later run on the same
+stack reuses it and says so. Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+#: folders whose Python decides what a rank computes
+CODE_DIRS = ("training", "cases", "vendors", "examples")
+LIBRARIES = ("torch", "megatron-core", "deepspeed", "transformers", "paddlepaddle", "paddlenlp", "liger-kernel", "numpy")
+#: the keys of resolved.json that reach the kernels
+MATH_KEYS = ("model", "parallel", "vendor")
+TRAIN_KEYS = ("precision", "seed")
+
+
+class NonConformant(RuntimeError):
+    """The check failed: the run ends before training, its round invalid."""
+
+
+class ProbeError(RuntimeError):
+    """The probe or the reference did not finish (the case's own kernel checks raise there too)."""
+
+    def __init__(self, message: str, tail: str):
+        super().__init__(message)
+        self.tail = tail
+
+
+def code_digest() -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for folder in CODE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            h.update(str(path.relative_to(ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    for lib in LIBRARIES:
+        try:
+            out[lib] = importlib.metadata.version(lib)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def device_name(cfg: dict[str, Any]) -> str:
+    from training.accelerator import Accelerator
+
+    acc = Accelerator(cfg.get("vendor") or {})
+    return acc.device_name(acc.device(0))
+
+
+def probe_view(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config as the case's probe builds from it (its module's ``probe_config``, where it has
+    one: a probe that sets a schedule-only switch itself makes that switch no part of the key)."""
+    import importlib
+
+    module = importlib.import_module(cfg["case"]["conformance"].partition(":")[0])
+    view = getattr(module, "probe_config", None)
+    return view(cfg) if view else cfg
+
+
+def stack_key(cfg: dict[str, Any], device: str) -> tuple[str, dict[str, Any]]:
+    """The cache key of a verdict and what it was made of."""
+    cfg = probe_view(cfg)
+    what = {
+        "code": code_digest(),
+        "versions": versions(),
+        "device": device,
+        "case": {k: cfg["case"].get(k) for k in ("model", "framework", "conformance")},
+        **{k: cfg.get(k) for k in MATH_KEYS},
+        "train": {k: cfg["train"].get(k) for k in TRAIN_KEYS},
+    }
+    key = hashlib.blake2b(json.dumps(what, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+    return key, what
+
+
+def cache_dir(cfg: dict[str, Any]) -> Path:
+    base = (cfg.get("data") or {}).get("cache_dir") or os.path.join(tempfile.gettempdir(), "flagbench-cache")
+    return Path(base) / "conformance"
+
+
+def _run(cmd: list[str], env: dict[str, str], what: str, timeout_s: float) -> None:
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"conformance {what}: no result within {timeout_s:.0f} s") from None
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-12:]
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        raise ProbeError(f"conformance {what} exited {p.returncode}: {last.removeprefix('[rank0]: ')}", "\n".join(tail))
+
+
+def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_cache: bool = True) -> dict[str, Any]:
+    """The verdict of the case's conformance probe for this run's stack: ``{"verdict": "passed" |
+    "failed" | "not checked", "message", "cached", "probe_s", "reference_s", "key", ...}``."""
+    spec = (cfg.get("case") or {}).get("conformance")
+    if not spec:
+        return {"verdict": "not checked", "message": "the case declares no conformance probe (case.yaml: conformance)", "cached": False}
+    t0 = time.monotonic()
+    key, what = stack_key(cfg, device_name(cfg))
+    cached = cache_dir(cfg) / f"{key}.json"
+    if use_cache and cached.is_file():
+        try:
+            verdict = json.loads(cached.read_text())
+            return {**verdict, "cached": True, "lookup_s": round(time.monotonic() - t0, 3)}
+        except ValueError:
+            pass  # a torn file: checked again
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    env.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+    )
+    with tempfile.TemporaryDirectory(prefix="flagbench-conformance-") as tmp:
+        probe_file, verdict_file = os.path.join(tmp, "probe.npz"), os.path.join(tmp, "verdict.json")
+        t1 = time.monotonic()
+        _run([sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_file], env, "probe", timeout_s)
+        t2 = time.monotonic()
+        reference = str(Path(__file__).with_name("reference.py"))
+        _run([sys.executable, "-I", reference, probe_file, verdict_file], env, "reference", timeout_s)
+        verdict = json.loads(Path(verdict_file).read_text())
+        t3 = time.monotonic()
+    verdict.update(
+        probe_s=round(t2 - t1, 3), check_s=round(t3 - t0, 3), key=key, device=what["device"], versions=what["versions"], cached=False
+    )
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        part = cached.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps({k: v for k, v in verdict.items() if k != "cached"}))
+        os.replace(part, cached)
+    except OSError:
+        verdict["cache_error"] = "not cached: the cache folder cannot be written"
+    return verdict

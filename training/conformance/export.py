@@ -1,0 +1,99 @@
+"""What a case's conformance probe hands the reference: its tensors in the probe file's form.
+
+A probe (``cases/<family>/<framework>/conformance.py``) builds the case's parts as its run
+does, runs forward and backward once on seeded inputs, and fills a :class:`ProbeFile`: the
+parameters under the reference's canonical names (training/conformance/reference.py), the
+inputs, the outputs at the sampled positions, and for each parameter the projections of its
+gradient on two directions, computed on the device in float64. Torch-side helpers here; a
+paddle probe uses :func:`add_array` with numpy arrays it made itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+#: relative tolerances by declared precision (docs/metrics.md, the conformance study)
+TOLERANCES = {
+    "fp32": {"output": 1e-4, "gradient": 1e-3},
+    "bf16": {"output": 2.5e-2, "gradient": 5e-2},
+    "fp16": {"output": 1e-2, "gradient": 3e-2},
+}
+
+
+def sample_positions(seq: int, count: int = 64, seed: int = 1234) -> np.ndarray:
+    """Query positions to compare: every position of a short sequence; of a long one, the first
+    eight, the last eight, and the rest spread over each quarter (late queries whose keys lie
+    far back among them)."""
+    if seq <= count:
+        return np.arange(seq, dtype=np.int64)
+    rng = np.random.default_rng(seed)
+    first, last = np.arange(8), np.arange(seq - 8, seq)
+    per = (count - 16) // 4
+    spread = [rng.choice(np.arange(b * seq // 4, (b + 1) * seq // 4), per, replace=False) for b in range(4)]
+    return np.unique(np.concatenate([first, last, *spread])).astype(np.int64)
+
+
+def hash_direction_torch(n: int, salt: int, device: Any) -> Any:
+    """training/conformance/reference.py's ``hash_direction``, computed with torch on ``device``."""
+    import torch
+
+    x = (torch.arange(n, dtype=torch.int64, device=device) + salt * 7919) & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return (x & 0xFFFFFF).to(torch.float64) / float(1 << 24) - 0.5
+
+
+def to_numpy(t: Any) -> np.ndarray:
+    """A tensor as numpy, bfloat16 as its uint16 bits (the reference widens them exactly)."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.float().cpu().numpy() if t.dtype == torch.float16 else t.cpu().numpy()
+
+
+class ProbeFile:
+    """The arrays of one probe, written as one ``.npz``."""
+
+    def __init__(self, spec: dict[str, Any], precision: str):
+        if precision not in TOLERANCES:
+            raise ValueError(f"no conformance tolerance for precision {precision!r} (have {', '.join(TOLERANCES)})")
+        self.spec = {**spec, "precision": precision, "tolerance": TOLERANCES[precision]}
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def add_array(self, name: str, value: np.ndarray) -> None:
+        self.arrays[name] = value
+
+    def inputs(self, tokens: Any, labels: Any, positions: np.ndarray) -> None:
+        self.arrays["tokens"] = np.asarray(to_numpy(tokens) if not isinstance(tokens, np.ndarray) else tokens, dtype=np.int64)
+        self.arrays["labels"] = np.asarray(to_numpy(labels) if not isinstance(labels, np.ndarray) else labels, dtype=np.int64)
+        self.arrays["positions"] = positions.astype(np.int64)
+
+    def output(self, name: str, value: Any) -> None:
+        """``value`` at the sampled positions, first axis the positions."""
+        self.arrays[f"out:{name}"] = to_numpy(value) if not isinstance(value, np.ndarray) else value
+
+    def parameter(self, name: str, value: Any, grad: Any, salt: int) -> None:
+        """A parameter under its canonical name and its gradient's two projections: on the sign of
+        the gradient itself, and on the counter-hash direction of ``salt``."""
+        import torch
+
+        self.arrays[f"param:{name}"] = to_numpy(value)
+        g = (torch.zeros_like(value) if grad is None else grad).detach().to(torch.float64).reshape(-1)
+        sign = torch.sign(g)
+        d = hash_direction_torch(g.numel(), salt, g.device)
+        self.arrays[f"grad:{name}:sign_pos"] = np.packbits((sign > 0).cpu().numpy())
+        self.arrays[f"grad:{name}:sign_neg"] = np.packbits((sign < 0).cpu().numpy())
+        self.arrays[f"grad:{name}:sign"] = np.float64(g.abs().sum().item())
+        self.arrays[f"grad:{name}:sign_mag"] = np.float64(g.abs().sum().item())
+        self.arrays[f"grad:{name}:hash"] = np.float64((g * d).sum().item())
+        self.arrays[f"grad:{name}:hash_mag"] = np.float64((g.abs() * d.abs()).sum().item())
+        self.arrays[f"grad:{name}:salt"] = np.int64(salt)
+
+    def write(self, path: str) -> None:
+        np.savez(path, spec=np.array(json.dumps(self.spec)), **self.arrays)

@@ -1,0 +1,320 @@
+"""The published math of a decoder step, in float64 numpy: the conformance check's reference.
+
+Run as its own process, ``python -I reference.py PROBE.npz VERDICT.json``, by
+training/conformance/__init__.py: isolated (``-I``: no PYTHONPATH, no user site), it imports
+numpy and the standard library only, so no vendor adapter, hook or kernel of the run can
+reach it, and it shares no code with the cases' models. It reads what the probe wrote (the
+case's parts built as the run builds them, on the vendor's stack: their weights, seeded
+inputs, sampled outputs and gradient projections), evaluates the architecture from its
+declared shape, and writes the verdict.
+
+The architecture (``spec`` in the probe file) is one decoder layer between an embedding and a
+loss head, as the families publish it:
+
+- positions: ``rope`` (rotate-half RoPE of base ``rope_base`` on query and key, Llama), ``alibi``
+  (per-head linear biases with the slopes of Press et al., Baichuan2-13B), ``learned`` (a table
+  added to the embedding, GPT-3);
+- norm: ``rms`` (x / sqrt(mean x^2 + eps) * w) or ``layer`` (mean and variance, weight, bias);
+- attention: causal softmax(q k^T / sqrt(head_dim) + bias) v, grouped-query (query head i reads
+  key/value group i // (heads / groups)), optional q/k/v/o biases;
+- MLP: ``swiglu`` (silu(x Wg) * (x Wu) Wd) or ``gelu`` (gelu_tanh(x W1 + b1) W2 + b2);
+- head: final norm, ``plain`` (z Wout^T) or ``normhead`` (each vocabulary row of Wout divided by
+  its L2 norm), cross-entropy against the labels.
+
+Outputs are compared at the sampled query positions (``positions``), whose keys reach back to
+position 0. Gradients are compared as projections: for each parameter tensor the probe sent
+<grad, d> for two directions d (the sign of its own gradient, and a counter-hash direction
+both sides compute exactly), and the reference gets the same projection of the true gradient
+by central differences of its float64 trunk, chained to the exact gradient of the head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+# --------------------------------------------------------------------------- directions
+
+
+def hash_direction(n: int, salt: int) -> np.ndarray:
+    """Element i of a direction in [-0.5, 0.5): an integer mix of i and ``salt`` (32-bit steps,
+    exact in int64), the same on every side that computes it (training/conformance/export.py)."""
+    x = (np.arange(n, dtype=np.int64) + salt * 7919) & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return (x & 0xFFFFFF).astype(np.float64) / float(1 << 24) - 0.5
+
+
+def unpack_sign(pos: np.ndarray, neg: np.ndarray, n: int) -> np.ndarray:
+    return np.unpackbits(pos, count=n).astype(np.float64) - np.unpackbits(neg, count=n).astype(np.float64)
+
+
+def as_f64(a: np.ndarray) -> np.ndarray:
+    """A probe array as float64; bfloat16 travels as its uint16 bits."""
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+# --------------------------------------------------------------------------- the math
+
+
+def norm(x: np.ndarray, spec: dict, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    eps = float(spec["norm_eps"])
+    if spec["norm"] == "rms":
+        y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    else:
+        mu = np.mean(x, axis=-1, keepdims=True)
+        y = (x - mu) / np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + eps)
+    y = y * w
+    return y if b is None else y + b
+
+
+def rope(x: np.ndarray, pos: np.ndarray, base: float) -> np.ndarray:
+    """Rotate-half RoPE of ``x`` [n, heads, d] at positions ``pos`` [n]."""
+    d = x.shape[-1]
+    inv = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = pos.astype(np.float64)[:, None] * inv[None, :]
+    cos = np.concatenate([np.cos(ang), np.cos(ang)], axis=-1)[:, None, :]
+    sin = np.concatenate([np.sin(ang), np.sin(ang)], axis=-1)[:, None, :]
+    half = d // 2
+    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rot * sin
+
+
+def alibi_slopes(heads: int) -> np.ndarray:
+    """Press et al.'s slopes: 2^(-8 i / n) for the nearest power of two n below ``heads``, the
+    rest interleaved from 2n (as Baichuan2-13B and BLOOM define them)."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start * start**i for i in range(n)]
+
+    if math.log2(heads).is_integer():
+        return np.array(power_of_two(heads))
+    closest = 2 ** math.floor(math.log2(heads))
+    return np.array(power_of_two(closest) + power_of_two(2 * closest)[0::2][: heads - closest])
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _get(p: dict, name: str) -> np.ndarray | None:
+    return p.get(name)
+
+
+#: what each tensor of the trunk changes: the keys and values at every position (the rest is
+#: computed at the sampled positions only)
+CHANGES_K = ("embedding", "position_embedding", "ln1", "ln1_bias", "wk", "bk")
+CHANGES_V = ("embedding", "position_embedding", "ln1", "ln1_bias", "wv", "bv")
+
+
+def trunk(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict | None = None, changed: str = "") -> dict[str, np.ndarray]:
+    """Embedding and one decoder layer; keys and values for every position up to the last
+    sampled one, queries at the sampled ``pos``. Returns the attention output, the layer output
+    and the final norm's output at ``pos`` (and the keys and values, which a later call with
+    ``base`` reuses where the one tensor ``changed`` does not reach them)."""
+    m = int(pos.max()) + 1
+    heads, groups, d = int(spec["heads"]), int(spec["groups"]), int(spec["head_dim"])
+    rows = tokens[:m] if base is None or changed in CHANGES_K + CHANGES_V else tokens[pos]
+    x = p["embedding"][rows]
+    if spec["positions"] == "learned":
+        x = x + p["position_embedding"][np.arange(m) if len(rows) == m else pos]
+    h1 = norm(x, spec, p["ln1"], _get(p, "ln1_bias"))
+    hq = h1[pos] if len(rows) == m else h1
+    k = h1 @ p["wk"].T + (p["bk"] if _get(p, "bk") is not None else 0.0) if base is None or changed in CHANGES_K else base["k"]
+    v = h1 @ p["wv"].T + (p["bv"] if _get(p, "bv") is not None else 0.0) if base is None or changed in CHANGES_V else base["v"]
+    keys, values = k, v
+    q = hq @ p["wq"].T
+    if _get(p, "bq") is not None:
+        q = q + p["bq"]
+    xp = x[pos] if len(rows) == m else x
+    q = q.reshape(len(pos), heads, d)
+    k = k.reshape(m, groups, d)
+    v = v.reshape(m, groups, d)
+    if spec["positions"] == "rope":
+        q = rope(q, pos, float(spec["rope_base"]))
+        k = rope(k, np.arange(m), float(spec["rope_base"]))
+    per = heads // groups
+    kk = np.repeat(k, per, axis=1)  # [m, heads, d]: head i reads group i // per
+    vv = np.repeat(v, per, axis=1)
+    scores = np.einsum("nhd,mhd->nhm", q, kk) / math.sqrt(d)
+    if spec["positions"] == "alibi":  # slope * (key position - query position), <= 0 on the causal side
+        rel = np.arange(m)[None, :] - pos[:, None]
+        scores = scores + alibi_slopes(heads)[None, :, None] * rel[:, None, :]
+    mask = np.arange(m)[None, None, :] > pos[:, None, None]
+    scores = np.where(mask, -np.inf, scores)
+    scores = scores - scores.max(axis=-1, keepdims=True)
+    w = np.exp(scores)
+    w = w / w.sum(axis=-1, keepdims=True)
+    attn = np.einsum("nhm,mhd->nhd", w, vv).reshape(len(pos), heads * d)
+    o = attn @ p["wo"].T
+    if _get(p, "bo") is not None:
+        o = o + p["bo"]
+    r = xp + o
+    h2 = norm(r, spec, p["ln2"], _get(p, "ln2_bias"))
+    if spec["mlp"] == "swiglu":
+        mlp = (silu(h2 @ p["w_gate"].T) * (h2 @ p["w_up"].T)) @ p["w_down"].T
+    else:
+        mlp = gelu_tanh(h2 @ p["w_fc1"].T + p["b_fc1"]) @ p["w_fc2"].T + p["b_fc2"]
+    y = r + mlp
+    z = norm(y, spec, p["lnf"], _get(p, "lnf_bias"))
+    return {"attention": attn, "layer": y, "final_norm": z, "k": keys, "v": values}
+
+
+def head_weight(p: dict, spec: dict) -> np.ndarray:
+    w = p["w_out"]
+    if spec["head"] == "normhead":
+        w = w / np.linalg.norm(w, axis=1, keepdims=True)
+    return w
+
+
+def head(z: np.ndarray, p: dict, spec: dict, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-position cross-entropy at the sampled positions, and the exact gradient of their mean
+    with respect to ``z`` and to the logits."""
+    logits = z @ head_weight(p, spec).T
+    mx = logits.max(axis=-1, keepdims=True)
+    lse = mx[:, 0] + np.log(np.exp(logits - mx).sum(axis=-1))
+    loss = lse - logits[np.arange(len(labels)), labels]
+    g_logits = np.exp(logits - lse[:, None])
+    g_logits[np.arange(len(labels)), labels] -= 1.0
+    g_logits /= len(labels)
+    return loss, g_logits @ head_weight(p, spec), g_logits
+
+
+def projected_gradient(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict, g: dict, name: str, d: np.ndarray) -> float:
+    """<dL/d p[name], d> of the mean loss at ``pos``: central differences of the float64 trunk
+    chained to the head's exact gradient (``g``: :func:`head`'s, at ``base``); for the head's
+    own weight, exact."""
+    if name == "w_out":
+        w = p["w_out"]
+        g_w = g["logits"].T @ base["final_norm"]  # dL / d(head weight as used)
+        if spec["head"] == "plain":
+            return float(np.sum(g_w * d))
+        nrm = np.linalg.norm(w, axis=1, keepdims=True)
+        u = w / nrm  # d(u)/d(w) . d = (d - u (u . d)) / |w|
+        du = (d - u * np.sum(u * d, axis=1, keepdims=True)) / nrm
+        return float(np.sum(g_w * du))
+    theta = p[name]
+    scale = np.linalg.norm(theta) / max(np.linalg.norm(d), 1e-300)
+    eps = 1e-5 * (scale if scale > 0 else 1.0)
+    plus = trunk({**p, name: theta + eps * d}, spec, tokens, pos, base, name)["final_norm"]
+    minus = trunk({**p, name: theta - eps * d}, spec, tokens, pos, base, name)["final_norm"]
+    return float(np.sum(g["z"] * (plus - minus)) / (2 * eps))
+
+
+# --------------------------------------------------------------------------- the verdict
+
+
+def blocks(pos: np.ndarray, seq: int, n: int = 4) -> list[tuple[int, int, np.ndarray]]:
+    """The sampled positions in ``n`` equal spans of the sequence: (first, last, indices)."""
+    out = []
+    for b in range(n):
+        lo, hi = b * seq // n, (b + 1) * seq // n - 1
+        idx = np.nonzero((pos >= lo) & (pos <= hi))[0]
+        if len(idx):
+            out.append((lo, hi, idx))
+    return out
+
+
+def relative(dev: np.ndarray, ref: np.ndarray) -> float:
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(dev - ref)
+    return float(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def check(probe: dict) -> dict:
+    """Compare what the probe sent with the reference; the verdict and its figures."""
+    t0 = time.monotonic()
+    spec = json.loads(str(probe["spec"]))
+    tol = spec["tolerance"]
+    p = {k[6:]: as_f64(v) for k, v in probe.items() if k.startswith("param:")}
+    tokens = probe["tokens"].astype(np.int64)
+    labels_all = probe["labels"].astype(np.int64)
+    pos = probe["positions"].astype(np.int64)
+    labels = labels_all[pos]
+    seq = int(spec["seq_length"])
+    ref = trunk(p, spec, tokens, pos)
+    loss, g_z, g_logits = head(ref["final_norm"], p, spec, labels)
+    ref["loss"] = loss
+    g = {"z": g_z, "logits": g_logits}
+    rows = []
+    names = {"attention": "attention output", "layer": "decoder layer output", "loss": "per-token loss"}
+    for key, what in names.items():
+        dev = as_f64(probe[f"out:{key}"])
+        r = ref[key]
+        for lo, hi, idx in blocks(pos, seq):
+            rows.append({"tensor": what, "positions": [lo, hi], "error": relative(dev[idx], r[idx]), "tolerance": tol["output"]})
+    for key in sorted(k for k in probe if k.startswith("grad:") and k.endswith(":sign_pos")):
+        name = key[5:-9]
+        n = p[name].size
+        directions = {
+            "sign": unpack_sign(probe[f"grad:{name}:sign_pos"], probe[f"grad:{name}:sign_neg"], n),
+            "hash": hash_direction(n, int(probe[f"grad:{name}:salt"])),
+        }
+        for kind, d in directions.items():
+            dev = float(probe[f"grad:{name}:{kind}"])
+            mag = float(probe[f"grad:{name}:{kind}_mag"])  # sum |g| |d|: the projection without cancellation
+            true = projected_gradient(p, spec, tokens, pos, ref, g, name, d.reshape(p[name].shape))
+            err = abs(dev - true) / mag if mag > 0 else (0.0 if true == 0 else math.inf)
+            rows.append({"tensor": f"gradient of {name} ({kind} direction)", "positions": None, "error": err, "tolerance": tol["gradient"]})
+    for name in sorted(k[5:-8] for k in probe if k.startswith("grad:") and k.endswith(":outside")):
+        # gradient on rows no token of the input reads (only the rows read travel): must be none
+        inside = float(probe[f"grad:{name}:inside"])
+        outside = float(probe[f"grad:{name}:outside"])
+        err = outside / inside if inside > 0 else (0.0 if outside == 0 else math.inf)
+        rows.append(
+            {"tensor": f"gradient of {name} on rows no input token reads", "positions": None, "error": err, "tolerance": tol["gradient"]}
+        )
+    failed = [r for r in rows if not r["error"] <= r["tolerance"]]
+    worst = max(rows, key=lambda r: r["error"] / r["tolerance"])
+    if failed:  # the first tensor in the step's order that differs, at its worst span
+        worst = max((r for r in failed if r["tensor"] == failed[0]["tensor"]), key=lambda r: r["error"])
+    return {
+        "verdict": "failed" if failed else "passed",
+        "message": message(worst, failed),
+        "worst": worst,
+        "failed": failed[:8],
+        "compared": len(rows),
+        "positions": int(len(pos)),
+        "reference_s": round(time.monotonic() - t0, 3),
+    }
+
+
+def _where(r: dict) -> str:
+    if r["positions"] is None:
+        return r["tensor"]
+    lo, hi = r["positions"]
+    return f"{r['tensor']} at positions {lo:,}-{hi:,}"
+
+
+def message(r: dict, failed: list[dict]) -> str:
+    pct = f"{100 * r['error']:.3g} %" if math.isfinite(r["error"]) else "without bound"
+    if failed:
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        return f"{_where(r)} differs {pct} from the reference (tolerance {100 * r['tolerance']:.3g} %){more}"
+    return f"largest difference: {_where(r)}, {pct} (tolerance {100 * r['tolerance']:.3g} %)"
+
+
+def main(argv: list[str]) -> int:
+    src, dst = argv[1], argv[2]
+    with np.load(src, allow_pickle=False) as f:
+        probe = {k: f[k] for k in f.files}
+    verdict = check(probe)
+    with open(dst, "w", encoding="utf-8") as fh:
+        json.dump(verdict, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

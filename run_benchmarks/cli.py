@@ -55,6 +55,11 @@ COMMANDS: dict[str, Command] = {
         "make runs the reference of their model, phase, recipe and data", _start("--record-reference"), _help("judging.compare")
     ),
     "ceiling": Command("measure a case's kernel ceiling on this host's first device", _start("--ceiling"), _help("tools.ceiling")),
+    "conformance": Command(
+        "check a case's math on this host's first device against float64 numpy",
+        _start("--conformance"),
+        _help("tools.conformance"),
+    ),
     "nightly": Command("run a nightly run list and judge it against history", _start("--nightly"), _help("nightly.driver")),
     "cleanup": Command("remove what runs left on a cluster's hosts", _start("--cleanup"), lambda: _start()(["--cleanup", "--help"])),
     "load-images": Command(

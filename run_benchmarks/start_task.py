@@ -186,6 +186,10 @@ def _main(argv: list[str] | None) -> int:
         from run_benchmarks.nightly import driver as nightly
 
         return nightly.main(argv)
+    if "--conformance" in argv:  # the case's conformance check on this host's device, alone
+        from run_benchmarks.tools import conformance
+
+        return conformance.main(argv)
     if "--ceiling" in argv:  # the case's kernel ceiling on this host's device, printed alone
         from run_benchmarks.tools import ceiling
 

@@ -25,6 +25,7 @@ from run_benchmarks.planning.casename import check_name
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-.]{0,252})$")
 _MODSPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
+MODSPEC = _MODSPEC  # "module:function", as configs name code
 _ENVNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ENVPREFIX = re.compile(r"^[A-Z][A-Z0-9_]*$")  # upper case: a prefix matches every variable it begins
 # what reaches a remote host as a login name or a path: no shell metacharacters, no spaces

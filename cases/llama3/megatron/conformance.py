@@ -65,14 +65,14 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
     model = modeling.build_model(s, tconfig)
     gen = torch.Generator().manual_seed(train.seed + 17)
     params = dict(model.named_parameters())
-    with torch.no_grad():
+    with torch.no_grad():  # drawn where they live (the reference gets them as they are)
         for name, p in params.items():
+            draw = torch.Generator(device=p.device).manual_seed(train.seed + len(name))
+            w = torch.randn(p.shape, generator=draw, device=p.device, dtype=torch.float32)
             if p.dim() == 1:  # norm weights
-                w = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
-            elif "word_embeddings" in name:
-                w = torch.randn(p.shape, generator=gen)
-            else:  # activations stay of order one: scores of unit spread, so scale and mask matter
-                w = torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5
+                w = 1.0 + 0.1 * w
+            elif "word_embeddings" not in name:  # activations stay of order one: scores of unit spread, so scale and mask matter
+                w = w / p.shape[1] ** 0.5
             p.copy_(w.to(p.dtype))
     if train.precision in ("bf16", "fp16"):
         model = Float16Module(tconfig, model)

@@ -1,0 +1,92 @@
+"""``flagbench conformance`` (``start_task.py --conformance``): a case's conformance check alone.
+
+The check every run makes before training (training/conformance/): the case's probe builds one
+decoder layer, the embedding and the loss head on this host's first device as the run would
+(the vendor config, variant and ``--set`` values given, the vendor's adapter and hooks), and an
+isolated float64 numpy reference of the architecture judges its outputs and gradients. Nothing
+trains; no run folder. ``--hook`` adds a vendor hook (``module:function``) to the check alone, to
+see what a defect does to it (examples/defects.py). ``--no-cache`` checks again where this
+stack already has a verdict.
+
+Exit status: 0 passed, 1 failed (or the probe could not finish, or the case has no probe),
+2 bad input (nothing ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from run_benchmarks.errors import InputError
+from run_benchmarks.judging.results import conformance_text
+from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.casename import CaseName, check_name
+from run_benchmarks.planning.config import MODSPEC
+from run_benchmarks.running.runtimes import select
+from run_benchmarks.tools.ceiling import process_env
+
+
+def check(plan: planning.Plan, python: str, root: Path, cache: Path, no_cache: bool, timeout_s: float = 900) -> dict[str, Any]:
+    """The verdict of the case's probe on this host (RuntimeError where the process fails)."""
+    with tempfile.TemporaryDirectory(prefix="flagbench-conformance-") as tmp:
+        cfg = Path(tmp) / "resolved.json"
+        cfg.write_text(json.dumps(plan.resolved(0, str(Path(tmp) / "output"), str(cache)), indent=2))
+        cmd = [python, "-m", "training.conformance", "--config", str(cfg), *(["--no-cache"] if no_cache else [])]
+        try:
+            proc = subprocess.run(cmd, cwd=str(root), env=process_env(plan, root), capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the conformance check ran past {timeout_s:.0f} s") from None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"the conformance check exited {proc.returncode}: {tail[0]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str]) -> int:
+    from run_benchmarks.planning.options import load_cluster, parser
+
+    ap = parser()
+    ap.prog = "flagbench conformance"
+    ap.add_argument("--conformance", action="store_true", help="run the case's conformance check alone on this host's first device")
+    ap.add_argument("--hook", help="an extra vendor hook for the check alone, module:function (examples/defects.py)")
+    ap.add_argument("--no-cache", action="store_true", help="check again where this stack already has a verdict")
+    args = ap.parse_args(argv)
+    try:
+        for flag, given in (("--cluster", args.cluster), ("--reference", args.reference), ("--nightly", args.nightly)):
+            if given:
+                raise InputError(f"the conformance check runs on this host's first device alone; {flag} does not apply")
+        if args.hook and not MODSPEC.match(args.hook):
+            raise InputError(f"--hook {args.hook!r}: must be 'module:function'")
+        check_name(args.vendor, "vendor")
+        cn = CaseName.parse(args.case_name)
+        cluster = load_cluster(args)
+        plan = planning.build(cn, args.vendor, cluster, Path(tempfile.gettempdir()), planning.check_variant(args.variant), args.sets)
+        if not plan.conformance:
+            raise InputError(f"case {cn.model}:{cn.framework} has no conformance probe (case.yaml: conformance)")
+        if args.hook:
+            plan = dataclasses.replace(plan, hook=args.hook)
+        runtime = select(cluster, args.python)
+        python, root = runtime.prepare(plan, Path(tempfile.gettempdir()) / f"flagbench-conformance-env-{plan.run_id}.log")
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cache = Path.home() / ".cache" / "flagbench" / "data"  # the cache a local run's check uses
+    try:
+        verdict = check(plan, python, root, cache, args.no_cache)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(verdict, indent=2))
+    else:
+        print(f"conformance of {cn} ({args.vendor}{', hook ' + args.hook if args.hook else ''}): {conformance_text(verdict)}")
+        for row in verdict.get("failed") or []:
+            where = f" at positions {row['positions'][0]:,}-{row['positions'][1]:,}" if row.get("positions") else ""
+            print(f"  {row['tensor']}{where}: {100 * row['error']:.3g} % (tolerance {100 * row['tolerance']:.3g} %)")
+    return 0 if verdict.get("verdict") == "passed" else 1

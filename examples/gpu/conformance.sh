@@ -10,7 +10,7 @@ run() {  # NAME ARGS...
   local name=$1
   shift
   local t0=$SECONDS
-  timeout 300 python3 $C "$@" > "$OUT/conformance/$name.json" 2> "$OUT/conformance/$name.err"
+  timeout ${EACH_S:-200} python3 $C "$@" > "$OUT/conformance/$name.json" 2> "$OUT/conformance/$name.err"
   echo "$name rc=$? $((SECONDS - t0)) s" >> "$OUT/conformance/times.txt"
 }
 for variant in ${VARIANTS:-intact cudnn math flash liger chunked fused_ce times_zero scale_x4 window rope_base qkv_float8}; do
@@ -33,6 +33,8 @@ python3 - "$OUT/conformance" <<'PY'
 import json, pathlib, sys
 d = pathlib.Path(sys.argv[1])
 print(open(d / "times.txt").read())
+for f in sorted(d.glob("*.err")):
+    print(f.stem, " | ".join(l for l in f.read_text().splitlines() if l.startswith(("probe:", "reference:")))[-900:])
 for f in sorted(d.glob("*.json")):
     try:
         v = json.loads(f.read_text())
@@ -40,5 +42,7 @@ for f in sorted(d.glob("*.json")):
         print(f"{f.stem:12s} no verdict: {(d / (f.stem + '.err')).read_text().strip().splitlines()[-1:]}")
         continue
     w = v.get("worst") or {}
+    if not v.get("probe_s"):
+        print("  ", "\n   ".join((d / (f.stem + ".err")).read_text().strip().splitlines()[-3:]))
     print(f"{f.stem:12s} {v['verdict']:7s} probe {v.get('probe_s', 0):5.1f} s ref {v.get('reference_s', 0):5.1f} s check {v.get('check_s', 0):5.1f} s  {v['message'][:150]}")
 PY

@@ -41,6 +41,7 @@ def check(plan: planning.Plan, python: str, root: Path, cache: Path, no_cache: b
             proc = subprocess.run(cmd, cwd=str(root), env=process_env(plan, root), capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"the conformance check ran past {timeout_s:.0f} s") from None
+    sys.stderr.write("".join(f"{line}\n" for line in proc.stderr.splitlines() if line.startswith(("probe:", "reference:"))))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

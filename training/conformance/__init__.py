@@ -107,11 +107,22 @@ def cache_dir(cfg: dict[str, Any]) -> Path:
     return Path(base) / "conformance"
 
 
+def _progress(text: str | bytes | None) -> list[str]:
+    text = text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+    return [line for line in text.splitlines() if line.startswith(("probe:", "reference:"))]
+
+
 def _run(cmd: list[str], env: dict[str, str], what: str, timeout_s: float) -> None:
+    """Run one process of the check; its progress lines go on to this process's stderr."""
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"conformance {what}: no result within {timeout_s:.0f} s") from None
+    except subprocess.TimeoutExpired as exc:
+        seen = _progress(exc.stderr)
+        raise ProbeError(
+            f"conformance {what}: no result within {timeout_s:.0f} s" + (f" (last: {seen[-1]})" if seen else ""), "\n".join(seen)
+        ) from None
+    for line in _progress(p.stderr):
+        print(line, file=sys.stderr, flush=True)
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-12:]
         last = next((line for line in reversed(tail) if line.strip()), "")
@@ -147,7 +158,9 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
         _run([sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_file], env, "probe", timeout_s)
         t2 = time.monotonic()
         reference = str(Path(__file__).with_name("reference.py"))
-        _run([sys.executable, "-I", reference, probe_file, verdict_file], env, "reference", timeout_s)
+        threads = str(max(1, (os.cpu_count() or 1) // max(1, min(8, os.cpu_count() or 1))))  # BLAS threads per projection thread
+        ref_env = {**env, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        _run([sys.executable, "-I", reference, probe_file, verdict_file], ref_env, "reference", timeout_s)
         verdict = json.loads(Path(verdict_file).read_text())
         t3 = time.monotonic()
     verdict.update(

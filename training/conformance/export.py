@@ -11,6 +11,8 @@ paddle probe uses :func:`add_array` with numpy arrays it made itself.
 from __future__ import annotations
 
 import json
+import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,14 @@ TOLERANCES = {
     "bf16": {"output": 2.5e-2, "gradient": 5e-2},
     "fp16": {"output": 1e-2, "gradient": 3e-2},
 }
+
+
+_T0 = time.monotonic()
+
+
+def log(what: str) -> None:
+    """Progress on stderr, with seconds since the probe's import (its process's start, nearly)."""
+    print(f"probe: {time.monotonic() - _T0:7.2f} s {what}", file=sys.stderr, flush=True)
 
 
 def sample_positions(seq: int, count: int = 64, seed: int = 1234) -> np.ndarray:
@@ -96,4 +106,6 @@ class ProbeFile:
         self.arrays[f"grad:{name}:salt"] = np.int64(salt)
 
     def write(self, path: str) -> None:
+        log("exported")
         np.savez(path, spec=np.array(json.dumps(self.spec)), **self.arrays)
+        log("written")

@@ -32,33 +32,52 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 # --------------------------------------------------------------------------- directions
 
 
-def hash_direction(n: int, salt: int) -> np.ndarray:
-    """Element i of a direction in [-0.5, 0.5): an integer mix of i and ``salt`` (32-bit steps,
-    exact in int64), the same on every side that computes it (training/conformance/export.py)."""
-    x = (np.arange(n, dtype=np.int64) + salt * 7919) & 0xFFFFFFFF
+def hash_direction(n: int, salt: int, start: int = 0) -> np.ndarray:
+    """Elements ``start`` .. ``start + n - 1`` of a direction in [-0.5, 0.5): an integer mix of the
+    index and ``salt`` (32-bit steps, exact in int64), the same on every side that computes it
+    (training/conformance/export.py)."""
+    x = (np.arange(start, start + n, dtype=np.int64) + salt * 7919) & 0xFFFFFFFF
     x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
     x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
     x = (x >> 16) ^ x
     return (x & 0xFFFFFF).astype(np.float64) / float(1 << 24) - 0.5
 
 
-def unpack_sign(pos: np.ndarray, neg: np.ndarray, n: int) -> np.ndarray:
-    return np.unpackbits(pos, count=n).astype(np.float64) - np.unpackbits(neg, count=n).astype(np.float64)
+def unpack_sign(pos: np.ndarray, neg: np.ndarray, n: int, start: int = 0) -> np.ndarray:
+    """Elements ``start`` .. ``start + n - 1`` of a sign direction sent as two bit fields
+    (``start`` a multiple of 8)."""
+    a, b = start // 8, (start + n + 7) // 8
+    return np.unpackbits(pos[a:b], count=n).astype(np.float64) - np.unpackbits(neg[a:b], count=n).astype(np.float64)
 
 
 def as_f64(a: np.ndarray) -> np.ndarray:
-    """A probe array as float64; bfloat16 travels as its uint16 bits."""
-    if a.dtype == np.uint16:
-        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return a.astype(np.float64)
+    """A probe array as float64; bfloat16 travels as its uint16 bits (the high half of a float32),
+    widened a block of rows at a time on the projection threads."""
+    if a.dtype != np.uint16:
+        return a.astype(np.float64)
+    out = np.empty(a.shape, dtype=np.float64)
+    flat_in, flat_out = a.reshape(-1), out.reshape(-1)
+    step = 1 << 22
+
+    def widen(i: int) -> None:
+        half = np.zeros((min(step, flat_in.size - i), 2), dtype=np.uint16)
+        half[:, 1] = flat_in[i : i + step]  # little-endian float32: the bits in the high half
+        flat_out[i : i + step] = half.view(np.float32)[:, 0]
+
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        list(pool.map(widen, range(0, flat_in.size, step)))
+    return out
 
 
 # --------------------------------------------------------------------------- the math
@@ -145,19 +164,18 @@ def trunk(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict |
     if spec["positions"] == "rope":
         q = rope(q, pos, float(spec["rope_base"]))
         k = rope(k, np.arange(m), float(spec["rope_base"]))
-    per = heads // groups
-    kk = np.repeat(k, per, axis=1)  # [m, heads, d]: head i reads group i // per
-    vv = np.repeat(v, per, axis=1)
-    scores = np.einsum("nhd,mhd->nhm", q, kk) / math.sqrt(d)
+    per = heads // groups  # query head i reads group i // per: queries grouped, no copies of K/V
+    qg = q.reshape(len(pos), groups, per, d).transpose(1, 2, 0, 3).reshape(groups, per * len(pos), d)
+    scores = np.matmul(qg, k.transpose(1, 2, 0)).reshape(groups, per, len(pos), m) / math.sqrt(d)
     if spec["positions"] == "alibi":  # slope * (key position - query position), <= 0 on the causal side
         rel = np.arange(m)[None, :] - pos[:, None]
-        scores = scores + alibi_slopes(heads)[None, :, None] * rel[:, None, :]
-    mask = np.arange(m)[None, None, :] > pos[:, None, None]
-    scores = np.where(mask, -np.inf, scores)
+        scores = scores + alibi_slopes(heads).reshape(groups, per)[:, :, None, None] * rel[None, None]
+    scores = np.where(np.arange(m)[None, None, None, :] > pos[None, None, :, None], -np.inf, scores)
     scores = scores - scores.max(axis=-1, keepdims=True)
     w = np.exp(scores)
     w = w / w.sum(axis=-1, keepdims=True)
-    attn = np.einsum("nhm,mhd->nhd", w, vv).reshape(len(pos), heads * d)
+    out = np.matmul(w.reshape(groups, per * len(pos), m), v.transpose(1, 0, 2))  # [groups, per * n, d]
+    attn = out.reshape(groups, per, len(pos), d).transpose(2, 0, 1, 3).reshape(len(pos), heads * d)
     o = attn @ p["wo"].T
     if _get(p, "bo") is not None:
         o = o + p["bo"]
@@ -192,19 +210,29 @@ def head(z: np.ndarray, p: dict, spec: dict, labels: np.ndarray) -> tuple[np.nda
     return loss, g_logits @ head_weight(p, spec), g_logits
 
 
-def projected_gradient(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict, g: dict, name: str, d: np.ndarray) -> float:
+def head_projection(p: dict, spec: dict, base: dict, g: dict, direction: Any) -> float:
+    """<dL/dWout, d>, exact, a block of vocabulary rows at a time (``direction(start, rows)``: the
+    direction's rows ``start`` .. ``start + rows - 1``, flattened)."""
+    w, z = p["w_out"], base["final_norm"]
+    total, block = 0.0, 8192
+    for a in range(0, w.shape[0], block):
+        wb = w[a : a + block]
+        g_w = g["logits"][:, a : a + block].T @ z  # dL / d(head weight as used), these rows
+        d = direction(a * w.shape[1], wb.size).reshape(wb.shape)
+        if spec["head"] == "normhead":  # d(w / |w|) . d = (d - u (u . d)) / |w|
+            nrm = np.linalg.norm(wb, axis=1, keepdims=True)
+            u = wb / nrm
+            d = (d - u * np.sum(u * d, axis=1, keepdims=True)) / nrm
+        total += float(np.sum(g_w * d))
+    return total
+
+
+def projected_gradient(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict, g: dict, name: str, d: Any) -> float:
     """<dL/d p[name], d> of the mean loss at ``pos``: central differences of the float64 trunk
     chained to the head's exact gradient (``g``: :func:`head`'s, at ``base``); for the head's
     own weight, exact."""
     if name == "w_out":
-        w = p["w_out"]
-        g_w = g["logits"].T @ base["final_norm"]  # dL / d(head weight as used)
-        if spec["head"] == "plain":
-            return float(np.sum(g_w * d))
-        nrm = np.linalg.norm(w, axis=1, keepdims=True)
-        u = w / nrm  # d(u)/d(w) . d = (d - u (u . d)) / |w|
-        du = (d - u * np.sum(u * d, axis=1, keepdims=True)) / nrm
-        return float(np.sum(g_w * du))
+        return head_projection(p, spec, base, g, d)
     theta = p[name]
     scale = np.linalg.norm(theta) / max(np.linalg.norm(d), 1e-300)
     eps = 1e-5 * (scale if scale > 0 else 1.0)
@@ -233,9 +261,26 @@ def relative(dev: np.ndarray, ref: np.ndarray) -> float:
     return float(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+#: tensors as large as the vocabulary: their gradient is projected on its own sign alone (the
+#: second direction would cost as much as the rest of the check)
+LARGE = ("w_out",)
+
+
+def workers() -> int:
+    """Threads for the projections (training/conformance/__init__.py sets BLAS's own threads to match)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def log(what: str, _t0: list = []) -> None:  # noqa: B006 - the first call's time, kept
+    """Progress on stderr, with seconds since the first line."""
+    _t0 = _t0 or _t0.append(time.monotonic()) or _t0
+    print(f"reference: {time.monotonic() - _t0[0]:7.2f} s {what}", file=sys.stderr, flush=True)
+
+
 def check(probe: dict) -> dict:
     """Compare what the probe sent with the reference; the verdict and its figures."""
     t0 = time.monotonic()
+    log("start")
     spec = json.loads(str(probe["spec"]))
     tol = spec["tolerance"]
     p = {k[6:]: as_f64(v) for k, v in probe.items() if k.startswith("param:")}
@@ -244,6 +289,7 @@ def check(probe: dict) -> dict:
     pos = probe["positions"].astype(np.int64)
     labels = labels_all[pos]
     seq = int(spec["seq_length"])
+    log("read")
     ref = trunk(p, spec, tokens, pos)
     loss, g_z, g_logits = head(ref["final_norm"], p, spec, labels)
     ref["loss"] = loss
@@ -255,19 +301,33 @@ def check(probe: dict) -> dict:
         r = ref[key]
         for lo, hi, idx in blocks(pos, seq):
             rows.append({"tensor": what, "positions": [lo, hi], "error": relative(dev[idx], r[idx]), "tolerance": tol["output"]})
+    jobs = []
     for key in sorted(k for k in probe if k.startswith("grad:") and k.endswith(":sign_pos")):
         name = key[5:-9]
-        n = p[name].size
+        salt = int(probe[f"grad:{name}:salt"])
         directions = {
-            "sign": unpack_sign(probe[f"grad:{name}:sign_pos"], probe[f"grad:{name}:sign_neg"], n),
-            "hash": hash_direction(n, int(probe[f"grad:{name}:salt"])),
+            "sign": lambda a, k, name=name: unpack_sign(probe[f"grad:{name}:sign_pos"], probe[f"grad:{name}:sign_neg"], k, a),
+            "hash": lambda a, k, salt=salt: hash_direction(k, salt, a),
         }
-        for kind, d in directions.items():
-            dev = float(probe[f"grad:{name}:{kind}"])
-            mag = float(probe[f"grad:{name}:{kind}_mag"])  # sum |g| |d|: the projection without cancellation
-            true = projected_gradient(p, spec, tokens, pos, ref, g, name, d.reshape(p[name].shape))
-            err = abs(dev - true) / mag if mag > 0 else (0.0 if true == 0 else math.inf)
-            rows.append({"tensor": f"gradient of {name} ({kind} direction)", "positions": None, "error": err, "tolerance": tol["gradient"]})
+        for kind, direction in directions.items():
+            if kind == "hash" and name in LARGE:
+                continue
+            jobs.append((name, kind, direction))
+
+    def project(job: tuple) -> dict:
+        name, kind, direction = job
+        n = p[name].size
+        dev = float(probe[f"grad:{name}:{kind}"])
+        mag = float(probe[f"grad:{name}:{kind}_mag"])  # sum |g| |d|: the projection without cancellation
+        d = direction if name == "w_out" else direction(0, n).reshape(p[name].shape)
+        true = projected_gradient(p, spec, tokens, pos, ref, g, name, d)
+        err = abs(dev - true) / mag if mag > 0 else (0.0 if true == 0 else math.inf)
+        log(f"gradient of {name} ({kind})")
+        return {"tensor": f"gradient of {name} ({kind} direction)", "positions": None, "error": err, "tolerance": tol["gradient"]}
+
+    # numpy leaves the interpreter lock in its loops and BLAS calls: the projections side by side
+    with ThreadPoolExecutor(max_workers=workers()) as pool:
+        rows += list(pool.map(project, jobs))
     for name in sorted(k[5:-8] for k in probe if k.startswith("grad:") and k.endswith(":outside")):
         # gradient on rows no token of the input reads (only the rows read travel): must be none
         inside = float(probe[f"grad:{name}:inside"])

@@ -11,6 +11,7 @@ its collectives, which the loss gate judges across layouts.
 from __future__ import annotations
 
 import copy
+import zlib
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,9 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
     from cases.llama3.megatron import kernels, modeling
     from cases.llama3.megatron.settings import from_config
     from training.accelerator import Accelerator
-    from training.conformance.export import sample_positions
+    from training.conformance.export import log, sample_positions
+
+    log("imported")
 
     s = from_config(probe_config(cfg), 1)
     sh, train = s.shape, s.common.train
@@ -63,11 +66,12 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
     if s.layout.gradient_accumulation_fusion:
         kernels.install_wgrad_accumulation(device, modeling.DTYPES[train.precision])
     model = modeling.build_model(s, tconfig)
+    log("built")
     gen = torch.Generator().manual_seed(train.seed + 17)
     params = dict(model.named_parameters())
     with torch.no_grad():  # drawn where they live (the reference gets them as they are)
         for name, p in params.items():
-            draw = torch.Generator(device=p.device).manual_seed(train.seed + len(name))
+            draw = torch.Generator(device=p.device).manual_seed(train.seed + zlib.crc32(name.encode()))
             w = torch.randn(p.shape, generator=draw, device=p.device, dtype=torch.float32)
             if p.dim() == 1:  # norm weights
                 w = 1.0 + 0.1 * w
@@ -92,6 +96,7 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
     loss = losses[0, pos_t].float().mean()
     loss.backward()
     acc.synchronize(device)
+    log("forward and backward")
 
     f = out(
         {

@@ -13,6 +13,7 @@ run() {  # NAME ARGS...
   timeout ${EACH_S:-200} python3 $C "$@" > "$OUT/conformance/$name.json" 2> "$OUT/conformance/$name.err"
   echo "$name rc=$? $((SECONDS - t0)) s" >> "$OUT/conformance/times.txt"
 }
+n=0
 for variant in ${VARIANTS:-intact cudnn math flash liger chunked fused_ce times_zero scale_x4 window rope_base qkv_float8}; do
   case $variant in
     intact) run intact ;;
@@ -27,8 +28,11 @@ for variant in ${VARIANTS:-intact cudnn math flash liger chunked fused_ce times_
     window) run window --hook examples.defects:attention_window ;;
     rope_base) run rope_base --hook examples.defects:rope_base_off ;;
     qkv_float8) run qkv_float8 --hook examples.defects:qkv_float8 ;;
-  esac
+  esac &
+  n=$((n + 1))
+  if [ $((n % ${PARALLEL:-1})) -eq 0 ]; then wait; fi  # PARALLEL checks at once (they share the host's cores)
 done
+wait
 python3 - "$OUT/conformance" <<'PY'
 import json, pathlib, sys
 d = pathlib.Path(sys.argv[1])

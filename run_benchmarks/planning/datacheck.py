@@ -640,7 +640,15 @@ def settle(settings: dict[str, Any], standard: dict[str, Any], given: list[str],
             not _is_word(x) for x in (prefix if isinstance(prefix, (list, tuple)) else str(prefix).split())[0::2]
         )
         if not data.get("data_dir"):
+            given_items = items
             items = [(w, os.path.normpath(p if os.path.isabs(p) else os.path.join(cwd, p))) for w, p in items]
+            for (_, full), (_, p) in zip(items, given_items):
+                pair = [" + ".join(files) for files in _pair_files(full, fmt)]
+                if local and not any(all(os.path.isfile(f) for f in files) for files in _pair_files(full, fmt)):
+                    what = f"{pair[0]} do not exist" if len(pair) == 1 else f"neither {pair[0]} nor {pair[1]} exist"
+                    raise InputError(
+                        f"data.prefix {p!r}: {what} (no data_dir: a relative prefix is taken from {cwd}, where start_task.py runs)"
+                    )
             data["data_dir"] = os.path.commonpath([os.path.dirname(p) for _, p in items])
             data["prefix"] = _blend_text(items, weighted) if blend is not None else items[0][1]
         elif container:
@@ -672,6 +680,16 @@ def settle(settings: dict[str, Any], standard: dict[str, Any], given: list[str],
         for phase_key, value in _path_values(data):
             if value and not os.path.exists(os.path.expanduser(str(value))):
                 raise InputError(f"data.{phase_key} {value}: no such file or directory on this host")
+
+
+def _pair_files(prefix: str, fmt: str) -> list[list[str]]:
+    """The file pairs a corpus prefix may name in a format (either pair will do)."""
+    from training.data import paddle_gpt
+
+    for ext in (".bin", ".idx", paddle_gpt.IDS_SUFFIX, paddle_gpt.IDX_SUFFIX):
+        prefix = prefix[: -len(ext)] if prefix.endswith(ext) else prefix
+    mmap = [prefix + ".bin", prefix + ".idx"]
+    return [[prefix + paddle_gpt.IDS_SUFFIX, prefix + paddle_gpt.IDX_SUFFIX], mmap] if fmt == "paddle_gpt" else [mmap]
 
 
 def _is_word(x: Any) -> bool:

@@ -11,8 +11,9 @@ The case says how its data is read in ``standard.data.format`` (case.yaml): ``me
 (Megatron's indexed dataset, one corpus or a blend), ``paddle_gpt`` (PaddleNLP's npy/npz
 pair or its mmap .bin/.idx) or ``llava`` (LLaVA JSON + image folder per phase).
 
-The check also gives each phase's data an identity: format, files, sizes, a content hash
-of the index and a sample of the tokens, and a ``fingerprint`` over them. results.json keeps
+The check also gives each phase's data an identity: format, files, sizes, digests of the
+decoded content training reads (training/data/content.py), what the phase starts from (the
+phase before it, checkpoints loaded by path), and a ``fingerprint`` over them. results.json keeps
 it (``data``), a reference curve records the data it was made on, and a phase whose reference
 was made on other data is not judged: "no reference for this data".
 """

@@ -102,6 +102,12 @@ def test_a_prefix_outside_data_dir_is_refused_in_a_container(tmp_path):
     with pytest.raises(InputError, match=rf"^data.prefix '{tmp_path}/out/d': outside data_dir {tmp_path}/in, which is all a container"):
         datacheck.settle(settings, {"data": {"format": "megatron"}}, [], str(tmp_path), True, True)
     datacheck.settle(settings, {"data": {"format": "megatron"}}, [], str(tmp_path), True, False)  # processes: read where it is
+    apart = {"data": {"format": "megatron", "data_dir": None, "prefix": f"1 {tmp_path}/in/c 1 /proc/x"}}
+    with pytest.raises(InputError, match="its corpora share no folder but /, which a container does not mount"):
+        datacheck.settle(apart, {"data": {"format": "megatron"}}, [], str(tmp_path), False, True)
+    inside = {"data": {"format": "megatron", "data_dir": None, "prefix": f"1 {tmp_path}/in/c 1 {tmp_path}/out/d"}}
+    datacheck.settle(inside, {"data": {"format": "megatron"}}, [], str(tmp_path), True, True)
+    assert inside["data"]["data_dir"] == str(tmp_path)  # the folder of them all: what the container mounts
 
 
 def data_keys(case_yaml: Path) -> list[str]:

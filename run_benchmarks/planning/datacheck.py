@@ -651,6 +651,11 @@ def settle(settings: dict[str, Any], standard: dict[str, Any], given: list[str],
                         f"data.prefix {p!r}: {what} (no data_dir: a relative prefix is taken from {cwd}, where start_task.py runs)"
                     )
             data["data_dir"] = os.path.commonpath([os.path.dirname(p) for _, p in items])
+            if container and data["data_dir"] == os.sep:
+                raise InputError(
+                    f"data.prefix {prefix!r}: its corpora share no folder but /, which a container does not mount; "
+                    "give data_dir (a cluster's data_dir or --data-dir) and prefixes under it"
+                )
             data["prefix"] = _blend_text(items, weighted) if blend is not None else items[0][1]
         elif container:
             root = os.path.normpath(str(data["data_dir"]))

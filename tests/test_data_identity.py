@@ -96,7 +96,7 @@ def test_corrupt_images_are_named_with_their_entry_and_verdicts_are_cached(tmp_p
     img = Path(d["data_dir"]) / "img"
     calls = []
     real = llava_images.inspect
-    monkeypatch.setattr(llava_images, "inspect", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(llava_images, "inspect", lambda p, *a: calls.append(p) or real(p, *a))
     llava_fp(d)
     assert len(calls) == 6
     llava_fp(d)
@@ -212,8 +212,11 @@ def test_data_dir_a_file_and_tokenizer_path_a_data_location(tmp_path):
     proc = start(
         "--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2", "--set", f"data.tokenizer_path={tmp_path}", "--dry-run", "--json"
     )
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["user_overrides"] == []
+    assert proc.returncode == 2 and "data.tokenizer_path: read from real data only" in proc.stderr  # not dropped in silence
+    proc = start(
+        "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--set", f"data.data_dir={tmp_path}", "--dry-run", "--json"
+    )
+    assert proc.returncode == 2 and f"data.data_dir {tmp_path} holds no Megatron corpus" in proc.stderr  # read, not a user override
     assert datacheck.is_data_location("data.phases.finetune.data_dir") and not datacheck.is_data_location("train.steps")
 
 

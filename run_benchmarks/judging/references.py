@@ -531,9 +531,9 @@ def committed_reference(plan: Plan, phase: str) -> Path | None:
     """The committed reference a phase of ``plan`` is judged against (present or not); None where
     the run's data has no fingerprint (not checked here)."""
     ident = (plan.data or {}).get(phase)
-    if ident is not None and ident.get("kind") != datacheck.SYNTHETIC and not ident.get("fingerprint"):
+    if ident is not None and not ident.get("fingerprint"):
         return None
-    fp = None if ident is None or ident.get("kind") == datacheck.SYNTHETIC else ident.get("fingerprint")
+    fp = None if ident is None else ident.get("fingerprint")  # a synthetic phase started from other data has its own
     return committed_path(plan.case_dir, plan.case.model, plan.recipe, phase, fp)
 
 
@@ -850,7 +850,7 @@ def record(paths: list[Path], why: str, replace: bool = False) -> list[str]:
             "phase": phase,
             "recipe": res.recipe,
             "global_batch": planning.phase_value(res.settings.get("train") or {}, phase, "global_batch"),
-            "data": {k: v for k, v in ident.items() if k in ("kind", "format", "fingerprint")},
+            "data": {k: v for k, v in ident.items() if k in ("kind", "format", "fingerprint", "own_fingerprint", "starts_from", "sampled")},
             "why": why.strip() or f"the first reference of {res.model}'s {res.recipe} recipe: {len(repeats)} run(s) of {res.config_name}",
             "made": dt.date.today().isoformat(),
             "steps": steps,
@@ -1095,9 +1095,12 @@ def check_reference_data(path: str | Path, phase: str, run_fp: str | None, model
 def no_reference_reason(plan: Any, phase: str) -> str | None:
     """Why a phase on real data has no reference, or None (the gate's own reason stands)."""
     ident = (getattr(plan, "data", None) or {}).get(phase)
-    if ident is None or ident.get("kind") == datacheck.SYNTHETIC:
+    if ident is None or ident.get("fingerprint") == datacheck.SYNTHETIC:
         return None
     fp = ident.get("fingerprint")
+    chained = chain_reason(plan, phase, ident)
+    if chained:
+        return chained
     if not fp:
         return "no reference for this data (not checked on this machine: no fingerprint)"
     return f"no reference for this data (fingerprint {fp}; start_task.py --record-reference RUN/results.json makes one)"
@@ -1111,3 +1114,35 @@ def judge_phase(loss: dict[int, float], reference: Any, warmup: int, plan: Any, 
     if reason and gate.verdict == "not judged" and gate.nonfinite_step is None:
         gate = gate.model_copy(update={"reason": reason})
     return gate
+
+
+def chain_reason(plan: Any, phase: str, ident: dict[str, Any]) -> str | None:
+    """Why a phase that starts from another phase or a checkpoint is not judged: the committed
+    reference of its own data and recipe was made from another start. None when there is no such
+    reference (the plain "no reference for this data" stands)."""
+    starts = ident.get("starts_from") or []
+    own = ident.get("own_fingerprint")
+    if not starts or own is None:
+        return None
+    ref = committed_path(plan.case_dir, plan.case.model, plan.recipe, phase, None if own == datacheck.SYNTHETIC else own)
+    if not ref.is_file():
+        return None
+    try:
+        rec = json.loads(ref.read_text()).get("data") or {}
+    except (OSError, ValueError):
+        rec = {}
+    theirs = {s.get("phase") or s.get("setting"): s for s in rec.get("starts_from") or []}
+    for s in starts:
+        if s.get("phase"):
+            other = theirs.get(s["phase"], {"fingerprint": datacheck.SYNTHETIC, "recipe": plan.recipe})
+            if other.get("fingerprint") != s["fingerprint"]:
+                return (
+                    f"not judged: the {s['phase']} ran on other data (fingerprint {s['fingerprint']}, "
+                    f"the reference's {other.get('fingerprint')})"
+                )
+            if other.get("recipe") != s["recipe"]:
+                return f"not judged: the {s['phase']} ran another recipe ({s['recipe']}, the reference's {other.get('recipe')})"
+        elif s["setting"] not in theirs or theirs[s["setting"]].get("content") != s["content"]:
+            had = theirs.get(s["setting"], {}).get("content", "none")
+            return f"not judged: it starts from {s['setting']} {s['path']} (content {s['content']}, the reference's {had})"
+    return None

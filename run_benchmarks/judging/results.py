@@ -184,6 +184,7 @@ def markdown(res: RunResults) -> str:
         "Of ceiling: tokens/p/s over the kernel ceiling the case measured on its device before training (its own "
         "GEMMs and attention alone, forward and backward, training/ceiling.py), with that ceiling in tokens/p/s.",
     ]
+    notes += ["", "Data: " + data_text(res)]
     ov = res.overrides
     notes += ["", "Vendor overrides: " + (", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in ov) or "none")]
     if res.user_overrides:
@@ -355,11 +356,19 @@ def largest_lines(largest: dict[str, list[dict[str, Any]]], per_part: int = 3, c
     ]
 
 
+def data_text(res: RunResults) -> str:
+    """Which data each phase read: synthetic, or its files and fingerprint (results.json's ``data``)."""
+    from run_benchmarks.planning import datacheck
+
+    phases = list(res.data or {}) or ["train"]
+    return "; ".join(f"{ph}: {datacheck.identity_text((res.data or {}).get(ph))}" for ph in phases)
+
+
 def print_table(res: RunResults, console: Console | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
         console.width = max(console.width, 1000)  # a table is as wide as its cells; never wrapped
-    table = Table(title=f"{res.case} / {res.vendor} / {res.config_name}")
+    table = Table(title=f"{res.case} / {res.vendor} / {res.config_name}", caption="data " + data_text(res))
     for c in COLUMNS:
         table.add_column(c)
     for r in rows(res):  # cells as plain text: an error may hold brackets that rich would read as markup

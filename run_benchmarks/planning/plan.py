@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import re
 import socket
 from pathlib import Path
@@ -421,6 +422,15 @@ def build(
             raise InputError(f"data dir {data_dir} does not exist on this host")
     else:
         settings["data"].setdefault("data_dir", None)
+    given = [parse_override(t)[0] for t in sets or []]
+    datacheck.settle(
+        settings,
+        registry.standard_settings(entry.config, cn.model, recipe),
+        given,
+        os.getcwd(),
+        cluster.backend == "local",
+        cluster.runtime == "container",
+    )
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     run_id = f"{cn.model}_{cn.framework}_{cn.size}_{stamp}"
     plan = Plan(

@@ -186,6 +186,17 @@ class IndexedReader:
         size = os.path.getsize(bpath)
         expected = int(self.sequence_lengths.astype(np.int64).sum()) * self.dtype.itemsize
         if size != expected:
+            tokens = int(self.sequence_lengths.astype(np.int64).sum())
+            fits = sorted({np.dtype(t).itemsize for t in DTYPE_CODES.values() if tokens and np.dtype(t).itemsize * tokens == size})
+            if fits:  # the .bin holds the index's tokens at another element size: the dtype code is wrong
+                codes = ", ".join(
+                    f"{k} ({np.dtype(t).name})" for k, t in DTYPE_CODES.items() if np.dtype(t).itemsize in fits and np.dtype(t).kind in "iu"
+                )
+                raise ValueError(
+                    f"{ipath}: dtype code {code} ({self.dtype.name}, {self.dtype.itemsize} bytes a token) does not fit "
+                    f"{os.path.basename(bpath)}: its {size} bytes hold the index's {tokens} tokens at "
+                    f"{' or '.join(str(b) for b in fits)} bytes a token (dtype codes {codes})"
+                )
             raise ValueError(
                 f"{bpath}: {size} bytes, the index {os.path.basename(ipath)} describes {expected} "
                 f"({'truncated' if size < expected else 'longer than its index'})"

@@ -70,3 +70,18 @@ def check(cfg: dict[str, Any], world_size: int) -> None:
     num_layers = int(common.shape_source(cfg["model"])["num_layers"])
     for phase in PHASES:
         speed_switches(common.from_config(cfg, world_size, phase), num_layers)
+        check_data(common.phase_sections(cfg, phase)["data"], phase)
+
+
+#: the values the reader (training/data/llava.py) takes for the phase's data keys
+TEMPLATES, ASPECTS, MISSING = ("plain", "vicuna_v1"), ("square", "pad"), ("fail", "skip")
+
+
+def check_data(data: dict[str, Any], phase: str) -> None:
+    """A phase's data keys as its reader takes them: a value it cannot use is refused, never replaced."""
+    where = f"data.phases.{phase}"
+    common.choice(data.get("template"), f"{where}.template", TEMPLATES)
+    common.choice(data.get("image_aspect_ratio", "square"), f"{where}.image_aspect_ratio", ASPECTS)
+    common.choice(data.get("missing_images") or "fail", "data.missing_images", MISSING)
+    common.integer(data.get("num_workers", 0), "data.num_workers", 0)
+    common.integer(data.get("synthetic_seed", 1234), "data.synthetic_seed", 0)

@@ -2,8 +2,10 @@
 
 llama3_tiny on one CPU process, through start_task.py, each run with one of examples/defects.py's
 vendor hooks in a config variant of its own, against the model's one committed reference (the
-standard recipe's): labels that are the input tokens (an off-by-one in a data path) and a token
-embedding that gets no gradient are both not aligned, and the run's status says invalid (exit 1).
+standard recipe's): labels that are the input tokens (an off-by-one in a data path) are not
+aligned, and the run's status says invalid (exit 1). A token embedding that gets no gradient
+no longer reaches the gate: the conformance check stops that run before training
+(tests/test_conformance.py).
 The two defects the synthetic corpus cannot show (a RoPE base 10 % off, one repeated micro batch
 in eight; docs/metrics.md) are not asserted here.
 """
@@ -43,7 +45,7 @@ def _run_with_hook(tmp_path: Path, hook: str) -> dict:
 
 
 @pytest.mark.framework("megatron")
-@pytest.mark.parametrize("hook, at_least", [("unshifted_labels", 0.10), ("frozen_embeddings", 0.025)])
+@pytest.mark.parametrize("hook, at_least", [("unshifted_labels", 0.10)])
 def test_a_broken_run_is_not_aligned(tmp_path, megatron_python, hook, at_least):
     res = _run_with_hook(tmp_path, hook)
     (rnd,) = res["rounds"]

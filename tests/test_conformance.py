@@ -1,0 +1,114 @@
+"""The conformance check (training/conformance/): llama3_tiny's step against float64 numpy math.
+
+Through ``flagbench conformance`` (the check alone) and through a run: each defect of
+examples/defects.py that applies fails, naming the tensor; each correct alternative passes; a
+run whose check fails stops before training, its round invalid (exit 1), and results.json and
+results.md carry the verdict; a second check of one stack reuses the first's verdict; the
+reference imports nothing of the project or the frameworks.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from run_benchmarks.planning.registry import ROOT
+
+CASE = ["--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:1"]
+
+
+def _check(*extra: str) -> tuple[int, dict]:
+    cmd = [sys.executable, "-m", "run_benchmarks.cli", "conformance", *CASE, "--json", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    start = p.stdout.index("{")
+    return p.returncode, json.loads(p.stdout[start:])
+
+
+def test_the_reference_loads_numpy_alone():
+    """Run as the check runs it (isolated), the reference module brings in no torch, no
+    framework and no module of the project: no vendor adapter or hook can reach it."""
+    code = (
+        "import importlib.util, sys; "
+        f"s = importlib.util.spec_from_file_location('r', {str(ROOT / 'training/conformance/reference.py')!r}); "
+        "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+        "bad = sorted(k for k in sys.modules if k.split('.')[0] in "
+        "('torch', 'megatron', 'deepspeed', 'paddle', 'transformers', 'training', 'cases', 'vendors', 'examples')); "
+        "print(bad)"
+    )
+    p = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert p.stdout.strip() == "[]", p.stdout
+
+
+@pytest.mark.framework("megatron")
+@pytest.mark.parametrize(
+    "hook, tensor",
+    [
+        ("attention_times_zero", "attention output"),
+        ("softmax_scale_x4", "attention output"),
+        ("attention_window", "attention output"),
+        ("rope_base_off", "attention output"),
+        ("frozen_embeddings", "gradient of embedding"),
+    ],
+)
+def test_each_defect_fails(megatron_python, hook, tensor):
+    rc, v = _check("--hook", f"examples.defects:{hook}", "--no-cache")
+    assert rc == 1 and v["verdict"] == "failed", v
+    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
+
+
+@pytest.mark.framework("megatron")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("--hook", "examples.alternatives:sdpa_math"),
+        ("--set", "parallel.attention=local"),
+        ("--set", "parallel.fused_linear_loss=chunked"),
+        ("--set", "parallel.fused_rope=qkv"),
+    ],
+)
+def test_correct_alternatives_pass(megatron_python, extra):
+    rc, v = _check(*extra, "--no-cache")
+    assert rc == 0 and v["verdict"] == "passed", v
+    assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]  # far inside: fp32 rounds at about 1e-6
+
+
+@pytest.mark.framework("megatron")
+def test_a_stack_checked_once(megatron_python):
+    """The second check of the same stack is the first's verdict; a tensor-parallel layout (the
+    probe builds one process at TP1) is the same stack."""
+    _check()
+    rc, v = _check()
+    assert rc == 0 and v["cached"] is True, v
+    rc, other = _check("--set", "train.micro_batch=2")  # a layout switch the one-layer probe does not build with
+    assert other["cached"] is True and other["key"] == v["key"], other
+
+
+@pytest.mark.framework("megatron")
+def test_a_run_that_fails_the_check_stops_before_training(tmp_path, megatron_python):
+    configs = ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny" / "megatron"
+    config = configs / "config_cpux1x2_DEFECTfrozen.yaml"
+    config.write_text(
+        "description: llama3_tiny with its embedding frozen on purpose (tests/test_conformance.py)\n"
+        "validated: false\nhook: examples.defects:frozen_embeddings\n"
+    )
+    try:
+        cmd = [sys.executable, "run_benchmarks/start_task.py", "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2"]
+        p = subprocess.run(
+            [*cmd, "--variant", "DEFECTfrozen", "--log-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600
+        )
+    finally:
+        config.unlink()
+    assert p.returncode == 1, (p.stdout + p.stderr)[-3000:]
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    res = json.loads((run_dir / "results.json").read_text())
+    (rnd,) = res["rounds"]
+    assert rnd["status"] == "invalid", rnd["error"]
+    assert rnd["error"].startswith("conformance check failed: gradient of embedding"), rnd["error"]
+    assert rnd["conformance"]["verdict"] == "failed"
+    assert rnd["phases"] and all(ph["steps_run"] == 0 and ph["loss"] == {} for ph in rnd["phases"]), "no step may run after a failed check"
+    assert "Conformance (round 1): failed: gradient of embedding" in (run_dir / "results.md").read_text()
+    assert "conformance check failed" in p.stdout + p.stderr

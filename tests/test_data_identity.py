@@ -230,3 +230,24 @@ def test_a_large_image_set_shows_a_progress_bar(tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(datacheck, "PROGRESS_FROM", 7)  # a smaller set: no bar
     llava_fp(d)
     assert "checking" not in capfd.readouterr().err
+
+
+def test_judge_exits_as_a_run_does(tmp_path):
+    """``--judge``: 0 when every phase it judged is aligned, 1 when one is not aligned or not
+    judged, 2 for bad input; the same with ``--update``."""
+    ref = run_file(tmp_path / "ref.json", None)
+    same = run_file(tmp_path / "same.json", None)
+    run = fake_run([{"status": "ok", "phases": [fake_phase("train", loss_scale=1.3)]}])
+    off = tmp_path / "off.json"
+    off.write_text(json.dumps(run.dump()))
+    short = fake_run([{"status": "ok", "phases": [fake_phase("train", steps=12)]}])
+    shortf = tmp_path / "short.json"
+    shortf.write_text(json.dumps(short.dump()))
+    assert start("--judge", str(same), "--reference", str(ref)).returncode == 0
+    proc = start("--judge", str(off), "--reference", str(ref))
+    assert proc.returncode == 1 and "not aligned" in proc.stdout, proc.stdout + proc.stderr
+    proc = start("--judge", str(shortf), "--reference", str(ref))
+    assert proc.returncode == 1 and "not judged" in proc.stdout, proc.stdout + proc.stderr
+    assert start("--judge", str(same), "--reference", str(tmp_path / "missing.json")).returncode == 2
+    assert start("--judge", str(same), "--reference", str(ref), "--update").returncode == 0
+    assert start("--judge", str(off), "--reference", str(ref), "--update").returncode == 1

@@ -12,7 +12,8 @@ curves of the runs' rounds that ran through become the reference of their model,
 and data (references.record: the mean of the repeats, with their provenance and spread).
 
 Exit status: 0 done, 2 bad input (a file that is not a results.json, only failed rounds, a
-curve too short to judge a run).
+curve too short to judge a run). ``--judge`` exits as a run does: 0 when every phase it judged
+is aligned, 1 when one is not aligned or not judged, 2 bad input.
 """
 
 from __future__ import annotations
@@ -357,6 +358,12 @@ def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
+def judged_status(verdicts: list[str]) -> int:
+    """``--judge``'s exit status, as a run's: 0 every phase judged aligned, 1 a phase not aligned
+    or not judged (bad input, 2, is refused before)."""
+    return 0 if verdicts and all(v == "aligned" for v in verdicts) else 1
+
+
 def print_table(c: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -431,15 +438,18 @@ def main(argv: list[str]) -> int:
             return 0
         if args.judge and args.update:
             files = [Path(r).expanduser().resolve() for r in args.reference]
+            verdicts = []
             for a in args.judge:
-                print("\n".join(references.judge_file(Path(a).expanduser().resolve(), files)))
-            return 0
+                path = Path(a).expanduser().resolve()
+                print("\n".join(references.judge_file(path, files)))
+                verdicts += [p.gate.verdict for r in tr.load(path).rounds if r.ran_through for p in r.phases]
+            return judged_status(verdicts)
         if args.judge:
             rows = judge_again(
                 [Path(a).expanduser().resolve() for a in args.judge], [Path(r).expanduser().resolve() for r in args.reference]
             )
             print_judged(rows)
-            return 0
+            return judged_status([r["verdict"] for r in rows])
         c = comparison([Path(p).expanduser().resolve() for p in args.compare], args.with_invalid)
         out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
         try:

@@ -345,6 +345,7 @@ def check(probe: dict) -> dict:
         "message": message(worst, failed),
         "worst": worst,
         "failed": failed[:8],
+        "rows": rows,
         "compared": len(rows),
         "positions": int(len(pos)),
         "reference_s": round(time.monotonic() - t0, 3),

@@ -151,3 +151,49 @@ def qkv_float8(cfg: dict[str, Any]) -> None:
         return sdpa(q.to(f8).to(q.dtype), key.to(f8).to(key.dtype), v.to(f8).to(v.dtype), *a, **k)
 
     _wrap_sdpa(rounded)
+
+
+# --------------------------------------------------------------------------- more defects for the conformance check
+#
+# - ``attention_window_masked``: ``attention_window`` where the kernel is given an additive mask
+#   too (Baichuan2's ALiBi bias with the causal mask folded in, which never sets ``is_causal``):
+#   keys before the last ``seq / 16`` masked out.
+# - ``alibi_slopes_off``: ALiBi's head slopes 10 % above Press et al.'s (a wrong constant in a
+#   ported bias), in cases/baichuan2/deepspeed/model.py's mask and score modification alike.
+
+
+def attention_window_masked(cfg: dict[str, Any]) -> None:
+    import torch
+
+    def windowed(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
+        n = q.shape[-2]
+        width = max(1, n // 16)
+        i = torch.arange(n, device=q.device)
+        inside = i[None, :] > i[:, None] - width
+        mask = k.pop("attn_mask", a[0] if a else None)
+        a = a[1:]
+        if k.pop("is_causal", False):
+            return sdpa(q, key, v, *a, attn_mask=inside & (i[None, :] <= i[:, None]), **k)
+        if mask is None:
+            return sdpa(q, key, v, *a, **k)
+        if mask.dtype == torch.bool:
+            return sdpa(q, key, v, *a, attn_mask=mask & inside, **k)
+        return sdpa(q, key, v, *a, attn_mask=mask.masked_fill(~inside, float("-inf")), **k)
+
+    _wrap_sdpa(windowed)
+
+
+def alibi_slopes_off(cfg: dict[str, Any]) -> None:
+    from cases.baichuan2.deepspeed import model
+
+    original = model.alibi_slopes
+
+    @functools.wraps(original)
+    def slopes(num_heads: int) -> list[float]:
+        model.alibi_slopes = original  # the published recursion, once: each slope off once
+        try:
+            return [1.1 * s for s in original(num_heads)]
+        finally:
+            model.alibi_slopes = slopes
+
+    model.alibi_slopes = slopes

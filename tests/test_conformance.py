@@ -112,3 +112,41 @@ def test_a_run_that_fails_the_check_stops_before_training(tmp_path, megatron_pyt
     assert rnd["phases"] and all(ph["steps_run"] == 0 and ph["loss"] == {} for ph in rnd["phases"]), "no step may run after a failed check"
     assert "Conformance (round 1): failed: gradient of embedding" in (run_dir / "results.md").read_text()
     assert "conformance check failed" in p.stdout + p.stderr
+
+
+# --------------------------------------------------------------------------- the other families' probes
+
+FAMILIES = {
+    "baichuan2": ["--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:1:1"],
+}
+
+
+def _check_family(family: str, *extra: str) -> tuple[int, dict]:
+    cmd = [sys.executable, "-m", "run_benchmarks.cli", "conformance", *FAMILIES[family], "--json", "--no-cache", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    return p.returncode, json.loads(p.stdout[p.stdout.index("{") :])
+
+
+@pytest.mark.framework("deepspeed")
+def test_baichuan2_intact_passes(deepspeed_python):
+    """baichuan2_tiny's layer (ALiBi, RMSNorm, SwiGLU, NormHead) as the published math, far inside fp32's tolerance."""
+    rc, v = _check_family("baichuan2")
+    assert rc == 0 and v["verdict"] == "passed", v
+    assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]
+
+
+@pytest.mark.framework("deepspeed")
+@pytest.mark.parametrize(
+    "hook, tensor",
+    [
+        ("attention_times_zero", "attention output"),
+        ("softmax_scale_x4", "attention output"),
+        ("attention_window_masked", "attention output"),  # its sdpa gets ALiBi's additive mask, not is_causal
+        ("alibi_slopes_off", "attention output"),
+    ],
+)
+def test_baichuan2_each_defect_fails(deepspeed_python, hook, tensor):
+    rc, v = _check_family("baichuan2", "--hook", f"examples.defects:{hook}")
+    assert rc == 1 and v["verdict"] == "failed", v
+    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]

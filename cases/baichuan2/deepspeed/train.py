@@ -174,7 +174,7 @@ def main() -> None:
 
         case_ceiling.ceiling_only(cfg, log)
         return
-    case.run(lambda phase: Trainer(cfg, log, phase), log, phases=(PHASE,))
+    case.run(lambda phase: Trainer(cfg, log, phase), log, phases=(PHASE,), cfg=cfg)
     import torch.distributed as dist
 
     dist.barrier()

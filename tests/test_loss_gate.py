@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from run_benchmarks.judging import references
+from run_benchmarks.judging import references, results
 from run_benchmarks.judging.references import round_status
 from run_benchmarks.judging.typed_results import LossGate, Reference, Repeat
 from run_benchmarks.planning.registry import ROOT
@@ -379,7 +379,7 @@ def test_verify_recomputes_a_repeats_gate_from_the_file_alone(tmp_path):
     assert "not judged: reference repeats differ by 5.00%" in results.markdown(back)
     narrow, gate = _repeats_file(tmp_path, 0.01)
     assert gate.verdict == "aligned" and gate.reason.endswith("against the mean of 2 runs (their spread 1.00%)")
-    assert "aligned (0.50%; mean of 2 runs, spread 1.00%)" in results.markdown(tr.load(narrow))
+    assert "aligned (0.50%, 0.5 x noise; mean of 2 runs, spread 1.00%)" in results.markdown(tr.load(narrow))
 
     def edited(path, edit, name):
         data = json.loads(path.read_text())
@@ -596,3 +596,23 @@ def test_every_committed_curve_names_its_model_phase_recipe_and_global_batch():
         settings = registry.standard_settings(entry.config, doc["model"], doc["recipe"])
         assert doc["global_batch"] == planning.phase_value(settings["train"], doc["phase"], "global_batch"), f
         assert doc["why"] and references.read_reference(f, doc["phase"]).loss, f
+
+
+def test_the_deviation_in_units_of_the_references_noise():
+    """Beside the seed rule's verdict, the run's MRE over the repeats' spread (at least the noise
+    floor); "numerics differ" on an aligned run more than NUMERICS_DIFFER_UNITS of it away."""
+    reps = [Repeat(path=f"/runs/{i}.json", loss={s: 4.0 * (1 + e) for s in range(1, 31)}) for i, e in enumerate((0, 1e-5, 2e-5))]
+    ref = references.mean_reference("/runs/three", reps)
+    assert ref.spread is not None and 1e-5 < ref.spread < 2e-5
+    near = references.judge_loss({s: 4.0 * (1 + 1.5e-5) for s in range(1, 31)}, ref, 5)
+    assert near.verdict == "aligned" and near.noise_units is not None and near.noise_units < 1 and not near.numerics_differ
+    far = references.judge_loss({s: 4.0 * 1.005 for s in range(1, 31)}, ref, 5)  # 0.5 %: aligned by the 2 % rule
+    assert far.verdict == "aligned" and far.numerics_differ and far.noise_units > references.NUMERICS_DIFFER_UNITS
+    assert "numerics differ" in far.reason and "numerics differ" in results.loss_cell(far, ref)
+    off = references.judge_loss({s: 4.0 * 1.05 for s in range(1, 31)}, ref, 5)
+    assert off.verdict == "not aligned" and off.noise_units > 1000 and not off.numerics_differ  # the verdict of record stands
+    one = references.judge_loss({s: 4.0 * 1.005 for s in range(1, 31)}, Reference(path="/one.json", loss=curve()), 5)
+    assert one.noise_units is None and not one.numerics_differ  # one curve: its noise was never measured
+    tight = [Repeat(path=f"/runs/{i}.json", loss={s: 4.0 * (1 + e) for s in range(1, 31)}) for i, e in enumerate((0, 1e-12, 2e-12))]
+    floored = references.judge_loss({s: 4.0 * (1 + 3e-8) for s in range(1, 31)}, references.mean_reference("/t", tight), 5)
+    assert floored.noise_units == pytest.approx(3e-8 / references.NOISE_FLOOR, rel=1e-3)  # spread below the floor: the floor

@@ -152,6 +152,8 @@ def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
             ps = s.phase(phase)
             last = ps[-1] if ps else None
             gated = repeats_note(last.reference) if last else ""  # its own gate's reference, when made from repeats
+            if gated and last and last.gate.noise_units is not None:
+                gated += f", {last.gate.noise_units:.1f} x its noise" + (" (numerics differ)" if last.gate.numerics_differ else "")
             if gated:
                 note = f"{note}; its gate: {gated}" if note else f"its gate: {gated}"
             rows.append(
@@ -352,6 +354,7 @@ def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
                         "phase": p.phase,
                         "recorded": f"{p.gate.verdict}: {p.gate.reason}",
                         "verdict": gate.verdict,
+                        "noise_units": gate.noise_units,
                         "reason": gate.reason,
                     }
                 )
@@ -390,10 +393,11 @@ def print_judged(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="loss gate, judged again")
-    for col in ("run", "round", "phase", "recorded", "verdict", "reason"):
+    for col in ("run", "round", "phase", "recorded", "verdict", "x noise", "reason"):
         t.add_column(col)
     for r in rows:
-        t.add_row(r["run"], str(r["round"]), r["phase"], r["recorded"], r["verdict"], r["reason"])
+        units = "-" if r.get("noise_units") is None else f"{r['noise_units']:.1f}"
+        t.add_row(r["run"], str(r["round"]), r["phase"], r["recorded"], r["verdict"], units, r["reason"])
     Console(width=240).print(t)
 
 

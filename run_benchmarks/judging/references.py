@@ -193,7 +193,44 @@ def _agreement(loss: Mapping[int, float], reference: Reference) -> tuple[float, 
     return loss_mre(loss, {s: reference.loss[s] for s in steps}, from_step=steps[0])[0], steps
 
 
+#: the least spread a reference's repeats count as (docs/metrics.md, deviations in noise units):
+#: repeats that agree more closely than rounding moves a run (bit-identical ones on a CPU) do not
+#: make every other run's arithmetic a hundred "spreads" away
+NOISE_FLOOR = 3e-8
+#: a run aligned by the 2 % rule but more than this many noise units from the reference: "numerics
+#: differ" (correct alternatives measured within 1.2 units; docs/metrics.md)
+NUMERICS_DIFFER_UNITS = 10.0
+
+
+def noise_units(mre: float | None, reference: Reference | None) -> float | None:
+    """``mre`` in units of the reference's noise: its repeats' spread, at least NOISE_FLOOR; None
+    where the reference has no repeats (nothing measured its noise) or there is no MRE."""
+    if mre is None or reference is None or reference.spread is None:
+        return None
+    return mre / max(reference.spread, NOISE_FLOOR)
+
+
+def with_noise(gate: LossGate, reference: Reference | None) -> LossGate:
+    """The gate with its deviation in noise units, and the "numerics differ" note on an aligned
+    run far outside the reference's noise (the seed rule's verdict stays the verdict)."""
+    units = noise_units(gate.mre, reference)
+    if units is None:
+        return gate
+    differ = gate.verdict == "aligned" and units > NUMERICS_DIFFER_UNITS
+    reason = gate.reason + (
+        f"; numerics differ: {units:.1f} times the reference's noise ({100 * max(reference.spread or 0, NOISE_FLOOR):.3g}%)"
+        if differ
+        else ""
+    )
+    return gate.model_copy(update={"noise_units": units, "numerics_differ": differ, "reason": reason})
+
+
 def judge_loss(loss: Mapping[int, float], reference: Reference | None, warmup_steps: int) -> LossGate:
+    """:func:`judge_seed_rule`'s verdict with its deviation in the reference's noise units (:func:`with_noise`)."""
+    return with_noise(judge_seed_rule(loss, reference, warmup_steps), reference)
+
+
+def judge_seed_rule(loss: Mapping[int, float], reference: Reference | None, warmup_steps: int) -> LossGate:
     """One phase's loss curve against its reference: aligned, not aligned or not judged, with why.
 
     A NaN or inf loss after the warm-up fails (``nonfinite_step``), whether or not the

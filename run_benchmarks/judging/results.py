@@ -103,9 +103,9 @@ def loss_cell(g: LossGate, ref: Reference | None = None, loss_final: float | Non
     """The gate's verdict; against a mean of repeats, with their spread (a not-judged reason says it);
     not judged: the phase's final loss and the reason."""
     note = repeats_note(ref)
-    figure = _mre(g.mre) + (f"; {note}" if note else "")
+    figure = _mre(g.mre) + (f", {g.noise_units:.1f} x noise" if g.noise_units is not None else "") + (f"; {note}" if note else "")
     if g.verdict == "aligned":
-        return f"aligned ({figure})"
+        return f"aligned ({figure})" + ("; numerics differ" if g.numerics_differ else "")
     if g.verdict == "not aligned":
         return g.reason if g.nonfinite_step is not None else f"NOT aligned ({figure})"
     return ("" if loss_final is None else f"loss {loss_final:.4f}; ") + f"not judged: {g.reason}"

@@ -105,6 +105,10 @@ class LossGate(Strict):
     last_step: int | None = None
     reason: str  # one line, e.g. "MRE 0.42% over steps 21-30", "steps 26-30 missing", "loss NaN at step 7"
     nonfinite_step: int | None = None  # a NaN or inf loss after the warm-up: the round fails
+    # the MRE in units of the reference's own noise: its repeats' spread, at least the noise
+    # floor (references.NOISE_FLOOR); None against a reference without repeats
+    noise_units: float | None = None
+    numerics_differ: bool = False  # aligned by the 2 % rule, but far outside the reference's noise
 
     @property
     def aligned(self) -> bool | None:

@@ -53,3 +53,15 @@ def test_an_engine_where_nothing_listens_is_said_in_words():
     msg = _message(port)
     assert msg.endswith("Failed to establish a new connection: [Errno 111] Connection refused"), msg
     assert " object at 0x" not in msg and "(Caused by" not in msg and "Error(" not in msg
+
+
+def test_an_engine_error_with_its_own_explanation_is_one_line_naming_the_engine():
+    """The docker SDK's APIError carries the engine's explanation as a string (a full work_dir:
+    "no space left on device"): one ContainerError line, never a crash of the harness."""
+    from run_benchmarks.running.remote.errors import ContainerError
+
+    err = docker.errors.APIError("500 Server Error", explanation="mkdir /work/run: no space left on device\nmore detail")
+    with pytest.raises(ContainerError) as exc, engine_errors("ssh://root@h1", "creating the container"):
+        raise err
+    assert "ssh://root@h1" in str(exc.value) and "creating the container: mkdir /work/run: no space left on device" in str(exc.value)
+    assert "more detail" not in str(exc.value)

@@ -59,10 +59,12 @@ def _words(exc: BaseException) -> str:
     return ": ".join(p.strip().rstrip(".:") for p in parts if p.strip()) or type(exc).__name__
 
 
-def brief(exc: BaseException) -> str:
-    """An exception as one short line (docker and requests errors nest whole responses)."""
-    lines = [ln.strip() for ln in _words(exc).splitlines() if ln.strip()]
-    text = lines[0] if lines else type(exc).__name__
+def brief(exc: BaseException | str) -> str:
+    """An exception, or the docker engine's own explanation (a string), as one short line
+    (docker and requests errors nest whole responses)."""
+    words = exc if isinstance(exc, str) else _words(exc)
+    lines = [ln.strip() for ln in words.splitlines() if ln.strip()]
+    text = lines[0] if lines else (type(exc).__name__ if not isinstance(exc, str) else "the engine said nothing")
     return text if len(text) <= 300 else text[:297] + "..."
 
 

@@ -210,3 +210,10 @@ def test_a_run_records_the_ceiling_its_ranks_measured(megatron_python, tmp_path)
     raw = json.loads((run_dir / "results.json").read_text())["rounds"][0]["phases"][0]
     assert raw["ceiling_efficiency"] == pytest.approx(p.ceiling_efficiency)  # written, not only derived on reading
     assert "of ceiling" in (run_dir / "results.md").read_text()
+
+
+def test_a_ceiling_below_the_runs_own_throughput_is_a_failed_measurement():
+    """A loaded CPU timed a "ceiling" of 216 tokens/p/s under a run of 4,435: never "2053.4 % of 216"."""
+    p = _phase(tokens_per_gpu_s=4435.0, meta={"kernel_ceiling": {"tokens_per_gpu_s": 216.0}})
+    cell = results.ceiling_cell(p.ceiling_efficiency, p.ceiling_tokens_per_gpu_s)
+    assert cell.startswith("failed: ceiling 216 below the run's own throughput") and "%" not in cell

@@ -81,9 +81,13 @@ def device_mem(m: DeviceMemory | None) -> str:
 
 
 def ceiling_cell(eff: float | None, ceiling: float | None) -> str:
-    """The run's tokens/p/s over its kernel ceiling, with the ceiling: ``72.9% of 12,641``."""
+    """The run's tokens/p/s over its kernel ceiling, with the ceiling: ``72.9% of 12,641``. A ceiling
+    below the run's own throughput is no ceiling (its kernels were timed on a busy or slowed
+    device): a failed measurement, said so, never a percentage above 100."""
     if ceiling is None:
         return "-"
+    if eff is not None and eff > 1.0:
+        return f"failed: ceiling {ceiling:,.0f} below the run's own throughput (timed on a busy device?)"
     return f"{'-' if eff is None else _pct(eff)} of {ceiling:,.0f}"
 
 

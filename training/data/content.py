@@ -61,20 +61,14 @@ def tokens(
     b = np.ascontiguousarray(starts, dtype="<i8")
     h.update(np.uint64(b.size).tobytes())
     h.update(b.tobytes())
-    lo = hi = bad = None
+    scan = RangeScan(vocab_size)
     blocks = (
         {(n - SAMPLE_TOKENS) * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)}
         if sampled and n > SAMPLE_BLOCKS * SAMPLE_TOKENS
         else None
     )
     for start in range(0, n, chunk):
-        part = np.asarray(ids[start : start + chunk])
-        cmin, cmax = int(part.min()), int(part.max())
-        lo = cmin if lo is None else min(lo, cmin)
-        hi = cmax if hi is None else max(hi, cmax)
-        if bad is None and (cmin < 0 or cmax >= vocab_size):
-            where = int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
-            bad = (start + where, int(part[where]))
+        part = scan.add(np.asarray(ids[start : start + chunk]), start)
         if blocks is None:
             h.update(part.astype("<u4", copy=False).data)
         else:
@@ -82,7 +76,32 @@ def tokens(
                 block = np.asarray(ids[first : first + SAMPLE_TOKENS])
                 h.update(np.uint64(first).tobytes())
                 h.update(block.astype("<u4", copy=False).data)
-    return {"digest": h.hexdigest()[:16], "min": lo, "max": hi, "first_bad": bad}
+    return {"digest": h.hexdigest()[:16], **scan.result()}
+
+
+class RangeScan:
+    """The smallest and largest id of a token array read chunk by chunk, and the first position
+    holding an id outside ``[0, vocab_size)`` with that id."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.lo: int | None = None
+        self.hi: int | None = None
+        self.bad: tuple[int, int] | None = None
+
+    def add(self, part: np.ndarray, start: int) -> np.ndarray:
+        """Take in the chunk that begins at token ``start``; returns it."""
+        if part.size:
+            cmin, cmax = int(part.min()), int(part.max())
+            self.lo = cmin if self.lo is None else min(self.lo, cmin)
+            self.hi = cmax if self.hi is None else max(self.hi, cmax)
+            if self.bad is None and (cmin < 0 or cmax >= self.vocab_size):
+                where = int(np.flatnonzero((part < 0) | (part >= self.vocab_size))[0])
+                self.bad = (start + where, int(part[where]))
+        return part
+
+    def result(self) -> dict[str, Any]:
+        return {"min": self.lo, "max": self.hi, "first_bad": self.bad}
 
 
 def canonical_json(value: Any) -> bytes:

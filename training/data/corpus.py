@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from training.data.content import RangeScan
 from training.data.indexed import TokenWindows, bin_path, idx_path
 
 #: tokens read per chunk when a whole corpus is scanned (64 Mi of them: a few hundred MiB)
@@ -129,17 +130,10 @@ def megatron_prefixes(data_dir: str, spec: Any) -> list[tuple[float, str]]:
 def scan_tokens(tokens: np.ndarray, vocab_size: int, chunk: int = SCAN_CHUNK) -> dict[str, Any]:
     """Smallest and largest id of a whole token array (a memory map is read chunk by chunk), and
     the first position holding an id outside ``[0, vocab_size)`` with that id (None when all fit)."""
-    lo, hi, bad = None, None, None
-    n = int(tokens.shape[0])
-    for start in range(0, n, chunk):
-        part = np.asarray(tokens[start : start + chunk])
-        cmin, cmax = int(part.min()), int(part.max())
-        lo = cmin if lo is None else min(lo, cmin)
-        hi = cmax if hi is None else max(hi, cmax)
-        if bad is None and (cmin < 0 or cmax >= vocab_size):
-            where = int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
-            bad = (start + where, int(part[where]))
-    return {"min": lo, "max": hi, "first_bad": bad}
+    scan = RangeScan(vocab_size)
+    for start in range(0, int(tokens.shape[0]), chunk):
+        scan.add(np.asarray(tokens[start : start + chunk]), start)
+    return scan.result()
 
 
 def blend_order(weights: Sequence[float], count: int) -> tuple[np.ndarray, np.ndarray]:

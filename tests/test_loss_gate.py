@@ -616,3 +616,15 @@ def test_the_deviation_in_units_of_the_references_noise():
     tight = [Repeat(path=f"/runs/{i}.json", loss={s: 4.0 * (1 + e) for s in range(1, 31)}) for i, e in enumerate((0, 1e-12, 2e-12))]
     floored = references.judge_loss({s: 4.0 * (1 + 3e-8) for s in range(1, 31)}, references.mean_reference("/t", tight), 5)
     assert floored.noise_units == pytest.approx(3e-8 / references.NOISE_FLOOR, rel=1e-3)  # spread below the floor: the floor
+
+
+def test_more_steps_change_the_recipe_where_the_decay_horizon_follows_them():
+    steps = [{"param": "train.steps", "value": 60, "standard": 30}]
+    assert references.recipe_sets(steps, "train", {"steps": 60}) == [
+        "train.steps=60 (the decay horizon follows the steps: no lr_decay_steps)"
+    ]
+    assert references.recipe_sets(steps, "train", {"steps": 60, "lr_decay_steps": 300}) == []  # pinned: the schedule stays
+    phased = [{"param": "train.phases.finetune.steps", "value": 60, "standard": 30}]
+    pinned = {"phases": {"finetune": {"lr_decay_steps": 30}}}
+    assert references.recipe_sets(phased, "finetune", pinned) == [] and references.recipe_sets(phased, "finetune", {}) != []
+    assert references.recipe_sets([{"param": "train.micro_batch", "value": 2, "standard": 1}], "train", {}) == []

@@ -184,7 +184,9 @@ def test_newer_history_schema_is_refused(tmp_path, capsys):
 def test_check_plans_the_example_run_list(capsys):
     assert nightly.main(["--check", str(ROOT / "examples" / "nightly.yaml")]) == 0
     out = capsys.readouterr().out
-    assert "llama3_tiny:megatron:cpu:1:2 on cpu set train.steps=60: 5 round(s), config config_cpux1x2" in out
+    assert "llama3_tiny:megatron:cpu:1:2 on cpu set train.profile_step=0: 5 round(s), config config_cpux1x2" in out
+    planned = [line for line in out.splitlines() if " round(s), config " in line]
+    assert len(planned) == 2 and all(", reference " in line for line in planned), out  # every run of the example is judged
     assert "variant TP2" in out and "config_cpux1x2_TP2" in out
     assert f"logs    {ROOT / 'logs' / 'nightly'}" in out  # relative to the run list's folder
 

@@ -584,26 +584,42 @@ def reference_paths(plan: Plan, phase: str = "train") -> list[Path]:
     return [path] if path is not None and path.is_file() else []
 
 
-def recipe_sets(overrides: Sequence[Mapping[str, Any]], phase: str | None = None) -> list[str]:
+def recipe_sets(overrides: Sequence[Mapping[str, Any]], phase: str | None = None, train: Mapping[str, Any] | None = None) -> list[str]:
     """The ``--set`` values (``param=value``) among ``overrides`` that change the recipe's curve:
-    a train value other than CURVE_NEUTRAL, of ``phase`` (None: of any phase)."""
+    a train value other than CURVE_NEUTRAL, of ``phase`` (None: of any phase). ``steps`` is neutral
+    only where the learning-rate schedule's horizon is pinned (``lr_decay_steps`` set in the run's
+    ``train`` settings, of that phase): where the horizon follows the steps, more steps stretch the
+    schedule and move every judged step's loss."""
     changed = []
     for o in overrides:
         parts = str(o["param"]).split(".")
-        if parts[0] != "train":
+        if parts[0] != "train" or ("standard" in o and o.get("value") == o.get("standard")):  # a value the recipe has anyway
             continue
         key = parts[-1] if len(parts) == 4 and parts[1] == "phases" else parts[1] if len(parts) == 2 else None
         if key is not None and len(parts) == 4 and phase is not None and parts[2] != phase:
             continue
-        if key is None or key not in CURVE_NEUTRAL:
+        if key == "steps" and not _decay_pinned(train, parts[2] if len(parts) == 4 else phase):
+            changed.append(f"{o['param']}={o['value']} (the decay horizon follows the steps: no lr_decay_steps)")
+        elif key is None or key not in CURVE_NEUTRAL:
             changed.append(f"{o['param']}={o['value']}")
     return changed
+
+
+def _decay_pinned(train: Mapping[str, Any] | None, phase: str | None) -> bool:
+    """Whether the run's settings set the learning-rate decay horizon themselves (of ``phase``,
+    or of every phase); unknown settings count as not pinned."""
+    if train is None:
+        return False
+    if phase is not None:
+        return planning.phase_value(dict(train), phase, "lr_decay_steps") is not None
+    phases = train.get("phases") or {}
+    return train.get("lr_decay_steps") is not None or (bool(phases) and all(p.get("lr_decay_steps") for p in phases.values()))
 
 
 def recipe_changed(plan: Plan, phase: str) -> str | None:
     """Why a phase's committed reference cannot judge it although one exists: a ``--set`` of a
     train value that changes the curve (its recipe's learning rate, batch, ...); None otherwise."""
-    changed = [] if plan.reference else recipe_sets(plan.user_overrides, phase)
+    changed = [] if plan.reference else recipe_sets(plan.user_overrides, phase, plan.settings.get("train"))
     if not changed:
         return None
     return f"--set {', '.join(changed)} changes the {plan.recipe} recipe: its reference judges only runs of that recipe"
@@ -844,7 +860,7 @@ def record(paths: list[Path], why: str, replace: bool = False) -> list[str]:
     path, res = runs[0]
     for other, r in runs:
         _same_key(res, path, r, other)
-        if changed := recipe_sets(r.user_overrides):
+        if changed := recipe_sets(r.user_overrides, None, r.settings.get("train")):
             raise InputError(f"{other}: --set {', '.join(changed)} changes its {r.recipe} recipe: no reference of it")
     through = [(p, r, _rounds_ran_through(r, p)) for p, r in runs]
     try:
@@ -1006,7 +1022,7 @@ def validation_problem(cfg_path: Path) -> str | None:
     for what, ours, theirs in (("vendor", vendor, res.vendor), ("model", model, res.model), ("config", cfg_path.stem, res.config_name)):
         if ours != theirs:
             return f"validated_by {vcfg.validated_by}: a run of {what} {theirs!r}, not {ours!r}"
-    if changed := recipe_sets(res.user_overrides):
+    if changed := recipe_sets(res.user_overrides, None, res.settings.get("train")):
         return f"validated_by {vcfg.validated_by}: --set {', '.join(changed)} changes its {res.recipe} recipe"
     cn = CaseName.parse(f"{model}:{framework}:{hw}:{nnodes}:{nprocs}")
     entry = registry.find_case(cn)

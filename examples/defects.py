@@ -160,6 +160,16 @@ def qkv_float8(cfg: dict[str, Any]) -> None:
 #   keys before the last ``seq / 16`` masked out.
 # - ``alibi_slopes_off``: ALiBi's head slopes 10 % above Press et al.'s (a wrong constant in a
 #   ported bias), in cases/baichuan2/deepspeed/model.py's mask and score modification alike.
+# - ``paddle_attention_times_zero``, ``paddle_softmax_scale_x4``, ``paddle_attention_window``:
+#   the attention defects above in PaddleNLP's GPT (cases/gpt3/paddle), whose attention is its
+#   own ``MultiHeadAttention._core_attention`` (or paddle's flash attention), not torch's: these
+#   replace those methods as a vendor's faulty kernel would (the window: the core attention only,
+#   flash attention takes no mask).
+# - ``learned_positions_shifted``: the learned position table read one row on (position ``t`` gets
+#   row ``t + 1``, the last position its own row: an off-by-one in a ported embedding), in
+#   PaddleNLP's GPT.
+#
+# The paddle ones refuse another framework (a defect that silently did nothing would pass).
 
 
 def attention_window_masked(cfg: dict[str, Any]) -> None:
@@ -197,3 +207,73 @@ def alibi_slopes_off(cfg: dict[str, Any]) -> None:
             model.alibi_slopes = slopes
 
     model.alibi_slopes = slopes
+
+
+def _paddle_only(cfg: dict[str, Any], name: str) -> Any:
+    if (cfg.get("case") or {}).get("framework") != "paddle":
+        raise RuntimeError(f"examples.defects:{name} breaks PaddleNLP's GPT: the case's framework is not paddle")
+    from paddlenlp.transformers.gpt import modeling
+
+    return modeling
+
+
+def _wrap_paddle_attention(cfg: dict[str, Any], name: str, change: Any, flash: bool = True) -> None:
+    """``change(original, self, q, k, v, attention_mask, output_attentions)`` in place of the core
+    attention (and of flash attention, with ``flash``)."""
+    attention = _paddle_only(cfg, name).MultiHeadAttention
+    for method in ("_core_attention", "_flash_attention") if flash else ("_core_attention",):
+        original = getattr(attention, method)
+
+        def changed(
+            self: Any, q: Any, k: Any, v: Any, attention_mask: Any = None, output_attentions: bool = False, _o: Any = original
+        ) -> Any:
+            return change(_o, self, q, k, v, attention_mask, output_attentions)
+
+        setattr(attention, method, functools.wraps(original)(changed))
+
+
+def paddle_attention_times_zero(cfg: dict[str, Any]) -> None:
+    def zero(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+        out = original(self, q, k, v, attention_mask=mask, output_attentions=weights)
+        return (out[0] * 0, out[1]) if weights else out * 0
+
+    _wrap_paddle_attention(cfg, "paddle_attention_times_zero", zero)
+
+
+def paddle_softmax_scale_x4(cfg: dict[str, Any]) -> None:
+    def scaled(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+        return original(self, q * 4, k, v, attention_mask=mask, output_attentions=weights)  # scores 4 x the asked scale
+
+    _wrap_paddle_attention(cfg, "paddle_softmax_scale_x4", scaled)
+
+
+def paddle_attention_window(cfg: dict[str, Any]) -> None:
+    import paddle
+
+    def windowed(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+        n = q.shape[1]  # [batch, seq, heads, head_dim]
+        width = max(1, n // 16)
+        i = paddle.arange(n)
+        cut = (i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - width)  # above the diagonal or before the window
+        block = paddle.where(cut, paddle.full([n, n], -1e4), paddle.zeros([n, n]))[None, None]
+        mask = block if mask is None else mask.astype(block.dtype) + block
+        return original(self, q, k, v, attention_mask=mask, output_attentions=weights)
+
+    _wrap_paddle_attention(cfg, "paddle_attention_window", windowed, flash=False)
+
+
+def learned_positions_shifted(cfg: dict[str, Any]) -> None:
+    import paddle
+
+    embeddings = _paddle_only(cfg, "learned_positions_shifted").GPTEmbeddings
+    original = embeddings.forward
+
+    @functools.wraps(original)
+    def forward(self: Any, input_ids: Any, position_ids: Any = None, inputs_embeddings: Any = None) -> Any:
+        if position_ids is None:
+            shape = (input_ids if input_ids is not None else inputs_embeddings).shape
+            position_ids = paddle.arange(shape[1], dtype="int64").unsqueeze(0).expand(shape[:2])
+        last = self.position_embeddings.weight.shape[0] - 1
+        return original(self, input_ids, paddle.clip(position_ids + 1, max=last), inputs_embeddings)
+
+    embeddings.forward = forward

@@ -1,4 +1,5 @@
-"""The conformance check (training/conformance/): llama3_tiny's step against float64 numpy math.
+"""The conformance check (training/conformance/): llama3_tiny's, baichuan2_tiny's and gpt3_tiny's
+step against float64 numpy math.
 
 Through ``flagbench conformance`` (the check alone) and through a run: each defect of
 examples/defects.py that applies fails, naming the tensor; each correct alternative passes; a
@@ -118,6 +119,7 @@ def test_a_run_that_fails_the_check_stops_before_training(tmp_path, megatron_pyt
 
 FAMILIES = {
     "baichuan2": ["--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:1:1"],
+    "gpt3": ["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:1"],
 }
 
 
@@ -148,5 +150,31 @@ def test_baichuan2_intact_passes(deepspeed_python):
 )
 def test_baichuan2_each_defect_fails(deepspeed_python, hook, tensor):
     rc, v = _check_family("baichuan2", "--hook", f"examples.defects:{hook}")
+    assert rc == 1 and v["verdict"] == "failed", v
+    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
+
+
+@pytest.mark.framework("paddle")
+@pytest.mark.parametrize("extra", [(), ("--set", "parallel.fuse_attention_qkv=true")])
+def test_gpt3_intact_passes(paddle_python, extra):
+    """gpt3_tiny's layer (learned positions, LayerNorm, GELU, biases, tied head) on paddle, as the
+    published math, far inside fp32's tolerance; with q, k and v as one fused projection too."""
+    rc, v = _check_family("gpt3", *extra)
+    assert rc == 0 and v["verdict"] == "passed", v
+    assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]
+
+
+@pytest.mark.framework("paddle")
+@pytest.mark.parametrize(
+    "hook, tensor",
+    [
+        ("paddle_attention_times_zero", "attention output"),
+        ("paddle_softmax_scale_x4", "attention output"),
+        ("paddle_attention_window", "attention output"),
+        ("learned_positions_shifted", "attention output"),
+    ],
+)
+def test_gpt3_each_defect_fails(paddle_python, hook, tensor):
+    rc, v = _check_family("gpt3", "--hook", f"examples.defects:{hook}")
     assert rc == 1 and v["verdict"] == "failed", v
     assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]

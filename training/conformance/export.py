@@ -5,7 +5,9 @@ does, runs forward and backward once on seeded inputs, and fills a :class:`Probe
 parameters under the reference's canonical names (training/conformance/reference.py), the
 inputs, the outputs at the sampled positions, and for each parameter the projections of its
 gradient on two directions, computed on the device in float64. Torch-side helpers here; a
-paddle probe uses :func:`add_array` with numpy arrays it made itself.
+probe of a framework without torch (paddle) hands numpy arrays: :meth:`ProbeFile.parameter_numpy`
+makes the same projections in float64 numpy, on the reference's own ``hash_direction`` (imported
+from training/conformance/reference.py, which is numpy alone and imports nothing of this side).
 """
 
 from __future__ import annotations
@@ -103,6 +105,26 @@ class ProbeFile:
         self.arrays[f"grad:{name}:sign_mag"] = np.float64(g.abs().sum().item())
         self.arrays[f"grad:{name}:hash"] = np.float64((g * d).sum().item())
         self.arrays[f"grad:{name}:hash_mag"] = np.float64((g.abs() * d.abs()).sum().item())
+        self.arrays[f"grad:{name}:salt"] = np.int64(salt)
+
+    def parameter_numpy(self, name: str, value: np.ndarray, grad: np.ndarray | None, salt: int) -> None:
+        """:meth:`parameter` for numpy arrays (a framework without torch): ``value`` as the run holds
+        it (float32, float16, or bfloat16 as its uint16 bits), ``grad`` of its shape in a float
+        type (None: no gradient reached it); the projections in float64 numpy."""
+        from training.conformance.reference import hash_direction
+
+        value = np.ascontiguousarray(value)
+        self.arrays[f"param:{name}"] = value.astype(np.float32) if value.dtype == np.float16 else value
+        g = np.zeros(value.size) if grad is None else np.asarray(grad, dtype=np.float64).reshape(-1)
+        if g.size != value.size:
+            raise ValueError(f"conformance probe: the gradient of {name} has {g.size} elements, its value {value.size}")
+        d = hash_direction(g.size, salt)
+        self.arrays[f"grad:{name}:sign_pos"] = np.packbits(g > 0)
+        self.arrays[f"grad:{name}:sign_neg"] = np.packbits(g < 0)
+        self.arrays[f"grad:{name}:sign"] = np.float64(np.abs(g).sum())
+        self.arrays[f"grad:{name}:sign_mag"] = np.float64(np.abs(g).sum())
+        self.arrays[f"grad:{name}:hash"] = np.float64((g * d).sum())
+        self.arrays[f"grad:{name}:hash_mag"] = np.float64((np.abs(g) * np.abs(d)).sum())
         self.arrays[f"grad:{name}:salt"] = np.int64(salt)
 
     def write(self, path: str) -> None:

@@ -19,7 +19,13 @@ loss head, as the families publish it:
   key/value group i // (heads / groups)), optional q/k/v/o biases;
 - MLP: ``swiglu`` (silu(x Wg) * (x Wu) Wd) or ``gelu`` (gelu_tanh(x W1 + b1) W2 + b2);
 - head: final norm, ``plain`` (z Wout^T) or ``normhead`` (each vocabulary row of Wout divided by
-  its L2 norm), cross-entropy against the labels.
+  its L2 norm), cross-entropy against the labels;
+- ``tied`` (GPT-3): the head's weight is the token embedding itself. The probe then sends the
+  whole embedding (every row: the head reads them all), no ``w_out``, the tokens as they are,
+  and the gradient of the one tensor, the lookup's and the head's together; the reference
+  projects it as the sum of the two (central differences of the trunk through the rows the
+  input reads, chained to the head's gradient, plus the head's exact projection, a block of rows
+  at a time as for ``w_out``). No row is outside the gradient there: no ``outside`` check.
 
 Outputs are compared at the sampled query positions (``positions``), whose keys reach back to
 position 0. Gradients are compared as projections: for each parameter tensor the probe sent
@@ -233,11 +239,36 @@ def projected_gradient(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray,
     own weight, exact."""
     if name == "w_out":
         return head_projection(p, spec, base, g, d)
+    if name == "embedding" and spec.get("tied"):
+        return head_projection(p, spec, base, g, d) + tied_lookup_projection(p, spec, tokens, pos, base, g, d)
     theta = p[name]
     scale = np.linalg.norm(theta) / max(np.linalg.norm(d), 1e-300)
     eps = 1e-5 * (scale if scale > 0 else 1.0)
     plus = trunk({**p, name: theta + eps * d}, spec, tokens, pos, base, name)["final_norm"]
     minus = trunk({**p, name: theta - eps * d}, spec, tokens, pos, base, name)["final_norm"]
+    return float(np.sum(g["z"] * (plus - minus)) / (2 * eps))
+
+
+def tied_lookup_projection(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict, g: dict, direction: Any) -> float:
+    """The lookup's part of <dL/dE, d> for a tied embedding E (``direction(start, n)`` as for
+    :func:`head_projection`): central differences of the trunk on the rows the input reads, the
+    head's weight held fixed (its part is :func:`head_projection`'s)."""
+    m = int(pos.max()) + 1
+    table = p["embedding"]
+    vocab, width = table.shape
+    used = np.unique(tokens[:m])
+    d = np.empty((len(used), width))
+    block = 8192
+    for a in range(0, vocab, block):  # the direction's rows, a block at a time (a sign direction starts at a byte)
+        sel = np.nonzero((used >= a) & (used < a + block))[0]
+        if len(sel):
+            d[sel] = direction(a * width, min(block, vocab - a) * width).reshape(-1, width)[used[sel] - a]
+    theta = table[used]
+    scale = np.linalg.norm(theta) / max(np.linalg.norm(d), 1e-300)
+    eps = 1e-5 * (scale if scale > 0 else 1.0)
+    local = np.searchsorted(used, tokens[:m])
+    plus = trunk({**p, "embedding": theta + eps * d}, spec, local, pos, base, "embedding")["final_norm"]
+    minus = trunk({**p, "embedding": theta - eps * d}, spec, local, pos, base, "embedding")["final_norm"]
     return float(np.sum(g["z"] * (plus - minus)) / (2 * eps))
 
 
@@ -284,6 +315,8 @@ def check(probe: dict) -> dict:
     spec = json.loads(str(probe["spec"]))
     tol = spec["tolerance"]
     p = {k[6:]: as_f64(v) for k, v in probe.items() if k.startswith("param:")}
+    if spec.get("tied"):
+        p["w_out"] = p["embedding"]  # one tensor: the head reads the embedding
     tokens = probe["tokens"].astype(np.int64)
     labels_all = probe["labels"].astype(np.int64)
     pos = probe["positions"].astype(np.int64)
@@ -319,7 +352,8 @@ def check(probe: dict) -> dict:
         n = p[name].size
         dev = float(probe[f"grad:{name}:{kind}"])
         mag = float(probe[f"grad:{name}:{kind}_mag"])  # sum |g| |d|: the projection without cancellation
-        d = direction if name == "w_out" else direction(0, n).reshape(p[name].shape)
+        blockwise = name == "w_out" or (name == "embedding" and spec.get("tied"))  # as large as the vocabulary
+        d = direction if blockwise else direction(0, n).reshape(p[name].shape)
         true = projected_gradient(p, spec, tokens, pos, ref, g, name, d)
         err = abs(dev - true) / mag if mag > 0 else (0.0 if true == 0 else math.inf)
         log(f"gradient of {name} ({kind})")

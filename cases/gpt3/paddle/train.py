@@ -399,7 +399,7 @@ def main() -> int:
 
         case_ceiling.ceiling_only(cfg, log)
         return 0
-    case.run(lambda phase: Trainer(cfg, log, phase), log)
+    case.run(lambda phase: Trainer(cfg, log, phase), log, cfg=cfg)
     import paddle.distributed as pdist
 
     # every rank leaves together: a rank that exits while a peer still uses the process

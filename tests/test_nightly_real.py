@@ -199,3 +199,22 @@ def test_a_loss_that_stops_aligning_fails_the_night(tmp_path, megatron_python):
     assert (run["loss_aligned"], run["good"], run["verdict"]) == (0, 0, "regressed")
     (rnd,) = history.phases_of(db, run["id"])
     assert (rnd["status"], rnd["loss_verdict"]) == ("invalid", "not aligned") and rnd["loss_mre"] > 0.02
+
+
+def test_the_documented_example_passes_its_first_night(tmp_path, megatron_python):
+    """examples/nightly.yaml as docs/nightly.md gives it, on a fresh history: every round of
+    every case it lists ran, was judged and is ok; the night exits 0. Only where it writes is
+    moved into the test's folder (its log_dir and history_db), and the environment's Python named."""
+    text = (ROOT / "examples" / "nightly.yaml").read_text()
+    text = text.replace("log_dir: ../logs/nightly", "log_dir: logs").replace("history_db: null", "history_db: history.sqlite")
+    assert "log_dir: logs" in text and "history_db: history.sqlite" in text
+    runlist = tmp_path / "nightly.yaml"
+    runlist.write_text(f"python: {megatron_python}\n" + text)
+    proc = nightly(runlist)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    results = sorted((tmp_path / "logs").glob("*/results.json"))
+    assert len(results) == 2
+    for f in results:
+        res = json.loads(f.read_text())
+        assert res["status"] == "ok" and all(r["status"] == "ok" for r in res["rounds"]), [r["error"] for r in res["rounds"]]
+        assert all(p["gate"]["verdict"] == "aligned" for r in res["rounds"] for p in r["phases"])

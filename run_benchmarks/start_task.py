@@ -244,9 +244,9 @@ def _run(plan: planning.Plan, args: argparse.Namespace, t0: float) -> int:
 
     console = Console(stderr=True)
     try:
-        for line in datacheck.describe(plan.data):
-            console.print(line, markup=False)
         refs = references.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
+        for line in datacheck.describe(plan.data):  # after the references: bad input is its one line
+            console.print(line, markup=False)
         for note in references.reference_notes(refs):
             console.print(note, markup=False, soft_wrap=True)
         runtime = select(plan.cluster, args.python)

@@ -363,7 +363,9 @@ def round_status(errors: list[str], gates: dict[str, LossGate], conformance: Map
     lines += [
         f"phase {ph}: loss not aligned: {g.reason}" for ph, g in gates.items() if g.verdict == "not aligned" and g.nonfinite_step is None
     ]
-    lines += [f"phase {ph}: loss not judged: {g.reason}" for ph, g in gates.items() if g.verdict == "not judged"]
+    lines += [
+        f"phase {ph}: loss not judged: {g.reason.removeprefix('not judged: ')}" for ph, g in gates.items() if g.verdict == "not judged"
+    ]
     verdicts = {g.verdict for g in gates.values()}
     if errors or any(g.nonfinite_step is not None for g in gates.values()):
         return "failed", lines

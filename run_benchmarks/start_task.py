@@ -245,8 +245,9 @@ def _run(plan: planning.Plan, args: argparse.Namespace, t0: float) -> int:
     console = Console(stderr=True)
     try:
         refs = references.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
-        for line in datacheck.describe(plan.data):  # after the references: bad input is its one line
-            console.print(line, markup=False)
+        said = console if args.json else Console()  # with the plan and the table, on stdout; beside --json's, on stderr
+        for line in datacheck.describe(plan.data):
+            said.print(line, markup=False, soft_wrap=True)
         for note in references.reference_notes(refs):
             console.print(note, markup=False, soft_wrap=True)
         runtime = select(plan.cluster, args.python)

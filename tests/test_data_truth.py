@@ -90,9 +90,11 @@ def test_a_megatron_blend_without_data_dir_is_read_where_it_points(tmp_path):
     # gpt3 reads one corpus: a blend is refused in one line
     msg = one_line(dry("gpt3_tiny:paddle:cpu:1:2", "--set", blend, cwd=tmp_path))
     assert msg.startswith("data.prefix '0.3 ") and "a blend of corpora; the paddle_gpt reader of this case reads one corpus" in msg
-    # the synthetic corpus is said, too
-    proc = dry("llama3_tiny:megatron:cpu:1:2")
-    assert proc.returncode == 0 and "data synthetic (the harness's own corpus)" in proc.stderr
+    assert "data synthetic (the harness's own corpus)" in dry("llama3_tiny:megatron:cpu:1:2").stderr  # beside --json's plan
+    # the synthetic corpus is said, too: with the plan, on stdout
+    cmd = [sys.executable, START, "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--dry-run"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "data synthetic (the harness's own corpus)" in proc.stdout and not proc.stderr.strip(), proc.stderr
 
 
 def test_a_prefix_outside_data_dir_is_refused_in_a_container(tmp_path):

@@ -173,7 +173,7 @@ def paddle_data(tmp_path_factory, paddle_python) -> dict[str, Path]:
 @pytest.mark.framework("megatron")
 def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatron_data):
     data = megatron_data["llama3"]
-    proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "first", "--data-dir", str(data), "--set", "train.steps=25")
+    proc, res = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "first", "--data-dir", str(data))
     assert proc.returncode == 1, proc.stdout + proc.stderr
     (rnd,) = res.rounds
     (p,) = rnd.phases
@@ -194,22 +194,22 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
     try:
         rec = start_task("--record-reference", str(first), timeout=120)
         assert rec.returncode == 0, rec.stdout + rec.stderr
-        assert rec.stdout.strip() == f"wrote {shown} (phase train, recipe standard, 1 run(s), steps 1-25)"
+        assert rec.stdout.strip() == f"wrote {shown} (phase train, recipe standard, 1 run(s), steps 1-30)"
         doc = json.loads(ref_file.read_text())
-        assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 26)]
+        assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 31)]
         again = start_task("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
         assert (
             again.returncode == 2
             and again.stderr.strip() == f"error: {shown}: a reference of this model, recipe and data exists; --replace replaces it"
         )
         # the second run on the same data aligns against it
-        proc2, res2 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "second", "--data-dir", str(data), "--set", "train.steps=25")
+        proc2, res2 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "second", "--data-dir", str(data))
         assert proc2.returncode == 0, proc2.stdout + proc2.stderr
         (p2,) = res2.rounds[0].phases
         assert res2.rounds[0].status == "ok" and p2.gate.verdict == "aligned" and p2.reference.path == shown
         assert p2.gate.mre < 1e-3 and res2.data["train"]["fingerprint"] == ident["fingerprint"]
         # a synthetic run given the real data's run as --reference is refused before anything runs
-        syn, res3 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "third", "--set", "train.steps=25", "--reference", str(first))
+        syn, res3 = run_case("llama3_tiny:megatron:cpu:1:1", tmp_path / "third", "--reference", str(first))
         assert syn.returncode == 2 and res3 is None, syn.stdout + syn.stderr
         assert f"--reference {first}: made on other data (fingerprint {ident['fingerprint']}) than the run's phase train" in syn.stderr
     finally:

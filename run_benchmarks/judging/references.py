@@ -635,7 +635,7 @@ def judging(plan: Plan, references: Mapping[str, Reference | None]) -> list[str]
         ref = references.get(phase)
         tag = f"reference ({phase}): "
         if ref is None:
-            why = recipe_changed(plan, phase) or no_reference_reason(plan, phase)
+            why = _no_data_reference(plan, phase) or recipe_changed(plan, phase) or no_reference_reason(plan, phase)
             if why is None:
                 where = committed_reference(plan, phase)
                 why = f"none committed ({shown(where)})" if where is not None else "no reference curve"
@@ -764,8 +764,19 @@ def other_batch_reason(plan: Plan, phase: str) -> str | None:
 
 def not_judged_reason(plan: Plan, phase: str) -> str | None:
     """Why a phase's committed reference will not judge it (:func:`recipe_changed`,
-    :func:`other_batch_reason`); None when it will, or when there is none to say it of."""
-    return recipe_changed(plan, phase) or other_batch_reason(plan, phase)
+    :func:`other_batch_reason`); None when it will, or when there is none to say it of. Real data
+    with no committed reference at all says that first (:func:`no_reference_reason`)."""
+    return _no_data_reference(plan, phase) or recipe_changed(plan, phase) or other_batch_reason(plan, phase)
+
+
+def _no_data_reference(plan: Plan, phase: str) -> str | None:
+    """:func:`no_reference_reason` where the phase's real data has no committed reference (none at
+    its path, or no fingerprint to find one by); None for synthetic data or one that exists."""
+    if plan.reference:
+        return None
+    why = no_reference_reason(plan, phase)
+    where = committed_reference(plan, phase)
+    return why if why and (where is None or not where.is_file()) else None
 
 
 # --------------------------------------------------------------------------- recording

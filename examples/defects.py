@@ -277,3 +277,25 @@ def learned_positions_shifted(cfg: dict[str, Any]) -> None:
         return original(self, input_ids, paddle.clip(position_ids + 1, max=last), inputs_embeddings)
 
     embeddings.forward = forward
+
+
+def hf_rope_base_off(cfg: dict[str, Any]) -> None:
+    """transformers' Llama rotary embedding (llava's language model) with its base 10 % above the
+    model's: each inverse frequency base^(-2i/d) becomes (1.1 base)^(-2i/d) where the tables are
+    made (transformers initializes the buffer again after the module is built)."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    original = LlamaRotaryEmbedding.forward
+
+    @functools.wraps(original)
+    def forward(self: Any, x: Any, position_ids: Any) -> Any:
+        inv = self.inv_freq
+        d = 2 * inv.numel()
+        self.inv_freq = inv * 1.1 ** (-torch.arange(0, d, 2, dtype=inv.dtype, device=inv.device) / d)
+        try:
+            return original(self, x, position_ids)
+        finally:
+            self.inv_freq = inv
+
+    LlamaRotaryEmbedding.forward = forward

@@ -1,4 +1,4 @@
-"""The conformance check (training/conformance/): llama3_tiny's, baichuan2_tiny's and gpt3_tiny's
+"""The conformance check (training/conformance/): llama3_tiny's, baichuan2_tiny's, gpt3_tiny's and llava_tiny's
 step against float64 numpy math.
 
 Through ``flagbench conformance`` (the check alone) and through a run: each defect of
@@ -120,6 +120,7 @@ def test_a_run_that_fails_the_check_stops_before_training(tmp_path, megatron_pyt
 FAMILIES = {
     "baichuan2": ["--vendor", "cpu", "--case_name", "baichuan2_tiny:deepspeed:cpu:1:1"],
     "gpt3": ["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:1"],
+    "llava": ["--vendor", "cpu", "--case_name", "llava_tiny:deepspeed:cpu:1:2"],
 }
 
 
@@ -176,5 +177,31 @@ def test_gpt3_intact_passes(paddle_python, extra):
 )
 def test_gpt3_each_defect_fails(paddle_python, hook, tensor):
     rc, v = _check_family("gpt3", "--hook", f"examples.defects:{hook}")
+    assert rc == 1 and v["verdict"] == "failed", v
+    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
+
+
+@pytest.mark.framework("deepspeed")
+def test_llava_intact_passes(deepspeed_python):
+    """llava_tiny: CLIP's patch embedding and an encoder layer, the projector, the image features in
+    place of the image tokens, one Llama layer and the head, as the published math."""
+    rc, v = _check_family("llava")
+    assert rc == 0 and v["verdict"] == "passed", v
+    assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]
+    assert any(r["tensor"].startswith("gradient of v_patch") for r in v["rows"])  # the tower's gradients are judged too
+
+
+@pytest.mark.framework("deepspeed")
+@pytest.mark.parametrize(
+    "hook, tensor",
+    [
+        ("attention_times_zero", "attention output"),
+        ("softmax_scale_x4", "attention output"),
+        ("attention_window_masked", "attention output"),  # transformers hands SDPA a mask, not is_causal
+        ("hf_rope_base_off", "attention output"),
+    ],
+)
+def test_llava_each_defect_fails(deepspeed_python, hook, tensor):
+    rc, v = _check_family("llava", "--hook", f"examples.defects:{hook}")
     assert rc == 1 and v["verdict"] == "failed", v
     assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]

@@ -144,6 +144,56 @@ CHANGES_K = ("embedding", "position_embedding", "ln1", "ln1_bias", "wk", "bk")
 CHANGES_V = ("embedding", "position_embedding", "ln1", "ln1_bias", "wv", "bv")
 
 
+#: the vision tower's and the projector's tensors (LLaVA): they reach every key and value
+VISION = ("v_", "p_")
+
+
+def reaches(changed: str, names: tuple[str, ...]) -> bool:
+    return changed in names or changed.startswith(VISION)
+
+
+def gelu_exact(x: np.ndarray) -> np.ndarray:
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+
+def quick_gelu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-1.702 * x))
+
+
+def layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
+    mu = np.mean(x, axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(np.mean((x - mu) ** 2, axis=-1, keepdims=True) + eps) * w + b
+
+
+def image_features(p: dict, vision: dict) -> np.ndarray:
+    """LLaVA-1.5's image features of ``p["pixels"]`` [3, H, W]: CLIP's patch embedding (a
+    stride-``patch`` convolution without bias), class token and learned positions, its pre-norm,
+    one encoder layer (pre-norm attention over every position with q/k/v/o biases, pre-norm
+    quick-GELU MLP), whose output is the penultimate layer's of a two-layer tower
+    (``vision_feature_layer: -2``), the class token left out (``default``); then the projector
+    (linear, exact GELU, linear, with biases)."""
+    eps, size, heads = float(vision["norm_eps"]), int(vision["patch_size"]), int(vision["heads"])
+    px = p["pixels"]
+    c, hgt, wid = px.shape
+    patches = px.reshape(c, hgt // size, size, wid // size, size).transpose(1, 3, 0, 2, 4).reshape(-1, c * size * size)
+    h = np.concatenate([p["v_cls"][None], patches @ p["v_patch"].T]) + p["v_pos"]
+    h = layer_norm(h, p["v_pre_ln"], p["v_pre_ln_bias"], eps)
+    a = layer_norm(h, p["v_ln1"], p["v_ln1_bias"], eps)
+    n, width = a.shape
+    d = width // heads
+    q = (a @ p["v_wq"].T + p["v_bq"]).reshape(n, heads, d).transpose(1, 0, 2)
+    k = (a @ p["v_wk"].T + p["v_bk"]).reshape(n, heads, d).transpose(1, 0, 2)
+    v = (a @ p["v_wv"].T + p["v_bv"]).reshape(n, heads, d).transpose(1, 0, 2)
+    sc = np.matmul(q, k.transpose(0, 2, 1)) / math.sqrt(d)
+    sc = np.exp(sc - sc.max(axis=-1, keepdims=True))
+    att = np.matmul(sc / sc.sum(axis=-1, keepdims=True), v).transpose(1, 0, 2).reshape(n, width)
+    h = h + att @ p["v_wo"].T + p["v_bo"]
+    a = layer_norm(h, p["v_ln2"], p["v_ln2_bias"], eps)
+    h = h + quick_gelu(a @ p["v_fc1"].T + p["v_bfc1"]) @ p["v_fc2"].T + p["v_bfc2"]
+    return gelu_exact(h[1:] @ p["p_w1"].T + p["p_b1"]) @ p["p_w2"].T + p["p_b2"]
+
+
 def trunk(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict | None = None, changed: str = "") -> dict[str, np.ndarray]:
     """Embedding and one decoder layer; keys and values for every position up to the last
     sampled one, queries at the sampled ``pos``. Returns the attention output, the layer output
@@ -151,14 +201,23 @@ def trunk(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict |
     ``base`` reuses where the one tensor ``changed`` does not reach them)."""
     m = int(pos.max()) + 1
     heads, groups, d = int(spec["heads"]), int(spec["groups"]), int(spec["head_dim"])
-    rows = tokens[:m] if base is None or changed in CHANGES_K + CHANGES_V else tokens[pos]
+    rows = tokens[:m] if base is None or reaches(changed, CHANGES_K + CHANGES_V) else tokens[pos]
     x = p["embedding"][rows]
+    feats = None
+    if spec.get("vision"):  # the image's features take the place of its tokens' embeddings
+        vision = spec["vision"]
+        feats = base["feats"] if base is not None and not changed.startswith(VISION) else image_features(p, vision)
+        where = {q: j for j, q in enumerate(vision["image_positions"])}
+        at = range(m) if len(rows) == m else pos
+        for i, q in enumerate(at):
+            if int(q) in where:
+                x[i] = feats[where[int(q)]]
     if spec["positions"] == "learned":
         x = x + p["position_embedding"][np.arange(m) if len(rows) == m else pos]
     h1 = norm(x, spec, p["ln1"], _get(p, "ln1_bias"))
     hq = h1[pos] if len(rows) == m else h1
-    k = h1 @ p["wk"].T + (p["bk"] if _get(p, "bk") is not None else 0.0) if base is None or changed in CHANGES_K else base["k"]
-    v = h1 @ p["wv"].T + (p["bv"] if _get(p, "bv") is not None else 0.0) if base is None or changed in CHANGES_V else base["v"]
+    k = h1 @ p["wk"].T + (p["bk"] if _get(p, "bk") is not None else 0.0) if base is None or reaches(changed, CHANGES_K) else base["k"]
+    v = h1 @ p["wv"].T + (p["bv"] if _get(p, "bv") is not None else 0.0) if base is None or reaches(changed, CHANGES_V) else base["v"]
     keys, values = k, v
     q = hq @ p["wq"].T
     if _get(p, "bq") is not None:
@@ -193,7 +252,7 @@ def trunk(p: dict, spec: dict, tokens: np.ndarray, pos: np.ndarray, base: dict |
         mlp = gelu_tanh(h2 @ p["w_fc1"].T + p["b_fc1"]) @ p["w_fc2"].T + p["b_fc2"]
     y = r + mlp
     z = norm(y, spec, p["lnf"], _get(p, "lnf_bias"))
-    return {"attention": attn, "layer": y, "final_norm": z, "k": keys, "v": values}
+    return {"attention": attn, "layer": y, "final_norm": z, "k": keys, "v": values, "feats": feats}
 
 
 def head_weight(p: dict, spec: dict) -> np.ndarray:

@@ -289,7 +289,7 @@ def main() -> None:
         llava_ceiling.ceiling_only(cfg, log, PHASES)
         return
     rnd = Round(cfg, log)
-    case.run(lambda phase: PhaseTrainer(rnd, phase), log, phases=PHASES)
+    case.run(lambda phase: PhaseTrainer(rnd, phase), log, phases=PHASES, cfg=cfg)
     import torch.distributed as dist
 
     from cases.llava.deepspeed import mmmu

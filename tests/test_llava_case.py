@@ -395,6 +395,8 @@ def resolved(tmp: Path) -> dict:
         "mmmu_checkpoint": None,
         "synthetic_images": 512,
         "synthetic_image_size": 56,
+        "fingerprint": "full",
+        "max_image_pixels": 89478485,
         "phases": {
             "pretrain": {
                 "template": "plain",

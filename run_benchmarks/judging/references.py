@@ -556,7 +556,7 @@ def load_reference(path: Path, phase: str = "train") -> dict[int, float] | None:
 
 #: train settings a run may set without leaving its recipe: how long it runs (at least to the
 #: reference's last step), its throughput window, its layout's micro batch, what it profiles
-CURVE_NEUTRAL = frozenset({"steps", "warmup_steps", "micro_batch", "profile_step", "ceiling_hold_s"})
+CURVE_NEUTRAL = datacheck.CURVE_NEUTRAL
 
 
 def committed_path(case_dir: Path, model: str, recipe: str, phase: str, fingerprint: str | None) -> Path:

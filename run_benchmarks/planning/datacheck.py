@@ -490,13 +490,22 @@ def checkpoint_content(path: str) -> str:
     return h.hexdigest()[:16]
 
 
+#: train values that leave a curve as it is: the measurement's warm-up, the micro batch (the same
+#: sums), the profiled step and the ceiling's hold (references.recipe_sets; ``steps`` there too where
+#: the decay horizon is pinned, but never in a chain: more steps of a phase start the next elsewhere)
+CURVE_NEUTRAL = frozenset({"steps", "warmup_steps", "micro_batch", "profile_step", "ceiling_hold_s"})
+
+
 def _recipe(plan: Any, phase: str) -> str:
     """A phase's recipe in a few characters: the recipe's name, with the --set values that change
-    its training (``train.*`` of that phase) after it."""
+    its training (``train.*`` of that phase, other than CURVE_NEUTRAL's but steps) after it."""
     sets = sorted(
         f"{o['param']}={o['value']}"
         for o in getattr(plan, "user_overrides", None) or []
-        if str(o["param"]).startswith("train.") and (".phases." not in o["param"] or f".phases.{phase}." in o["param"])
+        if str(o["param"]).startswith("train.")
+        and (".phases." not in o["param"] or f".phases.{phase}." in o["param"])
+        and (str(o["param"]).rsplit(".", 1)[-1] not in CURVE_NEUTRAL - {"steps"})
+        and not ("standard" in o and o.get("value") == o.get("standard"))
     )
     return str(getattr(plan, "recipe", "standard")) + (f" with {', '.join(sets)}" if sets else "")
 

@@ -71,29 +71,18 @@ def versions() -> dict[str, str]:
 
 
 def device_name(cfg: dict[str, Any]) -> str:
-    if cfg["case"]["framework"] == "paddle":  # no torch in its environment: paddle names the device
-        return _paddle_device_name(cfg)
+    """The first device's name: the case's probe module's ``device_name(cfg)`` where it has one (a
+    framework without torch names its devices itself), else training.accelerator's."""
+    import importlib
+
+    module = importlib.import_module(cfg["case"]["conformance"].partition(":")[0])
+    own = getattr(module, "device_name", None)
+    if own is not None:
+        return str(own(cfg))
     from training.accelerator import Accelerator
 
     acc = Accelerator(cfg.get("vendor") or {})
     return acc.device_name(acc.device(0))
-
-
-def _paddle_device_name(cfg: dict[str, Any]) -> str:
-    """The first device as paddle names it: the vendor's memory query's name, a GPU's
-    properties' name, else paddle's device type (``cpu``, a custom device's name)."""
-    import importlib
-
-    import paddle
-
-    place = paddle.device.get_device()
-    spec = (cfg.get("vendor") or {}).get("memory_query")
-    if spec:
-        module, _, func = str(spec).partition(":")
-        return str(getattr(importlib.import_module(module), func)(place)[2])
-    if place.startswith("gpu"):
-        return str(paddle.device.cuda.get_device_properties(place).name)
-    return place.partition(":")[0]
 
 
 def probe_view(cfg: dict[str, Any]) -> dict[str, Any]:

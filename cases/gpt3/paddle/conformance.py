@@ -181,3 +181,13 @@ def _part(g: np.ndarray | None, shape: tuple[int, ...], i: int, to: tuple[int, .
         return None
     part = g.reshape(shape)[:, :, i] if len(shape) == 4 else g.reshape(shape)[:, i]
     return part.reshape(to).T if len(to) == 2 else part.reshape(to)
+
+
+def device_name(cfg: dict[str, Any]) -> str:
+    """The probe's device as paddle names it (its environment has no torch): the ceiling's
+    timers' name (the vendor's memory query's, else the device's own)."""
+    from cases.gpt3.paddle.ceiling import PaddleTimers
+    from cases.gpt3.paddle.settings import from_config
+
+    s = from_config(probe_config(cfg), 1)
+    return PaddleTimers(s.device, "cpu" if s.device == "cpu" else f"{s.device}:0", cfg.get("vendor") or {}).device_name()

@@ -139,22 +139,6 @@ def test_baichuan2_intact_passes(deepspeed_python):
     assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]
 
 
-@pytest.mark.framework("deepspeed")
-@pytest.mark.parametrize(
-    "hook, tensor",
-    [
-        ("attention_times_zero", "attention output"),
-        ("softmax_scale_x4", "attention output"),
-        ("attention_window_masked", "attention output"),  # its sdpa gets ALiBi's additive mask, not is_causal
-        ("alibi_slopes_off", "attention output"),
-    ],
-)
-def test_baichuan2_each_defect_fails(deepspeed_python, hook, tensor):
-    rc, v = _check_family("baichuan2", "--hook", f"examples.defects:{hook}")
-    assert rc == 1 and v["verdict"] == "failed", v
-    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
-
-
 @pytest.mark.framework("paddle")
 @pytest.mark.parametrize("extra", [(), ("--set", "parallel.fuse_attention_qkv=true")])
 def test_gpt3_intact_passes(paddle_python, extra):
@@ -163,22 +147,6 @@ def test_gpt3_intact_passes(paddle_python, extra):
     rc, v = _check_family("gpt3", *extra)
     assert rc == 0 and v["verdict"] == "passed", v
     assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]
-
-
-@pytest.mark.framework("paddle")
-@pytest.mark.parametrize(
-    "hook, tensor",
-    [
-        ("paddle_attention_times_zero", "attention output"),
-        ("paddle_softmax_scale_x4", "attention output"),
-        ("paddle_attention_window", "attention output"),
-        ("learned_positions_shifted", "attention output"),
-    ],
-)
-def test_gpt3_each_defect_fails(paddle_python, hook, tensor):
-    rc, v = _check_family("gpt3", "--hook", f"examples.defects:{hook}")
-    assert rc == 1 and v["verdict"] == "failed", v
-    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
 
 
 @pytest.mark.framework("deepspeed")
@@ -191,17 +159,29 @@ def test_llava_intact_passes(deepspeed_python):
     assert any(r["tensor"].startswith("gradient of v_patch") for r in v["rows"])  # the tower's gradients are judged too
 
 
-@pytest.mark.framework("deepspeed")
+FAMILY_DEFECTS = [
+    ("baichuan2", "attention_times_zero"),
+    ("baichuan2", "softmax_scale_x4"),
+    ("baichuan2", "attention_window_masked"),  # its sdpa gets ALiBi's additive mask, not is_causal
+    ("baichuan2", "alibi_slopes_off"),
+    ("gpt3", "paddle_attention_times_zero"),
+    ("gpt3", "paddle_softmax_scale_x4"),
+    ("gpt3", "paddle_attention_window"),
+    ("gpt3", "learned_positions_shifted"),
+    ("llava", "attention_times_zero"),
+    ("llava", "softmax_scale_x4"),
+    ("llava", "attention_window_masked"),  # transformers hands SDPA a mask, not is_causal
+    ("llava", "hf_rope_base_off"),
+]
+
+
 @pytest.mark.parametrize(
-    "hook, tensor",
-    [
-        ("attention_times_zero", "attention output"),
-        ("softmax_scale_x4", "attention output"),
-        ("attention_window_masked", "attention output"),  # transformers hands SDPA a mask, not is_causal
-        ("hf_rope_base_off", "attention output"),
-    ],
+    "family, hook",
+    [pytest.param(f, h, marks=pytest.mark.framework("paddle" if f == "gpt3" else "deepspeed")) for f, h in FAMILY_DEFECTS],
 )
-def test_llava_each_defect_fails(deepspeed_python, hook, tensor):
-    rc, v = _check_family("llava", "--hook", f"examples.defects:{hook}")
+def test_each_family_defect_fails(request, family, hook):
+    """Every defect that applies to a family fails its check, first at the attention output."""
+    request.getfixturevalue("paddle_python" if family == "gpt3" else "deepspeed_python")
+    rc, v = _check_family(family, "--hook", f"examples.defects:{hook}")
     assert rc == 1 and v["verdict"] == "failed", v
-    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
+    assert v["message"].startswith("attention output") and "differs" in v["message"] and "from the reference" in v["message"], v["message"]

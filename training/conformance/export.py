@@ -127,6 +127,19 @@ class ProbeFile:
         self.arrays[f"grad:{name}:hash_mag"] = np.float64((np.abs(g) * np.abs(d)).sum())
         self.arrays[f"grad:{name}:salt"] = np.int64(salt)
 
+    def embedding_rows(self, weight: Any, grad: Any, rows: Any) -> None:
+        """The token embedding's rows the input reads (``rows``, the inputs' ids remapped to them), as
+        ``embedding``, and the size of its gradient on every other row, which must be none."""
+        import torch
+
+        g = torch.zeros_like(weight) if grad is None else grad
+        rows = rows.to(weight.device)
+        self.parameter("embedding", weight.detach()[rows], g[rows], salt=1)
+        outside = g.float().clone()
+        outside[rows] = 0
+        self.arrays["grad:embedding:outside"] = np.float64(outside.norm().item())
+        self.arrays["grad:embedding:inside"] = np.float64(g[rows].float().norm().item())
+
     def write(self, path: str) -> None:
         log("exported")
         np.savez(path, spec=np.array(json.dumps(self.spec)), **self.arrays)

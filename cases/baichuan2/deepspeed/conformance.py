@@ -21,8 +21,6 @@ import copy
 import zlib
 from typing import Any
 
-import numpy as np
-
 
 def probe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The run's config for a probe: one layer, one process, one sequence, no ZeRO (its
@@ -126,13 +124,7 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
         return p.grad if p.grad is not None else torch.zeros_like(p)
 
     emb = params["embed_tokens.weight"]
-    g_emb = grad(emb)
-    rows_d = rows.to(emb.device)
-    f.parameter("embedding", emb.detach()[rows_d], g_emb[rows_d], salt=1)
-    outside = g_emb.float().clone()
-    outside[rows_d] = 0
-    f.add_array("grad:embedding:outside", np.float64(outside.norm().item()))
-    f.add_array("grad:embedding:inside", np.float64(g_emb[rows_d].float().norm().item()))
+    f.embedding_rows(emb, emb.grad, rows)
     w_pack, g_pack = params["layers.0.self_attn.W_pack.weight"], grad(params["layers.0.self_attn.W_pack.weight"])
     h = mcfg.hidden_size
     for i, name in enumerate(("wq", "wk", "wv")):  # W_pack's rows: [q; k; v], each [heads * head_dim, hidden]

@@ -14,8 +14,6 @@ import copy
 import zlib
 from typing import Any
 
-import numpy as np
-
 # parallel switches that only schedule or place work: a one-layer, one-process probe runs without them
 _SCHEDULE_ONLY = {
     "tp": 1,
@@ -141,13 +139,7 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
         raise RuntimeError(f"conformance probe: no parameter ends in any of {suffixes}")
 
     emb = find("word_embeddings.weight")
-    g_emb = grad(emb)
-    rows_d = rows.to(emb.device)
-    f.parameter("embedding", emb[rows_d], g_emb[rows_d], salt=1)
-    outside = g_emb.float().clone()
-    outside[rows_d] = 0
-    f.add_array("grad:embedding:outside", np.float64(outside.norm().item()))
-    f.add_array("grad:embedding:inside", np.float64(g_emb[rows_d].float().norm().item()))
+    f.embedding_rows(emb, grad(emb), rows)
     qkv = find("linear_qkv.weight")  # per query group: its query heads, its key, its value (megatron's layout)
     g_qkv = grad(qkv)
     hidden = qkv.shape[1]

@@ -144,13 +144,7 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
         f.parameter(name, p.detach() if value is None else value, p.grad, salt=salt)
 
     emb = find("embed_tokens.weight")
-    g_emb = emb.grad if emb.grad is not None else torch.zeros_like(emb)
-    rows_d = rows.to(emb.device)
-    f.parameter("embedding", emb.detach()[rows_d], g_emb[rows_d], salt=1)
-    outside = g_emb.float().clone()
-    outside[rows_d] = 0
-    f.add_array("grad:embedding:outside", np.float64(outside.norm().item()))
-    f.add_array("grad:embedding:inside", np.float64(g_emb[rows_d].float().norm().item()))
+    f.embedding_rows(emb, emb.grad, rows)
     lm_names = {
         "wq": "language_model.layers.0.self_attn.q_proj.weight",
         "wk": "language_model.layers.0.self_attn.k_proj.weight",

@@ -4,6 +4,8 @@ the older forms (start_task.py's flags, ``flagbench`` followed directly by optio
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -66,3 +68,25 @@ def test_an_unknown_command_is_named_with_the_closest():
 def test_verify_through_the_command(tmp_path):
     proc = flagbench("verify", "docs/results/runs/2026-11-29_llama3_8b_H200x1_short-micro2.json")
     assert proc.returncode == 0 and "every figure of 1 round(s) matches its records" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_installed_console_script_runs_from_outside_the_checkout(tmp_path):
+    """``flagbench`` as the README's first command installs it (``pip install -e .``), run from a
+    folder that is no checkout: it plans a case (its settings check imports the case's package)
+    and checks a vendor folder without a false problem."""
+    script = shutil.which("flagbench")
+    if script is None:
+        pytest.skip("the flagbench console script is not installed (pip install -e . installs it)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    plan = subprocess.run(
+        [script, "run", "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--dry-run", "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert json.loads(plan.stdout)["case"] == "llama3_tiny:megatron:cpu:1:2:1"
+    check = subprocess.run([script, "check", "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.strip().endswith("cpu: ok"), check.stdout + check.stderr

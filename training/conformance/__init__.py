@@ -70,13 +70,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def probe_module(cfg: dict[str, Any]) -> Any:
+    """The module of the case's probe (case.yaml ``conformance``, ``module:function``)."""
+    import importlib
+
+    return importlib.import_module(cfg["case"]["conformance"].partition(":")[0])
+
+
 def device_name(cfg: dict[str, Any]) -> str:
     """The first device's name: the case's probe module's ``device_name(cfg)`` where it has one (a
     framework without torch names its devices itself), else training.accelerator's."""
-    import importlib
-
-    module = importlib.import_module(cfg["case"]["conformance"].partition(":")[0])
-    own = getattr(module, "device_name", None)
+    own = getattr(probe_module(cfg), "device_name", None)
     if own is not None:
         return str(own(cfg))
     from training.accelerator import Accelerator
@@ -88,10 +92,7 @@ def device_name(cfg: dict[str, Any]) -> str:
 def probe_view(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config as the case's probe builds from it (its module's ``probe_config``, where it has
     one: a probe that sets a schedule-only switch itself makes that switch no part of the key)."""
-    import importlib
-
-    module = importlib.import_module(cfg["case"]["conformance"].partition(":")[0])
-    view = getattr(module, "probe_config", None)
+    view = getattr(probe_module(cfg), "probe_config", None)
     return view(cfg) if view else cfg
 
 

@@ -101,8 +101,8 @@ class ProbeFile:
         d = hash_direction_torch(g.numel(), salt, g.device)
         self.arrays[f"grad:{name}:sign_pos"] = np.packbits((sign > 0).cpu().numpy())
         self.arrays[f"grad:{name}:sign_neg"] = np.packbits((sign < 0).cpu().numpy())
-        self.arrays[f"grad:{name}:sign"] = np.float64(g.abs().sum().item())
-        self.arrays[f"grad:{name}:sign_mag"] = np.float64(g.abs().sum().item())
+        l1 = np.float64(g.abs().sum().item())  # on its own sign the projection has no cancellation: it is its own magnitude
+        self.arrays[f"grad:{name}:sign"] = self.arrays[f"grad:{name}:sign_mag"] = l1
         self.arrays[f"grad:{name}:hash"] = np.float64((g * d).sum().item())
         self.arrays[f"grad:{name}:hash_mag"] = np.float64((g.abs() * d.abs()).sum().item())
         self.arrays[f"grad:{name}:salt"] = np.int64(salt)
@@ -121,8 +121,8 @@ class ProbeFile:
         d = hash_direction(g.size, salt)
         self.arrays[f"grad:{name}:sign_pos"] = np.packbits(g > 0)
         self.arrays[f"grad:{name}:sign_neg"] = np.packbits(g < 0)
-        self.arrays[f"grad:{name}:sign"] = np.float64(np.abs(g).sum())
-        self.arrays[f"grad:{name}:sign_mag"] = np.float64(np.abs(g).sum())
+        l1 = np.float64(np.abs(g).sum())
+        self.arrays[f"grad:{name}:sign"] = self.arrays[f"grad:{name}:sign_mag"] = l1
         self.arrays[f"grad:{name}:hash"] = np.float64((g * d).sum())
         self.arrays[f"grad:{name}:hash_mag"] = np.float64((np.abs(g) * np.abs(d)).sum())
         self.arrays[f"grad:{name}:salt"] = np.int64(salt)

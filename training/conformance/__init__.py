@@ -112,7 +112,10 @@ def stack_key(cfg: dict[str, Any], device: str) -> tuple[str, dict[str, Any]]:
 
 
 def cache_dir(cfg: dict[str, Any]) -> Path:
-    base = (cfg.get("data") or {}).get("cache_dir") or os.path.join(tempfile.gettempdir(), "flagbench-cache")
+    """Where verdicts are kept: the node's cache folder that resolved.json names (``data.cache_dir``)."""
+    base = (cfg.get("data") or {}).get("cache_dir")
+    if not base:
+        raise RuntimeError("the conformance check keeps its verdicts in data.cache_dir, which resolved.json does not name")
     return Path(base) / "conformance"
 
 

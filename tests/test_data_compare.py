@@ -137,14 +137,17 @@ def test_recorded_curves_name_their_phases_global_batch(tmp_path):
     at their own), which the gate checks a run against."""
     fp = "feedc0de00000001"
     data = {ph: {"kind": "real", "checked": True, "fingerprint": fp} for ph in ("pretrain", "finetune")}
-    path = two_phase_run(tmp_path / "run.json", "cpu", (1000.0, 1000.0), 1.0, data=data)
-    run = json.loads(path.read_text())
-    run["settings"]["train"]["phases"] = {"pretrain": {"global_batch": 32}, "finetune": {"global_batch": 4}}
-    path.write_text(json.dumps(run))
+    paths = [
+        two_phase_run(tmp_path / f"run{k}.json", "cpu", (1000.0, 1000.0), scale, data=data) for k, scale in enumerate((1.0, 1.001, 1.002))
+    ]
+    for path in paths:  # three repeats that differ in rounding, as every recorded reference has
+        run = json.loads(path.read_text())
+        run["settings"]["train"]["phases"] = {"pretrain": {"global_batch": 32}, "finetune": {"global_batch": 4}}
+        path.write_text(json.dumps(run))
     folder = ROOT / "cases/llava/deepspeed/reference/llava_tiny"
     files = {ph: folder / f"standard.{ph}.data-{fp}.json" for ph in ("pretrain", "finetune")}
     try:
-        proc = start("--record-reference", str(path))
+        proc = start("--record-reference", *map(str, paths))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         got = {ph: json.loads(f.read_text()) for ph, f in files.items()}
         assert {ph: (d["phase"], d["global_batch"]) for ph, d in got.items()} == {"pretrain": ("pretrain", 32), "finetune": ("finetune", 4)}

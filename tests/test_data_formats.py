@@ -10,8 +10,9 @@ framework environment, run end to end on the tiny case through start_task.py.
   ``data.missing_images: skip``, and a Hugging Face tokenizer saved by ``transformers``.
 
 A run on real data without a reference for it is unjudged ("no reference for this data");
-``--record-reference`` makes the run's curve the reference for that data and a second run
-aligns against it. The token streams are the project's synthetic Markov chain, so the loss
+``--record-reference`` refuses one run (a reference has 3 repeats that differ in rounding), makes
+the mean of three micro batches' curves the reference for that data, and a second run aligns
+against it. The token streams are the project's synthetic Markov chain, so the loss
 falls and two runs on one corpus give one curve.
 """
 
@@ -182,7 +183,8 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
     assert ident["corpora"][0]["tokens"] == 60_000 and ident["corpora"][0]["dtype"] == "uint16" and len(ident["fingerprint"]) == 16
     assert p.meta["data"] == f"indexed:{data / 'my-corpus_text_document'}"  # the prefix was found, not configured
     assert rnd.status == "unjudged" and p.gate.verdict == "not judged" and p.reference is None
-    assert rnd.error == f"phase train: {NO_REFERENCE}{ident['fingerprint']}; start_task.py --record-reference RUN/results.json makes one)"
+    made = "start_task.py --record-reference RUN/results.json ... makes one from 3 runs)"
+    assert rnd.error == f"phase train: {NO_REFERENCE}{ident['fingerprint']}; {made}"
     terminal = " ".join(proc.stderr.split())  # the round's line, however the terminal wrapped it
     assert "round 1: unjudged - phase train: loss not judged: no reference for this data" in terminal
     assert "%" not in p.gate.reason  # no meaningless percentage
@@ -192,12 +194,22 @@ def test_llama3_on_megatron_builder_data_then_its_own_reference(tmp_path, megatr
     shown = f"cases/llama3/megatron/reference/llama3_tiny/standard.data-{ident['fingerprint']}.json"
     ref_file = ROOT / shown
     try:
-        rec = start_task("--record-reference", str(first), timeout=120)
+        one = start_task("--record-reference", str(first), timeout=120)  # one curve has no spread: no reference
+        assert one.returncode == 2 and "1 round(s) give 1 distinct curve(s); a reference needs at least 3 repeats" in one.stderr
+        assert not ref_file.exists()
+        runs = [first]
+        for mb in (2, 4):  # the same data at other micro batches: curves that differ in rounding
+            _, more = run_case(
+                "llama3_tiny:megatron:cpu:1:1", tmp_path / f"mb{mb}", "--data-dir", str(data), "--set", f"train.micro_batch={mb}"
+            )
+            runs.append(tmp_path / f"mb{mb}" / more.run_id / "results.json")
+        rec = start_task("--record-reference", *map(str, runs), timeout=120)
         assert rec.returncode == 0, rec.stdout + rec.stderr
-        assert rec.stdout.strip() == f"wrote {shown} (phase train, recipe standard, 1 run(s), steps 1-30)"
+        assert rec.stdout.startswith(f"wrote {shown} (phase train, recipe standard, 3 run(s), spread "), rec.stdout
         doc = json.loads(ref_file.read_text())
-        assert doc["data"]["fingerprint"] == ident["fingerprint"] and doc["loss"] == [p.loss[s] for s in range(1, 31)]
-        again = start_task("--record-reference", str(first), timeout=120)  # a reference is not replaced unasked
+        assert doc["data"]["fingerprint"] == ident["fingerprint"] and 0 < doc["spread"] < 1e-4, doc.get("spread")
+        assert doc["loss"] == pytest.approx([p.loss[s] for s in range(1, 31)], rel=1e-4)
+        again = start_task("--record-reference", *map(str, runs), timeout=120)  # a reference is not replaced unasked
         assert (
             again.returncode == 2
             and again.stderr.strip() == f"error: {shown}: a reference of this model, recipe and data exists; --replace replaces it"

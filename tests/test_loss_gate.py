@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -452,7 +453,7 @@ def test_repeated_reference_on_the_command_line(tmp_path):
 
 
 def test_record_a_reference_from_repeats(tmp_path):
-    """--record-reference RUN_A RUN_B: the mean curve with the runs, their provenance and spread,
+    """--record-reference RUN_A RUN_B RUN_C: the mean curve with the runs, their provenance and spread,
     read back as such, at the model's recipe's path; runs of another recipe are refused by name, a
     curve that is not its repeats' mean too; a reference is replaced only with --replace and a why."""
     from run_benchmarks.errors import InputError
@@ -471,19 +472,25 @@ def test_record_a_reference_from_repeats(tmp_path):
     with pytest.raises(InputError, match=rf"^{other}: recipe 'short', but 'standard' in {paths[0]}"):
         references.record([paths[0], other], "")
     target = ROOT / "cases/llama3/megatron/reference/llama3_tiny/standard.data-0123456789abcdef.json"
-    two = tmp_path / "two-rounds.json"  # one run of two rounds: the rounds are the repeats
-    two.write_text(
-        json.dumps(fake_run([{}, {"phases": [fake_phase(loss_scale=1.01)]}], run_id="run9").model_copy(update={"data": data}).dump())
-    )
+
+    def rounds_run(name: str, scales: tuple[float, ...]) -> Path:
+        path = tmp_path / name
+        rounds = [{"phases": [fake_phase(loss_scale=x)]} for x in scales]
+        path.write_text(json.dumps(fake_run(rounds, run_id="run9").model_copy(update={"data": data}).dump()))
+        return path
+
+    # fewer than three curves that differ in rounding make no reference: a spread needs repeats
+    for name, scales, distinct in (("two.json", (1.0, 1.01), 2), ("same.json", (1.0, 1.0, 1.0), 1)):
+        with pytest.raises(InputError, match=rf"give {distinct} distinct curve\(s\); a reference needs at least 3 repeats"):
+            references.record([rounds_run(name, scales)], "")
+    assert not target.exists()
+    three = rounds_run("three-rounds.json", (1.0, 1.01, 1.02))  # one run of three rounds: the rounds are the repeats
     try:
-        (line,) = references.record([two], "")
-        assert line.endswith("(phase train, recipe standard, 2 run(s), spread 1.000%, steps 1-30)"), line
+        (line,) = references.record([three], "")
+        assert line.endswith("(phase train, recipe standard, 3 run(s), spread 1.493%, steps 1-30)"), line
         doc = json.loads(target.read_text())
-        assert [r["path"] for r in doc["repeats"]] == [f"{two} (round 1)", f"{two} (round 2)"]
-        assert [(r["run_id"], r["round"], r["config"]) for r in doc["repeats"]] == [
-            ("run9", 1, "config_cpux1x2"),
-            ("run9", 2, "config_cpux1x2"),
-        ]
+        assert [r["path"] for r in doc["repeats"]] == [f"{three} (round {k})" for k in (1, 2, 3)]
+        assert [(r["run_id"], r["round"], r["config"]) for r in doc["repeats"]] == [("run9", k, "config_cpux1x2") for k in (1, 2, 3)]
         assert doc["why"].startswith("the first reference of llama3_tiny's standard recipe") and doc["recipe"] == "standard"
         with pytest.raises(InputError, match="a reference of this model, recipe and data exists; --replace replaces it"):
             references.record(paths, "")

@@ -5,6 +5,8 @@
 - Since references became one per model, phase and recipe (commit 5851a7a), every commit that adds
   or changes a reference file changes nothing else and says why in a body of its own; git keeps
   the earlier versions readable.
+- Every reference recorded from 2026-12-01 on has at least 3 repeats whose curves differ in
+  rounding (references.MIN_REPEATS), so that the noise figure has a measured spread.
 """
 
 from __future__ import annotations
@@ -24,6 +26,20 @@ SINCE = "5851a7a"
 @pytest.mark.parametrize("path", REFERENCES, ids=lambda p: str(p.relative_to(ROOT / "cases")))
 def test_no_reference_absorbs_a_run_that_failed_against_it(path):
     assert references.absorbed_failures(path) == []
+
+
+#: the day the repeats rule began; references made before it keep what they had
+REPEATS_RULE_FROM = "2026-12-01"
+
+
+@pytest.mark.parametrize("path", REFERENCES, ids=lambda p: str(p.relative_to(ROOT / "cases")))
+def test_a_reference_made_since_the_rule_has_three_repeats(path):
+    doc = json.loads(path.read_text())
+    made = str(doc.get("made", ""))
+    if not (made[:4].isdigit() and made[:10] >= REPEATS_RULE_FROM):  # older ones wrote "cpu x1, <date>"
+        return
+    curves = {tuple(r["loss"]) for r in doc.get("repeats") or []}
+    assert len(curves) >= references.MIN_REPEATS and doc.get("spread") is not None, f"{path}: {len(curves)} distinct repeat(s)"
 
 
 def test_a_reference_that_absorbed_a_failed_run_is_named(tmp_path):

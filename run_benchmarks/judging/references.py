@@ -41,6 +41,10 @@ MIN_COMPARED_STEPS = 5  # fewer compared steps judge nothing
 #: against repeats that differ by the tolerance or more, a run further from their mean than this
 #: many times their spread is not aligned: the repeats' own noise does not reach that far
 BEYOND_SPREAD = 2.0
+#: a reference is recorded from at least this many repeats whose curves differ in rounding
+#: (other layouts or micro batches: on a CPU a run made again as it was is the same curve), so
+#: that its spread, the unit of the noise figure, is measured
+MIN_REPEATS = 3
 #: a curve jumps where its loss climbs back above its first step's loss, rising by at least this
 #: fraction from the step before: after such a jump curves that differ only by rounding part
 JUMP_RISE = 0.05
@@ -910,6 +914,12 @@ def record(paths: list[Path], why: str, replace: bool = False) -> list[str]:
         if any(refused):
             why_not = next(x for x in refused if x)
             raise InputError(f"{why_not}: a reference is not changed to absorb a run that failed against it")
+        if len(distinct := distinct_curves(repeats)) < MIN_REPEATS:
+            raise InputError(
+                f"phase {phase}: {len(repeats)} round(s) give {len(distinct)} distinct curve(s); a reference needs at least "
+                f"{MIN_REPEATS} repeats that differ in rounding (other layouts or micro batches: on a CPU a run made again "
+                "as it was gives the same curve), so that its spread is measured"
+            )
         steps = sorted(curve.loss)
         doc: dict[str, Any] = {
             "model": res.model,
@@ -922,8 +932,7 @@ def record(paths: list[Path], why: str, replace: bool = False) -> list[str]:
             "steps": steps,
             "loss": [curve.loss[s] for s in steps],
         }
-        if curve.repeats:
-            doc["spread"] = curve.spread
+        doc["spread"] = curve.spread
         doc["repeats"] = [{**m, "steps": sorted(r.loss), "loss": [r.loss[s] for s in sorted(r.loss)]} for m, r in zip(made, repeats)]
         out.append((target, doc))
     lines = []
@@ -1150,7 +1159,7 @@ def check_reference_data(path: str | Path, phase: str, run_fp: str | None, model
         hint = (
             f"; the committed reference for this data is {ours[0].relative_to(registry.ROOT)}"
             if ours
-            else "; no committed reference for this data (start_task.py --record-reference RUN/results.json makes one)"
+            else "; no committed reference for this data (start_task.py --record-reference RUN/results.json ... makes one from 3 runs)"
         )
         raise InputError(
             f"--reference {one}: made on other data (fingerprint {ref_fp}) than the run's phase {phase} "
@@ -1169,7 +1178,7 @@ def no_reference_reason(plan: Any, phase: str) -> str | None:
         return chained
     if not fp:
         return "no reference for this data (not checked on this machine: no fingerprint)"
-    return f"no reference for this data (fingerprint {fp}; start_task.py --record-reference RUN/results.json makes one)"
+    return f"no reference for this data (fingerprint {fp}; start_task.py --record-reference RUN/results.json ... makes one from 3 runs)"
 
 
 def judge_phase(loss: dict[int, float], reference: Any, warmup: int, plan: Any, phase: str, why_none: str | None = None) -> Any:

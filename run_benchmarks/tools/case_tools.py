@@ -126,10 +126,11 @@ def next_steps(family: str, framework: str, model: str, root: Path) -> list[str]
     case = f"{model}:{framework}:cpu:1:2"
     return [
         "next:",
-        f"  1. run it:      python run_benchmarks/start_task.py --vendor cpu --case_name {case}",
+        "  1. run it at three micro batches (curves that differ in rounding; a reference has 3 repeats at least):",
+        f"                  for mb in 2 4 8; do python run_benchmarks/start_task.py --vendor cpu --case_name {case} --set train.micro_batch=$mb; done",
         "                  (exit 1, status unjudged: no reference curve yet)",
-        "  2. record its reference curve from that run:",
-        "                  python run_benchmarks/start_task.py --record-reference logs/<run_id>/results.json",
+        "  2. record its reference curve from those runs:",
+        "                  python run_benchmarks/start_task.py --record-reference logs/<run_id_1>/results.json logs/<run_id_2>/results.json logs/<run_id_3>/results.json",
         f"                  (writes cases/{family}/{framework}/reference/{model}/standard.json: the standard recipe)",
         f"  3. run it again: exit 0, loss aligned; python -m pytest tests/test_{family}_{framework}_case.py",
         "  4. put the real model in model.py and its shapes in case.yaml; docs/adding-a-case.md has the contract",

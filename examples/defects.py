@@ -128,19 +128,20 @@ def softmax_scale_x4(cfg: dict[str, Any]) -> None:
     _wrap_sdpa(scaled)
 
 
-def attention_window(cfg: dict[str, Any]) -> None:
+def _windowed(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
     import torch
 
-    def windowed(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
-        if not k.pop("is_causal", False):
-            return sdpa(q, key, v, *a, **k)
-        n = q.shape[-2]
-        width = max(1, n // 16)
-        i = torch.arange(n, device=q.device)
-        allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)
-        return sdpa(q, key, v, *a, attn_mask=allowed, **k)
+    if not k.pop("is_causal", False):
+        return sdpa(q, key, v, *a, **k)
+    n = q.shape[-2]
+    width = max(1, n // 16)
+    i = torch.arange(n, device=q.device)
+    allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)
+    return sdpa(q, key, v, *a, attn_mask=allowed, **k)
 
-    _wrap_sdpa(windowed)
+
+def attention_window(cfg: dict[str, Any]) -> None:
+    _wrap_sdpa(_windowed)
 
 
 def qkv_float8(cfg: dict[str, Any]) -> None:
@@ -299,3 +300,33 @@ def hf_rope_base_off(cfg: dict[str, Any]) -> None:
             self.inv_freq = inv
 
     LlamaRotaryEmbedding.forward = forward
+
+
+# --------------------------------------------------------------------------- defects that come late
+#
+# A kernel an autotuner swaps in once the first calls are timed, or a cache that goes stale after
+# warm-up, is not in the stack the conformance check sees before training: only the loss gate can
+# catch it. ``attention_times_zero_late`` and ``attention_window_late`` are the defects above from
+# the ``LATE_AFTER + 1``-th call of torch's SDPA on in each process (the check's probe, a process
+# of its own, calls it fewer times), what the tiny cases' corpus must let the gate see
+# (training/data/synthetic.py, version 2; tests/test_recipe_teeth.py).
+
+LATE_AFTER = 8
+
+
+def _late(change: Any) -> Any:
+    calls = [0]
+
+    def maybe(sdpa: Any, *a: Any, **k: Any) -> Any:
+        calls[0] += 1
+        return change(sdpa, *a, **k) if calls[0] > LATE_AFTER else sdpa(*a, **k)
+
+    return maybe
+
+
+def attention_times_zero_late(cfg: dict[str, Any]) -> None:
+    _wrap_sdpa(_late(lambda sdpa, *a, **k: sdpa(*a, **k) * 0))
+
+
+def attention_window_late(cfg: dict[str, Any]) -> None:
+    _wrap_sdpa(_late(_windowed))

@@ -121,6 +121,45 @@ def test_synthetic_corpus_is_deterministic(tmp_path):
     assert IndexedReader(big).dtype == np.int32
 
 
+SETS = {"version": 2, "set_prob": 0.8, "set_size": 4, "alphabet": 16, "span": 256}
+
+
+def test_version_2_mixes_in_sets_only_attention_can_see(tmp_path):
+    """Version 2: in each span of 256 tokens, about 80 % of next tokens come from that span's set of
+    4 ids (of a 16-id alphabet), so the ids seen earlier in a span predict the next one; the
+    parameters are in the file name and the fingerprint; version 1 is unchanged by them."""
+    from training.data import corpus_spec
+
+    spec = synthetic.read_spec(SETS)
+    a = synthetic.ensure_corpus(str(tmp_path / "a"), 1024, 50_000, 1234, spec=spec)
+    b = synthetic.ensure_corpus(str(tmp_path / "b"), 1024, 50_000, 1234, spec=spec)
+    assert os.path.basename(a) == "synthetic_v2_V1024_N50000_S1234_D1024_B4_P0.8_K4_A16_L256"
+    assert filecmp.cmp(a + ".bin", b + ".bin", shallow=False)
+    rows = synthetic.markov_tokens(1024, 50_000, 1234, spec=spec)
+    alphabet = set(np.unique(rows).tolist())
+    counts = np.bincount(rows.ravel(), minlength=1024)
+    top = set(np.argsort(counts)[-16:].tolist())  # the alphabet's ids are the most frequent by far
+    assert counts[sorted(top)].sum() > 0.75 * rows.size and len(alphabet) > 100
+    for span in rows[:, 256:512]:  # each span's set ids: at most 4 of the alphabet carry most of it
+        ids, n = np.unique(span, return_counts=True)
+        assert np.sort(n)[-4:].sum() > 0.7 * len(span) and set(ids[np.argsort(n)[-4:]].tolist()) <= top
+    assert np.array_equal(synthetic.markov_tokens(1024, 50_000, 1234), synthetic.markov_tokens(1024, 50_000, 1234, spec=synthetic.V1))
+    assert corpus_spec.fingerprint(synthetic.V1) == "synthetic"
+    assert corpus_spec.fingerprint(spec).startswith("synthetic-v2-")
+    assert corpus_spec.fingerprint(spec) != corpus_spec.fingerprint(synthetic.read_spec({**SETS, "set_prob": 0.7}))
+    for bad, says in (
+        ({"version": 3}, "version: 1 or 2"),
+        ({"version": 2, "set_prob": 0.8}, "version 2 needs set_size, alphabet, span"),
+        ({**SETS, "set_prob": 1.5}, "set_prob: between 0 and 1"),
+        ({**SETS, "set_size": 20}, "set_size 20 must be from 1 to alphabet 16"),
+        ({**SETS, "spam": 1}, "unknown key 'spam'"),
+        ({"version": 1, "span": 3}, r"version 1 \(the Markov chain alone\) takes no other key"),
+        ("v2", "a mapping with version"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            synthetic.read_spec(bad)
+
+
 def test_megatron_reads_our_files(tmp_path):
     """megatron.core's own IndexedDataset reads what the writer wrote."""
     py = os.environ.get("FB_TEST_MEGATRON_PYTHON")

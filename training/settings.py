@@ -35,6 +35,8 @@ Keys read, with their one default (``-``: required):
 ``data.cache_dir``          null       where synthetic data is written (the harness sets it)
 ``data.prefix``             null       corpus prefix in data_dir (null: found there)
 ``data.synthetic_tokens``   null       size of the synthetic corpus (case default)
+``data.synthetic``          null       the synthetic corpus's version and parameters
+                                       (training/data/synthetic.py; null: version 1)
 ``data.format``             null       how the host checks the data (docs/datasets.md)
 ``vendor.device``           cpu        torch's device type of the vendor (cuda, npu, mlu, ...)
 ``vendor.dist_backend``     gloo/-     the vendor's torch.distributed backend; gloo on a cpu
@@ -62,6 +64,8 @@ import dataclasses
 import re
 import typing
 from typing import Any
+
+from training.data import corpus_spec
 
 #: the "no default" marker of :func:`get`
 MISSING: Any = dataclasses.MISSING
@@ -277,6 +281,7 @@ class Data:
     prefix: str | list | None
     synthetic_tokens: int | None
     format: str | None
+    synthetic: corpus_spec.Spec = corpus_spec.V1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +356,16 @@ def read_data(data: dict) -> Data:
         prefix=data.get("prefix") or None,
         synthetic_tokens=None if syn is None else integer(syn, "data.synthetic_tokens", 2),
         format=data.get("format") or None,
+        synthetic=synthetic_spec(data),
     )
+
+
+def synthetic_spec(data: dict) -> corpus_spec.Spec:
+    """``data.synthetic`` read (SettingsError naming the key)."""
+    try:
+        return corpus_spec.read_spec(data.get("synthetic"))
+    except ValueError as e:
+        raise SettingsError(f"resolved config: {e}") from None
 
 
 def from_config(cfg: dict, world_size: int, phase: str = "train", recompute: tuple[str, ...] = ("none", "full")) -> Common:

@@ -342,6 +342,14 @@ class Recipe(Strict):
 
     description: str
     train: dict[str, Any]
+    data: dict[str, Any] = {}  # the synthetic corpus it trains on (``data.synthetic``), if not the standard one
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if set(v) - {"synthetic"}:
+            raise ValueError(f"a recipe's data sets only synthetic (the corpus it trains on), not {sorted(set(v) - {'synthetic'})}")
+        return v
 
     @field_validator("train")
     @classmethod

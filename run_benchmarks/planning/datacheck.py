@@ -442,7 +442,7 @@ def check(plan: Any) -> dict[str, dict[str, Any]]:
     for phase in plan.phases:
         d = phase_data(data, phase)
         if not d.get("data_dir"):
-            out[phase] = {"kind": SYNTHETIC, "fingerprint": SYNTHETIC}
+            out[phase] = synthetic_identity(d)
             continue
         if Path(str(d["data_dir"])).is_file():
             raise InputError(f"data.data_dir {d['data_dir']}: a file, not a folder (the folder that holds the data)")
@@ -463,6 +463,21 @@ def check(plan: Any) -> dict[str, dict[str, Any]]:
         ident["fingerprint"] = fingerprint(ident)
         out[phase] = ident
     return chain(plan, out)
+
+
+def synthetic_identity(data: dict[str, Any]) -> dict[str, Any]:
+    """The harness's synthetic corpus: version 1 (the Markov chain) is ``synthetic``, the name every
+    curve made on it carries; a later version's parameters are in its fingerprint and so in the
+    names of the references made on it (training/data/corpus_spec.py)."""
+    from training.data import corpus_spec
+
+    try:
+        spec = corpus_spec.read_spec(data.get("synthetic"))
+    except ValueError as e:
+        raise InputError(f"the resolved settings: {e}") from None
+    if spec.version == corpus_spec.CORPUS_VERSION:
+        return {"kind": SYNTHETIC, "fingerprint": SYNTHETIC}
+    return {"kind": SYNTHETIC, "corpus": spec.identity(), "fingerprint": corpus_spec.fingerprint(spec)}
 
 
 #: checkpoints a case's first phase loads by path (data keys); their content enters the identities
@@ -599,7 +614,7 @@ REAL_ONLY = {
     "paddle_gpt": ("fingerprint",),
     "llava": ("missing_images", "tokenizer_path", "max_image_pixels", "fingerprint", "json", "image_folder"),
 }
-SYNTHETIC_ONLY = ("synthetic_tokens", "synthetic_seed", "synthetic_images", "synthetic_image_size")
+SYNTHETIC_ONLY = ("synthetic", "synthetic_tokens", "synthetic_seed", "synthetic_images", "synthetic_image_size")
 #: data keys that name a file or folder the ranks open: one that is not there is refused here
 PATH_KEYS = ("data_dir", "tokenizer_path", "model_path", "vision_tower_path", "language_model_path", "mmmu_dir", "mmmu_checkpoint")
 

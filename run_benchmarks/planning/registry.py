@@ -187,12 +187,13 @@ def unknown_setting_hint(path: str, standard: dict[str, Any], case: CaseConfig) 
 
 def standard_settings(case: CaseConfig, model: str, recipe: str = STANDARD_RECIPE) -> dict[str, Any]:
     """The case's standard settings for one model: train, parallel, data; under a named recipe
-    (the model's ``recipes``), its train values laid over them."""
+    (the model's ``recipes``), its train and data values laid over them."""
     std = case.standard.model_dump()
     m = case.models[model]
     out = deep_merge(std, {"train": m.train, "parallel": m.parallel, "data": m.data})
     if recipe != STANDARD_RECIPE:
-        out = deep_merge(out, {"train": recipe_of(case, model, recipe).train})
+        r = recipe_of(case, model, recipe)
+        out = deep_merge(out, {"train": r.train, "data": r.data})
     return out
 
 

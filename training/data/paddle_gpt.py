@@ -228,12 +228,12 @@ def find_prefix(data_dir: str) -> str:
 # ---------------------------------------------------------------- synthetic corpus
 
 
-def synthetic_prefix(cache_dir: str, vocab_size: int, num_tokens: int, seed: int) -> str:
+def synthetic_prefix(cache_dir: str, vocab_size: int, num_tokens: int, seed: int, spec: synthetic.Spec = synthetic.V1) -> str:
     """Prefix of the synthetic corpus in PaddleNLP's format (named after every parameter)."""
-    return os.path.join(cache_dir, "paddle_gpt_" + synthetic.corpus_name(vocab_size, num_tokens, seed))
+    return os.path.join(cache_dir, "paddle_gpt_" + synthetic.corpus_name(vocab_size, num_tokens, seed, spec=spec))
 
 
-def ensure_synthetic(cache_dir: str, vocab_size: int, num_tokens: int, seed: int) -> str:
+def ensure_synthetic(cache_dir: str, vocab_size: int, num_tokens: int, seed: int, spec: synthetic.Spec = synthetic.V1) -> str:
     """Write the project's synthetic corpus (``training.data.synthetic``: a seeded
     sparse Markov chain whose loss a model can bring far below ln(vocab)) in
     PaddleNLP's format into ``cache_dir`` unless it is there; return its prefix.
@@ -241,9 +241,9 @@ def ensure_synthetic(cache_dir: str, vocab_size: int, num_tokens: int, seed: int
     One sentence per document (GPT preprocessing without sentence splitting).
     Safe when several processes race: files are renamed into place, ``_idx.npz`` last.
     """
-    prefix = synthetic_prefix(cache_dir, vocab_size, num_tokens, seed)
+    prefix = synthetic_prefix(cache_dir, vocab_size, num_tokens, seed, spec)
     if not exists(prefix):
-        write_corpus(prefix, synthetic.documents(vocab_size, num_tokens, seed), vocab_size)
+        write_corpus(prefix, synthetic.documents(vocab_size, num_tokens, seed, spec=spec), vocab_size)
     return prefix
 
 

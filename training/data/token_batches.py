@@ -32,7 +32,7 @@ import numpy as np
 
 from training.data import corpus
 from training.data.indexed import IndexedReader
-from training.data.synthetic import corpus_name, ensure_corpus, is_complete
+from training.data.synthetic import corpus_name, ensure_corpus, is_complete, read_spec
 from training.data.windows import check_token_ids
 from training.settings import grad_accum
 
@@ -58,9 +58,10 @@ def synthetic_prefix(data: dict[str, Any], vocab_size: int, seed: int, local_ran
     if not cache_dir:
         raise ValueError("data.cache_dir is needed to write the synthetic corpus (data.data_dir is null)")
     num_tokens = int(float(data.get("synthetic_tokens") or DEFAULT_SYNTHETIC_TOKENS))
+    spec = read_spec(data.get("synthetic"))
     if local_rank == 0:
-        return ensure_corpus(cache_dir, vocab_size, num_tokens, seed)
-    prefix = os.path.join(cache_dir, corpus_name(vocab_size, num_tokens, seed))
+        return ensure_corpus(cache_dir, vocab_size, num_tokens, seed, spec=spec)
+    prefix = os.path.join(cache_dir, corpus_name(vocab_size, num_tokens, seed, spec=spec))
     deadline = time.monotonic() + timeout_s
     while not is_complete(prefix):
         if time.monotonic() > deadline:

@@ -61,10 +61,11 @@ def corpus_prefix(s: Settings, local_rank: int, barrier) -> tuple[str, str]:
         return prefix, f"{kind}:{prefix}"
     cache_dir = s.common.data.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
     n = synthetic_tokens(s)
+    spec = s.common.data.synthetic
     if local_rank == 0:
-        paddle_gpt.ensure_synthetic(cache_dir, s.shape.vocab_size, n, s.common.train.seed)
+        paddle_gpt.ensure_synthetic(cache_dir, s.shape.vocab_size, n, s.common.train.seed, spec)
     barrier()
-    prefix = paddle_gpt.synthetic_prefix(cache_dir, s.shape.vocab_size, n, s.common.train.seed)
+    prefix = paddle_gpt.synthetic_prefix(cache_dir, s.shape.vocab_size, n, s.common.train.seed, spec)
     return prefix, f"synthetic:{os.path.basename(prefix)}"
 
 

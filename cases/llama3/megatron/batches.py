@@ -55,9 +55,10 @@ def corpus_prefix(s: Settings, local_rank: int) -> tuple[list[tuple[float, str]]
         return blend, "blend:" + " ".join(f"{w:g} {p}" for w, p in blend)
     cache_dir = s.common.data.cache_dir or os.path.join(os.getcwd(), ".cache", "synthetic")
     n = synthetic_tokens(s)
-    prefix = os.path.join(cache_dir, synthetic.corpus_name(s.shape.vocab_size, n, s.common.train.seed))
+    spec = s.common.data.synthetic
+    prefix = os.path.join(cache_dir, synthetic.corpus_name(s.shape.vocab_size, n, s.common.train.seed, spec=spec))
     if local_rank == 0:
-        synthetic.ensure_corpus(cache_dir, s.shape.vocab_size, n, s.common.train.seed)
+        synthetic.ensure_corpus(cache_dir, s.shape.vocab_size, n, s.common.train.seed, spec=spec)
     dist.barrier()
     return [(1.0, prefix)], f"synthetic:{os.path.basename(prefix)}"
 

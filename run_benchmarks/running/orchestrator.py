@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -17,7 +18,7 @@ from run_benchmarks.errors import InputError
 from run_benchmarks.judging import metrics, results, typed_results
 from run_benchmarks.judging.references import judge_phase, load_references, not_judged_reason, round_loss, round_status, shown, shown_paths
 from run_benchmarks.judging.typed_results import PhaseResult, Reference, RoundResult, RunResults
-from run_benchmarks.planning import code_version
+from run_benchmarks.planning import code_version, datacheck, hostdata
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.plan import Plan
 from run_benchmarks.running import causes, progress
@@ -339,6 +340,20 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
     try:
         with console.status(f"preparing {plan.case.framework} environment"):
             python, root = runtime.prepare(plan, run_dir / "env_build.log")
+        spec = hostdata.node_spec(plan)
+        if spec is not None:  # data on the hosts only: fingerprinted there, then judged by it
+            with console.status("checking the data on the hosts"):
+                reports = runtime.host_data(plan, spec)
+            if reports is not None:
+                before, plan = plan.data or {}, dataclasses.replace(plan, data=hostdata.agree(plan, reports))
+                res = res.model_copy(update={"data": plan.data})
+                results.write(res, run_dir)
+                for line in datacheck.describe({ph: ident for ph, ident in (plan.data or {}).items() if ident != before.get(ph)}):
+                    print(line, flush=True)  # with the plan's data lines, on stdout
+            else:
+                plan = dataclasses.replace(plan, data=hostdata.not_taken(plan, runtime.name))
+                res = res.model_copy(update={"data": plan.data})
+            references = load_references(plan)
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})

@@ -2,7 +2,8 @@
 
 The hosts are the network-namespace test cluster (tests/cluster/): each host's ``/run`` is its
 own (sshd's private tmpfs), so a Megatron corpus written there over SFTP is on that host alone,
-as a node-local disk is, and this machine cannot see it. No run here trains: each stops at the
+as a node-local disk is, and this machine cannot see it. The Slurm test cluster's nodes get a
+tmpfs of their own in their slurmd's mount namespace. No run here trains: each stops at the
 check of the data on the hosts, before the first round.
 """
 
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 
 from run_benchmarks.planning.registry import ROOT
+from tests.slurm.cluster import SlurmTestCluster
+from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
 from tests.test_ssh_runtime import cluster_file
 from training.data.indexed import write_indexed
 
@@ -26,7 +29,7 @@ START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE = "llama3_tiny:megatron:cpu:2:1"
 LOCAL_CASE = "llama3_tiny:megatron:cpu:1:2"  # the same model and data settings on this machine
 SYNTHETIC_CURVE = str(ROOT / "cases/llama3/megatron/reference/llama3_tiny/standard.json")
-pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
+pytestmark = pytest.mark.framework("megatron")
 
 # Run on a host: put uint16 token argv[3] at token position argv[2] of the .bin argv[1], its
 # size and mtime kept (only the inode's change time, ctime, tells the rewrite).
@@ -68,11 +71,17 @@ def corpus(folder: Path) -> str:
     folder.mkdir(parents=True)
     rng = np.random.default_rng(7)
     write_indexed(str(folder / "wiki_text_document"), [rng.integers(0, 1024, 700) for _ in range(6)], np.uint16)
+    return corpus_fingerprint(folder)
+
+
+def corpus_fingerprint(folder: Path) -> str:
+    """The fingerprint of the corpus in ``folder``, checked on this machine (a dry run)."""
     proc = start("--data-dir", str(folder), "--dry-run", "--json", case=LOCAL_CASE)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["data"]["train"]["fingerprint"]
 
 
+@pytest.mark.cluster
 def test_data_on_the_hosts_only_is_fingerprinted_there_and_the_hosts_must_agree(cluster, cluster_pool, megatron_python, tmp_path):
     local = tmp_path / "corpus"
     here = corpus(local)  # the same corpus checked on this machine: the fingerprint the hosts must find
@@ -129,6 +138,7 @@ def test_data_on_the_hosts_only_is_fingerprinted_there_and_the_hosts_must_agree(
             cluster_pool.run(h, ["rm", "-rf", "--", remote], timeout=60)
 
 
+@pytest.mark.cluster
 def test_in_a_container_run_the_image_takes_the_fingerprint(cluster, megatron_python, tmp_path):
     """The node side runs in the vendor's image with the data_dir mounted read-only, as the
     ranks' container has it; this run cannot see the folder, the hosts' engines can."""
@@ -144,3 +154,57 @@ def test_in_a_container_run_the_image_takes_the_fingerprint(cluster, megatron_py
     assert f"checked on h1, h2; fingerprint {here}" in proc.stdout, proc.stdout
     ident = results(logs)["data"]["train"]
     assert ident["fingerprint"] == here and ident["checked_on"] == ["h1", "h2"]
+
+
+def on_node(cluster: SlurmTestCluster, node: str, *argv: str) -> None:
+    """``argv`` in the mount namespace of ``node``'s slurmd (where its job steps run)."""
+    pid = cluster.procs[f"slurmd-{node}"].pid
+    subprocess.run(["nsenter", f"--target={pid}", "--mount", *argv], check=True, capture_output=True, timeout=60)
+
+
+def test_slurm_nodes_check_their_own_data_before_training(tmp_path, slurm_cluster, megatron_python):
+    """Each node's slurm_node wrapper runs the node side before its launcher; the nodes compare
+    their fingerprints through the shared run dir and both stop when they differ."""
+    from tests.test_slurm_backend import cluster_file as slurm_file
+
+    local = tmp_path / "corpus"
+    here = corpus(local)
+    mount = tmp_path / "node-local"  # empty here; a tmpfs of its own on each node
+    mount.mkdir()
+    old = int(np.fromfile(local / "wiki_text_document.bin", dtype=np.uint16)[1234])
+    rewrite = ["python3", "-c", REWRITE, f"{mount}/corpus/wiki_text_document.bin", "1234", str((old + 1) % 1024)]
+    try:
+        for node in ("n1", "n2"):
+            on_node(slurm_cluster, node, "sh", "-c", 'mount -t tmpfs tmpfs "$1" && cp -a "$2" "$1/corpus"', "sh", str(mount), str(local))
+        cfile = slurm_file(tmp_path, slurm_cluster.conf)
+        # the same data on both nodes: their fingerprint is this machine's, and the run trains on it,
+        # unjudged for want of a reference of that data
+        proc = start(
+            "--cluster", str(cfile), "--data-dir", f"{mount}/corpus", "--python", megatron_python, "--log-dir", str(tmp_path / "l1")
+        )
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert f"checked on n1, n2; fingerprint {here}" in proc.stdout, proc.stdout
+        res = results(tmp_path / "l1")
+        assert res["data"]["train"]["fingerprint"] == here and res["data"]["train"]["checked_on"] == ["n1", "n2"]
+        (rnd,) = res["rounds"]
+        assert rnd["status"] == "unjudged" and "no reference for this data (fingerprint " + here in rnd["error"], rnd["error"]
+
+        on_node(slurm_cluster, "n2", *rewrite)  # one token other on n2
+        proc = start(
+            "--cluster", str(cfile), "--data-dir", f"{mount}/corpus", "--python", megatron_python, "--log-dir", str(tmp_path / "l")
+        )
+        msg = error_line(proc)
+        assert msg.startswith(f"the hosts hold other data in {mount}/corpus: n1 fingerprint {here}, n2 fingerprint "), msg
+        theirs = msg.split("n2 fingerprint ")[1].split()[0]
+        with open(local / "wiki_text_document.bin", "r+b") as fh:  # the same change made here: n2's fingerprint
+            fh.seek(2 * 1234)
+            fh.write(struct.pack("<H", (old + 1) % 1024))
+        assert theirs != here and corpus_fingerprint(local) == theirs
+        (run_dir,) = (tmp_path / "l").iterdir()
+        # the first node to stop ends the step (srun --kill-on-bad-exit): its report says why; no rank ran
+        nodes = [json.loads(f.read_text()) for f in (run_dir / "round1").glob("node*/node.json")]
+        assert nodes and all(n["returncode"] == 95 and n["error"] == msg for n in nodes), nodes
+        assert not list((run_dir / "round1").rglob("ranks/*"))
+    finally:
+        for node in ("n1", "n2"):
+            on_node(slurm_cluster, node, "umount", "-l", str(mount))

@@ -33,15 +33,20 @@ from run_benchmarks.planning import datacheck
 MARK = "flagbench-data: "
 
 
+def hosted(identities: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The phases whose data is on the hosts only (fingerprinted there, or to be)."""
+    return [ph for ph, ident in (identities or {}).items() if ident.get("on_hosts")]
+
+
 def pending(identities: dict[str, dict[str, Any]] | None) -> list[str]:
     """The phases whose data is to be fingerprinted on the hosts (not yet)."""
-    return [ph for ph, ident in (identities or {}).items() if ident.get("on_hosts") and not ident.get("checked")]
+    return [ph for ph in hosted(identities) if not (identities or {})[ph].get("checked")]
 
 
 def node_spec(plan: Any) -> dict[str, Any] | None:
-    """What the node side checks: the pending phases' settings, the model's shape, and the first
-    phase's checkpoints loaded by path that are not on this machine; None when nothing is pending."""
-    phases = pending(plan.data)
+    """What the node side checks: the hosted phases' settings, the model's shape, and the first
+    phase's checkpoints loaded by path that are not on this machine; None when no phase is hosted."""
+    phases = hosted(plan.data)
     if not phases:
         return None
     data = plan.settings["data"]
@@ -118,35 +123,52 @@ def not_taken(plan: Any, backend: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def agree(plan: Any, reports: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """The plan's identities with the hosts' fingerprints in place of the pending ones, chained as
-    ``datacheck.check`` chains them; ``reports``: (host, its report) for every host of the round.
-    InputError, in one line naming two hosts and both fingerprints, where the hosts disagree."""
-    hosts = [h for h, _ in reports]
-    raw = {ph: datacheck.unchain(ident) for ph, ident in (plan.data or {}).items()}
-    for phase in pending(plan.data):
-        seen = [(h, rep["phases"][phase]) for h, rep in reports]
-        (h1, first), *rest = seen
-        for h2, other in rest:
-            if other["fingerprint"] != first["fingerprint"]:
-                where = raw[phase].get("dir")
+def disagreement(reports: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """One line naming two hosts whose reports differ, and both fingerprints (or contents); None
+    when every host found the same data."""
+    if not reports:
+        return None
+    (h1, first), *rest = reports
+    for phase, ident in first["phases"].items():
+        for h2, rep in rest:
+            other = rep["phases"][phase]
+            if other["fingerprint"] != ident["fingerprint"]:
                 tag = "" if phase == "train" else f"phase {phase}: "
-                raise InputError(
-                    f"{tag}the hosts hold other data in {where}: {h1} fingerprint {first['fingerprint']}, "
+                return (
+                    f"{tag}the hosts hold other data in {ident.get('dir')}: {h1} fingerprint {ident['fingerprint']}, "
                     f"{h2} fingerprint {other['fingerprint']} (every host of the round must hold the same data)"
                 )
-        raw[phase] = {**first, "checked_on": hosts}
-    contents: dict[str, str] = {}
-    for path in (reports[0][1].get("checkpoints") or {}) if reports else ():
-        (h1, first), *rest = [(h, rep["checkpoints"][path]) for h, rep in reports]
-        for h2, other in rest:
-            if other != first:
-                raise InputError(
-                    f"{path}: the hosts hold other checkpoints there: {h1} content {first}, {h2} content {other} "
-                    "(every host of the round must hold the same one)"
+    for path, content in (first.get("checkpoints") or {}).items():
+        for h2, rep in rest:
+            if rep["checkpoints"][path] != content:
+                return (
+                    f"{path}: the hosts hold other checkpoints there: {h1} content {content}, {h2} content "
+                    f"{rep['checkpoints'][path]} (every host of the round must hold the same one)"
                 )
-        contents[path] = first
-    return datacheck.chain(plan, raw, contents)
+    return None
+
+
+def agree(plan: Any, reports: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The plan's identities with the hosts' fingerprints for its hosted phases, chained as
+    ``datacheck.check`` chains them; ``reports``: (host, its report) for every host of the round.
+    InputError, in one line naming two hosts and both fingerprints, where the hosts disagree, or
+    where they found other data than an earlier round's hosts."""
+    why = disagreement(reports)
+    if why:
+        raise InputError(why)
+    hosts = [h for h, _ in reports]
+    first = reports[0][1]
+    raw = {ph: datacheck.unchain(ident) for ph, ident in (plan.data or {}).items()}
+    for phase in hosted(plan.data):
+        before, now = raw[phase], first["phases"][phase]
+        if before.get("checked") and before["fingerprint"] != now["fingerprint"]:
+            said = ", ".join(before.get("checked_on") or [])
+            raise InputError(
+                f"the hosts of this round ({', '.join(hosts)}) hold other data in {now.get('dir')} than those of an earlier "
+                f"round ({said}): fingerprint {now['fingerprint']}, then {before['fingerprint']}"
+            )
+        raw[phase] = {**now, "on_hosts": True, "checked_on": hosts if not before.get("checked") else before["checked_on"]}
+    return datacheck.chain(plan, raw, dict(first.get("checkpoints") or {}))
 
 
 if __name__ == "__main__":

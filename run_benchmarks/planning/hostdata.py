@@ -56,11 +56,13 @@ def node_spec(plan: Any) -> dict[str, Any] | None:
         for key in datacheck.CHECKPOINT_KEYS
         if first.get(key) and not os.path.exists(os.path.expanduser(str(first[key])))
     }
+    found = {ph: datacheck.unchain(plan.data[ph]) for ph in phases if plan.data[ph].get("checked")}  # by an earlier round's hosts
     return {
         "phases": {ph: datacheck.phase_data(data, ph) for ph in phases},
         "shape": plan.model["shape"],
         "model": plan.case.model,
         "checkpoints": checkpoints,
+        "found": {ph: {"fingerprint": ident["fingerprint"], "on": ident.get("checked_on") or []} for ph, ident in found.items()},
     }
 
 
@@ -123,12 +125,20 @@ def not_taken(plan: Any, backend: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def disagreement(reports: list[tuple[str, dict[str, Any]]]) -> str | None:
-    """One line naming two hosts whose reports differ, and both fingerprints (or contents); None
-    when every host found the same data."""
+def disagreement(reports: list[tuple[str, dict[str, Any]]], found: dict[str, Any] | None = None) -> str | None:
+    """One line naming two hosts whose reports differ, and both fingerprints (or contents), or
+    the hosts whose data is other than what an earlier round's hosts ``found`` (node_spec's);
+    None when every host found the same data."""
     if not reports:
         return None
     (h1, first), *rest = reports
+    for phase, earlier in (found or {}).items():
+        now = first["phases"][phase]
+        if now["fingerprint"] != earlier["fingerprint"]:
+            return (
+                f"the hosts of this round ({', '.join(h for h, _ in reports)}) hold other data in {now.get('dir')} than "
+                f"those of an earlier round ({', '.join(earlier['on'])}): fingerprint {now['fingerprint']}, then {earlier['fingerprint']}"
+            )
     for phase, ident in first["phases"].items():
         for h2, rep in rest:
             other = rep["phases"][phase]
@@ -153,21 +163,16 @@ def agree(plan: Any, reports: list[tuple[str, dict[str, Any]]]) -> dict[str, dic
     ``datacheck.check`` chains them; ``reports``: (host, its report) for every host of the round.
     InputError, in one line naming two hosts and both fingerprints, where the hosts disagree, or
     where they found other data than an earlier round's hosts."""
-    why = disagreement(reports)
+    spec = node_spec(plan) or {}
+    why = disagreement(reports, spec.get("found"))
     if why:
         raise InputError(why)
     hosts = [h for h, _ in reports]
     first = reports[0][1]
     raw = {ph: datacheck.unchain(ident) for ph, ident in (plan.data or {}).items()}
     for phase in hosted(plan.data):
-        before, now = raw[phase], first["phases"][phase]
-        if before.get("checked") and before["fingerprint"] != now["fingerprint"]:
-            said = ", ".join(before.get("checked_on") or [])
-            raise InputError(
-                f"the hosts of this round ({', '.join(hosts)}) hold other data in {now.get('dir')} than those of an earlier "
-                f"round ({said}): fingerprint {now['fingerprint']}, then {before['fingerprint']}"
-            )
-        raw[phase] = {**now, "on_hosts": True, "checked_on": hosts if not before.get("checked") else before["checked_on"]}
+        before = raw[phase]
+        raw[phase] = {**first["phases"][phase], "on_hosts": True, "checked_on": before.get("checked_on") or hosts}
     return datacheck.chain(plan, raw, dict(first.get("checkpoints") or {}))
 
 

@@ -320,16 +320,15 @@ def orchestration_overhead(rnd: RoundResult, outcomes: list[NodeOutcome], begin:
     }
 
 
-def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, Any]]]) -> tuple[Plan, RunResults, dict[str, Any]]:
+def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, Any]]]) -> tuple[Plan, RunResults]:
     """The plan and results with the data identities the hosts' reports give (hostdata.agree:
-    InputError where the hosts disagree), its new data lines said, and the references that judge
-    it now (InputError for a --reference of other data)."""
+    InputError where the hosts disagree), written, and its new data lines said."""
     before, plan = plan.data or {}, dataclasses.replace(plan, data=hostdata.agree(plan, reports))
     res = res.model_copy(update={"data": plan.data})
     results.write(res, plan.run_dir)
     for line in datacheck.describe({ph: ident for ph, ident in (plan.data or {}).items() if ident != before.get(ph)}):
         print(line, flush=True)  # with the plan's data lines, on stdout
-    return plan, res, load_references(plan)
+    return plan, res
 
 
 def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> RunResults:
@@ -357,11 +356,11 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             with console.status("checking the data on the hosts"):
                 reports = runtime.host_data(plan, spec)
             if reports is not None:
-                plan, res, references = _hosts_took(plan, res, reports)
+                plan, res = _hosts_took(plan, res, reports)
             else:
                 plan = dataclasses.replace(plan, data=hostdata.not_taken(plan, runtime.name))
                 res = res.model_copy(update={"data": plan.data})
-                references = load_references(plan)
+            references = load_references(plan)  # judged by the data's fingerprint: a --reference of other data is refused
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
@@ -382,7 +381,8 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             if runtime.data_in_rounds and hostdata.hosted(plan.data):  # the round's nodes checked its data (a Slurm job)
                 reports = runtime.round_data(plan, rnd_plan)
                 if reports is not None:
-                    plan, res, references = _hosts_took(plan, res, reports)
+                    plan, res = _hosts_took(plan, res, reports)
+                    references = load_references(plan)
             rnd = evaluate_round(plan, r, outcomes, started, references, rnd_plan.nodes)
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})

@@ -189,7 +189,7 @@ def check_data(spec: dict[str, Any], rank: int, job_id: str, name: str) -> str |
             reports.append((theirs["node"], hostdata.report(theirs["node"], theirs["rc"], theirs["stdout"], theirs["stderr"])))
         except InputError as exc:
             return str(exc)
-    return hostdata.disagreement(reports)
+    return hostdata.disagreement(reports, check.get("found"))
 
 
 def fill_port(node: dict[str, Any], placeholder: str, port: int) -> dict[str, Any]:

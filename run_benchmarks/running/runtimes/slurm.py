@@ -287,7 +287,13 @@ class SlurmRuntime(Runtime):
                 cache = (json.loads(resolved.read_text())["data"].get("cache_dir") if resolved.is_file() else None) or ""
                 env["FLAGBENCH_CACHE_DIR"] = str(Path(cache) / "fingerprints") if cache else str(round_dir / "fingerprints")
             argv = hostdata.node_argv(python, data_spec)
-            extra["data_check"] = {"argv": argv, "env": env, "cwd": str(ROOT), "timeout_s": self.cluster.round_timeout_s}
+            extra["data_check"] = {
+                "argv": argv,
+                "env": env,
+                "cwd": str(ROOT),
+                "timeout_s": self.cluster.round_timeout_s,
+                "found": data_spec["found"],  # by an earlier round's nodes: this round's must find it too
+            }
         return agent_spec(
             str(round_dir),
             MASTER_PLACEHOLDER,

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from run_benchmarks.errors import InputError
 from run_benchmarks.planning.registry import ROOT
 from tests.slurm.cluster import SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
@@ -208,3 +209,25 @@ def test_slurm_nodes_check_their_own_data_before_training(tmp_path, slurm_cluste
     finally:
         for node in ("n1", "n2"):
             on_node(slurm_cluster, node, "umount", "-l", str(mount))
+
+
+@pytest.mark.framework("deepspeed")
+def test_the_node_side_in_a_framework_environment_gives_this_machines_fingerprint(tmp_path, deepspeed_python, monkeypatch):
+    """The node side's command run with llava's framework environment (numpy and Pillow, no
+    xxhash): its identity of a LLaVA phase is the one this machine's check gives."""
+    from run_benchmarks.planning import datacheck, hostdata
+    from tests.test_data_identity import SHAPE, llava
+
+    d = {**llava(tmp_path / "llava"), "format": "llava"}
+    spec = {"phases": {"pretrain": d}, "shape": SHAPE, "model": "llava_tiny", "checkpoints": {}}
+    argv = hostdata.node_argv(deepspeed_python, spec)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLAGBENCH_CACHE_DIR": str(tmp_path / "node-cache")}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    theirs = hostdata.report("node", proc.returncode, proc.stdout, proc.stderr)["phases"]["pretrain"]
+    monkeypatch.setenv("FLAGBENCH_CACHE_DIR", str(tmp_path / "cache"))
+    ours = datacheck.check_phase(d, SHAPE, "llava_tiny", "pretrain")
+    assert theirs == ours and ours["images"] == 6
+    (tmp_path / "llava" / "data.json").write_text("[")  # bad data there: one line naming the file, exit 2
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    with pytest.raises(InputError, match=rf"^host node: phase pretrain: {tmp_path}/llava/data.json: not JSON"):
+        hostdata.report("node", proc.returncode, proc.stdout, proc.stderr)

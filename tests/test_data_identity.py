@@ -157,6 +157,20 @@ def test_judge_refuses_a_reference_of_other_data_naming_both(tmp_path):
     assert compare.judge_again([synthetic], [run_file(tmp_path / "s2.json", None)])  # same data: judged
 
 
+def test_judge_refuses_to_judge_data_without_a_fingerprint(tmp_path):
+    """Data of a run made before data on the hosts was fingerprinted there (or under a backend that
+    takes none) has no fingerprint: no reference judges it, rather than any."""
+    run = fake_run([{"status": "ok", "phases": [fake_phase("train")]}])
+    why = "data_dir is not on this machine, and the slurm backend takes no fingerprint on its hosts"
+    data = {"train": {"kind": "real", "checked": False, "dir": "/local/wudao", "fingerprint": None, "reason": why}}
+    (tmp_path / "hosts.json").write_text(json.dumps(run.model_copy(update={"data": data}).dump()))
+    ref = run_file(tmp_path / "ref.json", None)
+    proc = start("--judge", str(tmp_path / "hosts.json"), "--reference", str(ref))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"error: --reference {ref}: the run's phase train read data without a fingerprint ({why}): no reference can judge it"
+    ), proc.stderr
+
+
 def test_a_live_run_given_a_reference_of_other_data_is_refused_before_anything_runs(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -186,7 +186,7 @@ def test_the_plan_names_the_reference_that_will_judge_each_phase(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 2 and "gives llama3_tiny no such recipe (it has: standard)" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "gives llama3_tiny no such recipe (it has: standard, attention)" in proc.stderr, proc.stderr
 
 
 def test_start_task_and_a_run_list_build_one_frozen_plan_alike(tmp_path):

@@ -638,6 +638,11 @@ def judging(plan: Plan, references: Mapping[str, Reference | None]) -> list[str]
     for phase in plan.phases:
         ref = references.get(phase)
         tag = f"reference ({phase}): "
+        ident = (plan.data or {}).get(phase) or {}
+        hosts = ident.get("on_hosts") and not ident.get("checked")  # fingerprinted on the hosts before training
+        if hosts and ref is None and not recipe_changed(plan, phase):
+            out.append(tag + "the committed curve of the fingerprint the hosts take before training, if there is one")
+            continue
         if ref is None:
             why = _no_data_reference(plan, phase) or recipe_changed(plan, phase) or no_reference_reason(plan, phase)
             if why is None:
@@ -647,7 +652,8 @@ def judging(plan: Plan, references: Mapping[str, Reference | None]) -> list[str]
             continue
         more = f", the mean of {len(ref.repeats)} runs (spread {100 * ref.spread:.3f}%)" if ref.repeats and ref.spread is not None else ""
         steps = compared_steps(ref)
-        out.append(tag + f"{shown_paths(ref.path)}{more}, compared over steps {steps[0]}-{steps[-1]}")
+        then = ", if made on the data the hosts fingerprint before training" if hosts else ""
+        out.append(tag + f"{shown_paths(ref.path)}{more}, compared over steps {steps[0]}-{steps[-1]}{then}")
     return out
 
 
@@ -992,9 +998,9 @@ def offline_reference(res: tr.RunResults, phase: str, files: list[Path]) -> Refe
     several. InputError naming the file otherwise."""
     ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
     ident = (res.data or {}).get(phase)
-    fp = datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")  # None: not checked, any data
+    fp = datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")  # None: not checked, judged by none
     for f in files:  # a curve of other data cannot judge it: both fingerprints named
-        check_reference_data(f, phase, fp, res.model)
+        check_reference_data(f, phase, fp, res.model, (ident or {}).get("reason"))
     refs = []
     for f in files:
         try:
@@ -1128,8 +1134,10 @@ def same_data(plan: Any, phase: str, ref: Any) -> Any:
     ident = (getattr(plan, "data", None) or {}).get(phase)
     if ident is None:  # no check ran (a caller that builds plans itself): as before data had identities
         return ref
+    if ident.get("on_hosts") and not ident.get("checked"):  # checked once the hosts fingerprint it (orchestrator.run)
+        return ref
     if getattr(plan, "reference", None):
-        check_reference_data(ref.path, phase, ident.get("fingerprint"), plan.case.model)
+        check_reference_data(ref.path, phase, ident.get("fingerprint"), plan.case.model, ident.get("reason"))
     return ref if reference_fingerprint(ref.path, phase) == ident.get("fingerprint") else None
 
 
@@ -1144,13 +1152,16 @@ def committed_for(model: str, phase: str, fp: str | None) -> list[Path]:
     return out
 
 
-def check_reference_data(path: str | Path, phase: str, run_fp: str | None, model: str) -> None:
+def check_reference_data(path: str | Path, phase: str, run_fp: str | None, model: str, why: str | None = None) -> None:
     """InputError when the reference at ``path`` (a curve file or a results.json; several joined by
     '; ') was made on other data than the run's ``run_fp``: both fingerprints named, and the
-    committed reference of the run's data where there is one. A run whose data was not checked
-    (no fingerprint) passes."""
+    committed reference of the run's data where there is one. Data without a fingerprint (``why``
+    not: a run made before data on the hosts was fingerprinted there) is judged by none."""
     if run_fp is None:
-        return
+        raise InputError(
+            f"--reference {path}: the run's phase {phase} read data without a fingerprint ({why or 'not checked'}): "
+            "no reference can judge it"
+        )
     for one in str(path).split("; "):
         ref_fp = reference_fingerprint(one, phase)
         if ref_fp == run_fp:
@@ -1176,8 +1187,10 @@ def no_reference_reason(plan: Any, phase: str) -> str | None:
     chained = chain_reason(plan, phase, ident)
     if chained:
         return chained
+    if not fp and ident.get("on_hosts") and not ident.get("checked"):
+        return "its data is fingerprinted on the hosts before training: the committed reference of that fingerprint judges it"
     if not fp:
-        return "no reference for this data (not checked on this machine: no fingerprint)"
+        return f"no reference for this data (no fingerprint: {ident.get('reason') or 'not checked'})"
     return f"no reference for this data (fingerprint {fp}; start_task.py --record-reference RUN/results.json ... makes one from 3 runs)"
 
 

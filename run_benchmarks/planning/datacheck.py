@@ -20,9 +20,11 @@ was made on other data is not judged: "no reference for this data".
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +32,17 @@ from run_benchmarks.errors import InputError
 
 SYNTHETIC = "synthetic"  # the fingerprint of the harness's own synthetic data (every committed curve's)
 #: the content scheme and hash of a fingerprint (training/data/content.py): part of what is hashed, so
-#: fingerprints of other schemes never match
-SCHEME, HASH = "content-v1", "xxh3_128"
+#: fingerprints of other schemes never match. SHA-256 of the standard library, so that the node side
+#: (a cluster's hosts, with the node environment's Python) takes the same fingerprint as this machine
+SCHEME, HASH = "content-v1", "sha256"
 #: data.fingerprint: how a corpus's tokens enter its fingerprint
 FINGERPRINT_MODES = ("full", "sampled")
 
 
 def new_hash() -> Any:
-    """A hash object of the fingerprints' hash (xxHash's XXH3-128: 17 GB/s on one core here)."""
-    import xxhash
-
-    return xxhash.xxh3_128()
+    """A hash object of the fingerprints' hash: hashlib's SHA-256, here and on the hosts alike
+    (1.57 GB/s on one core of this project's host; docs/datasets.md, "Fingerprints")."""
+    return hashlib.sha256()
 
 
 def _sha(path: str) -> str:
@@ -59,7 +61,7 @@ def stat_key(*paths: str) -> str:
     for path in paths:
         st = os.stat(path)
         parts.append(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_dev}:{st.st_ino}")
-    return f"{SCHEME}|" + "|".join(parts)
+    return f"{SCHEME}:{HASH}|" + "|".join(parts)
 
 
 def cache_dir() -> Path:
@@ -381,9 +383,6 @@ def verify_images(
     pixels) and the symlinks among them (name -> where it leads). Images already seen under the same
     stat key (size, mtime, ctime, inode) are taken from the cache. InputError naming the first bad
     image and its JSON entry."""
-    from rich.console import Console
-    from rich.progress import Progress
-
     from training.data import llava_images
 
     limit = llava_images.MAX_IMAGE_PIXELS if max_pixels is None else max_pixels
@@ -393,8 +392,7 @@ def verify_images(
     bad: list[tuple[str, str]] = []
     links: dict[str, str] = {}
     changed = False
-    with Progress(console=Console(stderr=True), transient=True, disable=len(names) < PROGRESS_FROM) as bar:  # stdout: --json
-        task = bar.add_task(f"checking the {phase} images", total=len(names))
+    with _progress(f"checking the {phase} images", len(names)) as advance:
         for name in names:
             path = os.path.abspath(os.path.join(folder, name))
             real = os.path.realpath(path)
@@ -413,7 +411,7 @@ def verify_images(
                 bad.append((name, problem))
             else:
                 manifest.update(f"{name}\0{digest}\0".encode())
-            bar.advance(task)
+            advance()
     if changed:
         _save_cache(cache_file, cache)
     if bad:
@@ -424,6 +422,23 @@ def verify_images(
     return manifest.hexdigest()[:16], links
 
 
+@contextlib.contextmanager
+def _progress(what: str, total: int) -> Iterator[Callable[[], None]]:
+    """A progress bar on stderr (stdout: --json) for ``total`` items from PROGRESS_FROM on (rich
+    draws it on a terminal only); none on a cluster's host whose environment has no rich."""
+    try:
+        from rich.console import Console
+        from rich.progress import Progress
+    except ImportError:
+        total = 0
+    if total < PROGRESS_FROM:
+        yield lambda: None
+        return
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any], str, str], dict[str, Any]]] = {
     "megatron": check_megatron,
     "paddle_gpt": check_paddle_gpt,
@@ -431,11 +446,16 @@ CHECKS: dict[str, Callable[[dict[str, Any], dict[str, Any], str, str], dict[str,
 }
 
 
+#: why a phase's data has no fingerprint before launch: it is on the cluster's hosts only
+ON_HOSTS = "data_dir is not on this machine: fingerprinted on the hosts before training"
+
+
 def check(plan: Any) -> dict[str, dict[str, Any]]:
     """Every phase's data identity (``fingerprint`` included), after checking the data whole.
 
     Synthetic data (``data.data_dir`` null) is the harness's own: nothing to check. Data on
-    a cluster's hosts that this machine cannot see is recorded as not checked here.
+    a cluster's hosts that this machine cannot see is marked ``on_hosts``: the runtime has it
+    checked and fingerprinted there before training (planning/hostdata.py).
     InputError naming the file and the problem otherwise."""
     data = plan.settings["data"]
     out: dict[str, dict[str, Any]] = {}
@@ -446,22 +466,20 @@ def check(plan: Any) -> dict[str, dict[str, Any]]:
             continue
         if Path(str(d["data_dir"])).is_file():
             raise InputError(f"data.data_dir {d['data_dir']}: a file, not a folder (the folder that holds the data)")
+        fmt = d.get("format")
+        if fmt not in CHECKS:
+            raise InputError(f"{plan.case_dir / 'case.yaml'}: data.format {fmt!r}: one of {', '.join(CHECKS)}")
         if not Path(str(d["data_dir"])).is_dir():  # on the hosts only (backend local already refused this)
             out[phase] = {
                 "kind": "real",
                 "checked": False,
+                "on_hosts": True,
                 "dir": str(d["data_dir"]),
                 "fingerprint": None,
-                "reason": "data_dir is not on this machine: checked by the ranks only",
+                "reason": ON_HOSTS,
             }
             continue
-        fmt = d.get("format")
-        if fmt not in CHECKS:
-            raise InputError(f"{plan.case_dir / 'case.yaml'}: data.format {fmt!r}: one of {', '.join(CHECKS)}")
-        ident = CHECKS[fmt](d, plan.model["shape"], plan.case.model, phase)
-        ident["checked"] = True
-        ident["fingerprint"] = fingerprint(ident)
-        out[phase] = ident
+        out[phase] = check_phase(d, plan.model["shape"], plan.case.model, phase)
     return chain(plan, out)
 
 
@@ -478,6 +496,25 @@ def synthetic_identity(data: dict[str, Any]) -> dict[str, Any]:
     if spec.version == corpus_spec.CORPUS_VERSION:
         return {"kind": SYNTHETIC, "fingerprint": SYNTHETIC}
     return {"kind": SYNTHETIC, "corpus": spec.identity(), "fingerprint": corpus_spec.fingerprint(spec)}
+
+
+def check_phase(d: dict[str, Any], shape: dict[str, Any], model: str, phase: str) -> dict[str, Any]:
+    """One phase's data checked whole by its reader (``d``: the phase's settings, ``data.format``
+    a known reader), with its fingerprint: the same here and on a cluster's hosts."""
+    ident = CHECKS[str(d["format"])](d, shape, model, phase)
+    ident["checked"] = True
+    ident["fingerprint"] = fingerprint(ident)
+    return ident
+
+
+def unchain(ident: dict[str, Any]) -> dict[str, Any]:
+    """A phase's identity as :func:`check` found it, before :func:`chain` added what it starts from."""
+    out = {k: v for k, v in ident.items() if k not in ("starts_from", "own_fingerprint")}
+    if "own_fingerprint" in ident:
+        out["fingerprint"] = ident["own_fingerprint"]
+    if out.get("kind") == SYNTHETIC or out.get("checked"):
+        out.pop("reason", None)  # the chain's (a phase before it not checked)
+    return out
 
 
 #: checkpoints a case's first phase loads by path (data keys); their content enters the identities
@@ -525,12 +562,13 @@ def _recipe(plan: Any, phase: str) -> str:
     return str(getattr(plan, "recipe", "standard")) + (f" with {', '.join(sets)}" if sets else "")
 
 
-def chain(plan: Any, identities: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def chain(plan: Any, identities: dict[str, dict[str, Any]], hosted: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
     """Each phase's identity with what it starts from: the checkpoints the first phase loads by
     path, and for every later phase the phase before it (its fingerprint, chained itself, and its
     recipe). A phase whose chain is all the synthetic corpus under the plain recipe keeps the
     synthetic identity (the committed references'); otherwise its fingerprint covers the chain
-    (``own_fingerprint`` keeps its own data's)."""
+    (``own_fingerprint`` keeps its own data's). ``hosted``: the content of checkpoints that are
+    on the cluster's hosts only, by path, as the hosts took it (planning/hostdata.py)."""
     phases = list(identities)
     data = plan.settings["data"]
     prev = None
@@ -540,12 +578,15 @@ def chain(plan: Any, identities: dict[str, dict[str, Any]]) -> dict[str, dict[st
         if k == 0:
             d = phase_data(data, phase)
             for key in CHECKPOINT_KEYS:
-                if d.get(key) and os.path.exists(os.path.expanduser(str(d[key]))):
-                    starts.append({"setting": f"data.{key}", "path": str(d[key]), "content": checkpoint_content(str(d[key]))})
+                path = str(d.get(key) or "")
+                if path and path in (hosted or {}):
+                    starts.append({"setting": f"data.{key}", "path": path, "content": (hosted or {})[path]})
+                elif path and os.path.exists(os.path.expanduser(path)):
+                    starts.append({"setting": f"data.{key}", "path": path, "content": checkpoint_content(path)})
         else:
             before = identities[prev]
             starts.append({"phase": prev, "fingerprint": before.get("fingerprint"), "recipe": _recipe(plan, prev)})
-        prev = phase
+        before_name, prev = prev, phase
         plain = all(
             s.get("phase") and s["fingerprint"] == SYNTHETIC and s["recipe"] == str(getattr(plan, "recipe", "standard")) for s in starts
         )
@@ -553,7 +594,10 @@ def chain(plan: Any, identities: dict[str, dict[str, Any]]) -> dict[str, dict[st
             continue
         if any(s.get("phase") and s["fingerprint"] is None for s in starts):  # a phase before it not checked here
             ident.update(starts_from=starts, own_fingerprint=ident.get("fingerprint"), fingerprint=None)
-            ident.setdefault("reason", f"phase {prev} before it was not checked here")
+            pending = identities[str(before_name)].get("on_hosts")
+            ident.setdefault(
+                "reason", f"phase {before_name} before it " + ("is fingerprinted on the hosts" if pending else "was not checked here")
+            )
             continue
         own = ident.get("fingerprint")
         ident.update(starts_from=starts, own_fingerprint=own)
@@ -589,7 +633,8 @@ def describe(identities: dict[str, dict[str, Any]]) -> list[str]:
                 f", {ident['skipped_missing_images']:,} missing: skipped)" if ident["skipped_missing_images"] else ")"
             )
         sampled = " (sampled: data.fingerprint=sampled)" if ident.get("sampled") else ""
-        lines.append(f"data {tag}{ident['format']} {body}, checked; fingerprint {ident['fingerprint']}{sampled}{chain}")
+        where = f"checked on {', '.join(ident['checked_on'])}" if ident.get("checked_on") else "checked"
+        lines.append(f"data {tag}{ident['format']} {body}, {where}; fingerprint {ident['fingerprint']}{sampled}{chain}")
         links = ident.get("symlinks") or {}
         if links:
             shown = "; ".join(f"{k} -> {v}" for k, v in list(links.items())[:3])
@@ -767,4 +812,5 @@ def identity_text(ident: dict[str, Any] | None) -> str:
         what = f"{ident['json']}, {ident['images']:,} images, tokenizer of {ident['tokenizer']['size']} ids"
     else:
         what = str(ident.get("prefix"))
-    return f"{fmt} {what}, fingerprint {ident.get('fingerprint')}" + (" (sampled)" if ident.get("sampled") else "")
+    hosts = f" (taken on {', '.join(ident['checked_on'])})" if ident.get("checked_on") else ""
+    return f"{fmt} {what}, fingerprint {ident.get('fingerprint')}" + (" (sampled)" if ident.get("sampled") else "") + hosts

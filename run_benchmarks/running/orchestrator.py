@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -17,7 +18,7 @@ from run_benchmarks.errors import InputError
 from run_benchmarks.judging import metrics, results, typed_results
 from run_benchmarks.judging.references import judge_phase, load_references, not_judged_reason, round_loss, round_status, shown, shown_paths
 from run_benchmarks.judging.typed_results import PhaseResult, Reference, RoundResult, RunResults
-from run_benchmarks.planning import code_version
+from run_benchmarks.planning import code_version, datacheck, hostdata
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.plan import Plan
 from run_benchmarks.running import causes, progress
@@ -319,6 +320,17 @@ def orchestration_overhead(rnd: RoundResult, outcomes: list[NodeOutcome], begin:
     }
 
 
+def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, Any]]]) -> tuple[Plan, RunResults]:
+    """The plan and results with the data identities the hosts' reports give (hostdata.agree:
+    InputError where the hosts disagree), written, and its new data lines said."""
+    before, plan = plan.data or {}, dataclasses.replace(plan, data=hostdata.agree(plan, reports))
+    res = res.model_copy(update={"data": plan.data})
+    results.write(res, plan.run_dir)
+    for line in datacheck.describe({ph: ident for ph, ident in (plan.data or {}).items() if ident != before.get(ph)}):
+        print(line, flush=True)  # with the plan's data lines, on stdout
+    return plan, res
+
+
 def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> RunResults:
     """Run every round; ``t0`` (wall clock) is when the command started, for the overhead figure.
 
@@ -339,6 +351,16 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
     try:
         with console.status(f"preparing {plan.case.framework} environment"):
             python, root = runtime.prepare(plan, run_dir / "env_build.log")
+        spec = hostdata.node_spec(plan)
+        if spec is not None and not runtime.data_in_rounds:  # data on the hosts only: fingerprinted there, then judged by it
+            with console.status("checking the data on the hosts"):
+                reports = runtime.host_data(plan, spec)
+            if reports is not None:
+                plan, res = _hosts_took(plan, res, reports)
+            else:
+                plan = dataclasses.replace(plan, data=hostdata.not_taken(plan, runtime.name))
+                res = res.model_copy(update={"data": plan.data})
+            references = load_references(plan)  # judged by the data's fingerprint: a --reference of other data is refused
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
@@ -356,6 +378,11 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             started = time.monotonic()
             begin = t0 if r == 1 else time.time()
             outcomes = _watched_round(plan, runtime, console, rnd_plan)
+            if runtime.data_in_rounds and hostdata.hosted(plan.data):  # the round's nodes checked its data (a Slurm job)
+                reports = runtime.round_data(plan, rnd_plan)
+                if reports is not None:
+                    plan, res = _hosts_took(plan, res, reports)
+                    references = load_references(plan)
             rnd = evaluate_round(plan, r, outcomes, started, references, rnd_plan.nodes)
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})

@@ -17,15 +17,18 @@ this module once per allocated node; it
    share a node never collide on one fixed port),
 4. starts ``python -m run_benchmarks.running.monitors`` in the background, writing
    ``node<k>/monitor.jsonl``,
-5. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
+5. where the run's data is on the nodes only, checks it there (``check_data``: every node's
+   fingerprint must be one, else it stops, saying why, before any training),
+6. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
    output in ``node<k>/stdout.log``, forwarding SIGTERM/SIGINT (scancel, time limit,
    a failed peer under ``srun --kill-on-bad-exit``) to it,
-6. stops the monitor, writes ``node<k>/node.json`` (host, master, exit status) and
+7. stops the monitor, writes ``node<k>/node.json`` (host, master, exit status) and
    exits with the launcher's status, so ``srun`` and the job state carry a failure.
 
 Everything it reads and writes lives in the run directory, which must be on a
 filesystem shared by the submit host and all nodes. Standard library only: it runs
-under whatever interpreter the site gives the nodes.
+under whatever interpreter the site gives the nodes (the data check itself runs with the
+framework's Python, or in the vendor's image).
 """
 
 from __future__ import annotations
@@ -44,11 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.running.node_agent import SPEC_VERSION, address_of, run_node, write_report
+from run_benchmarks.running.node_agent import SPEC_VERSION, address_of, container_argv, run_node, write_report
 
 EXIT_NO_SPEC = 97  # the spec is not visible on this node (run dir not shared)
 EXIT_BAD_ALLOCATION = 98  # the allocation does not match the plan
 EXIT_NO_RENDEZVOUS = 96  # no master address or port (the message says why)
+EXIT_BAD_DATA = 95  # the data on a node is missing or bad, or the nodes hold other data (node<k>/data.json)
 PORT_WAIT_S = 120.0  # how long the other nodes wait for node 0's port
 
 
@@ -143,6 +147,51 @@ def rendezvous_port(spec: dict[str, Any], rank: int, job_id: str) -> int:
     return int(info["port"])
 
 
+def check_data(spec: dict[str, Any], rank: int, job_id: str, name: str) -> str | None:
+    """The data on the hosts only, checked on this node before its launcher starts
+    (planning/hostdata.py's node side, in the vendor image where the round runs in one): its
+    answer written to ``node<k>/data.json`` in the shared run dir, then every node's read.
+    None when every node found the same data; else the one line that says what is wrong."""
+    from run_benchmarks.errors import InputError
+    from run_benchmarks.planning import hostdata
+
+    check = spec["data_check"]
+    argv = list(check["argv"])
+    if spec.get("container"):
+        argv = container_argv(spec["container"], f"fb-{job_id}-data{rank}", check["env"], check["cwd"], argv)
+    try:
+        proc = subprocess.run(
+            argv, env={**os.environ, **check["env"]}, cwd=check["cwd"], capture_output=True, text=True, timeout=check["timeout_s"]
+        )
+        said = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr[-4000:]}
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        said = {"rc": -1, "stdout": "", "stderr": str(exc)}
+    round_dir = Path(spec["round_dir"])
+    mine = round_dir / f"node{rank}" / "data.json"
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    tmp = mine.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"job_id": job_id, "node": name, **said}))
+    os.replace(tmp, mine)
+    end = time.monotonic() + float(check["timeout_s"])
+    reports = []
+    for k in range(len(spec["nodes"])):
+        while True:
+            try:
+                theirs = json.loads((round_dir / f"node{k}" / "data.json").read_text())
+                if theirs.get("job_id") == job_id:
+                    break
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > end:
+                return f"node {k} wrote no data check to {round_dir / f'node{k}' / 'data.json'} within {check['timeout_s']:g} s"
+            time.sleep(0.2)
+        try:
+            reports.append((theirs["node"], hostdata.report(theirs["node"], theirs["rc"], theirs["stdout"], theirs["stderr"])))
+        except InputError as exc:
+            return str(exc)
+    return hostdata.disagreement(reports, check.get("found"))
+
+
 def fill_port(node: dict[str, Any], placeholder: str, port: int) -> dict[str, Any]:
     p = str(port)
     return {
@@ -202,8 +251,15 @@ def main(argv: list[str] | None = None) -> int:
             },
         )
         return fail(EXIT_NO_RENDEZVOUS, str(exc))
+    name = env.get("SLURMD_NODENAME") or socket.gethostname()
+    if spec.get("data_check"):
+        why = check_data(spec, rank, job_id, name)
+        if why:
+            bad = {"node_rank": rank, "slurm_node": name, "job_id": job_id, "returncode": EXIT_BAD_DATA, "error": why}
+            write_report(Path(spec["round_dir"]) / f"node{rank}", bad)
+            return fail(EXIT_BAD_DATA, why)
     report: dict[str, Any] = {
-        "slurm_node": env.get("SLURMD_NODENAME") or socket.gethostname(),
+        "slurm_node": name,
         "job_id": env.get("SLURM_JOB_ID"),
         "step_id": env.get("SLURM_STEP_ID"),
         "master_host": master_host,

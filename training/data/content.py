@@ -14,8 +14,8 @@ A fingerprint hashes what training reads, decoded, never the bytes of the files 
   (``tokenizer.json``'s normalizer, pre-tokenizer, post-processor, decoder and model type), as sorted
   JSON; a sentencepiece ``tokenizer.model`` by its pieces and its bytes.
 
-The hash object is the caller's (``new_hash()``: anything with ``update`` and ``hexdigest``): the host
-uses xxHash's XXH3-128. numpy and the standard library only.
+The hash object is the caller's (``new_hash()``: anything with ``update`` and ``hexdigest``): this
+machine and the cluster's hosts use hashlib's SHA-256. numpy and the standard library only.
 """
 
 from __future__ import annotations

@@ -43,6 +43,22 @@ class Runtime:
         a Slurm job counts from when it runs, not while it waits in the queue)."""
         return None
 
+    #: the data on the hosts only is checked inside each round (a Slurm job's nodes), not before them
+    data_in_rounds = False
+
+    def round_data(self, plan: Plan, rnd: RoundPlan) -> list[tuple[str, dict[str, Any]]] | None:
+        """After a round, where ``data_in_rounds``: each node's report of planning/hostdata.py's
+        node side, in node order (InputError naming the node whose data is missing or bad); None
+        where the round got no such report."""
+        return None
+
+    def host_data(self, plan: Plan, spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]] | None:
+        """After ``prepare``, before any round: the node side of planning/hostdata.py run with
+        ``spec`` on every host of the round, each host's report in host order (InputError naming
+        the host whose data is missing or bad); None where this runtime takes no fingerprint
+        before its rounds."""
+        return None
+
     def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
         """What ``prepare`` would return, without touching anything (for --dry-run)."""
         raise NotImplementedError

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from run_benchmarks.errors import InputError
+from run_benchmarks.planning import hostdata
 from run_benchmarks.planning.config import ClusterConfig, HostConfig, SlurmConfig
 from run_benchmarks.planning.envs import env_dir, framework_python, python_of
 from run_benchmarks.planning.plan import NodePlan, Plan, RoundPlan, plan_nodes
@@ -147,6 +148,7 @@ class Job:
 
 class SlurmRuntime(Runtime):
     name = "slurm"
+    data_in_rounds = True  # the nodes are known once a round's job runs: its data is checked there
 
     def __init__(self, cluster: ClusterConfig, python: str | None = None) -> None:
         self.cluster = cluster
@@ -276,6 +278,22 @@ class SlurmRuntime(Runtime):
             data = json.loads(resolved.read_text())["data"] if resolved.is_file() else plan.settings["data"]
             container = {"runtime": "docker", "image": image, "options": self._docker_options(plan, python, data)}
         monitor = {"kind": plan.vendor.monitor, "python": self.node_python, "interval_s": 1.0, "pythonpath": str(ROOT)}
+        data_spec = hostdata.node_spec(plan)
+        extra: dict[str, Any] = {}
+        if data_spec is not None:  # data on the nodes only: checked there before the launcher (slurm_node.check_data)
+            env = {"PYTHONPATH": str(ROOT)}
+            if container:  # the node's own cache (~/.cache/flagbench) is not the container's
+                resolved = round_dir / "resolved.json"
+                cache = (json.loads(resolved.read_text())["data"].get("cache_dir") if resolved.is_file() else None) or ""
+                env["FLAGBENCH_CACHE_DIR"] = str(Path(cache) / "fingerprints") if cache else str(round_dir / "fingerprints")
+            argv = hostdata.node_argv(python, data_spec)
+            extra["data_check"] = {
+                "argv": argv,
+                "env": env,
+                "cwd": str(ROOT),
+                "timeout_s": self.cluster.round_timeout_s,
+                "found": data_spec["found"],  # by an earlier round's nodes: this round's must find it too
+            }
         return agent_spec(
             str(round_dir),
             MASTER_PLACEHOLDER,
@@ -286,6 +304,7 @@ class SlurmRuntime(Runtime):
             port_placeholder=PORT_PLACEHOLDER,
             # the cluster file's port, checked free on node 0; None: node 0 picks a free one
             master_port=self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
+            **extra,
         )
 
     def job_name(self, plan: Plan, round_dir: Path) -> str:
@@ -397,6 +416,19 @@ class SlurmRuntime(Runtime):
             raise
         self._wait_gone(job, LOST_GONE_WAIT_S if job.lost else LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
         return self._outcomes(plan, job, round_dir)
+
+    def round_data(self, plan: Plan, rnd: RoundPlan) -> list[tuple[str, dict[str, Any]]] | None:
+        """The nodes' data checks of the round's job (``node<k>/data.json``, slurm_node.check_data),
+        by node rank; None where a node wrote none (the job did not get that far). InputError
+        naming the node whose data is missing or bad."""
+        out = []
+        for n in rnd.nodes:
+            try:
+                said = json.loads((rnd.dir / f"node{n.node_rank}" / "data.json").read_text())
+            except (OSError, ValueError):
+                return None
+            out.append((str(said["node"]), hostdata.report(str(said["node"]), said["rc"], said["stdout"], said["stderr"])))
+        return out
 
     def _submit(self, plan: Plan, round_dir: Path) -> Job:
         argv = self.sbatch_argv(plan, round_dir)

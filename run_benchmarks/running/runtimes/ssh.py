@@ -509,6 +509,55 @@ class SSHRuntime(Runtime):
         )
         self.live.append(_Node(k, host, container=run_container(self._engine(host), spec)))
 
+    def host_data(self, plan: Plan, spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """The node side of planning/hostdata.py on every host, with the node Python (in the
+        vendor's image for a container run, the data_dir mounted read-only as the ranks see it);
+        its digests cached in ``<work_dir>/cache/fingerprints`` there."""
+        from run_benchmarks.planning import hostdata
+
+        def one(host: HostConfig) -> tuple[str, dict[str, Any]]:
+            code, cache = str(self.code_root(host)), str(self.work(host) / "cache" / "fingerprints")
+            argv = hostdata.node_argv(self.env_python, spec)
+            env = {"PYTHONPATH": code, "FLAGBENCH_CACHE_DIR": cache}
+            if not self.containerized:
+                res = self.pool.run(host.name, argv, timeout=self.cluster.round_timeout_s, env=env, cwd=code)
+                return host.name, hostdata.report(host.name, res.rc, res.stdout, res.stderr)
+            return host.name, self._host_data_container(plan, host, argv, env, spec)
+
+        try:
+            return self._each(one)
+        except RemoteError as exc:
+            raise InputError(f"host {exc}") from None
+
+    def _host_data_container(
+        self, plan: Plan, host: HostConfig, argv: list[str], env: dict[str, str], spec: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The node side in a container of the run's image on ``host``, with the mounts the
+        ranks' container has (the code, the data_dir read-only): its report."""
+        from run_benchmarks.planning import hostdata
+        from run_benchmarks.running.remote.containers import Mount, run_container, vendor_container
+        from run_benchmarks.running.remote.leftovers import RUN_MARK
+
+        code, cache = env["PYTHONPATH"], env["FLAGBENCH_CACHE_DIR"]
+        self.pool.run(host.name, ["mkdir", "-p", cache], timeout=self.cluster.ssh.command_timeout_s, check=True)
+        mounts = [Mount(code, code, True), Mount(cache, cache, False)]
+        mounts += [Mount(d, d, True) for d in sorted({str(v["data_dir"]) for v in spec["phases"].values()})]
+        if plan.vendor.container.mount_framework_env:
+            mounts += [Mount(p, p, True) for p in self.prefixes]
+        spec = vendor_container(
+            plan.vendor.container,
+            image=self.images[host.name].split()[0],
+            command=argv,
+            run_id=plan.run_id,
+            name=f"fb-{plan.run_id[-26:]}-data-{host.name}".replace(":", "-"),
+            env={**env, "PYTHONUNBUFFERED": "1", RUN_MARK: plan.run_id},
+            mounts=mounts,
+            workdir=code,
+        )
+        with run_container(self._engine(host), spec) as handle:
+            rc = handle.wait(self.cluster.round_timeout_s)
+            return hostdata.report(host.name, rc, handle.logs())
+
     def _caches(self, host: HostConfig) -> str:
         """Make the run's data cache on the host; the host user's cache folder (~/.cache)."""
         script = "import os, sys; os.makedirs(sys.argv[1], exist_ok=True); c = os.path.expanduser('~/.cache'); os.makedirs(c, exist_ok=True); print(c)"

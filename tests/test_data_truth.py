@@ -199,6 +199,14 @@ def test_a_checkpoint_loaded_by_path_enters_the_identity(tmp_path):
     (ckpt / "model.safetensors").write_bytes(b"weights-2")
     again = datacheck.chain(P, json.loads(json.dumps(ident)))
     assert again["pretrain"]["fingerprint"] != first["pretrain"]["fingerprint"] != again["finetune"]["fingerprint"]
+    # a checkpoint on the cluster's hosts only (not here, not taken there): no fingerprint, never judged as synthetic
+    P.settings = {"data": {"model_path": "/on/the/hosts/ckpt"}}
+    away = datacheck.chain(P, json.loads(json.dumps(ident)))
+    assert away["pretrain"]["fingerprint"] is None and away["finetune"]["fingerprint"] is None
+    assert (
+        away["pretrain"]["reason"]
+        == "data.model_path /on/the/hosts/ckpt is not on this machine: the starting checkpoint's content is not fingerprinted"
+    )
 
 
 # --------------------------------------------------------------------------- 3. fingerprints of the content

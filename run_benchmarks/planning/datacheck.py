@@ -583,6 +583,8 @@ def chain(plan: Any, identities: dict[str, dict[str, Any]], hosted: dict[str, st
                     starts.append({"setting": f"data.{key}", "path": path, "content": (hosted or {})[path]})
                 elif path and os.path.exists(os.path.expanduser(path)):
                     starts.append({"setting": f"data.{key}", "path": path, "content": checkpoint_content(path)})
+                elif path:  # on the cluster's hosts only, its content not taken there: no fingerprint
+                    starts.append({"setting": f"data.{key}", "path": path, "content": None})
         else:
             before = identities[prev]
             starts.append({"phase": prev, "fingerprint": before.get("fingerprint"), "recipe": _recipe(plan, prev)})
@@ -597,6 +599,13 @@ def chain(plan: Any, identities: dict[str, dict[str, Any]], hosted: dict[str, st
             pending = identities[str(before_name)].get("on_hosts")
             ident.setdefault(
                 "reason", f"phase {before_name} before it " + ("is fingerprinted on the hosts" if pending else "was not checked here")
+            )
+            continue
+        unread = next((s for s in starts if s.get("setting") and s["content"] is None), None)
+        if unread is not None:
+            ident.update(starts_from=starts, own_fingerprint=ident.get("fingerprint"), fingerprint=None)
+            ident["reason"] = (
+                f"{unread['setting']} {unread['path']} is not on this machine: the starting checkpoint's content is not fingerprinted"
             )
             continue
         own = ident.get("fingerprint")

@@ -1,8 +1,10 @@
 """``python -m run_benchmarks.tools.case_tools scaffold-case``: a case written from the templates runs
 end to end on the CPU, for each framework with a template (DeepSpeed, megatron-core, paddle).
 In a copy of the repository: scaffold the case, run it through start_task.py (unjudged: no
-reference yet), record its first reference curve with ``--record-reference``, then run the
-test the scaffold wrote, which runs the case again and needs its loss aligned with that curve.
+reference yet) at three micro batches, record its first reference curve from them with
+``--record-reference``, then, unedited, the vendor check and the tests the project runs on every
+case: the test the scaffold wrote (the case again, its loss aligned with that curve),
+tests/test_every_case.py and tests/test_validated_configs.py.
 The files written pass the repository's lint (ruff check, ruff format). Bad names are refused
 with exit 2 and nothing is written."""
 
@@ -19,7 +21,7 @@ import pytest
 
 from run_benchmarks.planning.registry import ROOT
 
-COPIED = ("run_benchmarks", "training", "cases", "vendors", "tests", "setup.cfg", "pyproject.toml")
+COPIED = ("run_benchmarks", "training", "cases", "vendors", "tests", "docs", "setup.cfg", "pyproject.toml")
 
 
 def _repo_copy(dst: Path) -> Path:
@@ -120,6 +122,13 @@ def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, frame
     doc = json.loads(reference.read_text())
     assert len(doc["repeats"]) == 3 and doc["loss"] == pytest.approx([loss[str(s)] for s in range(1, 31)], rel=1e-3), doc.get("spread")
 
-    # the scaffold's own test: the case again, its loss judged against the curve just recorded
-    gen = _run(repo, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"tests/test_gpt2_{framework}_case.py")
-    assert gen.returncode == 0 and "1 passed" in gen.stdout, gen.stdout[-4000:] + gen.stderr[-2000:]
+    # unedited, the scaffold passes the project's own checks: the vendor check, the case's own test
+    # (the case again, its loss judged against the curve just recorded), every-case discovery and
+    # the validated-config rules
+    check = _run(repo, "-m", "run_benchmarks.tools.vendor_tools", "check", "cpu", timeout=120)
+    assert check.returncode == 0 and check.stdout.strip() == "cpu: ok", check.stdout + check.stderr
+    tests = (f"tests/test_gpt2_{framework}_case.py", "tests/test_every_case.py", "tests/test_validated_configs.py")
+    gen = _run(repo, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *tests, "-k", f"{model} or validated or loss_aligns", timeout=900)
+    assert gen.returncode == 0, gen.stdout[-4000:] + gen.stderr[-2000:]
+    for ran in (f"{tests[0]}::test_the_case_runs_and_its_loss_aligns", f"{tests[1]}::test_the_case_runs_end_to_end[{model}:{framework}]"):
+        assert f"PASSED {ran}" in gen.stdout, gen.stdout[-4000:]

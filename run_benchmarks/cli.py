@@ -5,14 +5,22 @@ command is the same code as its older form, which keeps working:
 ``python run_benchmarks/start_task.py --vendor V --case_name C`` is ``flagbench run --vendor V
 --case_name C``, ``start_task.py --verify F`` is ``flagbench verify F``, and so on; ``flagbench``
 followed directly by options is ``flagbench run``.
+
+The checkout a command works on is the one it runs inside, when it is one (a folder above the
+working directory holding ``run_benchmarks/cli.py``, ``cases/`` and ``vendors/``), and otherwise
+the installed one: run inside another checkout, the installed command runs that checkout's code
+(:func:`checkout_of`), saying so on stderr, so its cases, vendors, references and scaffolds are
+the ones read and written.
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from run_benchmarks.planning.casename import GRAMMAR
 
@@ -94,8 +102,42 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+#: set to the checkout a re-run command was handed to (so that it is not handed on again)
+CHECKOUT_ENV = "FLAGBENCH_CHECKOUT"
+
+
+def checkout_of(start: Path) -> Path | None:
+    """The flagbench checkout ``start`` is inside, if any."""
+    for folder in (start, *start.parents):
+        if (folder / "run_benchmarks" / "cli.py").is_file() and (folder / "cases").is_dir() and (folder / "vendors").is_dir():
+            return folder
+    return None
+
+
+def _hand_over(argv: list[str]) -> int | None:
+    """Run the command with the checkout of the working directory, where that is not this code's
+    own (an installed ``flagbench`` used inside another checkout); None to run it here."""
+    from run_benchmarks.planning.registry import ROOT
+
+    here = checkout_of(Path.cwd().resolve())
+    if here is None or here == ROOT or os.environ.get(CHECKOUT_ENV) == str(here):
+        return None
+    print(f"flagbench: the checkout at {here} (the installed one is {ROOT})", file=sys.stderr, flush=True)
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, CHECKOUT_ENV: str(here), "PYTHONPATH": str(here) + (os.pathsep + path if path else "")}
+    import subprocess
+
+    try:
+        return subprocess.run([sys.executable, "-m", "run_benchmarks.cli", *argv], env=env).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    handed = _hand_over(argv)
+    if handed is not None:
+        return handed
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,42 @@ def test_the_installed_console_script_runs_from_outside_the_checkout(tmp_path):
     assert json.loads(plan.stdout)["case"] == "llama3_tiny:megatron:cpu:1:2:1"
     check = subprocess.run([script, "check", "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert check.returncode == 0 and check.stdout.strip().endswith("cpu: ok"), check.stdout + check.stderr
+
+
+def test_the_installed_command_works_on_the_checkout_it_runs_inside(tmp_path):
+    """Run inside another checkout, the installed ``flagbench`` plans that checkout's configs and
+    scaffolds into it, saying so; outside any checkout it works on the installed one."""
+    script = shutil.which("flagbench")
+    if script is None:
+        pytest.skip("the flagbench console script is not installed (pip install -e . installs it)")
+    installed = Path(
+        subprocess.run(
+            [sys.executable, "-c", "import run_benchmarks; print(run_benchmarks.__file__)"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        ).stdout.strip()
+    ).parents[1]
+    other = tmp_path / "other"
+    for name in ("run_benchmarks", "training", "cases", "vendors"):
+        shutil.copytree(ROOT / name, other / name, ignore=shutil.ignore_patterns("__pycache__", "logs"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FLAGBENCH_CHECKOUT")}
+    plan_args = [script, "run", "--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--dry-run", "--json"]
+    inside = subprocess.run(plan_args, cwd=other / "cases", env=env, capture_output=True, text=True, timeout=120)
+    assert inside.returncode == 0, inside.stdout + inside.stderr
+    assert json.loads(inside.stdout)["config_file"] == str(other / "vendors/cpu/cases/llama3_tiny/megatron/config_cpux1x2.yaml")
+    assert f"flagbench: the checkout at {other} (the installed one is {installed})" in inside.stderr
+    made = subprocess.run(
+        [script, "scaffold-case", "qwen2", "paddle", "--model", "qwen2_tiny"],
+        cwd=other,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0 and (other / "cases/qwen2/paddle/case.yaml").is_file(), made.stdout + made.stderr
+    assert not (installed / "cases" / "qwen2").exists()
+    outside = subprocess.run(plan_args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert outside.returncode == 0 and "flagbench: the checkout at" not in outside.stderr, outside.stderr
+    assert json.loads(outside.stdout)["config_file"].startswith(str(installed / "vendors"))

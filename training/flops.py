@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+#: the projections ``DecoderShape.bias`` can name: attention's query, key, value and output, and
+#: every linear of the MLP (its experts' too)
+BIASED = ("q", "k", "v", "o", "mlp")
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderShape:
@@ -33,7 +37,7 @@ class DecoderShape:
     num_kv_groups: int | None = None  # None: multi-head attention (groups == heads)
     gated_mlp: bool = True  # SwiGLU: three matrices; plain GELU MLP: two
     tied_embeddings: bool = False
-    bias: bool = False  # linear biases (GPT-3 has them)
+    bias: bool | tuple[str, ...] = False  # linear biases: true, all (GPT-3); or of some projections, e.g. [q, k, v] (Qwen2)
     norm: str = "rmsnorm"  # rmsnorm: weight only; layernorm: weight + bias
     learned_positions: bool = False  # GPT-3's position embedding table
     num_experts: int = 0  # > 0: each layer's MLP is that many experts behind a router (no bias)
@@ -41,8 +45,18 @@ class DecoderShape:
     moe_ffn_hidden_size: int | None = None  # an expert's FFN width (None: ffn_hidden_size)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.bias, bool):
+            parts = tuple(self.bias) if isinstance(self.bias, (list, tuple)) else ()
+            unknown = sorted(set(parts) - set(BIASED))
+            if unknown or not parts:
+                raise ValueError(f"bias: true, false or a list of {', '.join(BIASED)}; got {self.bias!r}")
+            object.__setattr__(self, "bias", parts)
         if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
             raise ValueError(f"moe_top_k must be 1..num_experts ({self.num_experts}), got {self.moe_top_k}")
+
+    def biased(self, part: str) -> bool:
+        """Whether projection ``part`` (one of :data:`BIASED`) has a bias."""
+        return self.bias is True or (not isinstance(self.bias, bool) and part in self.bias)
 
     @property
     def head_dim(self) -> int:
@@ -58,11 +72,10 @@ def param_counts(s: DecoderShape) -> dict[str, int]:
     h, kv = s.hidden_size, s.kv_groups * s.head_dim
     norm_params = h * (2 if s.norm == "layernorm" else 1)
     attn = h * h + 2 * h * kv + h * h  # q, k, v, o
-    if s.bias:
-        attn += h + 2 * kv + h
+    attn += sum(width for part, width in (("q", h), ("k", kv), ("v", kv), ("o", h)) if s.biased(part))
     ffn = (s.moe_ffn_hidden_size or s.ffn_hidden_size) if s.num_experts else s.ffn_hidden_size
     mlp = (3 if s.gated_mlp else 2) * h * ffn
-    if s.bias:
+    if s.biased("mlp"):
         mlp += ffn * (2 if s.gated_mlp else 1) + h
     experts, idle = 0, 0  # per layer: all experts' parameters; those a token does not pass
     if s.num_experts:

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.case_helpers import start_task
-from training.memory import megatron_states, zero_states
+from training.memory import megatron_states, paddle_states, zero_states
 
 GiB = 2**30
 
@@ -40,6 +40,23 @@ def test_megatron_states_by_layout_and_offload():
     off = megatron_states(c, {"tp": 1, "pp": 1, "optimizer_cpu_offload": True}, 1, 1)
     # on the host: the moments (8) and the fp32 copies of master weight and gradient (8)
     assert off["device_bytes"] == 8e9 * 10 and off["host_bytes_per_node"] == 8e9 * 16
+
+
+def test_paddle_states_by_layout_and_sharding_stage():
+    c = {"params_exact": 8e9}
+    # TP2 PP2: 2e9 params per rank; fp16 weights and gradients, fp32 master weights and moments
+    assert paddle_states(c, {"tp": 2, "pp": 2}, 8, 8)["device_bytes"] == 2e9 * 16
+    assert paddle_states(c, {"sharding_stage": 1, "sharding_degree": 4}, 8, 8)["device_bytes"] == 8e9 * 4 + 8e9 * 12 / 4
+    two = paddle_states(c, {"sharding_stage": 2, "sharding_degree": 4}, 8, 8)
+    assert two["device_bytes"] == 8e9 * 2 + 8e9 * 14 / 4 and two["basis"] == "TP1 PP1 DP8, 8e+09 params per rank, sharding stage 2 over 4"
+    assert paddle_states(c, {"sharding_stage": 0, "sharding_degree": 4}, 8, 8)["device_bytes"] == 8e9 * 16  # degree alone shards nothing
+
+
+def test_a_paddle_layout_that_cannot_fit_the_card_is_refused_before_anything(tmp_path):
+    """gpt3_13B on eight A100 without sharding: 191.5 GiB of states per card."""
+    proc = start("--vendor", "nvidia", "--case_name", "gpt3_13B:paddle:A100:1:8", "--set", "parallel.sharding_stage=0", "--dry-run")
+    assert proc.returncode == 2 and "need 191.5 GiB per A100 (TP1 PP1 DP8, 1.29e+10 params per rank)" in proc.stderr, proc.stderr
+    assert "a higher ZeRO or sharding stage" in proc.stderr
 
 
 def test_a_layout_that_cannot_fit_the_card_is_refused_before_anything(tmp_path):

@@ -85,3 +85,21 @@ def megatron_states(counts: dict[str, Any], parallel: dict[str, Any], world: int
     if frac:
         basis += ", moments on the host"
     return {"device_bytes": dense[0] + expert[0], "host_bytes_per_node": (dense[1] + expert[1]) * per_node, "basis": basis}
+
+
+def paddle_states(counts: dict[str, Any], parallel: dict[str, Any], world: int, per_node: int) -> dict[str, Any]:
+    """paddle's hybrid-parallel fleet (PaddleNLP's trainer): a rank holds 1/(tp*pp) of the
+    model; AMP O2 keeps fp16/bf16 weights (2 bytes) and gradients of the weights' dtype (2), the
+    optimizer's fp32 master weights and two moments (12). Sharding over ``sharding_degree`` of
+    the data-parallel ranks partitions the optimizer states from stage 1 on, the gradients too
+    from stage 2 on. A run in fp32 holds more (4-byte weights and gradients, no master copy):
+    this stays a lower bound for it."""
+    tp, pp = int(parallel.get("tp", 1)), int(parallel.get("pp", 1))
+    stage, degree = int(parallel.get("sharding_stage", 0)), max(1, int(parallel.get("sharding_degree", 1)))
+    p, t = _trainable(counts)
+    n, trained = p / (tp * pp), t / (tp * pp)
+    device = 2 * n + 2 * trained / (degree if stage >= 2 else 1) + 12 * trained / (degree if stage >= 1 else 1)
+    basis = f"TP{tp} PP{pp} DP{max(1, world // (tp * pp))}, {n:.3g} params per rank"
+    if stage:
+        basis += f", sharding stage {stage} over {degree}"
+    return {"device_bytes": device, "host_bytes_per_node": 0.0, "basis": basis}

@@ -197,7 +197,7 @@ def check_device_memory(memory: dict[str, dict[str, Any]], hardware: dict[str, A
                 f"{source}: {'' if ph == 'train' else ph + ': '}weights, gradients and optimizer states alone need "
                 f"{need['device_gib']:.1f} GiB per {hardware['chip']} ({need['basis']}), more than "
                 f"{DEVICE_STATES_LIMIT:.0%} of its {cap:g} GiB before any activation: use more devices, "
-                "a larger tensor/pipeline split or ZeRO stage, or offload the optimizer"
+                "a larger tensor/pipeline split, a higher ZeRO or sharding stage, or offload the optimizer"
             )
 
 

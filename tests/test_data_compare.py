@@ -51,10 +51,10 @@ def test_compare_two_runs_table_markdown_and_page(tmp_path):
     md = (out / "compare.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| pretrain") or line.startswith("| finetune")]
     assert rows == [
-        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.60 | - | - | - | 1.00% | steps 21-30 | ok |",
-        "| pretrain | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | reference |  | ok |",
-        "| finetune | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 900.0 | - | 0.900 | 0.9% | 0.8% | 0.60 | - | - | - | 1.00% | steps 21-30 | ok |",
-        "| finetune | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | reference |  | ok |",
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.60 | - | - | - | - | 1.00% | steps 21-30 | ok |",
+        "| pretrain | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | - | reference |  | ok |",
+        "| finetune | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 900.0 | - | 0.900 | 0.9% | 0.8% | 0.60 | - | - | - | - | 1.00% | steps 21-30 | ok |",
+        "| finetune | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | - | reference |  | ok |",
     ]
     assert "| vendor | iluvatar | nvidia |" in md and "| parallel.tp | 2 | 1 |" in md
     assert "1.500" in proc.stdout and "settings that differ" in proc.stdout  # the same table in the terminal
@@ -74,7 +74,7 @@ def test_compare_other_data_and_bad_input(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert (
-        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.40 | - | - | - | - | "
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.40 | - | - | - | - | - | "
         "other data (pretrain01234567 vs synthetic): loss not compared | ok |" in md
     )  # no MRE across data sets
     failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="failed")

@@ -246,6 +246,42 @@ def test_gpu_clocks_per_phase_from_the_monitor():
     )
 
 
+def test_energy_per_token_over_the_window_from_the_counter_or_the_power_samples():
+    """Tokens per joule per device: each used GPU's mean power over the steady window (NVML's energy
+    counter's rise where every GPU has one, else the mean of its power samples), tokens/p/s over the
+    GPUs' mean; the power limits beside it; None for a CPU run."""
+    from run_benchmarks.judging import metrics
+
+    def sample(t, gpus):
+        return {"t": t, "gpus": [{"index": i, "power_w": w, "energy_mj": e} for i, (w, e) in enumerate(gpus)]}
+
+    # GPU 0: 500 W by its counter (1,000 J over 2 s), GPU 1: 700 W; GPU 2 another job's
+    samples = [sample(0.5, [(1, 0), (1, 0), (9, 0)]), sample(1.0, [(480, 10_000), (690, 20_000), (9, 0)])]
+    samples += [sample(2.0, [(520, 510_000), (710, 720_000), (9, 0)]), sample(3.0, [(300, 1_010_000), (600, 1_420_000), (9, 0)])]
+    ident = {"gpus": [{"index": 0, "power_limit_w": 700.0}, {"index": 1, "power_limit_w": 700.0}, {"index": 2, "power_limit_w": 300.0}]}
+    nodes = [(samples, {0, 1})]
+    e = metrics.device_energy(nodes, (1.0, 3.0), 6000.0, [ident])
+    assert e == tr.DeviceEnergy(
+        source="energy counter", devices=2, samples=6, mean_power_w=600.0, tokens_per_joule=10.0, power_limit_w=[700.0]
+    )
+    # a card without a counter: the mean of its power samples inside the window
+    blind = [{"t": s["t"], "gpus": [{**g, "energy_mj": None} for g in s["gpus"]]} for s in samples]
+    p = metrics.device_energy([(blind, {0})], (1.0, 3.0), 5000.0, [None])
+    assert p.source == "power samples" and p.mean_power_w == pytest.approx(1300 / 3) and p.power_limit_w == []
+    assert metrics.device_energy(nodes, None, 6000.0) is None and metrics.device_energy(nodes, (1.0, 3.0), None) is None
+    assert metrics.device_energy([([{"t": 2.0, "host": {}}], None)], (1.0, 3.0), 100.0) is None  # a CPU run
+    window = tr.Window(first_step=2, last_step=3, steps=2, warmup_steps=1, excluded=[])
+    steps = [tr.Step(step=k, t=float(k), step_time_s=1.0, tokens=8, loss=1.0, lr=1e-3) for k in (1, 2, 3)]
+    assert metrics.window_span(steps, window) == (1.0, 3.0)
+    md = results.markdown(fake_run([{"phases": [fake_phase().model_copy(update={"device_energy": e})]}]))
+    assert (
+        "Energy over the tokens/p/s window:\n- round 1, phase train: 10.00 tokens per joule per device: 600 W mean per device over the "
+        "window (NVML's energy counter, 2 GPU(s), 6 samples), power limit 700 W" in md
+    )
+    assert results.energy_cell(e) == "10.00 (600 W, energy counter)" and results.energy_cell(None) == "-"
+    assert "Energy over" not in results.markdown(fake_run())
+
+
 def test_the_run_itself_has_a_status_and_a_cause_also_when_no_round_ran():
     from run_benchmarks.errors import InputError
 

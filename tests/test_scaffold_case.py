@@ -128,7 +128,9 @@ def test_a_scaffolded_case_runs_records_its_reference_and_aligns(tmp_path, frame
     check = _run(repo, "-m", "run_benchmarks.tools.vendor_tools", "check", "cpu", timeout=120)
     assert check.returncode == 0 and check.stdout.strip() == "cpu: ok", check.stdout + check.stderr
     tests = (f"tests/test_gpt2_{framework}_case.py", "tests/test_every_case.py", "tests/test_validated_configs.py")
-    gen = _run(repo, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *tests, "-k", f"{model} or validated or loss_aligns", timeout=900)
+    gen = _run(
+        repo, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *tests, "-k", f"{model} or validated or loss_aligns", timeout=900
+    )
     assert gen.returncode == 0, gen.stdout[-4000:] + gen.stderr[-2000:]
     for ran in (f"{tests[0]}::test_the_case_runs_and_its_loss_aligns", f"{tests[1]}::test_the_case_runs_end_to_end[{model}:{framework}]"):
         assert f"PASSED {ran}" in gen.stdout, gen.stdout[-4000:]

@@ -29,7 +29,16 @@ from typing import Any
 from run_benchmarks.errors import InputError
 from run_benchmarks.judging import pages, references
 from run_benchmarks.judging import typed_results as tr
-from run_benchmarks.judging.results import _pct, allocated_cell, ceiling_cell, clock_cell, device_mem, repeats_note, spread_cell
+from run_benchmarks.judging.results import (
+    _pct,
+    allocated_cell,
+    ceiling_cell,
+    clock_cell,
+    device_mem,
+    energy_cell,
+    repeats_note,
+    spread_cell,
+)
 from run_benchmarks.planning import datacheck
 
 # --------------------------------------------------------------------------- --compare
@@ -172,6 +181,7 @@ def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
                     "mem in use (GiB)": device_mem(last.device_mem) if last else "-",
                     "of ceiling": ceiling_cell(s.fig(phase, "ceiling_efficiency"), s.fig(phase, "ceiling_tokens_per_gpu_s")),
                     "SM MHz": clock_cell(last.device_clocks) if last else "-",
+                    "tokens/J": energy_cell(last.device_energy) if last else "-",
                     "loss MRE vs reference": mre,
                     "compared": note,
                     "status": s.status(phase),
@@ -211,6 +221,7 @@ COLUMNS = [
     "mem in use (GiB)",
     "of ceiling",
     "SM MHz",
+    "tokens/J",
     "loss MRE vs reference",
     "compared",
     "status",

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.judging.typed_results import DeviceClocks, DeviceMemory, Spread, Step, Window
+from run_benchmarks.judging.typed_results import DeviceClocks, DeviceEnergy, DeviceMemory, Spread, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
 
@@ -114,6 +114,13 @@ def phase_span(steps: Sequence[Step]) -> tuple[float, float] | None:
     if not steps:
         return None
     return min(s.t - s.step_time_s for s in steps), max(s.t for s in steps)
+
+
+def window_span(steps: Sequence[Step], window: Window) -> tuple[float, float] | None:
+    """Wall-clock start of the steady window's first step to the end of its last (None: no window)."""
+    if window.first_step is None or window.last_step is None:
+        return None
+    return phase_span([s for s in steps if window.first_step <= s.step <= window.last_step])
 
 
 # --------------------------------------------------------------------------- memory
@@ -220,4 +227,55 @@ def device_clocks(nodes: MonitorNodes, span: tuple[float, float] | None) -> Devi
         sm_low_mhz=clocks[int(0.1 * (len(clocks) - 1))],
         sm_max_mhz=max(maxima) if maxima else None,
         held={r: n / len(clocks) for r, n in sorted(held.items())},
+    )
+
+
+def device_energy(
+    nodes: MonitorNodes, span: tuple[float, float] | None, tokens_per_gpu_s: float | None, identities: Sequence[dict[str, Any] | None] = ()
+) -> DeviceEnergy | None:
+    """Tokens per joule per device over the steady window ``span``: each GPU the run used, its mean
+    power there (NVML's energy counter's rise over the window's first to last sample where every
+    GPU has one, else the mean of its power samples), averaged over the GPUs; tokens/p/s over that
+    mean. ``identities``: per node, the monitor's device identities (their power limits). None
+    without a window, a throughput or power samples (a CPU run)."""
+    if span is None or not tokens_per_gpu_s:
+        return None
+    per_gpu: dict[tuple[int, int], list[tuple[float, dict[str, Any]]]] = {}
+    for k, (samples, gpus) in enumerate(nodes):
+        for s in samples:
+            t = float(s.get("t", 0))
+            if not span[0] <= t <= span[1]:
+                continue
+            for g in s.get("gpus") or []:
+                if (gpus is None or int(g.get("index", -1)) in gpus) and g.get("power_w") is not None:
+                    per_gpu.setdefault((k, int(g.get("index", -1))), []).append((t, g))
+    if not per_gpu:
+        return None
+    counted = all(len(v) >= 2 and v[-1][0] > v[0][0] and all(g.get("energy_mj") is not None for _, g in v) for v in per_gpu.values())
+    powers = []
+    for v in per_gpu.values():
+        v.sort(key=lambda x: x[0])
+        if counted:
+            (t0, g0), (t1, g1) = v[0], v[-1]
+            powers.append((float(g1["energy_mj"]) - float(g0["energy_mj"])) / 1000.0 / (t1 - t0))
+        else:
+            powers.append(statistics.fmean(float(g["power_w"]) for _, g in v))
+    mean_w = statistics.fmean(powers)
+    if mean_w <= 0:
+        return None
+    limits = sorted(
+        {
+            float(d["power_limit_w"])
+            for k, gpu in per_gpu
+            for d in ((identities[k] or {}).get("gpus") or [] if k < len(identities) else [])
+            if int(d.get("index", -1)) == gpu and d.get("power_limit_w") is not None
+        }
+    )
+    return DeviceEnergy(
+        source="energy counter" if counted else "power samples",
+        devices=len(per_gpu),
+        samples=sum(len(v) for v in per_gpu.values()),
+        mean_power_w=mean_w,
+        tokens_per_joule=float(tokens_per_gpu_s) / mean_w,
+        power_limit_w=limits,
     )

@@ -14,7 +14,16 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from run_benchmarks.judging.typed_results import DeviceClocks, DeviceMemory, LossGate, PhaseResult, Reference, RunResults, Spread
+from run_benchmarks.judging.typed_results import (
+    DeviceClocks,
+    DeviceEnergy,
+    DeviceMemory,
+    LossGate,
+    PhaseResult,
+    Reference,
+    RunResults,
+    Spread,
+)
 from training.metriclog import K_KERNEL_CEILING
 
 COLUMNS = [
@@ -31,6 +40,7 @@ COLUMNS = [
     "MFU-6N",
     "MFU-PaLM",
     "of ceiling",
+    "tokens/J",
     "status",
 ]
 
@@ -89,6 +99,30 @@ def ceiling_cell(eff: float | None, ceiling: float | None) -> str:
     if eff is not None and eff > 1.0:
         return f"failed: ceiling {ceiling:,.0f} below the run's own throughput (timed on a busy device?)"
     return f"{'-' if eff is None else _pct(eff)} of {ceiling:,.0f}"
+
+
+def energy_cell(e: DeviceEnergy | None) -> str:
+    """Tokens per joule per device over the window, with the mean power and its source:
+    ``12.9 (510 W, energy counter)``; "-" where no monitor read a device's power."""
+    if e is None:
+        return "-"
+    return f"{e.tokens_per_joule:,.2f} ({e.mean_power_w:,.0f} W, {e.source})"
+
+
+def energy_text(e: DeviceEnergy) -> str:
+    """``12.92 tokens per joule per device: 510 W mean per device over the window (NVML's energy counter, 1 GPU, 84 samples), power limit 700 W``."""
+    source = "NVML's energy counter" if e.source == "energy counter" else "the mean of the power samples: no energy counter"
+    limit = ", power limit " + " / ".join(f"{w:,.0f} W" for w in e.power_limit_w) if e.power_limit_w else ", power limit not read"
+    return (
+        f"{e.tokens_per_joule:,.2f} tokens per joule per device: {e.mean_power_w:,.0f} W mean per device over the window "
+        f"({source}, {e.devices} GPU(s), {e.samples} samples){limit}"
+    )
+
+
+def energy_lines(res: RunResults) -> list[str]:
+    """Energy per token of each phase, where a monitor read the devices' power."""
+    out = [f"- round {r.round}, phase {p.phase}: {energy_text(p.device_energy)}" for r in res.rounds for p in r.phases if p.device_energy]
+    return ["", "Energy over the tokens/p/s window:", *out] if out else []
 
 
 def spread_cell(s: Spread | None) -> str:
@@ -156,6 +190,7 @@ def rows(res: RunResults) -> list[list[str]]:
                     fig(_pct(p.mfu_6n)),
                     fig(_pct(p.mfu_palm)),
                     fig(ceiling_cell(p.ceiling_efficiency, p.ceiling_tokens_per_gpu_s)),
+                    fig(energy_cell(p.device_energy)),
                     status,
                 ]
             )
@@ -187,6 +222,9 @@ def markdown(res: RunResults) -> str:
         "",
         "Of ceiling: tokens/p/s over the kernel ceiling the case measured on its device before training (its own "
         "GEMMs and attention alone, forward and backward, training/ceiling.py), with that ceiling in tokens/p/s.",
+        "",
+        "Tokens/J: tokens per joule per device over the same window, tokens/p/s over the GPUs' mean power there "
+        "(NVML's energy counter, else the mean of the power samples; '-' where no monitor read a device's power).",
     ]
     notes += ["", "Data: " + data_text(res)]
     ov = res.overrides
@@ -199,6 +237,7 @@ def markdown(res: RunResults) -> str:
     notes += conformance_lines(res)
     notes += beside_lines(res.runtime_info)
     notes += clock_lines(res)
+    notes += energy_lines(res)
     notes += breakdown_lines(res)
     return head + "\n".join(lines + notes) + "\n"
 

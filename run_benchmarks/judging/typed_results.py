@@ -135,6 +135,19 @@ class DeviceClocks(Strict):
     held: dict[str, float] = {}  # reason (monitors.HELD_REASONS) -> share of the samples the driver gave it
 
 
+class DeviceEnergy(Strict):
+    """Energy per token over a phase's steady window (the tokens/p/s window), per device: each used
+    GPU's mean power there, from NVML's energy counter where every one has it (its rise from the
+    window's first sample to its last), else from the mean of its power samples."""
+
+    source: str  # "energy counter" | "power samples"
+    devices: int  # the GPUs averaged
+    samples: int  # their samples inside the window
+    mean_power_w: float  # per device
+    tokens_per_joule: float  # per device: tokens/p/s over the mean power
+    power_limit_w: list[float] = []  # the enforced power limits of those GPUs (distinct values)
+
+
 class PhaseResult(Strict):
     phase: str
     steps_run: int
@@ -158,6 +171,7 @@ class PhaseResult(Strict):
     alloc_retries: int | None = None
     device_mem: DeviceMemory | None = None  # the monitor's view; None where it saw no device
     device_clocks: DeviceClocks | None = None  # the SM clock over the phase's steps; None where the monitor gave none
+    device_energy: DeviceEnergy | None = None  # tokens per joule per device over the window; None without power samples
     steps: list[Step] = []  # every step record (schema 2; empty in schema 1)
     # the kernel ceiling the case measured on its device (run_meta's kernel_ceiling, training/ceiling.py)
     # and the phase's tokens/p/s over it; None where none was measured

@@ -37,7 +37,16 @@ from run_benchmarks.planning.casename import CaseName, check_name
 
 SCHEMA_VERSION = 3
 #: the figures aggregated per run and phase, over its clean rounds (ok or unjudged)
-METRICS = ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "peak_mem_gib", "device_mem_used_gib", "sm_clock_mhz", "alloc_retries")
+METRICS = (
+    "tokens_per_gpu_s",
+    "mfu_6n",
+    "mfu_palm",
+    "peak_mem_gib",
+    "device_mem_used_gib",
+    "sm_clock_mhz",
+    "alloc_retries",
+    "tokens_per_joule",
+)
 OLYMPIC_MIN_ROUNDS = 5  # MLPerf-style: drop the fastest and the slowest from 5 rounds on
 
 SCHEMA = """
@@ -267,6 +276,7 @@ def _figures(p: PhaseResult) -> dict[str, float | None]:
         "peak_mem_gib": p.peak_mem_gib,
         "device_mem_used_gib": p.device_mem.used_gib if p.device_mem else None,
         "sm_clock_mhz": p.device_clocks.sm_median_mhz if p.device_clocks else None,  # the median over the phase's steps
+        "tokens_per_joule": p.device_energy.tokens_per_joule if p.device_energy else None,  # per device, over the window
         "alloc_retries": None if p.alloc_retries is None else float(p.alloc_retries),  # the allocator's cache flushes
     }
 

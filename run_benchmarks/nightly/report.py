@@ -204,6 +204,7 @@ AGGREGATES = (
     ("mfu_palm", "MFU-PaLM", _pct),
     ("peak_mem_gib", "mem allocated (GiB)", lambda x: _f(x, ".3f")),
     ("device_mem_used_gib", "mem in use (GiB)", lambda x: _f(x, ".2f")),
+    ("tokens_per_joule", "tokens/J per device", lambda x: _f(x, ".2f")),
 )
 
 
@@ -257,6 +258,7 @@ def _case_section(db: sqlite3.Connection, row: sqlite3.Row) -> str:
         ]
         for ph, s in st.items()
         for m, label, fmt in AGGREGATES
+        if m != "tokens_per_joule" or s.get(m, {}).get("n")  # energy only where a monitor read power
     ]
     out.append(f"<p>{_rounds_text(row)}; loss {_loss_cell(row['loss_aligned'])}</p>")
     out.append(

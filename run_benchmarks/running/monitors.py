@@ -2,7 +2,7 @@
 
 Each sample is one JSON line: ``{"t": ..., "host": {cpu_percent, mem_used_gib,
 mem_total_gib}, "gpus": [{index, util_percent, mem_used_gib, mem_total_gib,
-power_w, temp_c}]}``; NVML's also carry ``sm_clock_mhz``, ``sm_clock_max_mhz`` and
+power_w, temp_c}]}``; NVML's also carry ``energy_mj`` (the card's energy counter), ``sm_clock_mhz``, ``sm_clock_max_mhz`` and
 ``clock_held``, the reasons the driver gives for holding the SM clock below its maximum
 (``HELD_REASONS``).  GPU readers are chosen by the vendor's ``monitor``
 field: ``nvml`` (nvidia-ml-py), ``ixsmi`` (Iluvatar's ixsmi CSV query output),
@@ -120,6 +120,8 @@ class NVMLReader:
                     "mem_used_gib": mem.used / GIB,
                     "mem_total_gib": mem.total / GIB,
                     "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
+                    # mJ since the driver loaded (Volta and later; None where the card has no counter)
+                    "energy_mj": self._or_none(lambda h=h: float(nv.nvmlDeviceGetTotalEnergyConsumption(h))),
                     "temp_c": float(nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
                     **self.clocks(h),
                 }

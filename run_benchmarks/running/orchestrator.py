@@ -110,6 +110,12 @@ def _phase_result(
         alloc_retries=mem["alloc_retries"],
         device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
         device_clocks=metrics.device_clocks(monitor_nodes, metrics.phase_span(steps)),
+        device_energy=metrics.device_energy(
+            monitor_nodes,
+            metrics.window_span(steps, fig["window"]),
+            fig["tokens_per_gpu_s"],
+            [next((s["identity"] for s in samples if "identity" in s), None) for samples, _ in monitor_nodes],
+        ),
         steps=steps,
     )
 

@@ -50,20 +50,23 @@ def test_compare_two_runs_table_markdown_and_page(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     md = (out / "compare.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| pretrain") or line.startswith("| finetune")]
+    run, ref = (
+        "run 1: iluvatar cpu x2 config_cpux1x2 PP1DP2TP1, data synthetic",
+        "reference: nvidia cpu x2 config_cpux1x2 PP1DP2TP1, data synthetic",
+    )
     assert rows == [
-        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.60 | - | - | - | - | 1.00% | steps 21-30 | ok |",
-        "| pretrain | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | - | reference |  | ok |",
-        "| finetune | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 900.0 | - | 0.900 | 0.9% | 0.8% | 0.60 | - | - | - | - | 1.00% | steps 21-30 | ok |",
-        "| finetune | reference: nvidia cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | - | reference |  | ok |",
+        f"| pretrain | {run} | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.60 | - | - | - | - | 1.00% | steps 21-30 | ok |",
+        f"| pretrain | {ref} | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | - | reference |  | reference run (its own rounds: ok) |",
+        f"| finetune | {run} | PP1DP2TP1 | 900.0 | - | 0.900 | 0.9% | 0.8% | 0.60 | - | - | - | - | 1.00% | steps 21-30 | ok |",
+        f"| finetune | {ref} | PP1DP2TP1 | 1,000.0 | - | reference | 1.0% | 0.8% | 0.40 | - | - | - | - | reference |  | reference run (its own rounds: ok) |",
     ]
     assert "| vendor | iluvatar | nvidia |" in md and "| parallel.tp | 2 | 1 |" in md
     assert "1.500" in proc.stdout and "settings that differ" in proc.stdout  # the same table in the terminal
     assert proc.stdout.strip().splitlines()[-1] == f"comparison: {out / 'compare.md'}, {out / 'compare.html'}"
     page = load_page(out / "compare.html", tmp_path / "profile")
-    assert_loads_offline_with_plots(page, plots=2)  # the loss curves of both phases, overlaid
+    assert_loads_offline_with_plots(page, plots=6)  # per phase: the loss overlaid, the difference, tokens/p/s
     assert page["title"] == "flagbench compare llava_tiny" and page["tables"] == 3  # runs' data, figures, settings
-    assert "run 1: iluvatar cpu x2 config_cpux1x2" in page["text"] and "parallel.tp" in page["text"]
-    assert sorted(i["alt"] for i in page["images"]) == ["loss finetune", "loss pretrain"]
+    assert run in page["text"] and "parallel.tp" in page["text"]
 
 
 def test_compare_other_data_and_bad_input(tmp_path):
@@ -74,8 +77,8 @@ def test_compare_other_data_and_bad_input(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (tmp_path / "cmp" / "compare.md").read_text()
     assert (
-        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 | PP1DP2TP1 | 1,500.0 | - | 1.500 | 1.5% | 1.2% | 0.40 | - | - | - | - | - | "
-        "other data (pretrain01234567 vs synthetic): loss not compared | ok |" in md
+        "| pretrain | run 1: iluvatar cpu x2 config_cpux1x2 PP1DP2TP1, data pretrain01234567/finetune01234567 | PP1DP2TP1 | 1,500.0 | - | "
+        "1.500 | 1.5% | 1.2% | 0.40 | - | - | - | - | - | other data (pretrain01234567 vs synthetic): loss not compared | ok |" in md
     )  # no MRE across data sets
     failed = two_phase_run(tmp_path / "failed.json", "nvidia", (1000.0, 1000.0), 1.0, status="failed")
     bad = start("--compare", str(vendor), str(failed), "--out", str(tmp_path / "x"))

@@ -126,9 +126,10 @@ class Chromium:
         os.close(self._from_chrome)
 
 
-def load_page(page: Path, profile: Path, width: int | None = None, shot: Path | None = None) -> dict[str, Any]:
+def load_page(page: Path, profile: Path, width: int | None = None, shot: Path | None = None, probe: str | None = None) -> dict[str, Any]:
     """Open ``page`` (in a window ``width`` pixels wide); return what the page holds and every
-    error or request it caused; with ``shot``, a PNG of the whole page is written there."""
+    error or request it caused; with ``shot``, a PNG of the whole page is written there; ``probe``:
+    a further expression whose JSON value comes back under ``probe``."""
     import base64
 
     chrome = Chromium(profile)
@@ -138,7 +139,11 @@ def load_page(page: Path, profile: Path, width: int | None = None, shot: Path | 
             chrome.call("Emulation.setDeviceMetricsOverride", metrics, session=True)
         chrome.call("Page.navigate", {"url": page.resolve().as_uri()}, session=True)
         chrome.wait_for("Page.loadEventFired")
-        probe = json.loads(chrome.call("Runtime.evaluate", {"expression": PROBE, "returnByValue": True}, session=True)["result"]["value"])
+        found = json.loads(chrome.call("Runtime.evaluate", {"expression": PROBE, "returnByValue": True}, session=True)["result"]["value"])
+        if probe:
+            found["probe"] = json.loads(
+                chrome.call("Runtime.evaluate", {"expression": probe, "returnByValue": True}, session=True)["result"]["value"]
+            )
         if shot:
             png = chrome.call("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True}, session=True)["data"]
             shot.write_bytes(base64.b64decode(png))
@@ -158,7 +163,7 @@ def load_page(page: Path, profile: Path, width: int | None = None, shot: Path | 
         elif method == "Network.loadingFailed":
             errors.append(f"loading failed: {p.get('errorText')}")
     requests = [ev["params"]["request"]["url"] for ev in chrome.events if ev.get("method") == "Network.requestWillBeSent"]
-    return {**probe, "errors": errors, "requests": requests}
+    return {**found, "errors": errors, "requests": requests}
 
 
 def assert_loads_offline_with_plots(result: dict[str, Any], plots: int) -> None:

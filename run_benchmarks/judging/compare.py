@@ -70,7 +70,9 @@ class Side:
         self.res = tr.load(path)
         kept = [r for r in self.res.rounds if (r.ran_through if with_invalid else r.clean)]
         self.rounds = kept
-        self.label = f"{self.res.vendor} {self.res.hardware} x{self.res.world_size} {self.res.config_name}"
+        layout = next((p.layout for r in reversed(kept) for p in r.phases if p.layout), None) or (kept[-1].layout if kept else None)
+        data = "/".join(dict.fromkeys(self.fingerprint(ph)[:16] for ph in self.res.phases))
+        self.label = f"{self.res.vendor} {self.res.hardware} x{self.res.world_size} {self.res.config_name} {layout or '-'}, data {data}"
         host = (self.res.system or {}).get("host") or "host unknown"
         self.tag = f"{self.res.run_id}, {host}, {self.res.started[:16].replace('T', ' ')}"  # tells runs of one config apart
         if not kept:
@@ -83,6 +85,17 @@ class Side:
                 else ""
             )
             raise InputError(f"{path}: no round ran clean (ok or unjudged): {statuses}; its figures are no results{hint}")
+
+    def verdict(self, phase: str) -> str:
+        """The run's own gate of ``phase`` in its last kept round: ``aligned (0.25 %)``, ``NOT aligned
+        (3.10 %)`` or ``not judged: <why>``."""
+        ps = self.phase(phase)
+        if not ps:
+            return "no such phase"
+        g = ps[-1].gate
+        if g.verdict == "not judged":
+            return f"not judged: {g.reason}"
+        return f"{'aligned' if g.verdict == 'aligned' else 'NOT aligned'} ({'-' if g.mre is None else f'{100 * g.mre:.2f} %'})"
 
     def status(self, phase: str) -> str:
         """The kept rounds' statuses as ``phase`` saw them: ``ok``, ``invalid (<its gate's reason>)``
@@ -184,7 +197,7 @@ def comparison(paths: list[Path], with_invalid: bool = False) -> dict[str, Any]:
                     "tokens/J": energy_cell(last.device_energy) if last else "-",
                     "loss MRE vs reference": mre,
                     "compared": note,
-                    "status": s.status(phase),
+                    "status": f"reference run (its own rounds: {s.status(phase)})" if s is ref else s.status(phase),
                 }
             )
     flats = [_flat(s.res.settings) for s in sides]
@@ -231,6 +244,7 @@ COLUMNS = [
 def markdown(c: dict[str, Any]) -> str:
     sides = c["sides"]
     lines = [f"# {sides[-1].res.model}: {len(sides) - 1} run(s) against the reference run", ""]
+    lines += [f"- {v}" for v in verdict_lines(c)] + [""]
     kept = "round(s) that ran through" if c["with_invalid"] else "clean round(s)"
     lines += [
         f"- {side_name(s, i, sides)}, `{s.path}` ({len(s.rounds)} {kept}); data: "
@@ -241,16 +255,7 @@ def markdown(c: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(str(r[k]).replace("|", "/") for k in COLUMNS) + " |" for r in c["rows"]]
     lines += [
         "",
-        (
-            "Figures are the mean over each run's rounds that ran through, those its own loss gate made invalid "
-            "included (status says which)"
-            if c["with_invalid"]
-            else "Figures are the mean over each run's clean rounds"
-        )
-        + "; ratio is tokens/p/s over the reference run's; of ceiling is tokens/p/s over the kernel ceiling timed "
-        "in the run; SM MHz is the median SM clock of its GPUs over the steps of its last round, with the reason "
-        "the driver held it down most often (docs/metrics.md); the loss MRE is over the steps both runs have from "
-        "step 21 on, on the same data only.",
+        footnote(c),
         "",
         "## Settings that differ",
         "",
@@ -271,26 +276,20 @@ def side_name(s: Side, i: int, sides: list[Side]) -> str:
     return f"{'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label} ({s.tag})"
 
 
-def _legend_below(ax: Any) -> None:
-    """The legend under the axes, outside the curves, one run a line."""
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.14), frameon=False)
-
-
-def _other_data_plot(phase: str, sides: list[Side], others: list[Side]) -> str:
-    """The curves of runs on other data than the reference run's, drawn apart: not comparable."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(13, 3.6), layout="constrained")
-    ax = fig.add_subplot()
-    for s in others:
-        curve = s.loss(phase)
-        steps = sorted(curve)
-        ax.plot(steps, [curve[k] for k in steps], lw=1, label=f"{side_name(s, sides.index(s), sides)}, data {s.fingerprint(phase)}")
-    ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}: runs on other data than the reference run (not compared)")
-    _legend_below(ax)
-    caption = f"phase {phase}: runs on other data (reference data {sides[-1].fingerprint(phase)})"
-    return pages.img(fig, f"loss {phase}, other data", caption)
+def footnote(c: dict[str, Any]) -> str:
+    """What the table's figures are, for the page and compare.md alike."""
+    return (
+        (
+            "Figures are the mean over each run's rounds that ran through, those its own loss gate made invalid "
+            "included (status says which)"
+            if c["with_invalid"]
+            else "Figures are the mean over each run's clean rounds"
+        )
+        + "; ratio is tokens/p/s over the reference run's; of ceiling is tokens/p/s over the kernel ceiling timed "
+        "in the run; SM MHz is the median SM clock of its GPUs over the steps of its last round, with the reason "
+        "the driver held it down most often; tokens/J is tokens per joule per device over the window (docs/metrics.md); "
+        "the loss MRE is over the steps both runs have from step 21 on, on the same data only."
+    )
 
 
 def data_rows(sides: list[Side], phases: list[str]) -> list[list[str]]:
@@ -298,36 +297,238 @@ def data_rows(sides: list[Side], phases: list[str]) -> list[list[str]]:
     return [[side_name(s, i, sides)] + [datacheck.identity_text((s.res.data or {}).get(ph)) for ph in phases] for i, s in enumerate(sides)]
 
 
-def html_page(c: dict[str, Any]) -> str:
-    from matplotlib.figure import Figure
-
+def verdict_lines(c: dict[str, Any]) -> list[str]:
+    """Each run's verdict, first on the page: its own loss gate per phase and, against the
+    reference run, its throughput ratio and loss MRE."""
     sides = c["sides"]
-    body = [f"<h1>{pages.e(sides[-1].res.model)}: {len(sides) - 1} run(s) against the reference run</h1>", "<ul>"]
+    rows = {(r["phase"], r["run"]): r for r in c["rows"]}
+    out = []
+    for i, s in enumerate(sides):
+        head = ("reference" if s is sides[-1] else f"run {i + 1}") + ": " + s.label
+        parts = []
+        for ph in c["phases"]:
+            r = rows.get((ph, ("reference: " if s is sides[-1] else f"run {i + 1}: ") + s.label), {})
+            against = (
+                ""
+                if s is sides[-1]
+                else f"; against the reference run: ratio {r.get('ratio', '-')}, loss MRE {r.get('loss MRE vs reference', '-')}"
+                + (f" ({r['compared']})" if r.get("loss MRE vs reference") == "-" and r.get("compared") else "")
+            )
+            parts.append(f"{ph}: {s.verdict(ph)}{against}")
+        out.append(f"{head}: " + " | ".join(parts))
+    return out
+
+
+#: one color per run (the reference is black), as many as a comparison usually holds
+COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
+
+
+def _chart(div_id: str, title: str, traces: list[dict[str, Any]], layout: dict[str, Any], first: bool) -> str:
+    """A plotly chart written into the page (plotly.js once, with the first chart: the page needs
+    no network), zoomable, its legend under the axes in text a reader can read."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure(data=traces)
+    fig.update_layout(
+        title={"text": title, "font": {"size": 16}},
+        font={"size": 13},
+        showlegend=True,  # also for one run: its name is the legend
+        legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0, "font": {"size": 13}},
+        margin={"l": 60, "r": 20, "t": 50, "b": 40},
+        height=460,
+        template="plotly_white",
+        **layout,
+    )
+    html = fig.to_html(full_html=False, include_plotlyjs=first, div_id=div_id, config={"displaylogo": False, "responsive": True})
+    return f'<figure class="chart" data-title="{pages.e(title)}">{html}</figure>'
+
+
+def _judged_band(last: int) -> dict[str, Any]:
+    """The steps the gate compares, shaded."""
+    return {
+        "type": "rect",
+        "xref": "x",
+        "yref": "paper",
+        "x0": references.ALIGN_FROM_STEP - 0.5,
+        "x1": last + 0.5,
+        "y0": 0,
+        "y1": 1,
+        "fillcolor": "rgba(120,120,120,0.12)",
+        "line": {"width": 0},
+        "layer": "below",
+    }
+
+
+def _zoom_buttons(last: int, judged_y: tuple[float, float] | None) -> list[dict[str, Any]]:
+    """Buttons: every step, or the judged steps alone (from step 21), their loss range."""
+    judged = {"xaxis.range": [references.ALIGN_FROM_STEP - 0.5, last + 0.5]}
+    if judged_y:
+        pad = 0.1 * (judged_y[1] - judged_y[0]) or 0.01 * abs(judged_y[1]) or 0.01
+        judged["yaxis.range"] = [judged_y[0] - pad, judged_y[1] + pad]
+    return [
+        {
+            "type": "buttons",
+            "direction": "right",
+            "x": 1,
+            "xanchor": "right",
+            "y": 1.12,
+            "buttons": [
+                {"label": "all steps", "method": "relayout", "args": [{"xaxis.autorange": True, "yaxis.autorange": True}]},
+                {"label": f"judged steps ({references.ALIGN_FROM_STEP} on)", "method": "relayout", "args": [judged]},
+            ],
+        }
+    ]
+
+
+def phase_charts(phase: str, sides: list[Side], first: bool) -> list[str]:
+    """A phase's charts: the loss per step of the runs on the reference run's data (the judged
+    steps shaded; a button zooms to them), each run's relative difference to the reference run per
+    step (the gate's 2 % band shaded), tokens/p/s per step, and the runs on other data apart."""
+    ref = sides[-1]
+    same = [(i, s) for i, s in enumerate(sides) if s.fingerprint(phase) == ref.fingerprint(phase)]
+    others = [(i, s) for i, s in enumerate(sides) if s.fingerprint(phase) != ref.fingerprint(phase)]
+    ref_loss = ref.loss(phase)
+    last = max([max(s.loss(phase), default=0) for s in sides] + [references.ALIGN_FROM_STEP])
+
+    def style(i: int, s: Side) -> dict[str, Any]:
+        if s is ref:  # drawn first, wide and dashed: an equal run's markers stay visible on it
+            return {"line": {"color": "#000", "width": 3, "dash": "dash"}, "mode": "lines"}
+        return {"line": {"color": COLORS[i % len(COLORS)], "width": 1.6}, "mode": "lines+markers", "marker": {"size": 4}}
+
+    order = [(len(sides) - 1, ref)] + [(i, s) for i, s in same if s is not ref]
+    traces = []
+    judged: list[float] = []
+    for i, s in order:
+        curve = s.loss(phase)
+        steps = sorted(curve)
+        traces.append({"type": "scatter", "x": steps, "y": [curve[k] for k in steps], "name": side_name(s, i, sides), **style(i, s)})
+        judged += [curve[k] for k in steps if k >= references.ALIGN_FROM_STEP and math.isfinite(curve[k])]
+    band = [_judged_band(last)]
+    charts = [
+        _chart(
+            f"loss-{phase}",
+            f"loss, phase {phase} (judged steps shaded)",
+            traces,
+            {
+                "xaxis": {"title": "step"},
+                "yaxis": {"title": "loss"},
+                "shapes": band,
+                "updatemenus": _zoom_buttons(last, (min(judged), max(judged)) if judged else None),
+            },
+            first,
+        )
+    ]
+    diffs = []
+    for i, s in same:
+        if s is ref:
+            continue
+        curve = s.loss(phase)
+        steps = [k for k in sorted(curve) if k in ref_loss and ref_loss[k] and math.isfinite(curve[k])]
+        diffs.append(
+            {
+                "type": "scatter",
+                "x": steps,
+                "y": [100 * (curve[k] - ref_loss[k]) / ref_loss[k] for k in steps],
+                "name": side_name(s, i, sides),
+                **style(i, s),
+            }
+        )
+    if diffs:
+        tol = 100 * references.ALIGN_TOLERANCE
+        shapes = band + [
+            {
+                "type": "rect",
+                "xref": "paper",
+                "x0": 0,
+                "x1": 1,
+                "y0": -tol,
+                "y1": tol,
+                "fillcolor": "rgba(46,160,44,0.08)",
+                "line": {"width": 0},
+                "layer": "below",
+            },
+            {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": 0, "y1": 0, "line": {"color": "#000", "width": 1}},
+        ]
+        charts.append(
+            _chart(
+                f"diff-{phase}",
+                f"loss against the reference run, phase {phase}: (run - reference) / reference, % (the gate's {tol:g} % band shaded)",
+                diffs,
+                {"xaxis": {"title": "step"}, "yaxis": {"title": "% of the reference run's loss"}, "shapes": shapes},
+                False,
+            )
+        )
+    speed = []
+    for i, s in order + others:
+        ps = s.phase(phase)
+        if not ps:
+            continue
+        world = s.res.world_size
+        steps = [st for st in ps[-1].steps if st.step_time_s > 0]
+        speed.append(
+            {
+                "type": "scatter",
+                "x": [st.step for st in steps],
+                "y": [st.tokens / st.step_time_s / world for st in steps],
+                "name": side_name(s, i, sides),
+                **style(i, s),
+            }
+        )
+    if speed:
+        charts.append(
+            _chart(
+                f"tps-{phase}",
+                f"tokens/p/s per step, phase {phase} (each run's last kept round; the warm-up steps included)",
+                speed,
+                {"xaxis": {"title": "step"}, "yaxis": {"title": "tokens per GPU per second"}},
+                False,
+            )
+        )
+    if others:
+        traces = []
+        for i, s in others:
+            curve = s.loss(phase)
+            steps = sorted(curve)
+            traces.append(
+                {
+                    "type": "scatter",
+                    "x": steps,
+                    "y": [curve[k] for k in steps],
+                    "name": f"{side_name(s, i, sides)}, data {s.fingerprint(phase)}",
+                    **style(i, s),
+                }
+            )
+        charts.append(
+            _chart(
+                f"other-{phase}",
+                f"loss, phase {phase}: runs on other data than the reference run's ({ref.fingerprint(phase)}): not compared",
+                traces,
+                {"xaxis": {"title": "step"}, "yaxis": {"title": "loss"}},
+                False,
+            )
+        )
+    return charts
+
+
+def html_page(c: dict[str, Any]) -> str:
+    sides = c["sides"]
+    body = [f"<h1>{pages.e(sides[-1].res.model)}: {len(sides) - 1} run(s) against the reference run</h1>"]
+    body.append('<h2>Verdicts</h2><ul class="verdicts">' + "".join(f"<li>{pages.e(v)}</li>" for v in verdict_lines(c)) + "</ul>")
+    body.append("<h2>Runs</h2><ul>")
     body += [f'<li>{pages.e(side_name(s, i, sides))} <span class="meta">{pages.e(s.path)}</span></li>' for i, s in enumerate(sides)]
     body.append("</ul>")
     body.append(
         "<h2>Data</h2>"
         + pages.table(["run", *(f"phase {ph}" for ph in c["phases"])], [[pages.e(x) for x in r] for r in data_rows(sides, c["phases"])])
     )
+    body.append("<h2>Figures</h2>")
     body.append(pages.table(COLUMNS, [[pages.e(r[k]) for k in COLUMNS] for r in c["rows"]], numeric={3, 4, 5, 6, 7, 8, 9, 10}))
-    plots = []
+    body.append(f'<p class="meta">{pages.e(footnote(c))}</p>')
+    charts: list[str] = []
     for phase in c["phases"]:
-        same = [s for s in sides if s.fingerprint(phase) == sides[-1].fingerprint(phase)]
-        fig = Figure(figsize=(13, 4.2), layout="constrained")
-        ax = fig.add_subplot()
-        for i, s in [(i, s) for i, s in enumerate(sides) if s in same]:
-            curve = s.loss(phase)
-            steps = sorted(curve)
-            style = {"color": "k", "ls": "--", "lw": 1.6} if s is sides[-1] else {"lw": 1}
-            ax.plot(steps, [curve[k] for k in steps], label=side_name(s, i, sides), **style)
-        ax.axvline(references.ALIGN_FROM_STEP, color="grey", lw=0.8, ls=":", label=f"compared from step {references.ALIGN_FROM_STEP}")
-        ax.set(xlabel="step", ylabel="loss", title=f"loss, phase {phase}")
-        _legend_below(ax)
-        plots.append(pages.img(fig, f"loss {phase}", f"phase {phase}: every run's first clean round, on the reference run's data"))
-        if len(same) < len(sides):
-            plots.append(_other_data_plot(phase, sides, [s for s in sides if s not in same]))
-    body.append(f'<h2>Loss</h2><div class="plots wide">{"".join(plots)}</div>')
-    body.append("<style>.wide figure { width: 100%; } .wide img.plot { width: 100%; }</style>")
+        charts += phase_charts(phase, sides, first=not charts)
+    body.append(f'<h2>Loss and throughput per step</h2><div class="charts">{"".join(charts)}</div>')
+    body.append("<style>.charts figure.chart { width: 100%; margin: 0 0 1.5em; } ul.verdicts li { margin: 0.3em 0; }</style>")
     body.append("<h2>Settings that differ</h2>")
     if c["differ"]:
         head = ["setting"] + [f"run {i + 1}" if s is not sides[-1] else "reference" for i, s in enumerate(sides)]

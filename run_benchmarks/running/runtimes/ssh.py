@@ -765,7 +765,11 @@ class SSHRuntime(Runtime):
             self.pool = None
 
     def _remove_run_folder(self, host: HostConfig) -> None:
-        """The run's folder on the host, its logs brought back (best effort: a lost host keeps it)."""
+        """The run's folder on the host, its logs brought back (best effort: a lost host keeps it).
+        A host never reached in this run has none, and is not tried again (a hung sshd would
+        hold the cleanup for another connect_timeout_s)."""
+        if host.name not in self.pool.reached:
+            return
         folder = str(self.work(host) / "runs" / str(self.run_id))
         try:
             self.pool.run(host.name, ["rm", "-rf", "--", folder], timeout=self.cluster.ssh.command_timeout_s)

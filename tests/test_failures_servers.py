@@ -1,15 +1,16 @@
 """SSH servers and docker engines that answer wrongly, on the shared test cluster (tests/cluster/).
 
 A hung sshd (it accepts connections and says nothing), an sshd allowing one session per
-connection, a key with a passphrase: each is met at the first stage that
+connection, a key with a passphrase, a frozen dockerd: each is met at the first stage that
 reaches the host, and said in one line naming the host and the cause, exit 2, within the
 configured bound, with nothing started there. The servers are second sshds of a cluster
 host on ports of their own (``netns.extra_sshd``); the host's own sshd and the other tests'
-state are untouched.
+state are untouched, and the frozen dockerd is let run again whatever the outcome.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -141,3 +142,28 @@ def test_a_key_with_a_passphrase_is_named_with_its_path(cluster, megatron_python
             f": key file {key} is protected by a passphrase, and runs ask for none: "
             "give the hosts a key without one (key_file of the cluster file)"
         ), line
+
+
+@pytest.mark.alone  # times something: tests/parallel.py
+def test_a_frozen_docker_engine_is_named_within_command_timeout(cluster, megatron_python, tmp_path):
+    """h2's dockerd stopped (SIGSTOP): its socket accepts, nothing answers. A container run
+    says so within command_timeout_s (5 s), not the docker SDK's own 120 s; exit 2."""
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
+    doc = yaml.safe_load(cfile.read_text())
+    doc["ssh"]["command_timeout_s"] = 5
+    cfile.write_text(yaml.safe_dump(doc))
+    dockerd = cluster.host("h2").dockerd_pid
+    assert dockerd and f"{cluster.dir}/hosts/h2/docker " in netns._cmdline(dockerd) + " "
+    os.kill(dockerd, signal.SIGSTOP)
+    try:
+        p, took = _start(cfile, tmp_path / "logs")
+    finally:
+        os.kill(dockerd, signal.SIGCONT)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert one_line(p.stderr) == "error: host h2: docker engine not answering over ssh: no reply within 5 s"
+    # the bound once, plus the start of a Python process here and the SSH connects:
+    # 6.2 s on the 2-core test machine, 2026-12-01
+    assert 5 <= took < 30, f"{took:.1f} s"
+    print(f"frozen engine named after {took:.1f} s")
+    _, res = only_run(tmp_path / "logs")
+    assert json.loads(json.dumps(res))["run_id"] and leftovers(cluster, res["run_id"]) == []

@@ -426,3 +426,20 @@ def test_a_submission_the_controller_refuses_for_now_is_quoted_at_once(tmp_path:
         if held:
             subprocess.run(["scancel", held], env=env, capture_output=True, timeout=30)
         slurm_cluster.restart_controller()
+
+
+def test_a_host_not_in_slurm_conf_is_named(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    """A host of the cluster file that is no node of the Slurm cluster: sbatch's "Invalid node
+    name specified" names it, exit 2, and no job is left."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    doc = yaml.safe_load(cfile.read_text())
+    doc["hosts"][1]["name"] = "n9"
+    cfile.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line == (
+        "error: sbatch refused the job: sbatch: error: Batch job submission failed: Invalid node name specified: "
+        "n9 of the cluster file's hosts is not a node of this Slurm cluster (not in its slurm.conf)"
+    ), line
+    assert slurm_cluster.jobs() == []

@@ -494,9 +494,25 @@ class SlurmRuntime(Runtime):
                     f"the Slurm controller refused the job for now ({said}): its job limit (MaxJobCount) reached, "
                     f"or it is overloaded; sbatch stopped (submitted: {shlex.join(argv)})"
                 )
+            unknown = self._unknown_hosts(plan) if "Invalid node name" in said else []
+            if unknown:
+                raise InputError(
+                    f"sbatch refused the job: {said}: {', '.join(unknown)} of the cluster file's hosts "
+                    f"{'is not a node' if len(unknown) == 1 else 'are not nodes'} of this Slurm cluster (not in its slurm.conf)"
+                )
             raise InputError(f"sbatch refused the job: {said} (submitted: {shlex.join(argv)})")
         placeholder.job_id = proc.stdout.strip().split(";")[0]
         return placeholder
+
+    def _unknown_hosts(self, plan: Plan) -> list[str]:
+        """The hosts the job is pinned to (``--nodelist``) that the controller does not know."""
+        names = [h.name for h in self.cluster.hosts[: plan.case.nnodes]] if "hosts" in self.cluster.model_fields_set else []
+        unknown = []
+        for name in names:
+            proc = self._run(["scontrol", "show", "node", "-o", name], timeout=30)
+            if proc.returncode != 0 and f"Node {name} not found" in proc.stdout + proc.stderr:
+                unknown.append(name)
+        return unknown
 
     def _show(self, job: Job) -> None:
         proc = self._run(["scontrol", "show", "job", "-o", job.job_id], timeout=30)

@@ -1,6 +1,7 @@
 """Slurm failures on the real test Slurm cluster (tests/slurm/): a node whose slurmd is down,
-and start_task.py stopped by SIGHUP. Each checks the line the user gets, the exit status,
-and that no job or process is left.
+start_task.py stopped by SIGHUP, partitions that can never run the job, a controller that
+refuses it for now. Each checks the line the user gets, the exit status, and that no job or
+process is left.
 
 (A master whose name does not resolve on the other node, and jobs sharing a node without a
 fixed port, are in every multi-node run of test_slurm_backend.py: n2 cannot resolve n1.)
@@ -336,3 +337,109 @@ def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_clust
     assert re.fullmatch(lead, lines[0]), lines
     assert f"node0 (n1): stopped: Slurm job {job['job_id']} ended NODE_FAIL for node n2" in lines[1:], lines
     assert_nothing_left(slurm_cluster, res["run_id"])
+
+
+def _partition(cluster: SlurmTestCluster, *settings: str) -> None:
+    done = subprocess.run(
+        ["scontrol", "update", "PartitionName=debug", *settings], env=cluster.env(), capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.alone  # times something: tests/parallel.py
+def test_a_job_its_partition_can_never_run_fails_at_once_naming_the_limit(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    """The partition's MaxTime below the job's time limit, its MaxNodes below the job's nodes,
+    the partition DOWN, a job of more nodes than it has: each job waits with a reason that
+    never clears by itself, and each round fails at its first poll naming the partition, the
+    limit and what the job asks (not at the round deadline, 600 s). An INACTIVE partition is
+    refused by sbatch itself, quoted. The partition is restored whatever the outcome."""
+    cases = [
+        (("MaxTime=00:01:00",), "its time limit 00:10:00 is above partition debug's MaxTime 00:01:00 (PartitionTimeLimit)", 2),
+        (("MaxNodes=1",), "it asks for 2 nodes, partition debug allows at most 1 (MaxNodes 1) (PartitionNodeLimit)", 2),
+        (("State=DOWN",), "partition debug is DOWN (PartitionDown)", 2),
+        ((), "it asks for 4 nodes, partition debug has 2 (TotalNodes 2) (PartitionNodeLimit)", 4),
+    ]
+    try:
+        for i, (settings, said, nodes) in enumerate(cases):
+            tmp = tmp_path / str(i)
+            tmp.mkdir()
+            cfile = cluster_file(tmp, slurm_cluster.conf)
+            if nodes != 2:  # no hosts named: the job asks Slurm for any 4 nodes
+                doc = yaml.safe_load(cfile.read_text())
+                del doc["hosts"]
+                cfile.write_text(yaml.safe_dump(doc))
+            _partition(slurm_cluster, *settings) if settings else None
+            argv = start_argv(tmp, cfile, sys.executable)
+            argv[argv.index("--case_name") + 1] = f"llama3_tiny:megatron:cpu:{nodes}:1"
+            t0 = time.monotonic()
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            took = time.monotonic() - t0
+            _partition(slurm_cluster, "MaxTime=INFINITE", "MaxNodes=UNLIMITED", "State=UP")
+            assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+            res = results(tmp)
+            (rnd,) = res["rounds"]
+            (job,) = res["runtime_info"]["slurm"]["jobs"]
+            first = rnd["error"].splitlines()[0]
+            assert first == f"Slurm job {job['job_id']} can never start: {said}; cancelled", first
+            assert job["cancelled_by_harness"] == ("partition limit")
+            assert took < 30, f"{took:.0f} s to say so"  # the first poll, 1.8 s on the 2-core test machine (2026-12-01)
+            assert_nothing_left(slurm_cluster, res["run_id"])
+        _partition(slurm_cluster, "State=INACTIVE")
+        cfile = cluster_file(tmp_path, slurm_cluster.conf)
+        proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert line.startswith(
+            "error: sbatch refused the job: sbatch: error: Batch job submission failed: Required partition not available (inactive or drain)"
+        ), line
+    finally:
+        _partition(slurm_cluster, "MaxTime=INFINITE", "MaxNodes=UNLIMITED", "State=UP")
+
+
+@pytest.mark.alone  # times something: tests/parallel.py
+def test_a_submission_the_controller_refuses_for_now_is_quoted_at_once(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    """MaxJobCount 1 with a held job's record in the controller: sbatch says the controller is
+    "temporarily unable to accept job" (and would retry for two minutes). The run says that,
+    in seconds, exit 2, and no job of it is left. The controller's own configuration is
+    restored whatever the outcome."""
+    env = slurm_cluster.env()
+    held = None
+    try:
+        hold = ["sbatch", "--parsable", "--hold", "--output=/dev/null", "--wrap", "true"]
+        held = subprocess.run(hold, env=env, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        slurm_cluster.restart_controller(MaxJobCount="1")  # the held job's record, kept, is the one
+        cfile = cluster_file(tmp_path, slurm_cluster.conf)
+        t0 = time.monotonic()
+        proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=200)
+        took = time.monotonic() - t0
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert line.startswith(
+            "error: the Slurm controller refused the job for now (sbatch: error: Slurm temporarily unable to accept job, "
+            "sleeping and retrying): its job limit (MaxJobCount) reached, or it is overloaded; sbatch stopped (submitted: sbatch "
+        ), line
+        assert "Traceback" not in proc.stderr and "no answer from the Slurm controller" not in proc.stderr, proc.stderr
+        assert took < 30, f"{took:.0f} s"  # sbatch alone retries for 120 s; 0.9 s on the 2-core test machine (2026-12-01)
+        assert [j for j in slurm_cluster.jobs() if j != held] == []
+        print(f"refused submission said after {took:.1f} s")
+    finally:
+        if held:
+            subprocess.run(["scancel", held], env=env, capture_output=True, timeout=30)
+        slurm_cluster.restart_controller()
+
+
+def test_a_host_not_in_slurm_conf_is_named(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    """A host of the cluster file that is no node of the Slurm cluster: sbatch's "Invalid node
+    name specified" names it, exit 2, and no job is left."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    doc = yaml.safe_load(cfile.read_text())
+    doc["hosts"][1]["name"] = "n9"
+    cfile.write_text(yaml.safe_dump(doc))
+    proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert line == (
+        "error: sbatch refused the job: sbatch: error: Batch job submission failed: Invalid node name specified: "
+        "n9 of the cluster file's hosts is not a node of this Slurm cluster (not in its slurm.conf)"
+    ), line
+    assert slurm_cluster.jobs() == []

@@ -235,6 +235,65 @@ def _start_sshd(c: Cluster, h: HostInfo, hdir: Path, env: dict[str, str] | None 
     _wait(f"sshd of {h.name}", lambda: _tcp_open(h.address, h.port), 15, proc, log)
 
 
+def extra_sshd(c: Cluster, name: str, port: int, **options: str) -> subprocess.Popen:
+    """A second sshd of host ``name`` on ``port``, its config the cluster's with ``options``
+    (sshd_config keywords, e.g. ``MaxSessions="1"``) in place of the same keywords; ready
+    when this returns. The caller ends it by its PID (``end_extra_sshd``)."""
+    h, hdir = c.host(name), Path(c.dir) / "hosts" / name
+    base = SSHD_CONFIG.format(port=port, address=h.address, host_key=h.host_key, authorized_keys=Path(c.dir) / "authorized_keys")
+    lines = [ln for ln in base.splitlines() if ln.split(" ", 1)[0] not in options]
+    cfg = hdir / f"sshd_config.{port}"
+    cfg.write_text("\n".join(lines + [f"{k} {v}" for k, v in options.items()]) + "\n")
+    # as the host's own sshd: its engine at /run/docker.sock, an empty ~/.bashrc (when there is one)
+    script = (
+        'mount -t tmpfs -o mode=755 tmpfs /run && mkdir -p /run/sshd /run/lock && ln -s "$2" /run/docker.sock && '
+        '{ [ -z "$3" ] || mount --bind "$3" "$4"; } && exec "$0" -D -e -f "$1"'
+    )
+    bashrc = os.path.expanduser("~/.bashrc")
+    (hdir / "empty_bashrc").write_text("")
+    quiet = [str(hdir / "empty_bashrc"), bashrc] if os.path.exists(bashrc) else ["", ""]
+    log = hdir / f"sshd.{port}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                "nsenter",
+                f"--net=/run/netns/{h.netns}",
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                SSHD,
+                str(cfg),
+                h.docker_socket,
+                *quiet,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
+    try:
+        _wait(f"sshd of {name} on port {port}", lambda: _tcp_open(h.address, port), 15, proc, log)
+    except BaseException:
+        end_extra_sshd(proc)
+        raise
+    return proc
+
+
+def end_extra_sshd(proc: subprocess.Popen) -> None:
+    """End a sshd that ``extra_sshd`` started, and its sessions, stopped or not."""
+    if proc.poll() is not None:
+        return
+    os.kill(proc.pid, signal.SIGCONT)  # a stopped one first runs again, to take its TERM
+    for session in _children(proc.pid):
+        _end(session, "", timeout=5)
+    _end(proc.pid, "", timeout=5)
+    proc.wait(timeout=10)
+
+
 def _start_dockerd(c: Cluster, h: HostInfo, hdir: Path) -> None:
     (hdir / "daemon.json").write_text("{}\n")
     log = hdir / "dockerd.log"

@@ -263,6 +263,18 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         self._wait("nodes idle", self._nodes_idle, timeout=90)
         self._note_namespaces()
 
+    def restart_controller(self, **settings: str) -> None:
+        """Restart slurmctld with its job state kept, slurm.conf having ``settings`` (e.g.
+        ``MaxJobCount="1"``, which only a restart applies) after the cluster's own lines; with
+        none, the cluster's own configuration again. Returns once every node is idle."""
+        text = self.conf.read_text().split("# restart_controller\n", 1)[0]
+        self.conf.write_text(text + ("# restart_controller\n" + "".join(f"{k}={v}\n" for k, v in settings.items()) if settings else ""))
+        proc = self.procs.pop("slurmctld")
+        kill_group(proc, grace=10.0)
+        self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])  # no -c: its jobs and nodes kept
+        self._wait("slurmctld", lambda: self._scontrol("ping").returncode == 0)
+        self._wait("nodes idle", self._nodes_idle, timeout=90)
+
     def jobs(self) -> list[str]:
         """Job ids the controller still lists as pending or running."""
         out = subprocess.run(["squeue", "-h", "-o", "%i %T"], env=self.env(), capture_output=True, text=True, timeout=20).stdout

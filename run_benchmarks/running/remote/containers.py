@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -68,8 +69,26 @@ def brief(exc: BaseException | str) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _why(exc: BaseException, timeout: float | None) -> str:
+    """What an engine call met, in one line: a timeout as the bound it ran out of."""
+    timed_out = isinstance(exc, (requests.exceptions.Timeout, TimeoutError, socket.timeout)) or "timed out" in _words(exc).lower()
+    return f"no reply within {timeout:g} s" if timed_out and timeout else brief(exc)
+
+
 @contextlib.contextmanager
-def engine_errors(engine: str, doing: str) -> Iterator[None]:
+def longer_calls(client: docker.DockerClient, seconds: float) -> Iterator[None]:
+    """Engine calls that take long by nature (loading an image) bounded by ``seconds``
+    instead of the client's timeout, which is put back after."""
+    before = client.api.timeout
+    client.api.timeout = seconds
+    try:
+        yield
+    finally:
+        client.api.timeout = before
+
+
+@contextlib.contextmanager
+def engine_errors(engine: str, doing: str, timeout: float | None = None) -> Iterator[None]:
     """Turn what the docker SDK, HTTP and SSH raise during an engine call into one
     ``ContainerError`` line naming the engine; ``NotFound`` passes (callers expect it)."""
     try:
@@ -79,7 +98,18 @@ def engine_errors(engine: str, doing: str) -> Iterator[None]:
     except docker.errors.APIError as e:
         raise ContainerError(engine, f"{doing}: {brief(e.explanation or e)}") from e
     except (docker.errors.DockerException, requests.exceptions.RequestException, paramiko.SSHException, OSError, EOFError) as e:
-        raise EngineUnreachable(engine, f"docker engine not answering ({doing}): {brief(e)}") from e
+        raise EngineUnreachable(engine, f"docker engine not answering ({doing}): {_why(e, timeout)}") from e
+
+
+class _Sessions:
+    """What docker's SSHConnection asks of a paramiko transport, ``open_session()``, served
+    by the pool: a refused session is asked again, then named (``SSHPool.session``)."""
+
+    def __init__(self, ssh: SSHPool, host: str, transport: Any, timeout: float) -> None:
+        self.ssh, self.host, self.transport, self.timeout = ssh, host, transport, timeout
+
+    def open_session(self) -> Any:
+        return self.ssh.session(self.host, self.transport, self.timeout)
 
 
 class _TransportHolder:
@@ -101,19 +131,21 @@ class _PoolDialAdapter(BaseHTTPAdapter):
         self._owns_pool = owns_pool
         self._max_pool_size = max_pool_size
         self._cpool: SSHConnectionPool | None = None
+        self._cpool_transport: Any = None
         self._lock = threading.Lock()
 
     def get_connection(self, url: Any, proxies: Any = None) -> SSHConnectionPool:
         transport = self.ssh.transport(self.host)  # reconnects when the connection died
         with self._lock:
-            if self._cpool is None or self._cpool.ssh_transport is not transport:
+            if self._cpool is None or self._cpool_transport is not transport:
                 if self._cpool is not None:
                     self._cpool.close()
                 self._cpool = SSHConnectionPool(
-                    ssh_client=_TransportHolder(transport),
+                    ssh_client=_TransportHolder(_Sessions(self.ssh, self.host, transport, self.timeout)),
                     timeout=self.timeout,
                     maxsize=self._max_pool_size,
                 )
+                self._cpool_transport = transport
             return self._cpool
 
     def close(self) -> None:
@@ -179,8 +211,8 @@ def _client_over(adapter: _PoolDialAdapter, name: str, timeout: float) -> docker
         version = probe.version(api_version=False)["ApiVersion"]
     except RemoteError:
         raise
-    except (docker.errors.DockerException, requests.exceptions.RequestException) as e:
-        raise EngineUnreachable(name, f"docker engine not answering over ssh: {e}") from e
+    except (docker.errors.DockerException, requests.exceptions.RequestException, paramiko.SSHException, OSError, EOFError) as e:
+        raise EngineUnreachable(name, f"docker engine not answering over ssh: {_why(e, timeout)}") from e
     client = docker.DockerClient(base_url=_PLACEHOLDER_URL, version=version, timeout=timeout)
     client.api.mount("http+docker://", adapter)
     return client
@@ -267,7 +299,7 @@ def ensure_image(
     """
     engine = engine_name(client)
     tag = image_tag(context_dir, name, buildargs)
-    with engine_errors(engine, f"looking up {tag}"):
+    with engine_errors(engine, f"looking up {tag}", client.api.timeout):
         try:
             return client.images.get(tag).id
         except docker.errors.ImageNotFound:
@@ -304,7 +336,7 @@ def ensure_image(
 
 def has_image(client: docker.DockerClient, ref: str) -> bool:
     """Whether the engine holds the image ``ref``."""
-    with engine_errors(engine_name(client), f"looking up {ref}"):
+    with engine_errors(engine_name(client), f"looking up {ref}", client.api.timeout):
         try:
             client.images.get(ref)
             return True
@@ -447,13 +479,13 @@ class ContainerHandle:
 
     def logs(self, tail: int | None = None) -> str:
         """stdout and stderr so far, interleaved as the engine recorded them."""
-        with engine_errors(self.engine, f"reading the logs of {self.name}"):
+        with engine_errors(self.engine, f"reading the logs of {self.name}", self.container.client.api.timeout):
             data = self.container.logs(stdout=True, stderr=True, tail=tail if tail else "all")
         return data.decode("utf-8", "replace")
 
     def stop_and_remove(self, timeout: int = 10) -> None:
         """Stop (TERM, KILL after ``timeout`` s) and remove; a missing container is fine."""
-        with engine_errors(self.engine, f"removing {self.name}"):
+        with engine_errors(self.engine, f"removing {self.name}", self.container.client.api.timeout):
             try:
                 self.container.stop(timeout=timeout)
             except docker.errors.NotFound:
@@ -498,14 +530,14 @@ def run_container(client: docker.DockerClient, spec: ContainerSpec) -> Container
         ulimits=[Ulimit(name=n, soft=s, hard=h) for n, s, h in spec.ulimits] or None,
     )
     kwargs.update({k: v for k, v in optional.items() if v is not None})
-    with engine_errors(engine, f"creating a container of {spec.image}"):
+    with engine_errors(engine, f"creating a container of {spec.image}", client.api.timeout):
         try:
             container = client.containers.create(**kwargs)  # create() never pulls; run() would
         except docker.errors.ImageNotFound as e:
             raise ImageBuildFailed(engine, f"image {spec.image} is not on the engine (images are never pulled)") from e
     handle = ContainerHandle(container, engine, spec)
     try:
-        with engine_errors(engine, f"starting {handle.name}"):
+        with engine_errors(engine, f"starting {handle.name}", client.api.timeout):
             container.start()
     except BaseException:
         with contextlib.suppress(RemoteError):  # the engine may be what failed
@@ -517,7 +549,7 @@ def run_container(client: docker.DockerClient, spec: ContainerSpec) -> Container
 def containers_of_run(client: docker.DockerClient, run_id: str | None) -> list[Any]:
     """Every container (running or not) labelled with ``run_id``; with None, of any run."""
     label = LABEL_RUN_ID if run_id is None else f"{LABEL_RUN_ID}={run_id}"
-    with engine_errors(engine_name(client), "listing containers"):
+    with engine_errors(engine_name(client), "listing containers", client.api.timeout):
         return client.containers.list(all=True, filters={"label": label})
 
 
@@ -538,7 +570,7 @@ def remove_other_runs(client: docker.DockerClient, run_id: str | None) -> dict[s
 
 def _remove(client: docker.DockerClient, containers: list[Any]) -> list[str]:
     removed = []
-    with engine_errors(engine_name(client), "removing containers"):
+    with engine_errors(engine_name(client), "removing containers", client.api.timeout):
         for container in containers:
             try:
                 container.remove(force=True)

@@ -39,6 +39,15 @@ class HostKeyMismatch(RemoteError):
         self.expected = expected
 
 
+class TooFewSessions(RemoteError):
+    """The server allows fewer sessions (channels) at once on one connection than a run opens
+    (sshd's MaxSessions); ``allowed`` is how many it opened."""
+
+    def __init__(self, host: str, message: str, *, allowed: int) -> None:
+        super().__init__(host, message)
+        self.allowed = allowed
+
+
 class CommandTimeout(RemoteError):
     """A remote call did not finish within its timeout (the command was killed where we could)."""
 
@@ -115,4 +124,5 @@ __all__ = [
     "ImageBuildFailed",
     "RemoteCommandFailed",
     "RemoteError",
+    "TooFewSessions",
 ]

@@ -19,8 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .containers import base_images, engine_errors, engine_name, has_image
+from .containers import base_images, engine_errors, engine_name, has_image, longer_calls
 from .errors import ContainerError
+
+#: an image's save or load over one engine call: minutes for a framework image, not the
+#: engine's usual bound (the cluster file's command_timeout_s)
+TRANSFER_TIMEOUT_S = 3600.0
 
 
 def dockerfile_bases(contexts: Iterable[Path], buildargs: dict[str, str] | None = None) -> list[str]:
@@ -35,7 +39,7 @@ def dockerfile_bases(contexts: Iterable[Path], buildargs: dict[str, str] | None 
 def save_image(source: Any, ref: str, directory: Path) -> Path:
     """``docker save`` of ``ref`` from the engine ``source`` into a file under ``directory``."""
     path = directory / (ref.replace("/", "_").replace(":", "_") + ".tar")
-    with engine_errors(engine_name(source), f"saving {ref}"):
+    with engine_errors(engine_name(source), f"saving {ref}", TRANSFER_TIMEOUT_S), longer_calls(source, TRANSFER_TIMEOUT_S):
         if not has_image(source, ref):
             raise ContainerError(
                 engine_name(source),
@@ -63,7 +67,7 @@ def is_rootfs(archive: Path) -> bool:
 def load_archive(engine: Any, archive: Path, refs: list[str] | None = None) -> None:
     """Stream a ``docker save`` archive into an engine; with ``refs``, import the archive
     (a root filesystem) under each of those names instead."""
-    with engine_errors(engine_name(engine), f"loading {archive.name}"):
+    with engine_errors(engine_name(engine), f"loading {archive.name}", TRANSFER_TIMEOUT_S), longer_calls(engine, TRANSFER_TIMEOUT_S):
         if refs is None:
             with open(archive, "rb") as data:
                 engine.images.load(data)

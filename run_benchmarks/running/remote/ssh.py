@@ -42,6 +42,7 @@ from .errors import (
     HostKeyUnknown,
     HostUnreachable,
     RemoteCommandFailed,
+    TooFewSessions,
 )
 from .hosts import HostSpec
 from .process import PGID_MARK, RemoteProcess, _pump, _split_marker, remote_command
@@ -51,6 +52,13 @@ from .transfer import TransferMixin, TransferStats
 # its own tracebacks; the errors raised here name the host and the cause instead
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
+
+#: sessions (channels) a run opens at once on one host's connection: the host's lock, the
+#: node's agent, a command or a file transfer beside them, and the docker SDK's connections
+#: (one ``docker system dial-stdio`` channel each). OpenSSH's default MaxSessions is 10:
+#: a server allowing fewer is refused when it is connected, before anything runs there.
+SESSIONS_NEEDED = 10
+SESSION_RETRY_S = 2.0  # a refused session is asked for again this long (see SSHPool.session)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,7 @@ class SSHPool(TransferMixin):
         allow_agent: bool = False,
         connect_timeout: float = 10.0,
         lost_after: float = 30.0,
+        sessions_needed: int = SESSIONS_NEEDED,
     ) -> None:
         self.hosts: dict[str, HostSpec] = {}
         for spec in hosts:
@@ -118,9 +127,11 @@ class SSHPool(TransferMixin):
         self.allow_agent = allow_agent
         self.connect_timeout = connect_timeout
         self.lost_after = lost_after
+        self.sessions_needed = sessions_needed
         self._conns: dict[str, paramiko.Transport] = {}
         self._host_locks = {name: threading.Lock() for name in self.hosts}
         self._known_hosts_lock = threading.Lock()
+        self.reached: set[str] = set()  # the hosts connected to at least once
 
     # -- connections -------------------------------------------------------------------
     def _spec(self, host: str | HostSpec) -> HostSpec:
@@ -162,17 +173,20 @@ class SSHPool(TransferMixin):
 
     def _open(self, spec: HostSpec) -> paramiko.Transport:
         timeout = self.connect_timeout
+        where = f"{spec.address}:{spec.port}"
+        deadline = time.monotonic() + timeout  # TCP connect, banner and key exchange together
         try:
             sock = socket.create_connection((spec.address, spec.port), timeout=timeout)
         except TimeoutError:
-            raise HostUnreachable(spec.name, f"connecting to {spec.address}:{spec.port} timed out after {timeout}s") from None
+            raise HostUnreachable(spec.name, f"connecting to {where} timed out after {timeout:g}s") from None
         except OSError as e:
-            raise HostUnreachable(spec.name, f"cannot connect to {spec.address}:{spec.port}: {e.strerror or e}") from e
+            raise HostUnreachable(spec.name, f"cannot connect to {where}: {e.strerror or e}") from e
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _bound_silence(sock, self.lost_after)
         transport = paramiko.Transport(sock)
-        transport.banner_timeout = timeout
-        transport.handshake_timeout = timeout
+        left = max(1.0, deadline - time.monotonic())
+        transport.banner_timeout = left
+        transport.handshake_timeout = left
         transport.auth_timeout = timeout
         try:
             known = self._load_known_hosts(spec)
@@ -182,16 +196,57 @@ class SSHPool(TransferMixin):
                 preferred = [k for k in opts.key_types if k in recorded or (k.startswith("rsa-sha2") and "ssh-rsa" in recorded)]
                 opts.key_types = preferred + [k for k in opts.key_types if k not in preferred]
             try:
-                transport.start_client(timeout=timeout)
+                transport.start_client(timeout=left)
             except (paramiko.SSHException, OSError, EOFError) as e:
-                raise HostUnreachable(spec.name, f"SSH handshake failed: {e}") from e
+                raise HostUnreachable(spec.name, self._no_handshake(transport, where, timeout, e)) from e
+            if not transport.initial_kex_done:  # start_client returns at its timeout, unfinished
+                raise HostUnreachable(spec.name, self._no_handshake(transport, where, timeout, None))
             self._check_host_key(spec, transport.get_remote_server_key(), known)
             self._authenticate(spec, transport)
+            self._check_sessions(spec, transport, where)
             transport.set_keepalive(max(1, int(self.lost_after / 3)))
+            self.reached.add(spec.name)
             return transport
         except BaseException:
             transport.close()
             raise
+
+    def _check_sessions(self, spec: HostSpec, transport: paramiko.Transport, where: str) -> None:
+        """Open ``sessions_needed`` sessions at once (then close them): a server that refuses
+        one (sshd's MaxSessions below it) is named with the number it allowed."""
+        opened: list[paramiko.Channel] = []
+        try:
+            while len(opened) < self.sessions_needed:
+                try:
+                    opened.append(transport.open_session(timeout=self.connect_timeout))
+                except paramiko.ChannelException as e:
+                    n = len(opened)
+                    raise TooFewSessions(
+                        spec.name,
+                        f"{where} allows {n} session{'s' * (n != 1)} at once on one SSH connection "
+                        f"(the server refused the next: {e.text}; sshd_config MaxSessions {n}?); runs need "
+                        f"{self.sessions_needed} (OpenSSH's default): set MaxSessions {self.sessions_needed} or more there",
+                        allowed=n,
+                    ) from None
+                except (paramiko.SSHException, OSError, EOFError) as e:
+                    raise HostUnreachable(spec.name, f"cannot open a channel: {e}") from e
+        finally:
+            for chan in opened:
+                chan.close()
+
+    @staticmethod
+    def _no_handshake(transport: paramiko.Transport, where: str, timeout: float, exc: BaseException | None) -> str:
+        """Why the SSH handshake did not finish: no banner (a listener that accepts and says
+        nothing: sshd stopped or hung, or not an SSH server), or no key exchange."""
+        if not transport.remote_version:
+            if exc is None or "banner" in str(exc):
+                return (
+                    f"{where} accepts connections but sent no SSH banner within {timeout:g} s "
+                    "(connect_timeout_s): its sshd is hung or stopped, or the port is not SSH"
+                )
+        elif exc is None:
+            return f"{where} ({transport.remote_version}) did not finish the SSH key exchange within {timeout:g} s (connect_timeout_s)"
+        return f"SSH handshake with {where} failed: {exc}"
 
     def _load_known_hosts(self, spec: HostSpec) -> paramiko.HostKeys:
         path = os.path.expanduser(spec.known_hosts)
@@ -246,6 +301,14 @@ class SSHPool(TransferMixin):
             path = os.path.expanduser(spec.key_file)
             try:
                 pkey = paramiko.PKey.from_path(path)
+            except (paramiko.PasswordRequiredException, TypeError) as e:  # cryptography's word for it: TypeError
+                if isinstance(e, TypeError) and "password" not in str(e).lower() and "encrypted" not in str(e).lower():
+                    raise
+                raise AuthFailed(
+                    spec.name,
+                    f"key file {path} is protected by a passphrase, and runs ask for none: "
+                    "give the hosts a key without one (key_file of the cluster file)",
+                ) from None
             except (OSError, paramiko.SSHException, ValueError) as e:
                 raise AuthFailed(spec.name, f"cannot load key file {path}: {e}") from e
             tried.append(path)
@@ -267,17 +330,31 @@ class SSHPool(TransferMixin):
             what = ", ".join(tried) if tried else "no key (key_file unset, agent not allowed)"
             raise AuthFailed(spec.name, f"{spec.user}@{spec.address}:{spec.port} refused {what}")
 
+    def session(self, host: str | HostSpec, transport: paramiko.Transport, timeout: float) -> paramiko.Channel:
+        """A new session channel on the host's ``transport``. A refusal is tried again for
+        ``SESSION_RETRY_S``: a session just closed here is free at the server only once its
+        own close has come back; then it raises ``RemoteCommandFailed`` naming the host."""
+        spec = self._spec(host)
+        end = time.monotonic() + SESSION_RETRY_S
+        while True:
+            try:
+                return transport.open_session(timeout=timeout)
+            except paramiko.ChannelException as e:
+                if time.monotonic() >= end:
+                    raise RemoteCommandFailed(
+                        spec.name, f"the server refused a channel ({e.text}): more sessions at once than its MaxSessions?"
+                    ) from None
+                time.sleep(0.02)
+
     def _open_channel(self, spec: HostSpec, timeout: float) -> paramiko.Channel:
         transport = self.transport(spec)
         try:
-            return transport.open_session(timeout=timeout)
-        except paramiko.ChannelException as e:
-            raise RemoteCommandFailed(spec.name, f"the server refused a channel: {e}") from e
+            return self.session(spec, transport, timeout)
         except (paramiko.SSHException, OSError, EOFError) as e:
             if transport.is_active():
                 raise HostUnreachable(spec.name, f"cannot open a channel: {e}") from e
         try:
-            return self.transport(spec).open_session(timeout=timeout)  # reconnected once
+            return self.session(spec, self.transport(spec), timeout)  # reconnected once
         except (paramiko.SSHException, OSError, EOFError) as e:
             raise HostUnreachable(spec.name, f"cannot open a channel: {e}") from e
 
@@ -396,6 +473,7 @@ class SSHPool(TransferMixin):
 __all__ = [
     "HostSpec",
     "PGID_MARK",
+    "SESSIONS_NEEDED",
     "RemoteProcess",
     "Result",
     "SSHPool",

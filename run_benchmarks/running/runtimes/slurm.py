@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import selectors
 import shlex
 import shutil
 import socket
@@ -59,6 +60,13 @@ ENDED_BY_SLURM = {"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "OUT_OF_MEM
 #: a pending job's reason when a node it asked for cannot serve; states that say so
 UNAVAILABLE_REASON = re.compile(r"ReqNodeNotAvail|NodeDown|Nodes_required_for_job_are_DOWN")
 OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE"}
+#: a pending job's reason when its partition cannot run it as asked (a limit below what it
+#: asks, the partition down): it waits until an admin changes the partition, so never by itself
+#: sbatch's line when the controller refuses a job for now (its MaxJobCount reached, say): sbatch
+#: would sleep and submit again 15 times, two minutes, saying nothing more
+REFUSED_FOR_NOW = re.compile(r"temporarily unable to accept job")
+SBATCH_TIMEOUT_S = 120.0
+PARTITION_REASON = re.compile(r"PartitionTimeLimit|PartitionNodeLimit|PartitionDown|PartitionInactive")
 #: how long the other nodes' launchers may outlive the first to end before their nodes count
 #: as lost (a crashed node never reports; Slurm would notice only at its SlurmdTimeout)
 PEER_LOST_S = 20.0
@@ -101,11 +109,14 @@ class Job:
     nodes_started_at: float | None = None  # the first node wrapper started (node.json)
     nodes_finished_at: float | None = None  # the last launcher exited (node.json)
     first_step_at: float | None = None  # the first train_step line
-    cancelled_by_harness: str | None = None  # "round deadline" | "interrupted" | "cleanup" | "launch failed" | "aborted"
+    #: "round deadline" | "interrupted" | "cleanup" | "launch failed" | "aborted" | "node unavailable" | "partition limit"
+    cancelled_by_harness: str | None = None
     state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
     launch_failure: str | None = None  # srun could not start the step on a node: why
     unavailable: str | None = None  # the nodes it needs that are DOWN or DRAINED, and why
     req_nodes: str = ""  # the nodes it asked for (ReqNodeList)
+    partition: str = ""  # the partition it waits in (Partition)
+    num_nodes: str = ""  # the node count it asks for (NumNodes: "2" or "2-2")
     first_end_seen: float | None = None  # monotonic: when a node's launcher was first seen ended
     lost: dict[int, str] = dataclasses.field(default_factory=dict)  # node rank -> why it counts as lost
     #: ended NODE_FAIL: the job's nodes out of service when that was seen, each with Slurm's
@@ -186,8 +197,44 @@ class SlurmRuntime(Runtime):
         call (exit 124, as timeout(1) says), read again at the next poll, never a crash."""
         try:
             return subprocess.run(argv, env=self._env(), capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return subprocess.CompletedProcess(argv, 124, "", f"{argv[0]}: no answer from the Slurm controller within {timeout:g} s")
+        except subprocess.TimeoutExpired as exc:
+            said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+            last = [ln.strip() for ln in said.splitlines() if ln.strip()][-1:]
+            return subprocess.CompletedProcess(
+                argv,
+                124,
+                "",
+                f"{argv[0]}: no answer from the Slurm controller within {timeout:g} s" + (f" (it said: {last[0]})" if last else ""),
+            )
+
+    def _sbatch(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+        """``_run`` for sbatch, ended (exit 75) at its first line saying the controller refuses
+        the job for now (``REFUSED_FOR_NOW``): that line is the answer, not two minutes later."""
+        proc = subprocess.Popen(argv, env=self._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stderr is not None
+        said: list[str] = []
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or (said and REFUSED_FOR_NOW.search(said[-1])):
+                    proc.kill()
+                    proc.communicate()
+                    if left <= 0:
+                        last = [ln.strip() for ln in said if ln.strip()][-1:]
+                        why = f"sbatch: no answer from the Slurm controller within {timeout:g} s" + (
+                            f" (it said: {last[0]})" if last else ""
+                        )
+                        return subprocess.CompletedProcess(argv, 124, "", why)
+                    return subprocess.CompletedProcess(argv, 75, "", "".join(said))
+                if sel.select(min(left, 0.5)):
+                    line = proc.stderr.readline()
+                    if not line:
+                        break
+                    said.append(line)
+        out = proc.stdout.read()
+        return subprocess.CompletedProcess(argv, proc.wait(), out, "".join(said))
 
     # ------------------------------------------------------------------ prepare
 
@@ -436,12 +483,36 @@ class SlurmRuntime(Runtime):
         # known by name before its id is: an interrupt during sbatch still finds the job
         placeholder = Job("", name, round_dir.name, plan.case.nnodes, time.time())
         self.jobs.append(placeholder)
-        proc = self._run(argv, timeout=120)
+        proc = self._sbatch(argv, timeout=SBATCH_TIMEOUT_S)
+        if proc.returncode in (75, 124):  # sbatch ended here: a job it was submitting meanwhile goes too
+            self._cancel(placeholder, "refused")
         if proc.returncode != 0:
             self.jobs.remove(placeholder)
-            raise InputError(f"sbatch refused the job: {(proc.stderr or proc.stdout).strip()} (submitted: {shlex.join(argv)})")
+            said = " ".join(ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip())
+            if proc.returncode == 75:
+                raise InputError(
+                    f"the Slurm controller refused the job for now ({said}): its job limit (MaxJobCount) reached, "
+                    f"or it is overloaded; sbatch stopped (submitted: {shlex.join(argv)})"
+                )
+            unknown = self._unknown_hosts(plan) if "Invalid node name" in said else []
+            if unknown:
+                raise InputError(
+                    f"sbatch refused the job: {said}: {', '.join(unknown)} of the cluster file's hosts "
+                    f"{'is not a node' if len(unknown) == 1 else 'are not nodes'} of this Slurm cluster (not in its slurm.conf)"
+                )
+            raise InputError(f"sbatch refused the job: {said} (submitted: {shlex.join(argv)})")
         placeholder.job_id = proc.stdout.strip().split(";")[0]
         return placeholder
+
+    def _unknown_hosts(self, plan: Plan) -> list[str]:
+        """The hosts the job is pinned to (``--nodelist``) that the controller does not know."""
+        names = [h.name for h in self.cluster.hosts[: plan.case.nnodes]] if "hosts" in self.cluster.model_fields_set else []
+        unknown = []
+        for name in names:
+            proc = self._run(["scontrol", "show", "node", "-o", name], timeout=30)
+            if proc.returncode != 0 and f"Node {name} not found" in proc.stdout + proc.stderr:
+                unknown.append(name)
+        return unknown
 
     def _show(self, job: Job) -> None:
         proc = self._run(["scontrol", "show", "job", "-o", job.job_id], timeout=30)
@@ -456,6 +527,8 @@ class SlurmRuntime(Runtime):
         job.reason = info.get("Reason", job.reason)
         job.exit_code = info.get("ExitCode", job.exit_code)
         job.time_limit = info.get("TimeLimit", job.time_limit)
+        job.partition = info.get("Partition", job.partition)
+        job.num_nodes = info.get("NumNodes", job.num_nodes)
         if info.get("NodeList") and info["NodeList"] != "(null)" and not job.nodelist:
             job.nodelist = info["NodeList"]  # the allocation (it shrinks while nodes complete)
         job.batch_host = info.get("BatchHost", job.batch_host)
@@ -490,6 +563,11 @@ class SlurmRuntime(Runtime):
                 if job.unavailable:  # it can never start: no use waiting for the deadline
                     self._cancel(job, "node unavailable")
                     return
+            if job.state in WAITING and job.unavailable is None and PARTITION_REASON.fullmatch(job.reason):
+                job.unavailable = self._partition_refuses(job)
+                if job.unavailable:
+                    self._cancel(job, "partition limit")
+                    return
             if time.monotonic() > deadline:
                 self._cancel(job, "round deadline")
                 return
@@ -510,6 +588,30 @@ class SlurmRuntime(Runtime):
         bad = [n for n in self.node_states(job.req_nodes) if set(re.split(r"[+*~#$@%!^-]", n.get("State", ""))) & OUT_OF_SERVICE]
         said = [f"node {n.get('NodeName')} is {n.get('State')}" + (f" (reason: {n['Reason']})" if n.get("Reason") else "") for n in bad]
         return "; ".join(said) or None
+
+    def _partition_refuses(self, job: Job) -> str | None:
+        """What of the job's partition keeps it pending (its reason one of ``PARTITION_REASON``):
+        "its time limit 00:10:00 is above partition debug's MaxTime 00:01:00 (PartitionTimeLimit)"."""
+        proc = self._run(["scontrol", "show", "partition", "-o", job.partition], timeout=30)
+        if proc.returncode != 0 or not job.partition:
+            return None  # the controller did not answer: read again at the next poll
+        part = parse_show_job(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
+        name, why = job.partition, f"({job.reason})"
+        if job.reason == "PartitionTimeLimit":
+            return f"its time limit {job.time_limit} is above partition {name}'s MaxTime {part.get('MaxTime', '?')} {why}"
+        if job.reason in ("PartitionDown", "PartitionInactive"):
+            return f"partition {name} is {part.get('State', job.reason.removeprefix('Partition').upper())} {why}"
+        asked = job.num_nodes.split("-")[0] or str(job.nnodes)
+        wanted = int(asked) if asked.isdigit() else job.nnodes
+        limits = [
+            (key, int(part[key]), op)
+            for key, op in (("TotalNodes", "has"), ("MaxNodes", "allows at most"), ("MinNodes", "needs at least"))
+            if part.get(key, "").isdigit()
+        ]
+        for key, value, op in limits:
+            if (key != "MinNodes" and wanted > value) or (key == "MinNodes" and wanted < value):
+                return f"it asks for {wanted} node{'s' * (wanted != 1)}, partition {name} {op} {value} ({key} {value}) {why}"
+        return f"partition {name} refuses it as asked: {job.num_nodes} nodes, time limit {job.time_limit} {why}"
 
     def _note_sharers(self, job: Job) -> None:
         """Other jobs running on the job's nodes (``exclusive: false``): its figures are not

@@ -107,7 +107,7 @@ class _Node:
         from run_benchmarks.running.remote.containers import engine_errors
 
         try:
-            with engine_errors(self.host.name, "following the container"):
+            with engine_errors(self.host.name, "following the container", self.container.container.client.api.timeout):
                 self.container.container.reload()
         except docker.errors.NotFound:
             self.rc, self.error, self.lost = -1, self.error or "the container disappeared during the round", True
@@ -393,7 +393,11 @@ class SSHRuntime(Runtime):
         if host.name not in self.engines:
             spec = self.pool.hosts[host.name]
             url = host.docker_url or f"ssh://{spec.user}@{spec.address}:{spec.port}"
-            self.engines[host.name] = connect_engine(url, pool=self.pool if url.startswith("ssh://") else None)
+            # every engine call is bounded as a command is (an image build, load or a container's
+            # wait give their own, longer bounds)
+            self.engines[host.name] = connect_engine(
+                url, pool=self.pool if url.startswith("ssh://") else None, timeout=self.cluster.ssh.command_timeout_s
+            )
         return self.engines[host.name]
 
     def image_name(self, plan: Plan) -> str:
@@ -765,7 +769,11 @@ class SSHRuntime(Runtime):
             self.pool = None
 
     def _remove_run_folder(self, host: HostConfig) -> None:
-        """The run's folder on the host, its logs brought back (best effort: a lost host keeps it)."""
+        """The run's folder on the host, its logs brought back (best effort: a lost host keeps it).
+        A host never reached in this run has none, and is not tried again (a hung sshd would
+        hold the cleanup for another connect_timeout_s)."""
+        if host.name not in self.pool.reached:
+            return
         folder = str(self.work(host) / "runs" / str(self.run_id))
         try:
             self.pool.run(host.name, ["rm", "-rf", "--", folder], timeout=self.cluster.ssh.command_timeout_s)

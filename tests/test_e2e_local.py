@@ -71,6 +71,12 @@ def test_tiny_llama3_two_processes(base, tmp_path):
     assert [s.t for s in p.steps] == sorted(s.t for s in p.steps) and p.loss == {s.step: s.loss for s in p.steps}
     assert p.meta["params_exact"] == res.model_counts["train"]["params_exact"]
     assert rnd.layout.startswith("PP1DP2TP1")
+    # where rank 0's time went before its first step ended, each phase measured (training/startup.py)
+    start = rnd.startup
+    assert list(start["phases"]) == ["imports", "conformance", "process_groups", "model", "weights", "optimizer", "build", "first_step"]
+    assert all(v >= 0 for v in start["phases"].values()) and start["phases"]["imports"] > 0.1
+    total = sum(v for k, v in start["phases"].items() if k != "conformance")
+    assert start["process_start"] == "proc" and abs(start["to_first_step_s"] - total) < 0.01, start
     # raw logs of both ranks and the resolved config stay with the round
     assert len(list((run_dir / "round1" / "node0" / "ranks").rglob("stdout.log"))) == 2
     assert json.loads((run_dir / "round1" / "resolved.json").read_text())["case"]["nprocs"] == 2

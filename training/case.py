@@ -170,8 +170,12 @@ def run(
     """Drive ``make(phase)`` for each phase in order through build, steps, finish; write
     ``run_end`` (and on failure ``run_error``). Returns the trainers. With the run's ``cfg``,
     rank 0 first runs the conformance check (:func:`conformance_gate`)."""
+    from training import startup
+    from training.metriclog import K_STARTUP
+
     done = []
     stall = StallWatch.from_env()
+    startup.mark("imports")
     if cfg is not None:
         try:
             conformance_gate(cfg, log)
@@ -179,17 +183,24 @@ def run(
             log.error(f"{type(exc).__name__}: {exc}", phase=phases[0])
             log.end("failed", 0, phase=phases[0])
             raise
-    for phase in phases:
+        startup.mark("conformance")
+    for k, phase in enumerate(phases):
         steps_done = 0
         named = f"{phase} " if phase is not None else ""
         try:
             trainer = make(phase)
             with stall.watch(f"{named}build"):
                 trainer.build()
+            if k == 0:
+                startup.mark("build")
             for step in range(1, trainer.steps + 1):
                 with stall.watch(f"{named}step {step}"):
                     trainer.step(step)
                 steps_done = step
+                if k == 0 and step == 1:
+                    startup.mark("first_step")
+                    if getattr(trainer, "reporting", False):
+                        log.info(K_STARTUP, startup.record(), phase=phase)
             with stall.watch(f"{named}finish"):
                 trainer.finish()
             if trainer.reporting:

@@ -50,6 +50,7 @@ K_RUN_END = "run_end"  # value: {"status": "ok"|"failed", "steps": int}
 K_RUN_ERROR = "run_error"  # value: {"message": str}
 K_STEP_BREAKDOWN = "step_breakdown"  # info; value: training.profiling.breakdown() of one profiled step
 K_CONFORMANCE = "conformance"  # info from rank 0 before training; value: training.conformance.check()'s verdict
+K_STARTUP = "startup"  # info from the reporting rank when its first step ends; value: training.startup.record()
 K_KERNEL_CEILING = "kernel_ceiling"  # optional run_meta key, and info under --ceiling; value: training.ceiling.measure()
 
 #: keys every ``run_meta`` value must carry

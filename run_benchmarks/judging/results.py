@@ -235,6 +235,7 @@ def markdown(res: RunResults) -> str:
             + ", ".join(f"`{o['param']}`={o['value']} (standard {o['standard']})" for o in res.user_overrides)
         )
     notes += conformance_lines(res)
+    notes += startup_lines(res)
     notes += beside_lines(res.runtime_info)
     notes += clock_lines(res)
     notes += energy_lines(res)
@@ -254,6 +255,23 @@ def conformance_text(c: dict | None) -> str:
     else:
         how = ""
     return f"{verdict}: {c.get('message')}" + (f" ({how})" if how else "")
+
+
+def startup_text(s: dict | None) -> str:
+    """Rank 0's start-up phases (training/startup.py) in one line."""
+    if not s or not s.get("phases"):
+        return "not recorded"
+    phases = s["phases"]
+    parts = [f"{name.replace('_', ' ')} {secs:.1f} s" + (" (apart)" if name == "conformance" else "") for name, secs in phases.items()]
+    total = s.get("to_first_step_s")
+    tail = "" if total is None else f"; the first step ended {total:.1f} s after the process started, the check left out"
+    return ", ".join(parts) + tail
+
+
+def startup_lines(res: RunResults) -> list[str]:
+    """Each round's start-up: where rank 0's time went before its first step ended."""
+    out = [f"Start-up (round {r.round}): {startup_text(r.startup)}" for r in res.rounds if r.startup]
+    return ["", *out] if out else []
 
 
 def conformance_lines(res: RunResults) -> list[str]:

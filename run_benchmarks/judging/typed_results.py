@@ -228,6 +228,8 @@ class RoundResult(Strict):
     orchestration: dict[str, Any] | None = None
     # the conformance check's verdict (training/conformance/): verdict, message, figures; None: not run
     conformance: dict[str, Any] | None = None
+    # where rank 0's time went before its first step ended (training/startup.py); None: not recorded
+    startup: dict[str, Any] | None = None
 
     @property
     def clean(self) -> bool:

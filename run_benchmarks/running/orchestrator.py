@@ -226,6 +226,7 @@ def evaluate_round(
     monitors = {o.node_rank: monitor_summary(o.node_dir / "monitor.jsonl") for o in outcomes}
     checks = parsed.of(ml.EV_INFO, ml.K_CONFORMANCE)
     conformance = checks[0].value if checks else None
+    starts = parsed.of(ml.EV_INFO, ml.K_STARTUP)
     status, reasons = round_status(
         _process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases}, conformance
     )
@@ -256,6 +257,7 @@ def evaluate_round(
         nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
         metric_parse_errors=len(parsed.errors),
         conformance=conformance,
+        startup=({k: v for k, v in starts[0].value.items() if k != "phase"} if starts else None),
     )
 
 

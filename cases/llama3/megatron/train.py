@@ -28,7 +28,7 @@ import sys
 from training import case, runtime
 
 case.isolate(__file__)
-from training import flops  # noqa: E402
+from training import flops, startup  # noqa: E402
 from training.ceiling import K_KERNEL_CEILING  # noqa: E402
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger  # noqa: E402
 from training.profiling import StepProfiler  # noqa: E402
@@ -75,6 +75,7 @@ class Trainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.init_distributed()
+        startup.mark("process_groups")
         self.build_model()
         self.prepare_data()
         self.emit_meta()
@@ -122,9 +123,11 @@ class Trainer:
             else "off"
         )
         model = modeling.build_model(s, self.tconfig)  # on the device (use_cpu_initialization=False)
+        startup.mark("model")
         # every layout starts from the TP1/PP1 model's weights; written before Float16Module,
         # DDP and the optimizer take their copies
         init = startweights.overwrite(model, s)
+        startup.mark("weights")
         if self.tp_rank == 0 and self.dp_rank == 0:  # one record per pipeline stage
             self.log.info("start_weights", {**init, "pp_rank": self.ps.get_pipeline_model_parallel_rank()})
         self.params_exact = self._exact_params(model)
@@ -162,6 +165,7 @@ class Trainer:
         if lay.optimizer_cpu_offload:
             opt_kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=lay.optimizer_offload_fraction)
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [self.model])
+        startup.mark("optimizer")
         self.adam_kernel = kernels.fuse_adam(self.optimizer, lay.fused_adam)  # torch's foreach AdamW, or fused
         self.grad_clip_kernel = kernels.install_grad_clip(lay.fused_grad_clip)  # megatron's norm and clip scaling
         self.scheduler = OptimizerParamScheduler(

@@ -200,8 +200,9 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
         _wait(probe, "probe", timeout_s)
         t2 = time.monotonic()
         reference = str(Path(__file__).with_name("reference.py"))
-        threads = str(max(1, (os.cpu_count() or 1) // max(1, min(8, os.cpu_count() or 1))))  # BLAS threads per projection thread
-        ref_env = {**env, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        # one BLAS thread for each of the reference's threads (a core each): BLAS's own threads are
+        # one pool that callers on several threads would share
+        ref_env = {**env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         _run([sys.executable, "-I", reference, probe_dir, verdict_file], ref_env, "reference", timeout_s)
         verdict = json.loads(Path(verdict_file).read_text())
         t3 = time.monotonic()

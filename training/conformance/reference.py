@@ -111,6 +111,16 @@ def as_f64(a: np.ndarray, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     return out
 
 
+def by_rows(f: Any, n: int, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
+    """``f(rows)`` for ``rows`` = slice(0, n), a block of rows on each of the pool's threads where
+    there is one (``f`` works row by row)."""
+    if pool is None or n < 2048:
+        return f(slice(0, n))
+    step = -(-n // (2 * workers()))
+    parts = pmap(lambda i: f(slice(i, min(n, i + step))), range(0, n, step), pool)
+    return np.concatenate(parts)
+
+
 def matmul_t(a: np.ndarray, w: np.ndarray, pool: ThreadPoolExecutor | None = None) -> np.ndarray:
     """``a @ w.T``, a block of ``a``'s rows on each of the pool's threads where there is one."""
     if pool is None or a.shape[0] < 2048:
@@ -304,9 +314,9 @@ def trunk(
             x = x + p["position_embedding"][np.arange(m)]
         s["x"] = x
     if need("n1"):
-        s["n1"] = normalized(s["x"], spec)
+        s["n1"] = by_rows(lambda r: normalized(s["x"][r], spec), m, pool)
     if need("h1"):
-        s["h1"] = scaled(s["n1"], p["ln1"], _get(p, "ln1_bias"))
+        s["h1"] = by_rows(lambda r: scaled(s["n1"][r], p["ln1"], _get(p, "ln1_bias")), m, pool)
     if need("k"):
         s["k"] = matmul_t(s["h1"], p["wk"], pool) + bias("bk")
     if need("v"):
@@ -564,8 +574,10 @@ LARGE = ("w_out",)
 
 
 def workers() -> int:
-    """Threads for the projections (training/conformance/__init__.py sets BLAS's own threads to match)."""
-    return max(1, min(8, os.cpu_count() or 1))
+    """Threads for the work, one a core: each calls BLAS with one thread of its own
+    (training/conformance/__init__.py sets that), as OpenBLAS's own threads are one pool that
+    callers on several threads would share."""
+    return max(1, min(32, os.cpu_count() or 1))
 
 
 def log(what: str, _t0: list = []) -> None:  # noqa: B006 - the first call's time, kept

@@ -94,6 +94,11 @@ def test_switch_values_are_read_and_checked(tmp_path):
             {"fused_adam": True, "optimizer_cpu_offload": True},
             True,
         ),
+        "parallel.overlap_cpu_optimizer_d2h_h2d overlaps the host optimizer's copies: it needs parallel.optimizer_cpu_offload: true": (
+            {"overlap_cpu_optimizer_d2h_h2d": True},
+            True,
+        ),
+        "parallel.overlap_cpu_optimizer_d2h_h2d must be true or false": ({"overlap_cpu_optimizer_d2h_h2d": "yes"}, True),
     }
     for message, (parallel, on_cuda) in refused.items():
         world = parallel.get("tp", 1)

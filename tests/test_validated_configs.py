@@ -4,7 +4,8 @@
 vendor, model and config, with the config's layout as it stands, under a recipe whose committed
 reference judges every phase of one of its clean rounds aligned, judged again against the
 reference as it is now (references.validation_problem). A run that was not judged, one that is
-the reference's own curve or one of its repeats, and one of another layout validate nothing.
+the reference's own curve or one of its repeats, and one of another layout validate nothing; a
+switch the case gained after the run, at its standard value, leaves the run's layout as it was.
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ def test_a_run_not_judged_or_of_another_layout_validates_nothing(tmp_path) -> No
         assert said.endswith("not a run judged aligned: no round of status ok"), said
     finally:
         cfg.write_text(text)
+
+
+def test_a_switch_added_after_the_run_keeps_its_layout_only_at_the_standard_value() -> None:
+    """A parallel switch the case gained after a run counts as the run's at its standard value
+    (what the case did before the switch existed), at no other; any other difference of parallel
+    values or micro batch, a switch gone since included, is another layout."""
+    standard = {"parallel": {"tp": 1, "recompute": "none", "overlap": False}}
+    run = {"parallel": {"tp": 1, "recompute": "full"}, "train": {"micro_batch": 2}}
+    ours = {"parallel": {"tp": 1, "recompute": "full", "overlap": False}, "train": {"micro_batch": 2}}
+    assert references.same_layout(ours, run, standard)
+    assert not references.same_layout({**ours, "parallel": {**ours["parallel"], "overlap": True}}, run, standard)
+    assert not references.same_layout({**ours, "parallel": {**ours["parallel"], "recompute": "none"}}, run, standard)
+    assert not references.same_layout({**ours, "train": {"micro_batch": 1}}, run, standard)
+    assert not references.same_layout(ours, {**run, "parallel": {**run["parallel"], "gone": 3}}, standard)
+    assert not references.same_layout({**ours, "parallel": {**ours["parallel"], "unknown": 1}}, run, standard)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(registry.VENDORS_DIR)))

@@ -1020,6 +1020,18 @@ def offline_reference(res: tr.RunResults, phase: str, files: list[Path]) -> Refe
 # --------------------------------------------------------------------------- what validates a config
 
 
+def same_layout(ours: dict[str, Any], run: dict[str, Any], standard: dict[str, Any]) -> bool:
+    """Whether a run's settings (``run``) had the layout of ``ours``: the same parallel values and
+    micro batch, where a parallel switch the case gained after the run counts as the run's only at
+    the case's ``standard`` value (a switch's standard is what the case did before it had one)."""
+    mine, theirs = ours.get("parallel") or {}, run.get("parallel") or {}
+    since = {k: v for k, v in mine.items() if k not in theirs}
+    if any(k not in (standard.get("parallel") or {}) or standard["parallel"][k] != v for k, v in since.items()):
+        return False
+    kept = {k: v for k, v in mine.items() if k in theirs}
+    return (kept, ours.get("train", {}).get("micro_batch")) == (theirs, run.get("train", {}).get("micro_batch"))
+
+
 def validation_problem(cfg_path: Path) -> str | None:
     """Why a vendor config's ``validated: true`` does not hold, or None (it holds, or the config
     claims nothing). It holds when ``validated_by`` names a committed results.json of this vendor,
@@ -1058,8 +1070,7 @@ def validation_problem(cfg_path: Path) -> str | None:
         settings = planning.resolve(cn, registry.load_vendor(vendor), entry, cfg_path, recipe=res.recipe).settings
     except InputError as exc:
         return f"{exc}"
-    layout = (settings["parallel"], settings["train"].get("micro_batch"))
-    if (res.settings.get("parallel"), res.settings.get("train", {}).get("micro_batch")) != layout:
+    if not same_layout(settings, res.settings, registry.standard_settings(entry.config, model, res.recipe)):
         return f"validated_by {vcfg.validated_by}: its layout (parallel, micro batch) is not the config's as it stands"
     problems = []
     for rnd in (r for r in res.rounds if r.status == "ok"):

@@ -124,21 +124,45 @@ def _progress(text: str | bytes | None) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(("probe:", "reference:"))]
 
 
-def _run(cmd: list[str], env: dict[str, str], what: str, timeout_s: float) -> None:
-    """Run one process of the check; its progress lines go on to this process's stderr."""
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait(proc: subprocess.Popen, what: str, timeout_s: float) -> None:
+    """Wait for one process of the check; its progress lines go on to this process's stderr."""
     try:
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as exc:
-        seen = _progress(exc.stderr)
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        seen = _progress(err)
         raise ProbeError(
             f"conformance {what}: no result within {timeout_s:.0f} s" + (f" (last: {seen[-1]})" if seen else ""), "\n".join(seen)
         ) from None
-    for line in _progress(p.stderr):
+    for line in _progress(err):
         print(line, file=sys.stderr, flush=True)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-12:]
+    if proc.returncode != 0:
+        tail = (err or out).strip().splitlines()[-12:]
         last = next((line for line in reversed(tail) if line.strip()), "")
-        raise ProbeError(f"conformance {what} exited {p.returncode}: {last.removeprefix('[rank0]: ')}", "\n".join(tail))
+        raise ProbeError(f"conformance {what} exited {proc.returncode}: {last.removeprefix('[rank0]: ')}", "\n".join(tail))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.communicate()
+
+
+def _read_verdict(path: Path) -> dict[str, Any] | None:
+    """A cached verdict, or None (none there, or a torn file: checked again)."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def _run(cmd: list[str], env: dict[str, str], what: str, timeout_s: float) -> None:
+    """Run one process of the check to its end."""
+    _wait(_start(cmd, env), what, timeout_s)
 
 
 def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_cache: bool = True) -> dict[str, Any]:
@@ -148,14 +172,7 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
     if not spec:
         return {"verdict": "not checked", "message": "the case declares no conformance probe (case.yaml: conformance)", "cached": False}
     t0 = time.monotonic()
-    key, what = stack_key(cfg, device_name(cfg))
-    cached = cache_dir(cfg) / f"{key}.json"
-    if use_cache and cached.is_file():
-        try:
-            verdict = json.loads(cached.read_text())
-            return {**verdict, "cached": True, "lookup_s": round(time.monotonic() - t0, 3)}
-        except ValueError:
-            pass  # a torn file: checked again
+    folder = cache_dir(cfg)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     env.update(
         RANK="0",
@@ -165,14 +182,28 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     )
     with tempfile.TemporaryDirectory(prefix="flagbench-conformance-") as tmp:
-        probe_file, verdict_file = os.path.join(tmp, "probe.npz"), os.path.join(tmp, "verdict.json")
+        probe_dir, verdict_file = os.path.join(tmp, "probe"), os.path.join(tmp, "verdict.json")
+        # the probe starts first: its imports run while the stack's key is made, and it is
+        # stopped where that key has a verdict already
         t1 = time.monotonic()
-        _run([sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_file], env, "probe", timeout_s)
+        probe = _start([sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_dir], env)
+        try:
+            key, what = stack_key(cfg, device_name(cfg))
+            cached = folder / f"{key}.json"
+            known = _read_verdict(cached) if use_cache else None
+        except BaseException:
+            _stop(probe)
+            raise
+        if known is not None:
+            _stop(probe)
+            return {**known, "cached": True, "lookup_s": round(time.monotonic() - t0, 3)}
+        _wait(probe, "probe", timeout_s)
         t2 = time.monotonic()
         reference = str(Path(__file__).with_name("reference.py"))
-        threads = str(max(1, (os.cpu_count() or 1) // max(1, min(8, os.cpu_count() or 1))))  # BLAS threads per projection thread
-        ref_env = {**env, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        _run([sys.executable, "-I", reference, probe_file, verdict_file], ref_env, "reference", timeout_s)
+        # one BLAS thread for each of the reference's threads (a core each): BLAS's own threads are
+        # one pool that callers on several threads would share
+        ref_env = {**env, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        _run([sys.executable, "-I", reference, probe_dir, verdict_file], ref_env, "reference", timeout_s)
         verdict = json.loads(Path(verdict_file).read_text())
         t3 = time.monotonic()
     verdict.update(

@@ -13,6 +13,7 @@ from training/conformance/reference.py, which is numpy alone and imports nothing
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -59,6 +60,19 @@ def hash_direction_torch(n: int, salt: int, device: Any) -> Any:
     return (x & 0xFFFFFF).to(torch.float64) / float(1 << 24) - 0.5
 
 
+def packbits_torch(mask: Any) -> np.ndarray:
+    """``np.packbits`` of a boolean tensor (the first element the high bit of the first byte, the
+    last byte padded with zeros), packed where the tensor is: a device sends an eighth of the bytes."""
+    import torch
+
+    flat = mask.reshape(-1)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    bits = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=flat.device)
+    return (flat.view(-1, 8).to(torch.int32) * bits).sum(dim=1).to(torch.uint8).cpu().numpy()
+
+
 def to_numpy(t: Any) -> np.ndarray:
     """A tensor as numpy, bfloat16 as its uint16 bits (the reference widens them exactly)."""
     import torch
@@ -70,7 +84,7 @@ def to_numpy(t: Any) -> np.ndarray:
 
 
 class ProbeFile:
-    """The arrays of one probe, written as one ``.npz``."""
+    """The arrays of one probe, written as a folder of ``.npy`` files (:meth:`write`)."""
 
     def __init__(self, spec: dict[str, Any], precision: str):
         if precision not in TOLERANCES:
@@ -99,8 +113,8 @@ class ProbeFile:
         g = (torch.zeros_like(value) if grad is None else grad).detach().to(torch.float64).reshape(-1)
         sign = torch.sign(g)
         d = hash_direction_torch(g.numel(), salt, g.device)
-        self.arrays[f"grad:{name}:sign_pos"] = np.packbits((sign > 0).cpu().numpy())
-        self.arrays[f"grad:{name}:sign_neg"] = np.packbits((sign < 0).cpu().numpy())
+        self.arrays[f"grad:{name}:sign_pos"] = packbits_torch(sign > 0)
+        self.arrays[f"grad:{name}:sign_neg"] = packbits_torch(sign < 0)
         l1 = np.float64(g.abs().sum().item())  # on its own sign the projection has no cancellation: it is its own magnitude
         self.arrays[f"grad:{name}:sign"] = self.arrays[f"grad:{name}:sign_mag"] = l1
         self.arrays[f"grad:{name}:hash"] = np.float64((g * d).sum().item())
@@ -141,6 +155,10 @@ class ProbeFile:
         self.arrays["grad:embedding:inside"] = np.float64(g[rows].float().norm().item())
 
     def write(self, path: str) -> None:
+        """The probe folder ``path``: one ``.npy`` file an array, named by the array (the reference
+        maps them, reading no more than it uses)."""
         log("exported")
-        np.savez(path, spec=np.array(json.dumps(self.spec)), **self.arrays)
+        os.makedirs(path)
+        for name, value in {"spec": np.array(json.dumps(self.spec)), **self.arrays}.items():
+            np.save(os.path.join(path, f"{name}.npy"), value, allow_pickle=False)
         log("written")

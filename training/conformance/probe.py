@@ -1,5 +1,5 @@
 """The conformance probe's process: ``python -m training.conformance.probe --config resolved.json
---out PROBE.npz``, started by training/conformance/__init__.py on the node of rank 0.
+--out PROBE``, started by training/conformance/__init__.py on the node of rank 0.
 
 It applies the vendor's adapter and hooks as every rank does (training/runtime.py), seeds, and
 calls the case's probe (case.yaml's ``conformance``, in resolved.json's ``case``) with the run's

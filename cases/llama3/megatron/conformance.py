@@ -25,6 +25,7 @@ _SCHEDULE_ONLY = {
     "overlap_grad_reduce": False,
     "overlap_param_gather": False,
     "optimizer_cpu_offload": False,
+    "overlap_cpu_optimizer_d2h_h2d": False,
 }
 
 

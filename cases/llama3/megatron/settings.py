@@ -39,7 +39,9 @@ listed there), and this case's own:
   the other half computes, modeling.HalvesOverlapLayer; symm_mem: with sequence parallelism, its
   gathers and reduce-scatters inside the linear layers' GEMMs on torch's symmetric memory,
   tp_gemm_comm.py),
-  ``optimizer_cpu_offload``, ``optimizer_offload_fraction``
+  ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``
+  (with the offload: megatron's host optimizer a tensor at a time, each tensor's step on the
+  host overlapping the gradient and parameter copies of the others, on streams of their own)
 * ``vendor.device``: any device type (training.accelerator gives the case its calls); the
   switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
   ``cuda`` and name both where they are refused (:func:`check_device`)
@@ -110,6 +112,7 @@ class Layout:
     tp_comm_overlap: str = option("none", choices=TP_COMM_OVERLAP)
     optimizer_cpu_offload: bool = option(False)
     optimizer_offload_fraction: float = option(1.0)
+    overlap_cpu_optimizer_d2h_h2d: bool = option(False)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -183,6 +186,10 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
         raise SettingsError("parallel.overlap_param_gather needs parallel.distributed_optimizer: true")
     if layout.optimizer_cpu_offload and not layout.distributed_optimizer:
         raise SettingsError("parallel.optimizer_cpu_offload needs parallel.distributed_optimizer: true")
+    if layout.overlap_cpu_optimizer_d2h_h2d and not layout.optimizer_cpu_offload:
+        raise SettingsError(
+            "parallel.overlap_cpu_optimizer_d2h_h2d overlaps the host optimizer's copies: it needs parallel.optimizer_cpu_offload: true"
+        )
     if layout.fused_adam and layout.optimizer_cpu_offload:
         raise SettingsError(
             "parallel.fused_adam picks the kernel of the optimizer on the device; with parallel.optimizer_cpu_offload "

@@ -163,7 +163,11 @@ class Trainer:
             overlap_param_gather=lay.overlap_param_gather,
         )
         if lay.optimizer_cpu_offload:
-            opt_kw.update(optimizer_cpu_offload=True, optimizer_offload_fraction=lay.optimizer_offload_fraction)
+            opt_kw.update(
+                optimizer_cpu_offload=True,
+                optimizer_offload_fraction=lay.optimizer_offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=lay.overlap_cpu_optimizer_d2h_h2d,
+            )
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [self.model])
         startup.mark("optimizer")
         self.adam_kernel = kernels.fuse_adam(self.optimizer, lay.fused_adam)  # torch's foreach AdamW, or fused

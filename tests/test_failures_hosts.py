@@ -414,6 +414,20 @@ def test_log_folder_filling_mid_run_fails_the_round_naming_it(fc, megatron_pytho
     first = res["rounds"][0]["error"].splitlines()[0]
     assert f"{full}/logs/" in first and "No space left on device" in first, res["rounds"][0]["error"]
     assert Path(f"{full}.left").read_text() == ""  # no temporary file, no harness crash log
+    # the hosts' copies of the logs that could not come back stay, each named with a way to fetch it
+    kept = res["runtime_info"]["kept_on_hosts"]
+    assert kept, res["rounds"][0]["error"]
+    try:
+        for name, folder in kept.items():
+            k = [h.name for h in fc.hosts].index(name)
+            host, node = fc.host(name), f"{folder}/round1/node{k}"
+            assert folder == f"{host.workdir}/fb/runs/{res['run_id']}"
+            assert list(Path(node).rglob("ranks/**/stdout.log")), f"{name}: the rank logs are gone"
+            said = f"the host's copy is kept: {name}:{node} (fetch it once this machine has room: scp -r -P {host.port} root@{host.address}:{node}/. "
+            assert said in res["rounds"][0]["error"], res["rounds"][0]["error"]
+    finally:
+        for folder in kept.values():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize(

@@ -390,6 +390,10 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                     plan, res = _hosts_took(plan, res, reports)
                     references = load_references(plan)
             rnd = evaluate_round(plan, r, outcomes, started, references, rnd_plan.nodes)
+            full = _full_folder(run_dir) if rnd.status != "ok" else None
+            if full and str(run_dir) not in _first_line(rnd.error or ""):  # the cause of the rank errors that follow
+                lead = f"{run_dir}: this machine's log folder is full ({full}): the logs written there are cut short"
+                rnd = rnd.model_copy(update={"error": "\n".join(filter(None, [lead, rnd.error]))})
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
@@ -419,6 +423,21 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
         res = res.model_copy(update={"runtime_info": runtime.describe(), "finished": _now(), **outcome})
         results.write(res, run_dir)
     return res
+
+
+def _full_folder(folder: Path, probe_bytes: int = 1 << 16) -> str | None:
+    """Why ``folder`` cannot take a small file now (its disk full, read-only), else None."""
+    probe = folder / f".room-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(bytes(probe_bytes))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 #: how often the progress line is refreshed, and how often it is printed as a plain line

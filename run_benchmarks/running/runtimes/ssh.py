@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -165,6 +166,7 @@ class SSHRuntime(Runtime):
         self.notes: list[str] = []  # what was said about the hosts (leftovers removed)
         self._stopping = False  # set by cleanup: no node starts after it
         self._starter: ThreadPoolExecutor | None = None  # the round's node starts in flight
+        self.kept: dict[str, str] = {}  # host -> its run folder, kept: logs that could not come here
 
     # -- paths ---------------------------------------------------------------------------
     def work(self, host: HostConfig) -> PurePosixPath:
@@ -652,14 +654,26 @@ class SSHRuntime(Runtime):
         if n.proc is not None and n.rc == -1 and not n.stopped:
             n.error = n.error or "the SSH connection to the host was lost during the round"
             n.lost = True
+        remote = str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}")
         try:
-            self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
-        except LocalWriteFailed as exc:
-            here.append(f"logs not collected: {exc.detail}")
+            self.pool.get_tree(n.host.name, remote, local)
+        except LocalWriteFailed as exc:  # the host's copy is the only whole one: it stays
+            self.kept[n.host.name] = str(self.work(n.host) / "runs" / str(self.run_id))
+            here.append(f"logs not collected: {exc.detail}; {self._kept_line(n.host, remote, local)}")
         except RemoteError as exc:
             n.error = n.error or f"logs not collected: {exc.detail}"
         if here:
             n.error = "; ".join(here + ([n.error] if n.error else []))
+
+    def _kept_line(self, host: HostConfig, remote: str, local: Path) -> str:
+        """Where a host's copy of logs that could not come here stays, and how to fetch it."""
+        spec = self.pool.hosts[host.name]
+        scp = ["scp", "-r", "-P", str(spec.port), f"{spec.user}@{spec.address}:{remote}/.", str(local)]
+        return (
+            f"the host's copy is kept: {host.name}:{remote} (fetch it once this machine has room: "
+            f"{' '.join(shlex.quote(a) for a in scp)}; or start_task.py --cluster FILE --cleanup "
+            "brings back and removes what runs left there)"
+        )
 
     def _wait(self, deadline: float) -> bool:
         """Wait for every node; on the first failure stop the rest. True if the deadline passed."""
@@ -722,6 +736,7 @@ class SSHRuntime(Runtime):
             "timings_s": dict(self.timings),
             "master_port": self.master_port,
             "leftovers_removed": list(self.notes),
+            "kept_on_hosts": dict(self.kept),  # run folders kept there: logs that could not come here
         }
 
     def left_behind(self) -> list[str]:
@@ -772,7 +787,7 @@ class SSHRuntime(Runtime):
         """The run's folder on the host, its logs brought back (best effort: a lost host keeps it).
         A host never reached in this run has none, and is not tried again (a hung sshd would
         hold the cleanup for another connect_timeout_s)."""
-        if host.name not in self.pool.reached:
+        if host.name not in self.pool.reached or host.name in self.kept:
             return
         folder = str(self.work(host) / "runs" / str(self.run_id))
         try:

@@ -30,6 +30,7 @@ import os
 import shlex
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -166,6 +167,10 @@ class SSHRuntime(Runtime):
         self.notes: list[str] = []  # what was said about the hosts (leftovers removed)
         self._stopping = False  # set by cleanup: no node starts after it
         self._starter: ThreadPoolExecutor | None = None  # the round's node starts in flight
+        self.watchers: list[Any] = []  # each host's watcher (running/watcher.py), its input ours
+        self._watch_lock = threading.Lock()
+        self._beat: threading.Thread | None = None
+        self._beat_stop = threading.Event()
         self.kept: dict[str, str] = {}  # host -> its run folder, kept: logs that could not come here
 
     # -- paths ---------------------------------------------------------------------------
@@ -241,6 +246,7 @@ class SSHRuntime(Runtime):
             need = WORK_ROOM * archive.stat().st_size
             self._each(lambda h: self._probe_work(h, need))
             self._each(lambda h: self._push_code(h, staging))
+            self._each(lambda h: self._start_watcher(h, log.parent))
             self.timings["code_s"] = time.monotonic() - t0
             data_dir = plan.settings["data"].get("data_dir")
             if data_dir:
@@ -348,6 +354,58 @@ class SSHRuntime(Runtime):
             'set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; mv "$1.new" "$1"; touch "$3"; rm -f "$2"'
         )
         self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
+
+    def _start_watcher(self, host: HostConfig, run_dir: Path) -> None:
+        """The run's watcher on the host (running/watcher.py): it ends the run's ranks and
+        containers there when this process is gone (the channel closed, or no heartbeat for
+        ``lost_after_s``)."""
+        from run_benchmarks.running.watcher import HEARTBEAT_S
+
+        silence = max(self.cluster.ssh.lost_after_s, 5 * HEARTBEAT_S)
+        argv = ["python3", "-m", "run_benchmarks.running.watcher", "--run-id", str(self.run_id), "--silence", f"{silence:g}"]
+        proc = self.pool.start(
+            host.name,
+            argv + (["--containers"] if self.containerized else []),
+            run_dir / f"watcher-{host.name}.log",
+            env={"PYTHONPATH": str(self.code_root(host))},
+            cwd=str(self.code_root(host)),
+            start_timeout=self.cluster.ssh.command_timeout_s,
+            stdin=True,
+        )
+        with self._watch_lock:
+            self.watchers.append(proc)
+            if self._beat is None:
+                self._beat = threading.Thread(target=self._heartbeat, name="watcher-heartbeat", daemon=True)
+                self._beat.start()
+
+    def _heartbeat(self) -> None:
+        """A byte to every watcher each HEARTBEAT_S, until the run's cleanup."""
+        from run_benchmarks.running.watcher import HEARTBEAT_S
+
+        while not self._beat_stop.wait(HEARTBEAT_S):
+            for w in list(self.watchers):
+                try:
+                    w.send(b".")
+                except Exception:  # a lost host: its watcher goes by the silence
+                    pass
+
+    def _stop_watchers(self) -> None:
+        """End the watchers' input once the run's own cleanup is done: each finds nothing left."""
+        self._beat_stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+            self._beat = None
+        for w in self.watchers:
+            try:
+                w.close_input()
+            except Exception:
+                pass
+        for w in self.watchers:
+            try:
+                w.wait(5.0)
+            except Exception:
+                pass
+        self.watchers = []
 
     def _probe_work(self, host: HostConfig, need: int) -> None:
         """Write ``need`` bytes into the host's work_dir before anything is sent there."""
@@ -774,6 +832,7 @@ class SSHRuntime(Runtime):
             except Exception:
                 pass
         self.engines.clear()
+        self._stop_watchers()
         if self.run_id and self.pool is not None and not self.cluster.keep_remote:
             self._each(self._remove_run_folder)
         for lock in self.locks:

@@ -1,10 +1,12 @@
 """start_task.py SIGKILLed mid-run (its machine lost, an operator's kill -9): nothing of the
-run trains on. Each host's watcher (running/watcher.py) sees its input end and ends the
+run trains on, and ``--cleanup`` then brings back what it left on the hosts and finishes its
+results.json. Each host's watcher (running/watcher.py) sees its input end and ends the
 run's ranks and containers there; the local runtime's watcher its ranks. Real runs, a real
 SIGKILL; the bound is the watcher's reaction plus ``docker rm -f``."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -90,6 +92,22 @@ def test_the_hosts_containers_end_with_a_killed_orchestrator(cluster, megatron_p
         p.wait()
         took = _gone_within(lambda: leftovers(cluster, run_id), BOUND_S)
         print(f"the hosts' containers gone {took:.1f} s after the SIGKILL")
+        # --cleanup brings back what the run left on the hosts, removes it there, finishes results.json
+        run_dir = log_dir / run_id
+        c = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=300)
+        assert c.returncode == 0, c.stdout + c.stderr
+        for k, h in enumerate(cluster.hosts):
+            said = f"host {h.name}: run {run_id} left 1 node folder(s) (round1/node{k}): brought back into {run_dir}, then removed there"
+            assert said in c.stdout.splitlines(), c.stdout
+            assert not Path(h.workdir, "fb", "runs", run_id).exists()
+            assert list((run_dir / "round1" / f"node{k}" / "ranks").rglob("stdout.log")), f"node{k}: no rank log here"
+        res = json.loads((run_dir / "results.json").read_text())
+        assert res["status"] == "failed" and res["finished"], res["status"]
+        assert res["error"] == (
+            "start_task.py ended without finishing the run after 0 round(s); --cleanup found "
+            "1 node folder(s) (round1/node0) on h1, brought back; 1 node folder(s) (round1/node1) on h2, brought back"
+        ), res["error"]
+        assert f"{run_dir}/results.json: finished as failed (it said running): {res['error']}" in c.stdout.splitlines(), c.stdout
     finally:
         p.kill()
         if "run_id" in locals() and leftovers(cluster, run_id):  # the next tests find the hosts clean

@@ -29,6 +29,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -80,6 +81,27 @@ except OSError as e:
 finally:
     if os.path.exists(path):
         os.unlink(path)
+"""
+# Run on each host at the start of a run: the run's folder there and its origin.json (argv[2]).
+WRITE_ORIGIN = """
+import os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+with open(os.path.join(sys.argv[1], "origin.json"), "w") as fh:
+    fh.write(sys.argv[2])
+"""
+# Run on a host by --cleanup: {run id: [its node folders, "round<r>/node<k>"]} under argv[1]
+LIST_RUNS = """
+import json, os, sys
+runs = {}
+root = sys.argv[1]
+for run in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    top = os.path.join(root, run)
+    if os.path.isdir(top):
+        runs[run] = sorted(
+            f"{r}/{n}" for r in os.listdir(top) if r.startswith("round") and os.path.isdir(os.path.join(top, r))
+            for n in os.listdir(os.path.join(top, r)) if n.startswith("node") and os.path.isdir(os.path.join(top, r, n))
+        )
+print(json.dumps(runs))
 """
 WORK_ROOM = 4  # the code archive, unpacked beside its old copy, and a round's files
 
@@ -247,6 +269,7 @@ class SSHRuntime(Runtime):
             self._each(lambda h: self._probe_work(h, need))
             self._each(lambda h: self._push_code(h, staging))
             self._each(lambda h: self._start_watcher(h, log.parent))
+            self._each(lambda h: self._write_origin(h, log.parent))
             self.timings["code_s"] = time.monotonic() - t0
             data_dir = plan.settings["data"].get("data_dir")
             if data_dir:
@@ -354,6 +377,13 @@ class SSHRuntime(Runtime):
             'set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; mv "$1.new" "$1"; touch "$3"; rm -f "$2"'
         )
         self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
+
+    def _write_origin(self, host: HostConfig, run_dir: Path) -> None:
+        """``<work_dir>/runs/<run>/origin.json`` on the host: the run's folder here, where
+        ``--cleanup`` brings back what a run that did not finish left there."""
+        folder = str(self.work(host) / "runs" / str(self.run_id))
+        origin = json.dumps({"run_id": self.run_id, "run_dir": str(run_dir), "machine": socket.gethostname()})
+        self.pool.run(host.name, ["python3", "-c", WRITE_ORIGIN, folder, origin], timeout=self.cluster.ssh.command_timeout_s, check=True)
 
     def _start_watcher(self, host: HostConfig, run_dir: Path) -> None:
         """The run's watcher on the host (running/watcher.py): it ends the run's ranks and
@@ -725,11 +755,9 @@ class SSHRuntime(Runtime):
 
     def _kept_line(self, host: HostConfig, remote: str, local: Path) -> str:
         """Where a host's copy of logs that could not come here stays, and how to fetch it."""
-        spec = self.pool.hosts[host.name]
-        scp = ["scp", "-r", "-P", str(spec.port), f"{spec.user}@{spec.address}:{remote}/.", str(local)]
         return (
             f"the host's copy is kept: {host.name}:{remote} (fetch it once this machine has room: "
-            f"{' '.join(shlex.quote(a) for a in scp)}; or start_task.py --cluster FILE --cleanup "
+            f"{self._scp(host, remote, str(local))}; or start_task.py --cluster FILE --cleanup "
             "brings back and removes what runs left there)"
         )
 
@@ -842,6 +870,48 @@ class SSHRuntime(Runtime):
             self.pool.close()
             self.pool = None
 
+    def _left_runs(self, host: HostConfig) -> tuple[list[str], dict[str, str]]:
+        """For --cleanup: each run folder an earlier run left on the host, brought back into
+        that run's folder here (its origin.json names it) and then removed; kept, and named
+        with how to fetch it, when it cannot come here. Its lines, and per local run folder
+        what was found of it on this host."""
+        from run_benchmarks.running.remote.errors import LocalWriteFailed
+
+        t = self.cluster.ssh.command_timeout_s
+        runs_root = str(self.work(host) / "runs")
+        res = self.pool.run(host.name, ["python3", "-c", LIST_RUNS, runs_root], timeout=t, check=True)
+        lines, found = [], {}
+        for run, nodes in json.loads(res.stdout.strip().splitlines()[-1]).items():
+            folder = f"{runs_root}/{run}"
+            raw = self.pool.read_bytes(host.name, f"{folder}/origin.json", limit=65536)
+            try:
+                origin = json.loads(raw) if raw else {}
+                run_dir = Path(origin["run_dir"]) if origin.get("machine") == socket.gethostname() else None
+            except (ValueError, KeyError, TypeError):
+                run_dir = None
+            if run_dir is None or not run_dir.is_dir():
+                where = f"its run folder {run_dir} is not on this machine" if run_dir else "it names no run folder of this machine"
+                scp = self._scp(host, folder, "DEST")
+                lines.append(f"host {host.name}: kept {folder} ({where}; fetch it with: {scp}, then remove it there)")
+                continue
+            try:
+                for node in nodes:
+                    self.pool.get_tree(host.name, f"{folder}/{node}", run_dir / node)
+            except LocalWriteFailed as exc:
+                scp = self._scp(host, folder, str(run_dir))
+                lines.append(f"host {host.name}: kept {folder}: {exc.detail} (fetch it once this machine has room: {scp})")
+                found[str(run_dir)] = f"{len(nodes)} node folder(s) on {host.name}, kept there: this machine's side is full"
+                continue
+            self.pool.run(host.name, ["rm", "-rf", "--", folder], timeout=t, check=True)
+            what = f"{len(nodes)} node folder(s) ({', '.join(nodes)})" if nodes else "no node folder"
+            lines.append(f"host {host.name}: run {run} left {what}: brought back into {run_dir}, then removed there")
+            found[str(run_dir)] = f"{what} on {host.name}, brought back"
+        return lines, found
+
+    def _scp(self, host: HostConfig, remote: str, local: str) -> str:
+        spec = self.pool.hosts[host.name]
+        return shlex.join(["scp", "-r", "-P", str(spec.port), f"{spec.user}@{spec.address}:{remote}/.", local])
+
     def _remove_run_folder(self, host: HostConfig) -> None:
         """The run's folder on the host, its logs brought back (best effort: a lost host keeps it).
         A host never reached in this run has none, and is not tried again (a hung sshd would
@@ -866,11 +936,39 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
     try:
         rt._connect(list(cluster.hosts), f"cleanup-{dt.datetime.now():%Y%m%d-%H%M%S}")
         lines = rt._each(lambda h: rt._sweep_any(h))
+        found = rt._each(rt._left_runs)  # the hosts' locks are ours: no live run has a folder there
+        lines += [ln for per_host in found for ln in per_host[0]]
+        finished: dict[str, list[str]] = {}
+        for per_host in found:
+            for run_dir, said in per_host[1].items():
+                finished.setdefault(run_dir, []).append(said)
+        lines += [_finish_orphan(Path(d), said) for d, said in sorted(finished.items())]
     except RemoteError as exc:
         raise InputError(f"host {exc}") from None
     finally:
         rt.cleanup()
     return [ln for ln in lines if ln]
+
+
+def _finish_orphan(run_dir: Path, found: list[str]) -> str | None:
+    """The results.json of a run whose start_task.py ended without finishing it (SIGKILL, a
+    second stop signal): finished as failed, saying what --cleanup found; a line saying so."""
+    from run_benchmarks.judging import results, typed_results
+    from run_benchmarks.running.orchestrator import _now
+
+    path = run_dir / "results.json"
+    try:
+        res = typed_results.load(path)
+    except InputError:  # no such file here, or not a results.json: nothing of ours to finish
+        return None
+    if res.finished or res.status != "running":
+        return None
+    error = f"start_task.py ended without finishing the run after {len(res.rounds)} round(s); --cleanup found {'; '.join(found)}"
+    try:
+        results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now()}), run_dir)
+    except OSError as exc:
+        return f"{path}: still says running, and cannot be written ({exc.strerror or exc})"
+    return f"{path}: finished as failed (it said running): {error}"
 
 
 def load_base_images(

@@ -572,3 +572,34 @@ def test_a_host_that_drops_every_packet_mid_run_is_lost_within_lost_after(fc, me
     said = f"host h2: run {run_id} left 1 node folder(s) (round1/node1): brought back into {tmp_path / 'logs' / run_id}, then removed there"
     assert p.returncode == 0 and said in p.stdout.splitlines(), p.stdout + p.stderr
     assert leftovers(fc, run_id) == []
+
+
+def _cut_between(a: netns.HostInfo, b: netns.HostInfo, on: bool) -> None:
+    """Every packet between the two hosts dropped in ``b``'s network namespace (or let
+    through again); each still reaches this machine."""
+    for chain, way in (("INPUT", "-s"), ("OUTPUT", "-d")):
+        argv = ["ip", "netns", "exec", b.netns, "iptables", "-I" if on else "-D", chain, way, a.address, "-j", "DROP"]
+        subprocess.run(argv, check=on, capture_output=True, timeout=10)
+
+
+def test_a_cut_between_two_hosts_names_the_host_that_cannot_reach_the_master(fc, megatron_python, tmp_path):
+    """h2 cannot reach h1 (each still reaches the orchestrator): with no rank training half the
+    startup timeout after launch, the round fails naming h2 and the master it cannot reach
+    (which answers itself), not after the whole startup timeout; exit 1, nothing left."""
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process", startup_timeout_s=60)
+    h1, h2 = fc.host("h1"), fc.host("h2")
+    _cut_between(h1, h2, True)
+    try:
+        p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=300)
+    finally:
+        _cut_between(h1, h2, False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    _, res = only_run(tmp_path / "logs")
+    first = res["rounds"][0]["error"].splitlines()[0]
+    assert re.fullmatch(
+        rf"node1 \(h2\) cannot reach the master h1 at {re.escape(h1.address)}:29711 \(timed out\), which h1 answers: "
+        r"the network between the hosts is cut or filtered; stopped (\d+) s after launch, before any rank trained",
+        first,
+    ), first
+    assert 30 <= int(first.rsplit("stopped ", 1)[1].split()[0]) < 60, first  # half the startup timeout, not all of it
+    assert leftovers(fc, res["run_id"]) == []

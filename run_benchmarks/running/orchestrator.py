@@ -440,6 +440,18 @@ def _full_folder(folder: Path, probe_bytes: int = 1 << 16) -> str | None:
     return None
 
 
+#: how long after launch, with no rank training yet, the nodes are first asked whether they
+#: reach the master (Runtime.unreached_master); again at the startup timeout
+REACH_PROBE_AFTER_S = 60.0
+
+
+def _unreached_master(runtime: Runtime) -> str | None:
+    try:
+        return runtime.unreached_master()
+    except Exception:  # a probe must never end the watch of the round
+        return None
+
+
 #: how often the progress line is refreshed, and how often it is printed as a plain line
 #: when the output is not a terminal (a CI log, a file); a runtime's note (a Slurm job's
 #: state) is printed whenever it changes
@@ -456,8 +468,9 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
     title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(rnd.nodes)} node(s)"
     steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
     t0, begun = time.monotonic(), time.time()
-    shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None}
+    shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None, "probed": False}
     startup, stall = plan.cluster.startup_timeout_s, plan.cluster.stall_timeout_s
+    probe_after = min(REACH_PROBE_AFTER_S, startup / 2)
     still = progress.Stillness()
 
     with console.status(title) as status:
@@ -466,11 +479,18 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
             note = runtime.note()
             snaps = runtime.progress(round_dir)
             since = runtime.running_since() or begun
-            if not any(snaps) and time.time() - since > startup and not runtime.aborted:
-                runtime.abort(
-                    f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
-                    "that never joined the rendezvous, or a hang before the first record; stopped"
-                )
+            waited = time.time() - since
+            if not any(snaps) and not runtime.aborted and (waited > startup or (waited > probe_after and not shown["probed"])):
+                shown["probed"] = True  # a node that cannot reach the master: named now, or with the startup timeout
+                cut = _unreached_master(runtime)
+                if cut and waited <= startup:
+                    runtime.abort(f"{cut}; stopped {waited:.0f} s after launch, before any rank trained")
+                elif waited > startup:
+                    runtime.abort(
+                        (f"{cut}; " if cut else "")
+                        + f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
+                        "that never joined the rendezvous, or a hang before the first record; stopped"
+                    )
             idle = still.update(snaps, time.monotonic())
             # the ranks write their stacks when their call reaches the timeout; a few seconds
             # more and the files are there for the round's error (causes.stall_stacks)

@@ -103,6 +103,17 @@ for run in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         )
 print(json.dumps(runs))
 """
+# Run on each host of a round that has not started training: connect to the master's
+# rendezvous port (argv[1:3]) within argv[3] seconds, or exit 1 with why not.
+REACH_PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+except OSError as e:
+    print(e.strerror or str(e) or type(e).__name__)
+    sys.exit(1)
+"""
+REACH_TIMEOUT_S = 3.0
 WORK_ROOM = 4  # the code archive, unpacked beside its old copy, and a round's files
 
 
@@ -752,6 +763,32 @@ class SSHRuntime(Runtime):
             n.error = n.error or f"logs not collected: {exc.detail}"
         if here:
             n.error = "; ".join(here + ([n.error] if n.error else []))
+
+    def unreached_master(self) -> str | None:
+        """Each node whose host cannot connect to the master's rendezvous port while the master
+        itself can: the network between the hosts is cut (each still answers this machine)."""
+        if len(self.hosts) < 2 or not self.master_port or self.pool is None:
+            return None
+        master, port = self.hosts[0], str(self.master_port)
+        argv = ["python3", "-c", REACH_PROBE, master.address, port, f"{REACH_TIMEOUT_S:g}"]
+
+        def probe(h: HostConfig) -> tuple[int, str] | None:
+            try:
+                res = self.pool.run(h.name, argv, timeout=self.cluster.ssh.command_timeout_s)
+            except RemoteError:  # the host itself lost: said by its own failure
+                return None
+            return res.rc, (res.stdout.strip().splitlines() or [f"exit status {res.rc}"])[-1]
+
+        found = self._each(probe)
+        if found[0] is None or found[0][0] != 0:  # the master does not answer itself yet: no cut to name
+            return None
+        cut = [
+            f"node{k} ({h.name}) cannot reach the master {master.name} at {master.address}:{port} ({r[1]}), "
+            f"which {master.name} answers: the network between the hosts is cut or filtered"
+            for k, (h, r) in enumerate(zip(self.hosts, found))
+            if k > 0 and r is not None and r[0] != 0
+        ]
+        return "; ".join(cut) or None
 
     def _kept_line(self, host: HostConfig, remote: str, local: Path) -> str:
         """Where a host's copy of logs that could not come here stays, and how to fetch it."""

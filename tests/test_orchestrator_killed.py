@@ -80,18 +80,19 @@ def test_the_local_ranks_end_with_a_killed_orchestrator(megatron_python, tmp_pat
 @pytest.mark.cluster
 @pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.framework("megatron")
-def test_the_hosts_containers_end_with_a_killed_orchestrator(cluster, megatron_python, tmp_path):
-    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
+@pytest.mark.parametrize("runtime", ["container", "process"])
+def test_the_hosts_ranks_end_with_a_killed_orchestrator(cluster, megatron_python, tmp_path, runtime):
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime=runtime)
     log_dir = tmp_path / "logs"
     p = _start(["--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(log_dir)])
     h2 = cluster.host("h2")
     try:
         run_id = _training(log_dir, p, f"{h2.workdir}/fb/runs/{{run_id}}/round1/node1/ranks/*/*")
-        assert len(leftovers(cluster, run_id)) >= 2  # a container of the run on each host
+        assert len(leftovers(cluster, run_id)) >= 2  # a container or processes of the run on each host
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         took = _gone_within(lambda: leftovers(cluster, run_id), BOUND_S)
-        print(f"the hosts' containers gone {took:.1f} s after the SIGKILL")
+        print(f"the hosts' {runtime} ranks gone {took:.1f} s after the SIGKILL")
         # --cleanup brings back what the run left on the hosts, removes it there, finishes results.json
         run_dir = log_dir / run_id
         c = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=300)

@@ -93,7 +93,9 @@ def describe(plan: planning.Plan, rnd: planning.RoundPlan, details: dict | None 
 def host_command(argv: list[str]) -> int:
     """``--cluster FILE --vendor V --load-images [ARCHIVE]``: put the vendor's base images on every
     host that lacks them (hosts without a registry); ``--cluster FILE --cleanup``: remove the
-    containers and processes earlier runs left on the hosts. One line per host; exit 2 on bad input."""
+    containers and processes earlier runs left on the hosts, bring back their run folders there
+    into the runs' folders here before removing them, and finish a results.json left running.
+    One line per host; exit 2 on bad input."""
     ap = argparse.ArgumentParser(prog="start_task.py", description=host_command.__doc__)
     ap.add_argument("--cluster", metavar="FILE", required=True, help="cluster YAML (backend ssh)")
     group = ap.add_mutually_exclusive_group(required=True)
@@ -108,7 +110,7 @@ def host_command(argv: list[str]) -> int:
     group.add_argument(
         "--cleanup",
         action="store_true",
-        help="remove what earlier runs left on the hosts (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm)",
+        help="remove what earlier runs left on the hosts, their logs brought back first (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm)",
     )
     ap.add_argument("--vendor", help="vendor folder under vendors/ (for --load-images)")
     args = ap.parse_args(argv)

@@ -414,6 +414,20 @@ def test_log_folder_filling_mid_run_fails_the_round_naming_it(fc, megatron_pytho
     first = res["rounds"][0]["error"].splitlines()[0]
     assert f"{full}/logs/" in first and "No space left on device" in first, res["rounds"][0]["error"]
     assert Path(f"{full}.left").read_text() == ""  # no temporary file, no harness crash log
+    # the hosts' copies of the logs that could not come back stay, each named with a way to fetch it
+    kept = res["runtime_info"]["kept_on_hosts"]
+    assert kept, res["rounds"][0]["error"]
+    try:
+        for name, folder in kept.items():
+            k = [h.name for h in fc.hosts].index(name)
+            host, node = fc.host(name), f"{folder}/round1/node{k}"
+            assert folder == f"{host.workdir}/fb/runs/{res['run_id']}"
+            assert list(Path(node).rglob("ranks/**/stdout.log")), f"{name}: the rank logs are gone"
+            said = f"the host's copy is kept: {name}:{node} (fetch it once this machine has room: scp -r -P {host.port} root@{host.address}:{node}/. "
+            assert said in res["rounds"][0]["error"], res["rounds"][0]["error"]
+    finally:
+        for folder in kept.values():
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
@@ -527,8 +541,8 @@ def _drop_packets(host: netns.HostInfo, on: bool) -> None:
 
 def test_a_host_that_drops_every_packet_mid_run_is_lost_within_lost_after(fc, megatron_python, tmp_path):
     """h2 silent from step ~5 (its sshd and dockerd still up): the run ends within its bounds,
-    in every phase log collection included, naming h2 first, with no paramiko noise; once h2
-    answers again, --cleanup removes what stayed there."""
+    in every phase log collection included, naming h2 first, with no paramiko noise; h2's
+    watcher ends its container; once h2 answers again, --cleanup brings back its folder."""
     cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
     doc = yaml.safe_load(cfile.read_text())
     doc["ssh"].update(lost_after_s=6, connect_timeout_s=3)
@@ -554,5 +568,38 @@ def test_a_host_that_drops_every_packet_mid_run_is_lost_within_lost_after(fc, me
         if p.returncode == 0 or "in use by run" not in p.stderr or time.monotonic() > end:
             break
         time.sleep(2)
-    assert p.returncode == 0 and f"of run {run_id}" in p.stdout, p.stdout + p.stderr
+    # h2's watcher, silent for 10 s, ended its container; --cleanup brings back its folder
+    said = f"host h2: run {run_id} left 1 node folder(s) (round1/node1): brought back into {tmp_path / 'logs' / run_id}, then removed there"
+    assert p.returncode == 0 and said in p.stdout.splitlines(), p.stdout + p.stderr
     assert leftovers(fc, run_id) == []
+
+
+def _cut_between(a: netns.HostInfo, b: netns.HostInfo, on: bool) -> None:
+    """Every packet between the two hosts dropped in ``b``'s network namespace (or let
+    through again); each still reaches this machine."""
+    for chain, way in (("INPUT", "-s"), ("OUTPUT", "-d")):
+        argv = ["ip", "netns", "exec", b.netns, "iptables", "-I" if on else "-D", chain, way, a.address, "-j", "DROP"]
+        subprocess.run(argv, check=on, capture_output=True, timeout=10)
+
+
+def test_a_cut_between_two_hosts_names_the_host_that_cannot_reach_the_master(fc, megatron_python, tmp_path):
+    """h2 cannot reach h1 (each still reaches the orchestrator): with no rank training half the
+    startup timeout after launch, the round fails naming h2 and the master it cannot reach
+    (which answers itself), not after the whole startup timeout; exit 1, nothing left."""
+    cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process", startup_timeout_s=60)
+    h1, h2 = fc.host("h1"), fc.host("h2")
+    _cut_between(h1, h2, True)
+    try:
+        p = run(["--vendor", "cpu", "--case_name", CASE, "--cluster", str(cfile), "--log-dir", str(tmp_path / "logs")], timeout=300)
+    finally:
+        _cut_between(h1, h2, False)
+    assert p.returncode == 1, p.stdout + p.stderr
+    _, res = only_run(tmp_path / "logs")
+    first = res["rounds"][0]["error"].splitlines()[0]
+    assert re.fullmatch(
+        rf"node1 \(h2\) cannot reach the master h1 at {re.escape(h1.address)}:29711 \(timed out\), which h1 answers: "
+        r"the network between the hosts is cut or filtered; stopped (\d+) s after launch, before any rank trained",
+        first,
+    ), first
+    assert 30 <= int(first.rsplit("stopped ", 1)[1].split()[0]) < 60, first  # half the startup timeout, not all of it
+    assert leftovers(fc, res["run_id"]) == []

@@ -215,6 +215,7 @@ class MonitorThread:
     def __init__(self, kind: str, out: Path, interval: float = 1.0) -> None:
         self.kind, self.out, self.interval = kind, out, interval
         self._stop = threading.Event()
+        self.error: str | None = None  # why sampling ended early (its file could not be written)
         self._thread = threading.Thread(target=self._loop, name=f"monitor-{kind}", daemon=True)
 
     def start(self) -> None:
@@ -225,6 +226,12 @@ class MonitorThread:
         self._thread.join(timeout=5)
 
     def _loop(self) -> None:
+        try:
+            self._sample()
+        except OSError as exc:  # its file cannot be written (the log folder full): the samples end, the round goes on
+            self.error = f"{self.out}: {exc.strerror or exc}"
+
+    def _sample(self) -> None:
         read, why = open_reader(self.kind)
         psutil.cpu_percent(interval=None)
         with open(self.out, "a", encoding="utf-8") as fh:
@@ -255,7 +262,12 @@ def monitor_summary(path: Path) -> dict[str, Any] | None:
     """Peak memory used/total per GPU, mean utilisation and power, host CPU/memory."""
     if not path.is_file():
         return None
-    samples = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    samples = []
+    for ln in filter(str.strip, path.read_text().splitlines()):
+        try:
+            samples.append(json.loads(ln))
+        except ValueError:  # a line cut short (a full disk, the monitor's stop)
+            continue
     if not samples:
         return None
     gpus: dict[int, dict[str, list[float]]] = {}

@@ -392,6 +392,10 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                     plan, res = _hosts_took(plan, res, reports)
                     references = load_references(plan)
             rnd = evaluate_round(plan, r, outcomes, started, references, rnd_plan.nodes)
+            full = _full_folder(run_dir) if rnd.status != "ok" else None
+            if full and str(run_dir) not in _first_line(rnd.error or ""):  # the cause of the rank errors that follow
+                lead = f"{run_dir}: this machine's log folder is full ({full}): the logs written there are cut short"
+                rnd = rnd.model_copy(update={"error": "\n".join(filter(None, [lead, rnd.error]))})
             rnd = rnd.model_copy(update={"orchestration": orchestration_overhead(rnd, outcomes, begin, time.time())})
             res = res.model_copy(update={"rounds": [*res.rounds, rnd], "runtime_info": runtime.describe()})
             results.write(res, run_dir)
@@ -423,6 +427,33 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
     return res
 
 
+def _full_folder(folder: Path, probe_bytes: int = 1 << 16) -> str | None:
+    """Why ``folder`` cannot take a small file now (its disk full, read-only), else None."""
+    probe = folder / f".room-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as fh:
+            fh.write(bytes(probe_bytes))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
+
+
+#: how long after launch, with no rank training yet, the nodes are first asked whether they
+#: reach the master (Runtime.unreached_master); again at the startup timeout
+REACH_PROBE_AFTER_S = 60.0
+
+
+def _unreached_master(runtime: Runtime) -> str | None:
+    try:
+        return runtime.unreached_master()
+    except Exception:  # a probe must never end the watch of the round
+        return None
+
+
 #: how often the progress line is refreshed, and how often it is printed as a plain line
 #: when the output is not a terminal (a CI log, a file); a runtime's note (a Slurm job's
 #: state) is printed whenever it changes
@@ -439,8 +470,9 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
     title = f"round {r}/{plan.case.repeat}: {plan.case} on {len(rnd.nodes)} node(s)"
     steps = {ph: int(planning.phase_value(plan.settings["train"], ph, "steps") or 0) for ph in plan.phases}
     t0, begun = time.monotonic(), time.time()
-    shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None}
+    shown: dict[str, Any] = {"note": None, "plain_at": t0, "line": None, "probed": False}
     startup, stall = plan.cluster.startup_timeout_s, plan.cluster.stall_timeout_s
+    probe_after = min(REACH_PROBE_AFTER_S, startup / 2)
     still = progress.Stillness()
 
     with console.status(title) as status:
@@ -449,11 +481,18 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
             note = runtime.note()
             snaps = runtime.progress(round_dir)
             since = runtime.running_since() or begun
-            if not any(snaps) and time.time() - since > startup and not runtime.aborted:
-                runtime.abort(
-                    f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
-                    "that never joined the rendezvous, or a hang before the first record; stopped"
-                )
+            waited = time.time() - since
+            if not any(snaps) and not runtime.aborted and (waited > startup or (waited > probe_after and not shown["probed"])):
+                shown["probed"] = True  # a node that cannot reach the master: named now, or with the startup timeout
+                cut = _unreached_master(runtime)
+                if cut and waited <= startup:
+                    runtime.abort(f"{cut}; stopped {waited:.0f} s after launch, before any rank trained")
+                elif waited > startup:
+                    runtime.abort(
+                        (f"{cut}; " if cut else "")
+                        + f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
+                        "that never joined the rendezvous, or a hang before the first record; stopped"
+                    )
             idle = still.update(snaps, time.monotonic())
             # the ranks write their stacks when their call reaches the timeout; a few seconds
             # more and the files are there for the round's error (causes.stall_stacks)

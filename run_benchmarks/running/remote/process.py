@@ -32,13 +32,15 @@ def remote_command(
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
     merge_stderr: bool = False,
+    stdin: bool = False,
 ) -> str:
     """The command line sent to the remote shell: the one place argv gets quoted.
 
     The command runs in a new session/process group; ``FBPGID <pgid>`` is printed on its
     stderr before it starts. With ``merge_stderr`` the command's stderr goes to stdout
     (only the marker stays on stderr). The outer shell waits for it and reports its exit
-    status (128+signal when killed).
+    status (128+signal when killed). With ``stdin`` the command reads the channel's input (a
+    command started with ``&`` would read /dev/null).
     """
     if not argv:
         raise ValueError("argv is empty")
@@ -51,7 +53,10 @@ def remote_command(
             raise ValueError(f"invalid environment variable name {name!r}")
         parts.append(f"export {name}={q(str(value))};")
     inner = f'echo "{PGID_MARK} $$" >&2; exec "$@"' + (" 2>&1" if merge_stderr else "")
-    parts.append(f"setsid sh -c {q(inner)} flagbench {' '.join(q(str(a)) for a in argv)} & wait $!")
+    if stdin:
+        parts.append("exec 3<&0;")
+    into = " 0<&3 3<&-" if stdin else ""
+    parts.append(f"setsid sh -c {q(inner)} flagbench {' '.join(q(str(a)) for a in argv)}{into} & wait $!")
     return " ".join(parts)
 
 
@@ -172,6 +177,16 @@ class RemoteProcess:
             except OSError as e:
                 self.write_error = self.write_error or f"{self.output_path}: {e.strerror or e}"
             self._marker_done.set()
+
+    def send(self, data: bytes) -> None:
+        """Write to the command's input (started with ``stdin``); never blocks: dropped when the
+        channel cannot take it now."""
+        if self._chan.send_ready():
+            self._chan.send(data)
+
+    def close_input(self) -> None:
+        """End the command's input (it reads EOF)."""
+        self._chan.shutdown_write()
 
     def poll(self) -> int | None:
         """The exit status if the command finished and its output is written, else None."""

@@ -423,13 +423,14 @@ class SSHPool(TransferMixin):
         cwd: str | None = None,
         append: bool = False,
         start_timeout: float | None = None,
+        stdin: bool = False,
     ) -> RemoteProcess:
         """Start a long-running command; its stdout+stderr stream into a local file."""
         spec = self._spec(host)
         start_timeout = start_timeout or max(self.connect_timeout, 10.0)
         chan = self._open_channel(spec, start_timeout)
         try:
-            chan.exec_command(remote_command(argv, env=env, cwd=cwd, merge_stderr=True))
+            chan.exec_command(remote_command(argv, env=env, cwd=cwd, merge_stderr=True, stdin=stdin))
         except (paramiko.SSHException, OSError, EOFError) as e:
             chan.close()
             raise HostUnreachable(spec.name, f"connection lost starting {argv[0]}: {e}") from e

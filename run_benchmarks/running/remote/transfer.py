@@ -98,7 +98,10 @@ class TransferMixin:
             pending = [(remote_dir, Path(local_dir))]
             while pending:
                 rdir, ldir = pending.pop()
-                ldir.mkdir(parents=True, exist_ok=True)
+                try:
+                    ldir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:  # this machine's side, as a file's write
+                    raise LocalWriteFailed("", f"{ldir}: {e.strerror or e}") from None
                 stats.dirs += 1
                 for attr in sorted(sftp.listdir_attr(rdir), key=lambda a: a.filename):
                     if time.monotonic() > deadline:

@@ -116,6 +116,12 @@ class Runtime:
         """While a round runs: the runtime's own state worth showing (a Slurm job's id and state)."""
         return None
 
+    def unreached_master(self) -> str | None:
+        """While a round whose ranks have not started training runs: the nodes that cannot
+        reach the master's rendezvous port which the master itself answers (a network cut
+        between hosts), as one line naming each; None when none is found."""
+        return None
+
     def cleanup(self) -> None:
         """Tear everything down; safe to call more than once, and after a stop signal
         interrupted any other call (``stop_on_signals``)."""

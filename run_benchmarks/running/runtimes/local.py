@@ -25,6 +25,7 @@ from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.running.monitors import MonitorThread
 from run_benchmarks.running.node_agent import descendants, kill_all, remove_leftovers
 from run_benchmarks.running.runtimes.base import NodeOutcome, Runtime
+from run_benchmarks.running.watcher import LOCAL_MARK
 
 KILL_GRACE_S = 10.0
 WAIT_POLL_S = 2.0  # how often a run that waits for a busy host (--wait) tries again
@@ -130,6 +131,7 @@ class LocalRuntime(Runtime):
         self.locks: list[IO[str]] = []  # the host's flock, and each claimed device's
         self.devices: list[int] | None = None  # the devices claimed; None: the whole host
         self.beside: set[str] = set()  # runs seen holding other devices of this host meanwhile
+        self.watcher: subprocess.Popen[bytes] | None = None  # ends the ranks if this process dies
 
     def _wait_for_lock(self, plan: Plan, wait_s: float) -> None:
         """``_take_lock``, tried again every few seconds for up to ``wait_s`` (--wait) while
@@ -206,6 +208,28 @@ class LocalRuntime(Runtime):
             self.beside.update(_device_holders(lock_file().parent, own))
         return {"devices_claimed": self.devices, "runs_beside": sorted(self.beside)}
 
+    def _start_watcher(self, run_id: str) -> None:
+        """The run's watcher (running/watcher.py), in a session of its own, its input a pipe
+        from this process: when this process dies (SIGKILL included) the kernel closes the
+        pipe, and the watcher kills the run's ranks (their environment carries the run's mark)."""
+        argv = [sys.executable, "-m", "run_benchmarks.running.watcher", "--run-id", run_id, "--silence", "0", "--mark", LOCAL_MARK]
+        env = {k: v for k, v in os.environ.items() if k != LOCAL_MARK}
+        self.watcher = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def _stop_watcher(self) -> None:
+        watcher, self.watcher = self.watcher, None
+        if watcher is None:
+            return
+        assert watcher.stdin is not None
+        watcher.stdin.close()
+        try:
+            watcher.wait(10)
+        except subprocess.TimeoutExpired:
+            watcher.kill()
+            watcher.wait()
+
     def dry_prepare(self, plan: Plan) -> tuple[str, Path]:
         if self.python_override:
             return self.python_override, ROOT
@@ -213,6 +237,7 @@ class LocalRuntime(Runtime):
 
     def prepare(self, plan: Plan, log: Path) -> tuple[str, Path]:
         self._wait_for_lock(plan, plan.cluster.lock_wait_s)
+        self._start_watcher(plan.run_id)
         py = framework_python(plan.vendor.name, plan.case.framework, self.python_override, log)
         return str(py), ROOT
 
@@ -231,7 +256,7 @@ class LocalRuntime(Runtime):
                 (node_dir / "ranks").mkdir(parents=True, exist_ok=True)
                 out = open(node_dir / "stdout.log", "wb")
                 files.append(out)
-                env = {**os.environ, **node.env}
+                env = {**os.environ, **node.env, LOCAL_MARK: plan.run_id}  # the mark the run's watcher knows them by
                 if os.environ.get("PYTHONPATH"):  # keep what this host's Python needs (e.g. carried packages)
                     env["PYTHONPATH"] = f"{node.env['PYTHONPATH']}{os.pathsep}{os.environ['PYTHONPATH']}"
                 proc = subprocess.Popen(
@@ -302,6 +327,7 @@ class LocalRuntime(Runtime):
         for proc in self.procs:
             kill_group(proc, grace=2.0)
         self.procs.clear()
+        self._stop_watcher()
         for fh in self.locks:
             fh.close()  # releases its flock
         self.locks = []

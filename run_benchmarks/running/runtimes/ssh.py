@@ -27,8 +27,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
+import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -79,6 +82,38 @@ finally:
     if os.path.exists(path):
         os.unlink(path)
 """
+# Run on each host at the start of a run: the run's folder there and its origin.json (argv[2]).
+WRITE_ORIGIN = """
+import os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+with open(os.path.join(sys.argv[1], "origin.json"), "w") as fh:
+    fh.write(sys.argv[2])
+"""
+# Run on a host by --cleanup: {run id: [its node folders, "round<r>/node<k>"]} under argv[1]
+LIST_RUNS = """
+import json, os, sys
+runs = {}
+root = sys.argv[1]
+for run in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+    top = os.path.join(root, run)
+    if os.path.isdir(top):
+        runs[run] = sorted(
+            f"{r}/{n}" for r in os.listdir(top) if r.startswith("round") and os.path.isdir(os.path.join(top, r))
+            for n in os.listdir(os.path.join(top, r)) if n.startswith("node") and os.path.isdir(os.path.join(top, r, n))
+        )
+print(json.dumps(runs))
+"""
+# Run on each host of a round that has not started training: connect to the master's
+# rendezvous port (argv[1:3]) within argv[3] seconds, or exit 1 with why not.
+REACH_PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close()
+except OSError as e:
+    print(e.strerror or str(e) or type(e).__name__)
+    sys.exit(1)
+"""
+REACH_TIMEOUT_S = 3.0
 WORK_ROOM = 4  # the code archive, unpacked beside its old copy, and a round's files
 
 
@@ -165,6 +200,11 @@ class SSHRuntime(Runtime):
         self.notes: list[str] = []  # what was said about the hosts (leftovers removed)
         self._stopping = False  # set by cleanup: no node starts after it
         self._starter: ThreadPoolExecutor | None = None  # the round's node starts in flight
+        self.watchers: list[Any] = []  # each host's watcher (running/watcher.py), its input ours
+        self._watch_lock = threading.Lock()
+        self._beat: threading.Thread | None = None
+        self._beat_stop = threading.Event()
+        self.kept: dict[str, str] = {}  # host -> its run folder, kept: logs that could not come here
 
     # -- paths ---------------------------------------------------------------------------
     def work(self, host: HostConfig) -> PurePosixPath:
@@ -239,6 +279,8 @@ class SSHRuntime(Runtime):
             need = WORK_ROOM * archive.stat().st_size
             self._each(lambda h: self._probe_work(h, need))
             self._each(lambda h: self._push_code(h, staging))
+            self._each(lambda h: self._start_watcher(h, log.parent))
+            self._each(lambda h: self._write_origin(h, log.parent))
             self.timings["code_s"] = time.monotonic() - t0
             data_dir = plan.settings["data"].get("data_dir")
             if data_dir:
@@ -346,6 +388,65 @@ class SSHRuntime(Runtime):
             'set -e; rm -rf "$1.new"; mkdir -p "$1.new"; tar -xzf "$2" -C "$1.new"; rm -rf "$1"; mv "$1.new" "$1"; touch "$3"; rm -f "$2"'
         )
         self.pool.run(host.name, ["sh", "-c", script, "unpack", code, f"{work}/code.tar.gz", marker], timeout=t, check=True)
+
+    def _write_origin(self, host: HostConfig, run_dir: Path) -> None:
+        """``<work_dir>/runs/<run>/origin.json`` on the host: the run's folder here, where
+        ``--cleanup`` brings back what a run that did not finish left there."""
+        folder = str(self.work(host) / "runs" / str(self.run_id))
+        origin = json.dumps({"run_id": self.run_id, "run_dir": str(run_dir), "machine": socket.gethostname()})
+        self.pool.run(host.name, ["python3", "-c", WRITE_ORIGIN, folder, origin], timeout=self.cluster.ssh.command_timeout_s, check=True)
+
+    def _start_watcher(self, host: HostConfig, run_dir: Path) -> None:
+        """The run's watcher on the host (running/watcher.py): it ends the run's ranks and
+        containers there when this process is gone (the channel closed, or no heartbeat for
+        ``lost_after_s``)."""
+        from run_benchmarks.running.watcher import HEARTBEAT_S
+
+        silence = max(self.cluster.ssh.lost_after_s, 5 * HEARTBEAT_S)
+        argv = ["python3", "-m", "run_benchmarks.running.watcher", "--run-id", str(self.run_id), "--silence", f"{silence:g}"]
+        proc = self.pool.start(
+            host.name,
+            argv + (["--containers"] if self.containerized else []),
+            run_dir / f"watcher-{host.name}.log",
+            env={"PYTHONPATH": str(self.code_root(host))},
+            cwd=str(self.code_root(host)),
+            start_timeout=self.cluster.ssh.command_timeout_s,
+            stdin=True,
+        )
+        with self._watch_lock:
+            self.watchers.append(proc)
+            if self._beat is None:
+                self._beat = threading.Thread(target=self._heartbeat, name="watcher-heartbeat", daemon=True)
+                self._beat.start()
+
+    def _heartbeat(self) -> None:
+        """A byte to every watcher each HEARTBEAT_S, until the run's cleanup."""
+        from run_benchmarks.running.watcher import HEARTBEAT_S
+
+        while not self._beat_stop.wait(HEARTBEAT_S):
+            for w in list(self.watchers):
+                try:
+                    w.send(b".")
+                except Exception:  # a lost host: its watcher goes by the silence
+                    pass
+
+    def _stop_watchers(self) -> None:
+        """End the watchers' input once the run's own cleanup is done: each finds nothing left."""
+        self._beat_stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=5)
+            self._beat = None
+        for w in self.watchers:
+            try:
+                w.close_input()
+            except Exception:
+                pass
+        for w in self.watchers:
+            try:
+                w.wait(5.0)
+            except Exception:
+                pass
+        self.watchers = []
 
     def _probe_work(self, host: HostConfig, need: int) -> None:
         """Write ``need`` bytes into the host's work_dir before anything is sent there."""
@@ -652,14 +753,50 @@ class SSHRuntime(Runtime):
         if n.proc is not None and n.rc == -1 and not n.stopped:
             n.error = n.error or "the SSH connection to the host was lost during the round"
             n.lost = True
+        remote = str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}")
         try:
-            self.pool.get_tree(n.host.name, str(self.node_round_dir(plan, n.host, round_dir) / f"node{n.k}"), local)
-        except LocalWriteFailed as exc:
-            here.append(f"logs not collected: {exc.detail}")
+            self.pool.get_tree(n.host.name, remote, local)
+        except LocalWriteFailed as exc:  # the host's copy is the only whole one: it stays
+            self.kept[n.host.name] = str(self.work(n.host) / "runs" / str(self.run_id))
+            here.append(f"logs not collected: {exc.detail}; {self._kept_line(n.host, remote, local)}")
         except RemoteError as exc:
             n.error = n.error or f"logs not collected: {exc.detail}"
         if here:
             n.error = "; ".join(here + ([n.error] if n.error else []))
+
+    def unreached_master(self) -> str | None:
+        """Each node whose host cannot connect to the master's rendezvous port while the master
+        itself can: the network between the hosts is cut (each still answers this machine)."""
+        if len(self.hosts) < 2 or not self.master_port or self.pool is None:
+            return None
+        master, port = self.hosts[0], str(self.master_port)
+        argv = ["python3", "-c", REACH_PROBE, master.address, port, f"{REACH_TIMEOUT_S:g}"]
+
+        def probe(h: HostConfig) -> tuple[int, str] | None:
+            try:
+                res = self.pool.run(h.name, argv, timeout=self.cluster.ssh.command_timeout_s)
+            except RemoteError:  # the host itself lost: said by its own failure
+                return None
+            return res.rc, (res.stdout.strip().splitlines() or [f"exit status {res.rc}"])[-1]
+
+        found = self._each(probe)
+        if found[0] is None or found[0][0] != 0:  # the master does not answer itself yet: no cut to name
+            return None
+        cut = [
+            f"node{k} ({h.name}) cannot reach the master {master.name} at {master.address}:{port} ({r[1]}), "
+            f"which {master.name} answers: the network between the hosts is cut or filtered"
+            for k, (h, r) in enumerate(zip(self.hosts, found))
+            if k > 0 and r is not None and r[0] != 0
+        ]
+        return "; ".join(cut) or None
+
+    def _kept_line(self, host: HostConfig, remote: str, local: Path) -> str:
+        """Where a host's copy of logs that could not come here stays, and how to fetch it."""
+        return (
+            f"the host's copy is kept: {host.name}:{remote} (fetch it once this machine has room: "
+            f"{self._scp(host, remote, str(local))}; or start_task.py --cluster FILE --cleanup "
+            "brings back and removes what runs left there)"
+        )
 
     def _wait(self, deadline: float) -> bool:
         """Wait for every node; on the first failure stop the rest. True if the deadline passed."""
@@ -722,6 +859,7 @@ class SSHRuntime(Runtime):
             "timings_s": dict(self.timings),
             "master_port": self.master_port,
             "leftovers_removed": list(self.notes),
+            "kept_on_hosts": dict(self.kept),  # run folders kept there: logs that could not come here
         }
 
     def left_behind(self) -> list[str]:
@@ -759,6 +897,7 @@ class SSHRuntime(Runtime):
             except Exception:
                 pass
         self.engines.clear()
+        self._stop_watchers()
         if self.run_id and self.pool is not None and not self.cluster.keep_remote:
             self._each(self._remove_run_folder)
         for lock in self.locks:
@@ -768,11 +907,53 @@ class SSHRuntime(Runtime):
             self.pool.close()
             self.pool = None
 
+    def _left_runs(self, host: HostConfig) -> tuple[list[str], dict[str, str]]:
+        """For --cleanup: each run folder an earlier run left on the host, brought back into
+        that run's folder here (its origin.json names it) and then removed; kept, and named
+        with how to fetch it, when it cannot come here. Its lines, and per local run folder
+        what was found of it on this host."""
+        from run_benchmarks.running.remote.errors import LocalWriteFailed
+
+        t = self.cluster.ssh.command_timeout_s
+        runs_root = str(self.work(host) / "runs")
+        res = self.pool.run(host.name, ["python3", "-c", LIST_RUNS, runs_root], timeout=t, check=True)
+        lines, found = [], {}
+        for run, nodes in json.loads(res.stdout.strip().splitlines()[-1]).items():
+            folder = f"{runs_root}/{run}"
+            raw = self.pool.read_bytes(host.name, f"{folder}/origin.json", limit=65536)
+            try:
+                origin = json.loads(raw) if raw else {}
+                run_dir = Path(origin["run_dir"]) if origin.get("machine") == socket.gethostname() else None
+            except (ValueError, KeyError, TypeError):
+                run_dir = None
+            if run_dir is None or not run_dir.is_dir():
+                where = f"its run folder {run_dir} is not on this machine" if run_dir else "it names no run folder of this machine"
+                scp = self._scp(host, folder, "DEST")
+                lines.append(f"host {host.name}: kept {folder} ({where}; fetch it with: {scp}, then remove it there)")
+                continue
+            try:
+                for node in nodes:
+                    self.pool.get_tree(host.name, f"{folder}/{node}", run_dir / node)
+            except LocalWriteFailed as exc:
+                scp = self._scp(host, folder, str(run_dir))
+                lines.append(f"host {host.name}: kept {folder}: {exc.detail} (fetch it once this machine has room: {scp})")
+                found[str(run_dir)] = f"{len(nodes)} node folder(s) on {host.name}, kept there: this machine's side is full"
+                continue
+            self.pool.run(host.name, ["rm", "-rf", "--", folder], timeout=t, check=True)
+            what = f"{len(nodes)} node folder(s) ({', '.join(nodes)})" if nodes else "no node folder"
+            lines.append(f"host {host.name}: run {run} left {what}: brought back into {run_dir}, then removed there")
+            found[str(run_dir)] = f"{what} on {host.name}, brought back"
+        return lines, found
+
+    def _scp(self, host: HostConfig, remote: str, local: str) -> str:
+        spec = self.pool.hosts[host.name]
+        return shlex.join(["scp", "-r", "-P", str(spec.port), f"{spec.user}@{spec.address}:{remote}/.", local])
+
     def _remove_run_folder(self, host: HostConfig) -> None:
         """The run's folder on the host, its logs brought back (best effort: a lost host keeps it).
         A host never reached in this run has none, and is not tried again (a hung sshd would
         hold the cleanup for another connect_timeout_s)."""
-        if host.name not in self.pool.reached:
+        if host.name not in self.pool.reached or host.name in self.kept:
             return
         folder = str(self.work(host) / "runs" / str(self.run_id))
         try:
@@ -792,11 +973,39 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
     try:
         rt._connect(list(cluster.hosts), f"cleanup-{dt.datetime.now():%Y%m%d-%H%M%S}")
         lines = rt._each(lambda h: rt._sweep_any(h))
+        found = rt._each(rt._left_runs)  # the hosts' locks are ours: no live run has a folder there
+        lines += [ln for per_host in found for ln in per_host[0]]
+        finished: dict[str, list[str]] = {}
+        for per_host in found:
+            for run_dir, said in per_host[1].items():
+                finished.setdefault(run_dir, []).append(said)
+        lines += [_finish_orphan(Path(d), said) for d, said in sorted(finished.items())]
     except RemoteError as exc:
         raise InputError(f"host {exc}") from None
     finally:
         rt.cleanup()
     return [ln for ln in lines if ln]
+
+
+def _finish_orphan(run_dir: Path, found: list[str]) -> str | None:
+    """The results.json of a run whose start_task.py ended without finishing it (SIGKILL, a
+    second stop signal): finished as failed, saying what --cleanup found; a line saying so."""
+    from run_benchmarks.judging import results, typed_results
+    from run_benchmarks.running.orchestrator import _now
+
+    path = run_dir / "results.json"
+    try:
+        res = typed_results.load(path)
+    except InputError:  # no such file here, or not a results.json: nothing of ours to finish
+        return None
+    if res.finished or res.status != "running":
+        return None
+    error = f"start_task.py ended without finishing the run after {len(res.rounds)} round(s); --cleanup found {'; '.join(found)}"
+    try:
+        results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now()}), run_dir)
+    except OSError as exc:
+        return f"{path}: still says running, and cannot be written ({exc.strerror or exc})"
+    return f"{path}: finished as failed (it said running): {error}"
 
 
 def load_base_images(

@@ -107,6 +107,7 @@ def resolved(tmp: Path, **over) -> dict:
             "prefix": None,
             "max_tokens": 100000000,
             "synthetic_tokens": 1048576,
+            "synthetic": None,
             "fingerprint": "full",
             "data_dir": None,
             "cache_dir": str(tmp / "cache"),

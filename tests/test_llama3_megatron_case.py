@@ -323,10 +323,13 @@ def test_cpu_layouts_train_alike(layout_runs):
 
 
 def test_one_reference_for_every_layout():
-    """llama3_tiny has one reference, the standard recipe's; no file per config."""
-    assert sorted(p.name for p in REFERENCE.iterdir()) == ["standard.json"]
-    ref = json.loads((REFERENCE / "standard.json").read_text())
-    assert ref["recipe"] == "standard" and ref["loss"][-1] < ref["loss"][0] - 2.0
+    """llama3_tiny has one reference per recipe (the attention recipe's named by its corpus too);
+    no file per config."""
+    names = sorted(p.name for p in REFERENCE.iterdir())
+    assert names == ["attention.data-synthetic-v2-030cd93abbad.json", "standard.json"], names
+    for name in names:
+        ref = json.loads((REFERENCE / name).read_text())
+        assert ref["recipe"] == name.split(".")[0] and ref["loss"][-1] < ref["loss"][0] - 2.0
 
 
 @pytest.mark.framework("megatron")

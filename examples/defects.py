@@ -116,8 +116,12 @@ def _wrap_sdpa(change: Any) -> None:
     F.scaled_dot_product_attention = changed
 
 
+def _times_zero(sdpa: Any, *a: Any, **k: Any) -> Any:
+    return sdpa(*a, **k) * 0
+
+
 def attention_times_zero(cfg: dict[str, Any]) -> None:
-    _wrap_sdpa(lambda sdpa, *a, **k: sdpa(*a, **k) * 0)
+    _wrap_sdpa(_times_zero)
 
 
 def softmax_scale_x4(cfg: dict[str, Any]) -> None:
@@ -325,7 +329,7 @@ def _late(change: Any) -> Any:
 
 
 def attention_times_zero_late(cfg: dict[str, Any]) -> None:
-    _wrap_sdpa(_late(lambda sdpa, *a, **k: sdpa(*a, **k) * 0))
+    _wrap_sdpa(_late(_times_zero))
 
 
 def attention_window_late(cfg: dict[str, Any]) -> None:

@@ -133,15 +133,26 @@ def softmax_scale_x4(cfg: dict[str, Any]) -> None:
 
 
 def _windowed(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
+    """Causal attention limited to the last ``seq / 16`` keys, whether the kernel is told
+    ``is_causal``, given a boolean mask, or given an additive one (Baichuan2's ALiBi bias with the
+    causal mask folded in); an attention with neither (an encoder's) is left whole."""
     import torch
 
-    if not k.pop("is_causal", False):
-        return sdpa(q, key, v, *a, **k)
     n = q.shape[-2]
     width = max(1, n // 16)
     i = torch.arange(n, device=q.device)
-    allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)
-    return sdpa(q, key, v, *a, attn_mask=allowed, **k)
+    inside = i[None, :] > i[:, None] - width
+    mask = k.pop("attn_mask", a[0] if a else None)
+    a = a[1:]
+    if k.pop("is_causal", False):
+        inside = inside & (i[None, :] <= i[:, None])
+        if mask is None:
+            return sdpa(q, key, v, *a, attn_mask=inside, **k)
+    elif mask is None:
+        return sdpa(q, key, v, *a, **k)
+    if mask.dtype == torch.bool:
+        return sdpa(q, key, v, *a, attn_mask=mask & inside, **k)
+    return sdpa(q, key, v, *a, attn_mask=mask.masked_fill(~inside, float("-inf")), **k)
 
 
 def attention_window(cfg: dict[str, Any]) -> None:
@@ -160,9 +171,6 @@ def qkv_float8(cfg: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- more defects for the conformance check
 #
-# - ``attention_window_masked``: ``attention_window`` where the kernel is given an additive mask
-#   too (Baichuan2's ALiBi bias with the causal mask folded in, which never sets ``is_causal``):
-#   keys before the last ``seq / 16`` masked out.
 # - ``alibi_slopes_off``: ALiBi's head slopes 10 % above Press et al.'s (a wrong constant in a
 #   ported bias), in cases/baichuan2/deepspeed/model.py's mask and score modification alike.
 # - ``paddle_attention_times_zero``, ``paddle_softmax_scale_x4``, ``paddle_attention_window``:
@@ -175,27 +183,6 @@ def qkv_float8(cfg: dict[str, Any]) -> None:
 #   PaddleNLP's GPT.
 #
 # The paddle ones refuse another framework (a defect that silently did nothing would pass).
-
-
-def attention_window_masked(cfg: dict[str, Any]) -> None:
-    import torch
-
-    def windowed(sdpa: Any, q: Any, key: Any, v: Any, *a: Any, **k: Any) -> Any:
-        n = q.shape[-2]
-        width = max(1, n // 16)
-        i = torch.arange(n, device=q.device)
-        inside = i[None, :] > i[:, None] - width
-        mask = k.pop("attn_mask", a[0] if a else None)
-        a = a[1:]
-        if k.pop("is_causal", False):
-            return sdpa(q, key, v, *a, attn_mask=inside & (i[None, :] <= i[:, None]), **k)
-        if mask is None:
-            return sdpa(q, key, v, *a, **k)
-        if mask.dtype == torch.bool:
-            return sdpa(q, key, v, *a, attn_mask=mask & inside, **k)
-        return sdpa(q, key, v, *a, attn_mask=mask.masked_fill(~inside, float("-inf")), **k)
-
-    _wrap_sdpa(windowed)
 
 
 def alibi_slopes_off(cfg: dict[str, Any]) -> None:
@@ -237,12 +224,25 @@ def _wrap_paddle_attention(cfg: dict[str, Any], name: str, change: Any, flash: b
         setattr(attention, method, functools.wraps(original)(changed))
 
 
-def paddle_attention_times_zero(cfg: dict[str, Any]) -> None:
-    def zero(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
-        out = original(self, q, k, v, attention_mask=mask, output_attentions=weights)
-        return (out[0] * 0, out[1]) if weights else out * 0
+def _paddle_zero(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+    out = original(self, q, k, v, attention_mask=mask, output_attentions=weights)
+    return (out[0] * 0, out[1]) if weights else out * 0
 
-    _wrap_paddle_attention(cfg, "paddle_attention_times_zero", zero)
+
+def _paddle_windowed(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+    import paddle
+
+    n = q.shape[1]  # [batch, seq, heads, head_dim]
+    width = max(1, n // 16)
+    i = paddle.arange(n)
+    cut = (i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - width)  # above the diagonal or before the window
+    block = paddle.where(cut, paddle.full([n, n], -1e4), paddle.zeros([n, n]))[None, None]
+    mask = block if mask is None else mask.astype(block.dtype) + block
+    return original(self, q, k, v, attention_mask=mask, output_attentions=weights)
+
+
+def paddle_attention_times_zero(cfg: dict[str, Any]) -> None:
+    _wrap_paddle_attention(cfg, "paddle_attention_times_zero", _paddle_zero)
 
 
 def paddle_softmax_scale_x4(cfg: dict[str, Any]) -> None:
@@ -253,18 +253,7 @@ def paddle_softmax_scale_x4(cfg: dict[str, Any]) -> None:
 
 
 def paddle_attention_window(cfg: dict[str, Any]) -> None:
-    import paddle
-
-    def windowed(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
-        n = q.shape[1]  # [batch, seq, heads, head_dim]
-        width = max(1, n // 16)
-        i = paddle.arange(n)
-        cut = (i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - width)  # above the diagonal or before the window
-        block = paddle.where(cut, paddle.full([n, n], -1e4), paddle.zeros([n, n]))[None, None]
-        mask = block if mask is None else mask.astype(block.dtype) + block
-        return original(self, q, k, v, attention_mask=mask, output_attentions=weights)
-
-    _wrap_paddle_attention(cfg, "paddle_attention_window", windowed, flash=False)
+    _wrap_paddle_attention(cfg, "paddle_attention_window", _paddle_windowed, flash=False)
 
 
 def learned_positions_shifted(cfg: dict[str, Any]) -> None:
@@ -310,7 +299,8 @@ def hf_rope_base_off(cfg: dict[str, Any]) -> None:
 #
 # A kernel an autotuner swaps in once the first calls are timed, or a cache that goes stale after
 # warm-up, is not in the stack the conformance check sees before training: only the loss gate can
-# catch it. ``attention_times_zero_late`` and ``attention_window_late`` are the defects above from
+# catch it. ``attention_times_zero_late`` and ``attention_window_late`` (``paddle_..._late`` for
+# PaddleNLP's attention) are the defects above from
 # the ``LATE_AFTER + 1``-th call of torch's SDPA on in each process (the check's probe, a process
 # of its own, calls it fewer times), what the tiny cases' corpus must let the gate see
 # (training/data/synthetic.py, version 2; tests/test_recipe_teeth.py).
@@ -334,3 +324,23 @@ def attention_times_zero_late(cfg: dict[str, Any]) -> None:
 
 def attention_window_late(cfg: dict[str, Any]) -> None:
     _wrap_sdpa(_late(_windowed))
+
+
+def _paddle_late(change: Any) -> Any:
+    calls = [0]
+
+    def maybe(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+        calls[0] += 1
+        if calls[0] > LATE_AFTER:
+            return change(original, self, q, k, v, mask, weights)
+        return original(self, q, k, v, attention_mask=mask, output_attentions=weights)
+
+    return maybe
+
+
+def paddle_attention_times_zero_late(cfg: dict[str, Any]) -> None:
+    _wrap_paddle_attention(cfg, "paddle_attention_times_zero_late", _paddle_late(_paddle_zero))
+
+
+def paddle_attention_window_late(cfg: dict[str, Any]) -> None:
+    _wrap_paddle_attention(cfg, "paddle_attention_window_late", _paddle_late(_paddle_windowed), flash=False)

@@ -839,6 +839,7 @@ class SlurmRuntime(Runtime):
                     else f"may still be running: cancel it with `scancel {job.job_id}` once Slurm answers"
                 )
                 error = f"{job.unreachable}; the nodes stopped their ranks through the run's lease ({stopped} of {job.nnodes} confirmed); Slurm job {job.job_id} {fate}"
+                extra[causes.LOST_KEY] = True  # the cause: it leads the ranks' errors that follow the stop
             elif k in job.lost:
                 error, extra[causes.LOST_KEY] = f"{job.lost[k]}; Slurm job {job.job_id} cancelled", True
             elif job.lost:

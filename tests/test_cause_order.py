@@ -64,3 +64,31 @@ def test_an_error_of_the_whole_job_names_no_node(tmp_path):
 
 def test_exit_codes_read_as_signals():
     assert [causes.exit_signal(c) for c in (137, -9, 143, 1, 0, 255, None)] == ["SIGKILL", "SIGKILL", "SIGTERM", None, None, None, None]
+
+
+def test_the_harness_stop_shared_by_every_node_names_the_nodes_it_concerns(tmp_path):
+    """The startup and stall timeouts stop every node with one line: said once, led by the
+    nodes it concerns (marked by the round's watch), under any runtime of several nodes."""
+    start = "no rank started training within 10 s of launch (startup_timeout_s): a node that never joined; stopped"
+    outs = [NodeOutcome(f"n{k + 1}", k, None, False, _node(tmp_path, k), start, {causes.BLAME_KEY: True}) for k in (0, 1)]
+    lines = _round(tmp_path, outs).error.splitlines()
+    assert lines[0] == f"node0 (n1), node1 (n2): {start}" and start not in "\n".join(lines[1:]), lines
+    stall = "no record from any rank for 4 s after step 3 (stall_timeout_s): the ranks hang; stopped (Slurm job 7 cancelled)"
+    outs = [NodeOutcome(f"n{k + 1}", k, None, False, tmp_path / "round1" / f"node{k}", stall, {causes.BLAME_KEY: k == 1}) for k in (0, 1)]
+    assert _round(tmp_path, outs).error.splitlines()[0] == f"node1 (n2): {stall}"
+
+
+def test_a_node_whose_engine_was_lost_leads_rank_0s_gloo_error(tmp_path):
+    survivor = NodeOutcome("h1", 0, 1, False, _node(tmp_path, 0, GLOO))
+    lost = NodeOutcome(
+        "h2",
+        1,
+        -1,
+        False,
+        _node(tmp_path, 1),
+        "lost the node: docker engine not answering over ssh: no reply within 60 s",
+        {causes.LOST_KEY: True},
+    )
+    lines = _round(tmp_path, [survivor, lost]).error.splitlines()
+    assert lines[0] == "node1 (h2): lost the node: docker engine not answering over ssh: no reply within 60 s", lines
+    assert lines[1] == f"rank 0: {GLOO}", lines

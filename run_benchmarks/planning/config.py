@@ -138,6 +138,10 @@ class SlurmConfig(Strict):
     node_python: str | None = None  # runs the node wrapper and monitors; default: this Python
     image: str | None = None  # docker: image on the nodes; {vendor} and {framework} are filled in
     poll_interval_s: float = Field(1.0, gt=0)  # how often the job state is read
+    #: the nodes end the job's ranks when the run's lease (running/lease.py) is not renewed for this long
+    lease_s: float = Field(120.0, ge=5)
+    #: how long the harness keeps trying a Slurm that does not answer (munge lost) before it gives the job up
+    unreachable_s: float = Field(60.0, ge=5)
 
     @field_validator("extra_sbatch", "srun_extra")
     @classmethod

@@ -108,6 +108,10 @@ def read(path: Path) -> str:
 #: in a node's error: the round was stopped for want of records (orchestrator), so the
 #: ranks' stack files say where they were
 STALL_MARK = "stall_timeout_s"
+STARTUP_MARK = "startup_timeout_s"
+#: a node the harness's own stop concerns (its ranks never reported, or stood still first), in
+#: NodeOutcome.extra: the stop's line, the same on every node, is said once with these nodes named
+BLAME_KEY = "stop_concerns"
 #: how Python's faulthandler begins its report of a fatal signal
 FATAL_MARK = "Fatal Python error: "
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+?)\s*$')

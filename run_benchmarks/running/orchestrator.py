@@ -150,6 +150,10 @@ def _process_errors(
         if shared and o.error and o.node_rank != outcomes[0].node_rank:
             continue
         said = o.error if shared else f"{where}: {o.error}"
+        if shared and o.error and (causes.STALL_MARK in o.error or causes.STARTUP_MARK in o.error):
+            # the harness's own stop, the same on every node: said once, naming the nodes it concerns
+            named = [p for p in outcomes if p.extra.get(causes.BLAME_KEY)] or outcomes
+            said = f"{', '.join(f'node{p.node_rank} ({p.host})' for p in named)}: {o.error}"
         if o.error and causes.STALL_MARK in o.error:
             stalled.append(said)
         elif o.error and o.extra.get(causes.LOST_KEY):
@@ -488,15 +492,17 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
                 if cut and waited <= startup:
                     runtime.abort(f"{cut}; stopped {waited:.0f} s after launch, before any rank trained")
                 elif waited > startup:
+                    shown["blame"] = [i for i, snap in enumerate(snaps) if not snap]
                     runtime.abort(
                         (f"{cut}; " if cut else "")
-                        + f"no rank started training within {startup:g} s of launch (startup_timeout_s): a node "
+                        + f"no rank started training within {startup:g} s of launch ({causes.STARTUP_MARK}): a node "
                         "that never joined the rendezvous, or a hang before the first record; stopped"
                     )
             idle = still.update(snaps, time.monotonic())
             # the ranks write their stacks when their call reaches the timeout; a few seconds
             # more and the files are there for the round's error (causes.stall_stacks)
             if idle is not None and idle > stall + STACKS_GRACE_S and not runtime.aborted:
+                shown["blame"] = still.still_first()
                 runtime.abort(f"no record from any rank for {stall:g} s {still.where()} ({causes.STALL_MARK}): the ranks hang; stopped")
             line = progress.line(snaps, steps, plan.world_size)
             text = ", ".join(filter(None, [note, line, progress.elapsed(t0)]))
@@ -521,7 +527,11 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
         watch = progress.Watch(tick, PROGRESS_EVERY_S)
         watch.start()
         try:
-            return runtime.run_round(plan, rnd, plan.cluster.round_timeout_s)
+            outcomes = runtime.run_round(plan, rnd, plan.cluster.round_timeout_s)
+            for o in outcomes:  # the nodes the harness's stop concerns, named on its line
+                if o.node_rank in shown.get("blame", ()) and o.error:
+                    o.extra[causes.BLAME_KEY] = True
+            return outcomes
         finally:
             watch.stop()
             if not console.is_terminal:

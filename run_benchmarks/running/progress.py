@@ -129,6 +129,7 @@ class Stillness:
     def __init__(self) -> None:
         self.seen: dict[int, tuple[Any, ...]] = {}
         self.moved_at: float | None = None
+        self.node_moved: dict[int, float] = {}  # node index -> when its snapshot last moved
         self.newest: dict[str, Any] | None = None
 
     def update(self, snaps: list[dict[str, Any] | None], now: float) -> float | None:
@@ -138,10 +139,17 @@ class Stillness:
                 continue
             key = (s.get("phase"), s.get("step"), s.get("last_t"))
             if self.seen.get(i) != key:
-                self.seen[i], self.moved_at = key, now
+                self.seen[i], self.moved_at, self.node_moved[i] = key, now, now
             if "step" in s and (self.newest is None or s["t"] >= self.newest["t"]):
                 self.newest = s
         return None if self.moved_at is None else now - self.moved_at
+
+    def still_first(self, slack: float = 1.0) -> list[int]:
+        """The nodes whose progress stood still first (within ``slack`` s of the earliest)."""
+        if not self.node_moved:
+            return []
+        first = min(self.node_moved.values())
+        return sorted(i for i, t in self.node_moved.items() if t <= first + slack)
 
     def where(self) -> str:
         """ "after step 8", "after finetune step 3", or "before the first step"."""

@@ -19,10 +19,12 @@ this module once per allocated node; it
    ``node<k>/monitor.jsonl``,
 5. where the run's data is on the nodes only, checks it there (``check_data``: every node's
    fingerprint must be one, else it stops, saying why, before any training),
-6. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
+6. watches the round's lease (``running/lease.py``): when the orchestrator stops renewing
+   it (SIGKILLed, its machine lost) or ends it, stops its launcher as scancel would,
+7. runs the launcher (a plain process, or ``docker run`` of the vendor image) with its
    output in ``node<k>/stdout.log``, forwarding SIGTERM/SIGINT (scancel, time limit,
    a failed peer under ``srun --kill-on-bad-exit``) to it,
-7. stops the monitor, writes ``node<k>/node.json`` (host, master, exit status) and
+8. stops the monitor, writes ``node<k>/node.json`` (host, master, exit status) and
    exits with the launcher's status, so ``srun`` and the job state carry a failure.
 
 Everything it reads and writes lives in the run directory, which must be on a
@@ -39,6 +41,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from run_benchmarks.running import lease
 from run_benchmarks.running.node_agent import SPEC_VERSION, address_of, container_argv, run_node, write_report
 
 EXIT_NO_SPEC = 97  # the spec is not visible on this node (run dir not shared)
@@ -229,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
             EXIT_BAD_ALLOCATION,
             f"allocation of {nnodes} node(s), node id {rank}, task {procid}: the plan needs {len(nodes)} nodes with one task each",
         )
+    lapsed: list[str] = []
+    if spec.get("lease"):
+
+        def on_lapse(why: str) -> None:
+            lapsed.append(why)
+            print(f"flagbench slurm_node on {socket.gethostname()}: {why}; stopping the ranks", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # as scancel: the launcher stopped, the report written
+
+        lease.watch(Path(spec["lease"]["path"]), float(spec["lease"]["lease_s"]), on_lapse)
     master_host = first_host(nodelist)
     job_id = env.get("SLURM_JOB_ID", "")
     try:
@@ -264,7 +277,15 @@ def main(argv: list[str] | None = None) -> int:
         "step_id": env.get("SLURM_STEP_ID"),
         "master_host": master_host,
     }
-    return run_node(spec, rank, master, report, container_name=f"fb-{env.get('SLURM_JOB_ID', 'job')}-node{rank}")
+    rc = run_node(spec, rank, master, report, container_name=f"fb-{env.get('SLURM_JOB_ID', 'job')}-node{rank}")
+    node_dir = Path(spec["round_dir"]) / f"node{rank}"
+    try:
+        said = json.loads((node_dir / "node.json").read_text())
+    except (OSError, ValueError):
+        return rc
+    if lapsed:  # why the launcher was stopped, for the harness's --cleanup
+        write_report(node_dir, {**said, "lease_lapsed": lapsed[0]})
+    return rc
 
 
 if __name__ == "__main__":

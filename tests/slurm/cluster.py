@@ -175,19 +175,7 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         key = self.base / "munge" / "munge.key"
         subprocess.run(["mungekey", "--create", f"--keyfile={key}"], check=True, capture_output=True)
         os.chmod(key, 0o600)
-        self._spawn(
-            "munged",
-            [
-                "munged",
-                "--foreground",
-                "--force",
-                f"--key-file={key}",
-                f"--socket={self.munge_socket}",
-                f"--pid-file={self.base / 'run' / 'munged.pid'}",
-                f"--seed-file={self.base / 'munge' / 'seed'}",
-                f"--log-file={self.base / 'log' / 'munged.log'}",
-            ],
-        )
+        self._spawn_munged()
         self._wait("munged", self.munge_socket.exists)
         self.timings["munge_s"] = time.monotonic() - t0
         try:
@@ -206,6 +194,33 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
             raise
         self.timings["start_s"] = time.monotonic() - t0
         return self
+
+    def _spawn_munged(self) -> None:
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={self.base / 'munge' / 'munge.key'}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={self.base / 'run' / 'munged.pid'}",
+                f"--seed-file={self.base / 'munge' / 'seed'}",
+                f"--log-file={self.base / 'log' / 'munged.log'}",
+            ],
+        )
+
+    def kill_munge(self) -> None:
+        """SIGKILL munged: every Slurm message (the clients', the daemons') fails to authenticate."""
+        proc = self.procs.pop("munged")
+        proc.kill()
+        proc.wait()
+
+    def restart_munge(self) -> None:
+        """Start munged again (if killed) and wait until the controller answers through it."""
+        if "munged" not in self.procs:
+            self._spawn_munged()
+        self._wait("munged and slurmctld", lambda: self._scontrol("ping").returncode == 0)
 
     def _spawn_node(self, name: str) -> None:
         hosts = self.base / "etc" / f"hosts-{name}"

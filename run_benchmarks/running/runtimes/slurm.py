@@ -36,9 +36,9 @@ from run_benchmarks.planning.config import ClusterConfig, HostConfig, SlurmConfi
 from run_benchmarks.planning.envs import env_dir, framework_python, python_of
 from run_benchmarks.planning.plan import NodePlan, Plan, RoundPlan, plan_nodes
 from run_benchmarks.planning.registry import ROOT
-from run_benchmarks.running import causes
+from run_benchmarks.running import causes, lease
 from run_benchmarks.running.causes import SHARED_KEY
-from run_benchmarks.running.node_agent import agent_spec
+from run_benchmarks.running.node_agent import STOP_GRACE_S, agent_spec
 from run_benchmarks.running.runtimes.base import NodeOutcome, Runtime
 from run_benchmarks.running.slurm_node import EXIT_BAD_ALLOCATION, EXIT_NO_SPEC
 from training import metriclog as ml
@@ -59,13 +59,15 @@ ACTIVE = {"RUNNING", "COMPLETING", "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESIZ
 ENDED_BY_SLURM = {"NODE_FAIL", "BOOT_FAIL", "PREEMPTED", "DEADLINE", "OUT_OF_MEMORY", "REVOKED"}
 #: a pending job's reason when a node it asked for cannot serve; states that say so
 UNAVAILABLE_REASON = re.compile(r"ReqNodeNotAvail|NodeDown|Nodes_required_for_job_are_DOWN")
-OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE"}
 #: a pending job's reason when its partition cannot run it as asked (a limit below what it
 #: asks, the partition down): it waits until an admin changes the partition, so never by itself
 #: sbatch's line when the controller refuses a job for now (its MaxJobCount reached, say): sbatch
 #: would sleep and submit again 15 times, two minutes, saying nothing more
 REFUSED_FOR_NOW = re.compile(r"temporarily unable to accept job")
 SBATCH_TIMEOUT_S = 120.0
+OUT_OF_SERVICE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE"}
+#: srun's word of the node a NODE_FAIL was for, in the batch output
+NODE_FAILURE = re.compile(r"srun: error: Node failure on (\S+)")
 PARTITION_REASON = re.compile(r"PartitionTimeLimit|PartitionNodeLimit|PartitionDown|PartitionInactive")
 #: how long the other nodes' launchers may outlive the first to end before their nodes count
 #: as lost (a crashed node never reports; Slurm would notice only at its SlurmdTimeout)
@@ -76,6 +78,7 @@ GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
 GONE_WAIT_S = 60.0
 REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
 TAIL = 15
+LEASE_FILE = "lease"
 
 
 def parse_show_job(line: str) -> dict[str, str]:
@@ -110,7 +113,10 @@ class Job:
     nodes_finished_at: float | None = None  # the last launcher exited (node.json)
     first_step_at: float | None = None  # the first train_step line
     #: "round deadline" | "interrupted" | "cleanup" | "launch failed" | "aborted" | "node unavailable" | "partition limit"
-    cancelled_by_harness: str | None = None
+    cancelled_by_harness: str | None = None  # set once scancel said yes
+    stopped_by_harness: str | None = None  # why the harness stopped it (scancel, the lease ended), even if scancel failed
+    cancel_failed: str | None = None  # scancel's command and error when it could not cancel the job
+    unreachable: str | None = None  # Slurm did not answer the harness for unreachable_s: which command, what error
     state_at_cancel: str = ""  # e.g. "PENDING (Resources)"
     launch_failure: str | None = None  # srun could not start the step on a node: why
     unavailable: str | None = None  # the nodes it needs that are DOWN or DRAINED, and why
@@ -141,6 +147,8 @@ class Job:
             "batch_host": self.batch_host,
             "time_limit": self.time_limit,
             "cancelled_by_harness": self.cancelled_by_harness,
+            "cancel_failed": self.cancel_failed,
+            "unreachable": self.unreachable,
             "failed_nodes": self.failed_nodes,
             "state_at_cancel": self.state_at_cancel or None,
             "launch_failure": self.launch_failure,
@@ -174,6 +182,11 @@ class SlurmRuntime(Runtime):
         self.node_python = self.conf.node_python or sys.executable
         self.jobs: list[Job] = []
         self.notes: list[str] = []  # leftovers of earlier runs removed at prepare
+        self.lease: lease.Renewer | None = None  # the round's lease, renewed while its job is followed
+        self.silent_since: float | None = None  # monotonic: since when Slurm's commands have failed
+        self.silent_error = ""  # the last failing command and its error
+        self.said_silent = False
+        self.gave_up: str | None = None  # a round's job given up because Slurm did not answer
 
     # ------------------------------------------------------------------ client commands
 
@@ -271,23 +284,29 @@ class SlurmRuntime(Runtime):
         died (SIGKILL, a crashed machine): each job's comment names its submitter's host and pid
         (``submitter_comment``), and a pid no longer alive here means nobody follows the job.
         Jobs of other submit hosts and of live runs are never touched. One line, or None."""
-        proc = self._run(["squeue", "--noheader", "--me", "--format=%i|%T|%Z|%k"], timeout=30)
+        proc = self._run(["squeue", "--noheader", "--me", "--states=all", "--format=%i|%T|%Z|%k"], timeout=30)
         if proc.returncode != 0:
             return None  # the controller answered ping: a transient failure; the next run sweeps
         gone: dict[str, list[str]] = {}
+        ended: list[str] = []
         for row in proc.stdout.splitlines():
             job_id, state, workdir, comment = (row.strip().split("|", 3) + ["", "", ""])[:4]
             owner = parse_comment(comment)
-            if state not in WAITING | ACTIVE - {"COMPLETING"}:
-                continue  # its steps ended (a run that finished normally): Slurm is tidying up
-            if owner and owner[0] == socket.gethostname() and not _alive_pid(owner[1]):
-                if self._run(["scancel", job_id], timeout=60).returncode == 0:
-                    gone.setdefault(owner[2], []).append(job_id)
-                    finish_abandoned(Path(workdir).parent, job_id)  # the job runs in <run_dir>/round<r>
-        if not gone:
-            return None
-        runs = "; ".join(f"job {', '.join(ids)} of run {run}" for run, ids in sorted(gone.items()))
-        return f"cancelled Slurm jobs whose start_task.py is gone: {runs}"
+            if not owner or owner[0] != socket.gethostname() or _alive_pid(owner[1]):
+                continue  # another host's job, or one its start_task.py still follows
+            if state not in WAITING | ACTIVE:  # ended by itself (the nodes' lease lapsed, a time limit)
+                if finish_abandoned(Path(workdir).parent, job_id, ended=state):
+                    ended.append(f"run {owner[2]} (its Slurm job {job_id} ended {state} without it)")
+            elif state != "COMPLETING" and self._run(["scancel", job_id], timeout=60).returncode == 0:
+                gone.setdefault(owner[2], []).append(job_id)  # COMPLETING: its steps ended, Slurm tidies up
+                finish_abandoned(Path(workdir).parent, job_id)  # the job runs in <run_dir>/round<r>
+        said = []
+        if gone:
+            runs = "; ".join(f"job {', '.join(ids)} of run {run}" for run, ids in sorted(gone.items()))
+            said.append(f"cancelled Slurm jobs whose start_task.py is gone: {runs}")
+        if ended:
+            said.append(f"finished the results.json of runs whose start_task.py is gone: {'; '.join(ended)}")
+        return "\n".join(said) or None
 
     # ------------------------------------------------------------------ what a round submits
 
@@ -349,6 +368,8 @@ class SlurmRuntime(Runtime):
             nodes,
             run_id=plan.run_id,
             port_placeholder=PORT_PLACEHOLDER,
+            # the nodes stop the ranks when the orchestrator stops renewing it (running/lease.py)
+            lease={"path": str(round_dir / "slurm" / LEASE_FILE), "lease_s": self.conf.lease_s},
             # the cluster file's port, checked free on node 0; None: node 0 picks a free one
             master_port=self.cluster.master_port if "master_port" in self.cluster.model_fields_set else None,
             **extra,
@@ -454,14 +475,26 @@ class SlurmRuntime(Runtime):
         (slurm_dir / "spec.json").write_text(json.dumps(spec, indent=2))
         (slurm_dir / "job.sh").write_text(self.batch_script(plan, round_dir))
         self.aborted = None
-        job = self._submit(plan, round_dir)
+        if self.gave_up and self._run(["scontrol", "ping"], timeout=30).returncode != 0:
+            return [
+                NodeOutcome(
+                    f"slurm-node{n.node_rank}", n.node_rank, None, False, round_dir / f"node{n.node_rank}", f"not started: {self.gave_up}"
+                )
+                for n in planned
+            ]
+        self.lease = lease.Renewer(slurm_dir / LEASE_FILE)
+        self.lease.start()
         try:
-            self._follow(job, time.monotonic() + timeout_s, slurm_dir / f"job-{job.job_id}.out")
-        except KeyboardInterrupt:
-            self._cancel(job, "interrupted")
-            self._wait_gone(job)
-            raise
-        self._wait_gone(job, LOST_GONE_WAIT_S if job.lost else LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
+            job = self._submit(plan, round_dir)
+            try:
+                self._follow(job, time.monotonic() + timeout_s, slurm_dir / f"job-{job.job_id}.out")
+            except KeyboardInterrupt:
+                self._cancel(job, "interrupted")
+                self._wait_gone(job)
+                raise
+            self._wait_gone(job, LOST_GONE_WAIT_S if job.lost else LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
+        finally:
+            self.lease.stop()
         return self._outcomes(plan, job, round_dir)
 
     def round_data(self, plan: Plan, rnd: RoundPlan) -> list[tuple[str, dict[str, Any]]] | None:
@@ -515,11 +548,19 @@ class SlurmRuntime(Runtime):
         return unknown
 
     def _show(self, job: Job) -> None:
-        proc = self._run(["scontrol", "show", "job", "-o", job.job_id], timeout=30)
+        asked = time.monotonic()
+        proc = self._run(["scontrol", "show", "job", "-o", job.job_id], timeout=self._poll_timeout())
+        if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
+            if self.silent_since is None:
+                self.silent_since = asked
+            self.silent_error = f"`{shlex.join(proc.args)}`: {slurm_error(proc)}"
+            if proc.returncode == 124:  # no word at all (a munged whose socket is left refuses; Slurm retries for a minute)
+                self.silent_error += self._munge_says()
+            return  # a controller hiccup: read it again next time, until unreachable_s
+        self.silent_since = None
         if proc.returncode != 0:
-            if "Invalid job id" in proc.stderr:
-                job.state = GONE if job.state in WAITING | ACTIVE else job.state
-            return  # a controller hiccup: read it again next time
+            job.state = GONE if job.state in WAITING | ACTIVE else job.state
+            return
         info = parse_show_job(proc.stdout.strip().splitlines()[0] if proc.stdout.strip() else "")
         job.state = info.get("JobState", job.state)
         if job.state == "NODE_FAIL" and job.failed_nodes is None:
@@ -538,6 +579,8 @@ class SlurmRuntime(Runtime):
     def _follow(self, job: Job, deadline: float, batch_out: Path) -> None:
         while True:
             self._show(job)
+            if self.silent_since is not None and self._unreachable(job, batch_out.parent.parent):
+                return
             if job.state in ACTIVE and job.running_at is None:
                 job.running_at = time.time()
             if job.state == "RUNNING" and not self.conf.exclusive and job.nodelist:
@@ -552,7 +595,7 @@ class SlurmRuntime(Runtime):
                     return
             if job.state == "COMPLETING":  # its steps ended; a node that does not confirm keeps it so
                 job.completing_since = job.completing_since or time.monotonic()
-                if time.monotonic() - job.completing_since > SILENT_CHECK_AFTER_S and job.cancelled_by_harness is None:
+                if time.monotonic() - job.completing_since > SILENT_CHECK_AFTER_S and job.stopped_by_harness is None:
                     self._check_silent(job)
             if job.state not in WAITING | ACTIVE or job.silent_nodes:
                 job.ended_at = time.time()
@@ -575,6 +618,55 @@ class SlurmRuntime(Runtime):
                 self._cancel(job, "aborted")
                 return
             time.sleep(self.conf.poll_interval_s)
+
+    def _poll_timeout(self) -> float:
+        return min(30.0, self.conf.unreachable_s / 2)
+
+    def _munge_says(self) -> str:
+        """ "; `munge -n`: <its error>" when munge cannot make a credential here (its socket
+        as slurm.conf's AuthInfo names it), else ""."""
+        conf = Path(self._env().get("SLURM_CONF") or "/etc/slurm/slurm.conf")
+        try:
+            text = conf.read_text(errors="replace")
+        except OSError:
+            text = ""
+        sock = re.search(r"^\s*AuthInfo\s*=\s*\S*?socket=([^,\s]+)", text, re.M | re.I)
+        argv = ["munge", "-n", *(["--socket", sock.group(1)] if sock else [])]
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        if proc.returncode == 0:
+            return ""
+        said = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()][-1:]
+        return f"; `{shlex.join(argv)}`: {said[0].removeprefix('munge: Error: ') if said else f'exit status {proc.returncode}'}"
+
+    def _unreachable(self, job: Job, round_dir: Path) -> bool:
+        """Slurm's commands fail (munge lost, the controller gone): said once, then, after
+        ``unreachable_s``, the job is given up: the lease ended (the nodes stop their ranks
+        themselves, running/lease.py), scancel tried once, the nodes' reports awaited briefly."""
+        assert self.silent_since is not None
+        waited = time.monotonic() - self.silent_since
+        if not self.said_silent and waited >= 2 * self.conf.poll_interval_s:
+            self.said_silent = True
+            print(
+                f"Slurm job {job.job_id}: Slurm does not answer ({self.silent_error}); trying for {self.conf.unreachable_s:g} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        if waited < self.conf.unreachable_s:
+            return False
+        job.unreachable = f"Slurm did not answer the harness for {self.conf.unreachable_s:g} s ({self.silent_error})"
+        self.gave_up = job.unreachable
+        self._cancel(job, "slurm unreachable")
+        end = time.monotonic() + lease.CHECK_S + STOP_GRACE_S + 10
+        while (
+            time.monotonic() < end
+            and len([r for r in _read_reports(round_dir, job.nnodes, False).values() if r.get("finished")]) < job.nnodes
+        ):
+            time.sleep(0.5)
+        job.ended_at = time.time()
+        return True
 
     def node_states(self, nodes: str) -> list[dict[str, str]]:
         """``scontrol show node -o`` of a node list: each node's fields (NodeName, State, Reason)."""
@@ -661,11 +753,24 @@ class SlurmRuntime(Runtime):
         return bool(job.lost)
 
     def _cancel(self, job: Job, why: str) -> None:
-        if job.cancelled_by_harness is None:
-            job.cancelled_by_harness = why
+        if self.lease is not None:  # the nodes stop the ranks themselves too, should scancel not reach Slurm
+            self.lease.end(why)
+        if job.stopped_by_harness is None:
+            job.stopped_by_harness = why
             job.state_at_cancel = f"{job.state} ({job.reason})" if job.reason and job.reason != "None" else job.state
         target = [job.job_id] if job.job_id else [f"--name={job.name}"]
-        self._run(["scancel", *target], timeout=60)
+        proc = self._run(["scancel", *target], timeout=self._poll_timeout() if self.silent_since is not None else 60)
+        if proc.returncode == 0:
+            job.cancelled_by_harness = job.cancelled_by_harness or job.stopped_by_harness
+        elif job.cancel_failed is None and "already complet" not in proc.stderr:  # never a cancel recorded that was not made
+            job.cancel_failed = f"`{shlex.join(proc.args)}`: {slurm_error(proc)}"
+            if job.job_id:
+                print(
+                    f"Slurm job {job.job_id} could not be cancelled ({job.cancel_failed}): it may still be running, "
+                    f"its nodes told to stop the ranks through the run's lease; cancel it with `scancel {job.job_id}` once Slurm answers",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _alive(self, job: Job) -> bool:
         target = ["--jobs", job.job_id] if job.job_id else ["--name", job.name]
@@ -677,10 +782,12 @@ class SlurmRuntime(Runtime):
         its nodes no longer answers the controller (its slurmd gone: the job would stay
         COMPLETING until Slurm marks the node down), which is said, naming the node."""
         start = time.monotonic()
-        while self._alive(job) and time.monotonic() < start + limit and not job.silent_nodes:
-            if time.monotonic() - start > SILENT_CHECK_AFTER_S and job.cancelled_by_harness is None:
+        while not job.unreachable and self._alive(job) and time.monotonic() < start + limit and not job.silent_nodes:
+            if time.monotonic() - start > SILENT_CHECK_AFTER_S and job.stopped_by_harness is None:
                 self._check_silent(job)
             time.sleep(min(self.conf.poll_interval_s, 0.5))
+        if job.unreachable:
+            return  # not known to be gone
         job.gone_at = time.time()
         if job.ended_at is None:
             job.ended_at = job.gone_at
@@ -699,8 +806,10 @@ class SlurmRuntime(Runtime):
 
     def _outcomes(self, plan: Plan, job: Job, round_dir: Path) -> list[NodeOutcome]:
         hosts = self._hostnames(job.nodelist)
-        failed = job.failed_nodes or {}
         reports = _read_reports(round_dir, job.nnodes, wait=job.state == "COMPLETED")
+        if job.state == "NODE_FAIL" and not job.failed_nodes:  # no node out of service any more: srun named it
+            job.failed_nodes = self._failed_in_service(round_dir / "slurm" / f"job-{job.job_id}.out")
+        failed = job.failed_nodes or {}
         started = [r["started"] for r in reports.values() if r.get("started")]
         finished = [r["finished"] for r in reports.values() if r.get("finished")]
         job.nodes_started_at = min(started) if started else None
@@ -722,7 +831,16 @@ class SlurmRuntime(Runtime):
             if job.shared_with:  # beside the round's figures: they are not of whole nodes
                 extra[SHARED_KEY] = [f"Slurm job {i}" for i in sorted(job.shared_with, key=int)]
             error, timed_out = None, False
-            if k in job.lost:
+            if job.unreachable:
+                stopped = sum(1 for r in reports.values() if r.get("finished"))
+                fate = (
+                    "cancelled"
+                    if job.cancelled_by_harness
+                    else f"may still be running: cancel it with `scancel {job.job_id}` once Slurm answers"
+                )
+                error = f"{job.unreachable}; the nodes stopped their ranks through the run's lease ({stopped} of {job.nnodes} confirmed); Slurm job {job.job_id} {fate}"
+                extra[causes.LOST_KEY] = True  # the cause: it leads the ranks' errors that follow the stop
+            elif k in job.lost:
                 error, extra[causes.LOST_KEY] = f"{job.lost[k]}; Slurm job {job.job_id} cancelled", True
             elif job.lost:
                 error = None  # stopped because the lost node's ranks were gone: its exit status says so
@@ -732,9 +850,9 @@ class SlurmRuntime(Runtime):
                 error = f"Slurm job {job.job_id} could not start its step: {job.launch_failure}"
             elif rep is not None and rep.get("error"):  # the node wrapper said why it stopped
                 error = f"{rep['error']} (Slurm job {job.job_id})"
-            elif job.cancelled_by_harness == "aborted":
+            elif job.stopped_by_harness == "aborted":
                 error = f"{self.aborted} (Slurm job {job.job_id} cancelled)"
-            elif job.cancelled_by_harness == "round deadline":
+            elif job.stopped_by_harness == "round deadline":
                 timed_out = True
                 if job.running_at is None:
                     error = f"Slurm job {job.job_id} still {job.state_at_cancel} when the round deadline passed; cancelled"
@@ -755,6 +873,21 @@ class SlurmRuntime(Runtime):
                 error = f"node report says it never finished (job {job.job_id} {job.state})"
             outcomes.append(NodeOutcome(host, k, rc, timed_out, round_dir / f"node{k}", error, extra))
         return outcomes
+
+    def _failed_in_service(self, batch_out: Path) -> dict[str, str]:
+        """The nodes srun saw fail (``NODE_FAILURE``) that Slurm has back in service already,
+        with their state now: under ``ReturnToService=2`` a node an administrator set DOWN is
+        back as soon as its slurmd answers, its reason gone (under 0 or 1 it stays DOWN, and
+        ``_out_of_service`` gives the reason)."""
+        try:
+            names = dict.fromkeys(NODE_FAILURE.findall(batch_out.read_text(errors="replace")))
+        except OSError:
+            return {}
+        states = {n.get("NodeName", ""): n.get("State", "") for n in self.node_states(",".join(names))} if names else {}
+        return {
+            name: f"{states.get(name) or 'unknown'} again (srun: Node failure on {name}; Slurm put it back in service, its reason gone)"
+            for name in names
+        }
 
     def _hostnames(self, nodelist: str) -> list[str]:
         if not nodelist:
@@ -803,7 +936,7 @@ class SlurmRuntime(Runtime):
 
     def cleanup(self) -> None:
         for job in self.jobs:
-            if job.gone_at is None and self._alive(job):
+            if job.gone_at is None and not job.unreachable and self._alive(job):
                 self._cancel(job, "cleanup")
                 self._wait_gone(job, limit=30.0)
 
@@ -814,6 +947,21 @@ COMMENT_TAG = "flagbench"
 def submitter_comment(run_id: str) -> str:
     """A job's comment: who follows it ("flagbench submitter=HOST:PID run=RUN_ID")."""
     return f"{COMMENT_TAG} submitter={socket.gethostname()}:{os.getpid()} run={run_id}"
+
+
+#: the lines of a failing Slurm command that say why, most telling first
+_WHY = (
+    re.compile(r"[Mm]unge \w+ failed"),
+    re.compile(r"Unable to contact|Connection refused|no answer|timed out"),
+    re.compile(r"authentication"),
+)
+
+
+def slurm_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """The line of a failed Slurm command that says why, its "scontrol: error: " cut."""
+    lines = [ln.strip() for ln in ((proc.stderr or "") + "\n" + (proc.stdout or "")).splitlines() if ln.strip()]
+    line = next((ln for pat in _WHY for ln in lines if pat.search(ln)), lines[-1] if lines else f"exit status {proc.returncode}")
+    return re.sub(r"^\S+: error: ", "", line)
 
 
 def parse_comment(comment: str) -> tuple[str, int, str] | None:
@@ -844,20 +992,36 @@ def clean_jobs(cluster: ClusterConfig) -> list[str]:
     return [line] if line else []
 
 
-def finish_abandoned(run_dir: Path, job_id: str) -> None:
+def finish_abandoned(run_dir: Path, job_id: str, ended: str | None = None) -> bool:
     """The results.json of a run whose start_task.py died while its job ran: finished as
-    failed, saying so, when it still says running (another run's or a finished file is kept)."""
+    failed, saying so, when it still says running (another run's or a finished file is kept).
+    ``ended``: the job's state when it ended by itself (None: --cleanup cancelled it). Whether
+    it was finished."""
     from run_benchmarks.judging import results, typed_results
 
     path = run_dir / "results.json"
     try:
         res = typed_results.load(path)
     except Exception:  # no such file, or not a results.json: nothing of ours to finish
-        return
+        return False
     if res.finished or res.status != "running":
-        return
+        return False
     error = f"start_task.py ended without finishing the run; its Slurm job {job_id} was cancelled by --cleanup"
+    if ended:
+        lapsed = any("lease_lapsed" in _json(f) for f in run_dir.glob("round*/node*/node.json"))
+        error = f"start_task.py ended without finishing the run; its Slurm job {job_id} ended {ended} without it" + (
+            ": its nodes stopped the ranks when the run's lease lapsed" if lapsed else ""
+        )
     results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now_iso()}), run_dir)
+    return True
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        said = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return said if isinstance(said, dict) else {}
 
 
 def _now_iso() -> str:

@@ -61,11 +61,43 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ[var] = str(envs.python_of(envs.env_dir("cpu", fw)))
     config.addinivalue_line("markers", "framework(name): needs the cpu vendor's environment for a framework")
     config.addinivalue_line("markers", "cluster: needs the network-namespace test cluster (root, sshd, dockerd)")
+    config.addinivalue_line(
+        "markers", "e2e: runs a framework, a test cluster or a shared run (set from the fixtures; -m 'not e2e' is the fast tier)"
+    )
     config.addinivalue_line("markers", "torch_unit: a unit test needing torch, run again in a framework environment by units_in_env")
 
 
+#: fixtures that start real processes of a framework, a cluster or a shared run: a test using one is e2e
+E2E_FIXTURES = {
+    "megatron_python",
+    "deepspeed_python",
+    "paddle_python",
+    "cluster",
+    "cluster_pool",
+    "slurm_cluster",
+    "llama3_dp2_run",
+    "deepspeed_units",
+}
+
+
+def is_e2e(item: pytest.Item) -> bool:
+    """The test runs something real end to end (a framework's training, a test cluster): all but
+    the fast tier, ``-m "not e2e"`` (README)."""
+    if any(item.iter_markers("framework")) or any(item.iter_markers("cluster")) or any(item.iter_markers("e2e")):
+        return True
+    return bool(E2E_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    needed = {m.args[0] for item in items for m in item.iter_markers("framework")}
+    for item in items:
+        if is_e2e(item):
+            item.add_marker(pytest.mark.e2e)
+
+
+@pytest.hookimpl(trylast=True)  # on the tests left to run
+def pytest_collection_finish(session: pytest.Session) -> None:
+    needed = {m.args[0] for item in session.items for m in item.iter_markers("framework")}
     # build every environment the selected tests need before any test runs
     for fw in sorted(needed):
         _framework_python(fw)

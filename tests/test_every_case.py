@@ -53,6 +53,7 @@ def test_every_case_family_has_a_cpu_config():
     assert families == covered, f"case folders without a cpu vendor config: {sorted(families - covered)}"
 
 
+@pytest.mark.e2e  # each case trains through start_task.py
 @pytest.mark.parametrize("model, framework, size", CASES, ids=[f"{m}:{fw}" for m, fw, _ in CASES])
 def test_the_case_runs_end_to_end(model, framework, size, request, tmp_path):
     request.getfixturevalue(f"{framework}_python")  # its environment, built once (skips where it cannot be)

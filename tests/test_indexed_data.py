@@ -160,6 +160,7 @@ def test_version_2_mixes_in_sets_only_attention_can_see(tmp_path):
             synthetic.read_spec(bad)
 
 
+@pytest.mark.e2e  # megatron-core reads the files in its environment
 def test_megatron_reads_our_files(tmp_path):
     """megatron.core's own IndexedDataset reads what the writer wrote."""
     py = os.environ.get("FB_TEST_MEGATRON_PYTHON")

@@ -121,8 +121,16 @@ def test_the_hosts_ranks_end_with_a_killed_orchestrator(cluster, megatron_python
         p.wait()
         took = _gone_within(lambda: leftovers(cluster, run_id), BOUND_S)
         print(f"the hosts' {runtime} ranks gone {took:.1f} s after the SIGKILL")
-        # --cleanup brings back what the run left on the hosts, removes it there, finishes results.json
         run_dir = log_dir / run_id
+        if runtime == "process":  # the hosts' folders removed by hand: results.json is found from this side
+            for h in cluster.hosts:
+                subprocess.run(["rm", "-rf", "--", str(Path(h.workdir, "fb", "runs", run_id))], check=True)
+            said = _cleanup("--cluster", str(cfile), "--log-dir", str(log_dir))
+            res = json.loads((run_dir / "results.json").read_text())
+            assert res["status"] == "failed" and res["finished"] and res["error"] == _gone_error(p.pid), res
+            assert said == ["nothing left on the hosts", f"{run_dir}/results.json: finished as failed (it said running): {res['error']}"]
+            return
+        # --cleanup brings back what the run left on the hosts, removes it there, finishes results.json
         c = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=300)
         assert c.returncode == 0, c.stdout + c.stderr
         for k, h in enumerate(cluster.hosts):

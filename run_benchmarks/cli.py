@@ -69,7 +69,7 @@ COMMANDS: dict[str, Command] = {
         _help("tools.conformance"),
     ),
     "nightly": Command("run a nightly run list and judge it against history", _start("--nightly"), _help("nightly.driver")),
-    "cleanup": Command("remove what runs left on a cluster's hosts", _start("--cleanup"), lambda: _start()(["--cleanup", "--help"])),
+    "cleanup": Command("clean the hosts, finish runs left running", _start("--cleanup"), lambda: _start()(["--cleanup", "--help"])),
     "load-images": Command(
         "put a vendor's images on a cluster's hosts", _start("--load-images"), lambda: _start()(["--load-images", "--help"])
     ),

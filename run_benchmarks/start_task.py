@@ -92,12 +92,12 @@ def describe(plan: planning.Plan, rnd: planning.RoundPlan, details: dict | None 
 
 def host_command(argv: list[str]) -> int:
     """``--cluster FILE --vendor V --load-images [ARCHIVE]``: put the vendor's base images on every
-    host that lacks them (hosts without a registry); ``--cluster FILE --cleanup``: remove the
-    containers and processes earlier runs left on the hosts, bring back their run folders there
-    into the runs' folders here before removing them, and finish a results.json left running.
-    One line per host; exit 2 on bad input."""
+    host that lacks them (hosts without a registry); ``--cleanup [--cluster FILE] [--log-dir DIR]``:
+    remove the containers and processes earlier runs left on the hosts, bring back their run
+    folders there into the runs' folders here before removing them, and finish a results.json
+    left running whose start_task.py is gone. One line per host and per such run; exit 2 on bad input."""
     ap = argparse.ArgumentParser(prog="start_task.py", description=host_command.__doc__)
-    ap.add_argument("--cluster", metavar="FILE", required=True, help="cluster YAML (backend ssh)")
+    ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (backend ssh for --load-images)")
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument(
         "--load-images",
@@ -110,32 +110,63 @@ def host_command(argv: list[str]) -> int:
     group.add_argument(
         "--cleanup",
         action="store_true",
-        help="remove what earlier runs left on the hosts, their logs brought back first (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm)",
+        help="remove what earlier runs left on the hosts, their logs brought back first (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm); "
+        "then finish each results.json in the log folders left running by a start_task.py gone from this machine",
+    )
+    ap.add_argument(
+        "--log-dir",
+        "--log_dir",
+        dest="log_dirs",
+        action="append",
+        metavar="DIR",
+        help="for --cleanup: a folder of run folders, or a run folder (repeatable; default: the cluster's log_dir, else ./logs)",
     )
     ap.add_argument("--vendor", help="vendor folder under vendors/ (for --load-images)")
     args = ap.parse_args(argv)
     try:
-        cluster = load(ClusterConfig, args.cluster)
-        if args.cleanup and cluster.backend == "slurm":
-            from run_benchmarks.running.runtimes.slurm import clean_jobs
-
-            lines = clean_jobs(cluster) or ["no Slurm job of a run whose start_task.py is gone"]
-        elif args.cleanup:
-            from run_benchmarks.running.runtimes.ssh import clean_hosts
-
-            lines = clean_hosts(cluster) or ["nothing left on the hosts"]
+        if args.cleanup:
+            lines = cleanup(args.cluster, args.log_dirs)
         else:
+            if not args.cluster:
+                raise InputError("--load-images needs --cluster FILE (the hosts to load them on)")
             if not args.vendor:
                 raise InputError("--load-images needs --vendor (whose Dockerfiles name the base images)")
             check_name(args.vendor, "vendor")
             from run_benchmarks.running.runtimes.ssh import load_base_images
 
-            lines = load_base_images(cluster, args.vendor, None, Path(args.load_images) if args.load_images else None)
+            lines = load_base_images(
+                load(ClusterConfig, args.cluster), args.vendor, None, Path(args.load_images) if args.load_images else None
+            )
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))
     return 0
+
+
+def cleanup(cluster_file: str | None, log_dirs: list[str] | None) -> list[str]:
+    """``--cleanup``: the cluster's hosts first (ssh, slurm), then the runs in the log folders
+    left running by a start_task.py gone from this machine (running/orphans.py)."""
+    from run_benchmarks.running import orphans
+
+    cluster = load(ClusterConfig, cluster_file) if cluster_file else ClusterConfig()
+    lines: list[str] = []
+    if cluster.backend == "slurm":
+        from run_benchmarks.running.runtimes.slurm import clean_jobs
+
+        lines = clean_jobs(cluster) or ["no Slurm job of a run whose start_task.py is gone"]
+    elif cluster.backend == "ssh":
+        from run_benchmarks.running.runtimes.ssh import clean_hosts
+
+        lines = clean_hosts(cluster) or ["nothing left on the hosts"]
+    for d in log_dirs or []:
+        if not Path(d).expanduser().is_dir():
+            raise InputError(f"--log-dir {d}: no such folder")
+    dirs = [Path(d).expanduser().resolve() for d in log_dirs or [cluster.log_dir or "logs"]]
+    left = orphans.finish_left([d for d in dirs if d.is_dir()], cluster.backend if cluster_file else None)
+    if not left and not cluster_file:
+        left = [f"no results.json left running in {', '.join(map(str, dirs))}"]
+    return lines + left
 
 
 #: where an unexpected error's traceback goes when no run folder exists yet

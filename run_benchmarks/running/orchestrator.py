@@ -21,7 +21,7 @@ from run_benchmarks.judging.typed_results import PhaseResult, Reference, RoundRe
 from run_benchmarks.planning import code_version, datacheck, hostdata
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.plan import Plan
-from run_benchmarks.running import causes, progress
+from run_benchmarks.running import causes, orphans, progress
 from run_benchmarks.running.monitors import monitor_summary
 from run_benchmarks.running.runtimes.base import NodeOutcome, Runtime
 from training import metriclog as ml
@@ -356,6 +356,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
     res = base_results(plan)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        orphans.record(run_dir)  # before results.json says running: --cleanup tells a writer gone from a live one
         results.write(res, run_dir)
     except OSError as exc:  # a full or read-only log folder: one line, nothing started
         raise InputError(f"{run_dir}: cannot write results there: {exc.strerror or exc}") from None

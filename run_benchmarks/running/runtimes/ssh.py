@@ -990,22 +990,14 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
 def _finish_orphan(run_dir: Path, found: list[str]) -> str | None:
     """The results.json of a run whose start_task.py ended without finishing it (SIGKILL, a
     second stop signal): finished as failed, saying what --cleanup found; a line saying so."""
-    from run_benchmarks.judging import results, typed_results
-    from run_benchmarks.running.orchestrator import _now
+    from run_benchmarks.judging import typed_results
+    from run_benchmarks.running.orphans import finish
 
-    path = run_dir / "results.json"
     try:
-        res = typed_results.load(path)
+        rounds = len(typed_results.load(run_dir / "results.json").rounds)
     except InputError:  # no such file here, or not a results.json: nothing of ours to finish
         return None
-    if res.finished or res.status != "running":
-        return None
-    error = f"start_task.py ended without finishing the run after {len(res.rounds)} round(s); --cleanup found {'; '.join(found)}"
-    try:
-        results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now()}), run_dir)
-    except OSError as exc:
-        return f"{path}: still says running, and cannot be written ({exc.strerror or exc})"
-    return f"{path}: finished as failed (it said running): {error}"
+    return finish(run_dir, f"start_task.py ended without finishing the run after {rounds} round(s); --cleanup found {'; '.join(found)}")
 
 
 def load_base_images(

@@ -1,0 +1,122 @@
+"""Runs whose start_task.py ended without finishing them (a SIGKILL, a second stop signal):
+found from this machine's side. ``writer.json`` beside a run's results.json names the machine,
+the process that writes it and that process's start (so a reused pid is not taken for it);
+``--cleanup`` finishes, as failed, a results.json still saying running whose writer is gone."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from run_benchmarks.errors import InputError
+
+WRITER = "writer.json"
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` of this machine started (the boot and the kernel's clock ticks
+    since it, else psutil's start time); None when there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        import psutil  # no /proc: another kernel
+
+        try:
+            return f"{psutil.Process(pid).create_time():.2f}"
+        except psutil.Error:
+            return None
+    except OSError:
+        return None
+    return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"  # field 22, starttime
+
+
+def record(run_dir: Path) -> None:
+    """``writer.json`` in ``run_dir``: this process as the writer of its results.json."""
+    mark = {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}
+    (run_dir / WRITER).write_text(json.dumps(mark) + "\n")
+
+
+def _writer(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        said = json.loads((run_dir / WRITER).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(said, dict) and isinstance(said.get("host"), str) and isinstance(said.get("pid"), int)
+    return said if ok else None
+
+
+def finish(run_dir: Path, error: str) -> str | None:
+    """The run's results.json finished as failed with ``error`` when it still says running
+    (a finished or missing file is kept); the line saying so, else None."""
+    from run_benchmarks.judging import results, typed_results
+
+    path = run_dir / "results.json"
+    try:
+        res = typed_results.load(path)
+    except InputError:  # no such file here, or not a results.json: nothing of ours to finish
+        return None
+    if res.finished or res.status != "running":
+        return None
+    try:
+        results.write(
+            res.model_copy(
+                update={
+                    "status": "failed",
+                    "error": error,
+                    "finished": dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
+                }
+            ),
+            run_dir,
+        )
+    except OSError as exc:
+        return f"{path}: still says running, and cannot be written ({exc.strerror or exc})"
+    return f"{path}: finished as failed (it said running): {error}"
+
+
+def run_folders(log_dir: Path) -> list[Path]:
+    """The run folders in ``log_dir`` (or ``log_dir`` itself, a run folder)."""
+    if (log_dir / "results.json").is_file():
+        return [log_dir]
+    return sorted(p.parent for p in log_dir.glob("*/results.json"))
+
+
+def finish_left(log_dirs: list[Path], looked_at: str | None) -> list[str]:
+    """A line for each results.json under ``log_dirs`` still saying running: finished as failed
+    when its writer is gone from this machine, else why it was left. ``looked_at``: the backend
+    whose hosts this cleanup went through first (a run on other hosts is left)."""
+    from run_benchmarks.judging import typed_results
+
+    here = socket.gethostname()
+    lines = []
+    for run_dir in [d for log_dir in log_dirs for d in run_folders(log_dir)]:
+        path = run_dir / "results.json"
+        try:
+            res = typed_results.load(path)
+        except InputError:
+            continue
+        if res.finished or res.status != "running":
+            continue
+        w = _writer(run_dir)
+        if res.backend != "local" and res.backend != looked_at:
+            lines.append(f"{path}: left running: its run was on {res.backend} hosts, not looked at (give --cluster FILE of them)")
+        elif w is None:
+            lines.append(f"{path}: left running: it names no writer ({WRITER}), so whether its start_task.py is gone cannot be told")
+        elif w["host"] != here:
+            lines.append(f"{path}: left running: written on {w['host']}, not this host (--cleanup there finishes it)")
+        elif (process_start(w["pid"]) is not None) if w.get("started") is None else process_start(w["pid"]) == w["started"]:
+            lines.append(f"{path}: left running: its start_task.py (pid {w['pid']}) is still running")
+        else:
+            n = len(res.rounds)
+            error = (
+                f"start_task.py ended without finishing the run after {n} round(s) (pid {w['pid']} on {here} gone); "
+                "--cleanup found nothing of it left on the hosts"
+            )
+            lines.append(finish(run_dir, error) or "")
+    return [ln for ln in lines if ln]

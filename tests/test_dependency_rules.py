@@ -44,6 +44,7 @@ NODE_SIDE = [
     "run_benchmarks/running/__init__.py",
     "run_benchmarks/running/node_agent.py",
     "run_benchmarks/running/slurm_node.py",
+    "run_benchmarks/running/lease.py",
     "run_benchmarks/planning/launchers.py",
     "run_benchmarks/running/progress.py",
     "training/metriclog.py",

@@ -10,9 +10,12 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from run_benchmarks.errors import InputError
+
+if TYPE_CHECKING:
+    from run_benchmarks.judging.typed_results import RunResults
 
 WRITER = "writer.json"
 
@@ -52,32 +55,41 @@ def _writer(run_dir: Path) -> dict[str, Any] | None:
     return said if ok else None
 
 
-def finish(run_dir: Path, error: str) -> str | None:
-    """The run's results.json finished as failed with ``error`` when it still says running
-    (a finished or missing file is kept); the line saying so, else None."""
-    from run_benchmarks.judging import results, typed_results
+def left_running(run_dir: Path) -> RunResults | None:
+    """The run's results.json (typed) when it still says running, else None (finished, missing,
+    or not a results.json: nothing of ours to finish)."""
+    from run_benchmarks.judging import typed_results
 
+    try:
+        res = typed_results.load(run_dir / "results.json")
+    except InputError:
+        return None
+    return None if res.finished or res.status != "running" else res
+
+
+def mark_failed(run_dir: Path, res: RunResults, error: str) -> None:
+    """``res``, a results.json left running, written back finished as failed with ``error``
+    (an OSError of the write is the caller's)."""
+    from run_benchmarks.judging import results
+
+    finished = dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+    results.write(res.model_copy(update={"status": "failed", "error": error, "finished": finished}), run_dir)
+
+
+def finish(run_dir: Path, res: RunResults, error: str) -> str:
+    """``mark_failed``, and the line saying what became of the file."""
     path = run_dir / "results.json"
     try:
-        res = typed_results.load(path)
-    except InputError:  # no such file here, or not a results.json: nothing of ours to finish
-        return None
-    if res.finished or res.status != "running":
-        return None
-    try:
-        results.write(
-            res.model_copy(
-                update={
-                    "status": "failed",
-                    "error": error,
-                    "finished": dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
-                }
-            ),
-            run_dir,
-        )
+        mark_failed(run_dir, res, error)
     except OSError as exc:
         return f"{path}: still says running, and cannot be written ({exc.strerror or exc})"
     return f"{path}: finished as failed (it said running): {error}"
+
+
+def _alive(w: dict[str, Any]) -> bool:
+    """The writer ``w`` names still runs here (the same start, where it was recorded)."""
+    now = process_start(w["pid"])
+    return now is not None if w.get("started") is None else now == w["started"]
 
 
 def run_folders(log_dir: Path) -> list[Path]:
@@ -91,17 +103,12 @@ def finish_left(log_dirs: list[Path], looked_at: str | None) -> list[str]:
     """A line for each results.json under ``log_dirs`` still saying running: finished as failed
     when its writer is gone from this machine, else why it was left. ``looked_at``: the backend
     whose hosts this cleanup went through first (a run on other hosts is left)."""
-    from run_benchmarks.judging import typed_results
-
     here = socket.gethostname()
     lines = []
     for run_dir in [d for log_dir in log_dirs for d in run_folders(log_dir)]:
         path = run_dir / "results.json"
-        try:
-            res = typed_results.load(path)
-        except InputError:
-            continue
-        if res.finished or res.status != "running":
+        res = left_running(run_dir)
+        if res is None:
             continue
         w = _writer(run_dir)
         if res.backend != "local" and res.backend != looked_at:
@@ -110,13 +117,12 @@ def finish_left(log_dirs: list[Path], looked_at: str | None) -> list[str]:
             lines.append(f"{path}: left running: it names no writer ({WRITER}), so whether its start_task.py is gone cannot be told")
         elif w["host"] != here:
             lines.append(f"{path}: left running: written on {w['host']}, not this host (--cleanup there finishes it)")
-        elif (process_start(w["pid"]) is not None) if w.get("started") is None else process_start(w["pid"]) == w["started"]:
+        elif _alive(w):
             lines.append(f"{path}: left running: its start_task.py (pid {w['pid']}) is still running")
         else:
-            n = len(res.rounds)
             error = (
-                f"start_task.py ended without finishing the run after {n} round(s) (pid {w['pid']} on {here} gone); "
+                f"start_task.py ended without finishing the run after {len(res.rounds)} round(s) (pid {w['pid']} on {here} gone); "
                 "--cleanup found nothing of it left on the hosts"
             )
-            lines.append(finish(run_dir, error) or "")
-    return [ln for ln in lines if ln]
+            lines.append(finish(run_dir, res, error))
+    return lines

@@ -997,14 +997,10 @@ def finish_abandoned(run_dir: Path, job_id: str, ended: str | None = None) -> bo
     failed, saying so, when it still says running (another run's or a finished file is kept).
     ``ended``: the job's state when it ended by itself (None: --cleanup cancelled it). Whether
     it was finished."""
-    from run_benchmarks.judging import results, typed_results
+    from run_benchmarks.running import orphans
 
-    path = run_dir / "results.json"
-    try:
-        res = typed_results.load(path)
-    except Exception:  # no such file, or not a results.json: nothing of ours to finish
-        return False
-    if res.finished or res.status != "running":
+    res = orphans.left_running(run_dir)
+    if res is None:  # another run's or a finished file, or none: nothing of ours to finish
         return False
     error = f"start_task.py ended without finishing the run; its Slurm job {job_id} was cancelled by --cleanup"
     if ended:
@@ -1012,7 +1008,7 @@ def finish_abandoned(run_dir: Path, job_id: str, ended: str | None = None) -> bo
         error = f"start_task.py ended without finishing the run; its Slurm job {job_id} ended {ended} without it" + (
             ": its nodes stopped the ranks when the run's lease lapsed" if lapsed else ""
         )
-    results.write(res.model_copy(update={"status": "failed", "error": error, "finished": _now_iso()}), run_dir)
+    orphans.mark_failed(run_dir, res, error)
     return True
 
 
@@ -1022,12 +1018,6 @@ def _json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return said if isinstance(said, dict) else {}
-
-
-def _now_iso() -> str:
-    import datetime as dt
-
-    return dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
 def _venv_home(env: Path) -> Path | None:

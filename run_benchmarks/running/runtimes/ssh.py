@@ -990,14 +990,13 @@ def clean_hosts(cluster: ClusterConfig) -> list[str]:
 def _finish_orphan(run_dir: Path, found: list[str]) -> str | None:
     """The results.json of a run whose start_task.py ended without finishing it (SIGKILL, a
     second stop signal): finished as failed, saying what --cleanup found; a line saying so."""
-    from run_benchmarks.judging import typed_results
-    from run_benchmarks.running.orphans import finish
+    from run_benchmarks.running import orphans
 
-    try:
-        rounds = len(typed_results.load(run_dir / "results.json").rounds)
-    except InputError:  # no such file here, or not a results.json: nothing of ours to finish
+    res = orphans.left_running(run_dir)
+    if res is None:
         return None
-    return finish(run_dir, f"start_task.py ended without finishing the run after {rounds} round(s); --cleanup found {'; '.join(found)}")
+    error = f"start_task.py ended without finishing the run after {len(res.rounds)} round(s); --cleanup found {'; '.join(found)}"
+    return orphans.finish(run_dir, res, error)
 
 
 def load_base_images(

@@ -308,12 +308,17 @@ def hf_rope_base_off(cfg: dict[str, Any]) -> None:
 LATE_AFTER = 8
 
 
-def _late(change: Any) -> Any:
+def _intact(kernel: Any, *a: Any, **k: Any) -> Any:
+    return kernel(*a, **k)
+
+
+def _late(change: Any, intact: Any = _intact) -> Any:
+    """``change`` from the ``LATE_AFTER + 1``-th call on, ``intact`` (the kernel as called) before."""
     calls = [0]
 
-    def maybe(sdpa: Any, *a: Any, **k: Any) -> Any:
+    def maybe(*a: Any, **k: Any) -> Any:
         calls[0] += 1
-        return change(sdpa, *a, **k) if calls[0] > LATE_AFTER else sdpa(*a, **k)
+        return (change if calls[0] > LATE_AFTER else intact)(*a, **k)
 
     return maybe
 
@@ -326,21 +331,13 @@ def attention_window_late(cfg: dict[str, Any]) -> None:
     _wrap_sdpa(_late(_windowed))
 
 
-def _paddle_late(change: Any) -> Any:
-    calls = [0]
-
-    def maybe(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
-        calls[0] += 1
-        if calls[0] > LATE_AFTER:
-            return change(original, self, q, k, v, mask, weights)
-        return original(self, q, k, v, attention_mask=mask, output_attentions=weights)
-
-    return maybe
+def _paddle_intact(original: Any, self: Any, q: Any, k: Any, v: Any, mask: Any, weights: bool) -> Any:
+    return original(self, q, k, v, attention_mask=mask, output_attentions=weights)
 
 
 def paddle_attention_times_zero_late(cfg: dict[str, Any]) -> None:
-    _wrap_paddle_attention(cfg, "paddle_attention_times_zero_late", _paddle_late(_paddle_zero))
+    _wrap_paddle_attention(cfg, "paddle_attention_times_zero_late", _late(_paddle_zero, _paddle_intact))
 
 
 def paddle_attention_window_late(cfg: dict[str, Any]) -> None:
-    _wrap_paddle_attention(cfg, "paddle_attention_window_late", _paddle_late(_paddle_windowed), flash=False)
+    _wrap_paddle_attention(cfg, "paddle_attention_window_late", _late(_paddle_windowed, _paddle_intact), flash=False)

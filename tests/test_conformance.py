@@ -11,6 +11,7 @@ reference imports nothing of the project or the frameworks.
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -110,9 +111,28 @@ def test_a_run_that_fails_the_check_stops_before_training(tmp_path, megatron_pyt
     assert rnd["status"] == "invalid", rnd["error"]
     assert rnd["error"].startswith("conformance check failed: gradient of embedding"), rnd["error"]
     assert rnd["conformance"]["verdict"] == "failed"
+    assert rnd["conformance"]["probe_start"] == "forked from the rank", rnd["conformance"]  # the rank's hook reached it
     assert rnd["phases"] and all(ph["steps_run"] == 0 and ph["loss"] == {} for ph in rnd["phases"]), "no step may run after a failed check"
     assert "Conformance (round 1): failed: gradient of embedding" in (run_dir / "results.md").read_text()
     assert "conformance check failed" in p.stdout + p.stderr
+
+
+@pytest.mark.framework("megatron")
+def test_a_run_forks_its_probe_which_computes_as_the_check_alone(tmp_path, megatron_python):
+    """In a run the probe is forked from rank 0 (its imports made): its verdict is the spawned
+    probe's of ``flagbench conformance``, to the last bit here. A seed of its own makes a stack
+    no other test has checked."""
+    seed = str(random.SystemRandom().randrange(10**6, 10**7))
+    cmd = [sys.executable, "run_benchmarks/start_task.py", *CASE, "--set", f"train.seed={seed}", "--log-dir", str(tmp_path)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    (run_dir,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    (rnd,) = json.loads((run_dir / "results.json").read_text())["rounds"]
+    forked = rnd["conformance"]
+    assert forked["verdict"] == "passed" and forked["cached"] is False, (forked, (p.stdout + p.stderr)[-2000:])
+    assert forked["probe_start"] == "forked from the rank"
+    rc, alone = _check("--set", f"train.seed={seed}", "--no-cache")
+    assert rc == 0 and alone["probe_start"] == "spawned: run alone" and alone["key"] == forked["key"], alone
+    assert alone["worst"] == forked["worst"] and alone["compared"] == forked["compared"]
 
 
 # --------------------------------------------------------------------------- the other families' probes

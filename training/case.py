@@ -219,16 +219,18 @@ def conformance_gate(cfg: dict[str, Any], log: Any) -> None:
     sent as the ``conformance`` record; a failed check ends the run before training
     (``NonConformant``), as does a probe that cannot finish. The other ranks go on to build and
     wait for rank 0 in the process group's start."""
-    from training import conformance, runtime
+    from training import conformance, runtime, startup
     from training.metriclog import K_CONFORMANCE
 
     if runtime.dist_info().rank != 0:
         return
+    conformance.preload(cfg)
+    startup.mark("imports")
     path = runtime.CONFIG_PATH
     if path is None:
         raise RuntimeError("the conformance check needs the run's resolved.json: training.runtime.setup() reads it")
     try:
-        verdict = conformance.check(cfg, path)
+        verdict = conformance.check(cfg, path, in_rank=True)
     except conformance.ProbeError as exc:
         log.info(K_CONFORMANCE, {"verdict": "error", "message": str(exc), "cached": False})
         print(exc.tail, file=sys.stderr, flush=True)

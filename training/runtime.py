@@ -67,6 +67,8 @@ def _vendor_variable(vendor: dict[str, Any], field: str) -> dict[str, str | None
 
 #: the resolved.json :func:`setup` read (the conformance check hands it to its probe)
 CONFIG_PATH: str | None = None
+#: the resolved.json whose adapter and hooks this process applied (setup)
+ADAPTED: str | None = None
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -134,10 +136,11 @@ def setup(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True, help="resolved.json written by the harness")
     args, _ = parser.parse_known_args(argv)
-    global CONFIG_PATH
+    global CONFIG_PATH, ADAPTED
     cfg = load_config(args.config)
     CONFIG_PATH = os.path.abspath(args.config)
     os.environ.setdefault("FB_RUN_ID", str(cfg.get("run_id", "")))
     apply_adapter(cfg)
+    ADAPTED = CONFIG_PATH
     seed_everything(int(cfg["train"].get("seed", 1234)))
     return cfg

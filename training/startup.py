@@ -6,7 +6,8 @@ ends (training/case.py):
 
 - ``imports``: the process's start (the kernel's start time of this process, /proc) to the case
   driver's start: the interpreter, torch and the framework imported, the resolved config read,
-  the vendor's adapter and hooks applied;
+  the vendor's adapter and hooks applied (on rank 0 also what its build imports next, where
+  the conformance probe is forked from it: training/conformance/forking.py);
 - ``conformance``: the conformance check (training/conformance/), timed apart: the issue of a
   first step's time does not count it;
 - ``build``: the trainer's build (the framework's process groups, the model, its layout-free

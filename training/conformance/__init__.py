@@ -7,7 +7,8 @@ Run once per run, before training, by training/case.py on the node of rank 0 (an
 1. the probe (training/conformance/probe.py): the vendor's adapter and hooks, then the case's
    probe (case.yaml ``conformance``), which builds one decoder layer, the embedding and the loss
    head as the run builds them and writes their weights, inputs, sampled outputs and gradient
-   projections to a probe file;
+   projections to a probe file. In a run on the CPU it is forked from rank 0, whose imports
+   and adapter are made already (training/conformance/forking.py);
 2. the reference (training/conformance/reference.py), in Python's isolated mode, numpy only:
    the same computation from the declared architecture, and the verdict.
 
@@ -165,9 +166,45 @@ def _run(cmd: list[str], env: dict[str, str], what: str, timeout_s: float) -> No
     _wait(_start(cmd, env), what, timeout_s)
 
 
-def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_cache: bool = True) -> dict[str, Any]:
+def _start_probe(cfg: dict[str, Any], config_path: str, probe_dir: str, env: dict[str, str], in_rank: bool) -> tuple[Any, str]:
+    """The probe's process and how it started: forked from this rank (its imports and adapter
+    made already: training/conformance/forking.py), else spawned."""
+    from training.conformance import forking
+
+    why = "run alone" if not in_rank else forking.refusal(probe_module(cfg), cfg)
+    if why is not None:
+        cmd = [sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_dir]
+        return _start(cmd, env), f"spawned: {why}"
+    module = probe_module(cfg)
+
+    def work() -> int:
+        from training.conformance import probe
+
+        os.environ.clear()
+        os.environ.update(env)
+        module.after_fork(cfg)
+        return probe.main(["--config", config_path, "--out", probe_dir], adapted=True)
+
+    return forking.Forked(work, os.path.dirname(probe_dir)), "forked from the rank"
+
+
+def preload(cfg: dict[str, Any]) -> None:
+    """In a rank that will fork the probe, the probe's imports, which the rank's build makes
+    next (the probe module's ``before_fork``): timed with the rank's imports, not the check."""
+    from training.conformance import forking
+
+    if not (cfg.get("case") or {}).get("conformance"):
+        return
+    module = probe_module(cfg)
+    if forking.refusal(module, cfg) is None and getattr(module, "before_fork", None) is not None:
+        module.before_fork(cfg)
+
+
+def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_cache: bool = True, in_rank: bool = False) -> dict[str, Any]:
     """The verdict of the case's conformance probe for this run's stack: ``{"verdict": "passed" |
-    "failed" | "not checked", "message", "cached", "probe_s", "reference_s", "key", ...}``."""
+    "failed" | "not checked", "message", "cached", "probe_s", "reference_s", "key", "probe_start",
+    ...}``. ``in_rank``: called by a rank whose process applied this config's adapter
+    (training.runtime.setup), so the probe may be forked from it."""
     spec = (cfg.get("case") or {}).get("conformance")
     if not spec:
         return {"verdict": "not checked", "message": "the case declares no conformance probe (case.yaml: conformance)", "cached": False}
@@ -186,7 +223,12 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
         # the probe starts first: its imports run while the stack's key is made, and it is
         # stopped where that key has a verdict already
         t1 = time.monotonic()
-        probe = _start([sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_dir], env)
+        if in_rank:
+            from training import runtime
+
+            if runtime.ADAPTED != os.path.abspath(config_path):
+                raise RuntimeError(f"the conformance check in a rank needs {config_path}'s adapter applied (training.runtime.setup)")
+        probe, started = _start_probe(cfg, config_path, probe_dir, env, in_rank)
         try:
             key, what = stack_key(cfg, device_name(cfg))
             cached = folder / f"{key}.json"
@@ -207,7 +249,13 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
         verdict = json.loads(Path(verdict_file).read_text())
         t3 = time.monotonic()
     verdict.update(
-        probe_s=round(t2 - t1, 3), check_s=round(t3 - t0, 3), key=key, device=what["device"], versions=what["versions"], cached=False
+        probe_s=round(t2 - t1, 3),
+        check_s=round(t3 - t0, 3),
+        probe_start=started,
+        key=key,
+        device=what["device"],
+        versions=what["versions"],
+        cached=False,
     )
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)

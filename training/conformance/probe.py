@@ -15,13 +15,15 @@ from training import runtime
 from training.conformance.export import ProbeFile
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, adapted: bool = False) -> int:
+    """``adapted``: forked from a rank that applied this config's adapter and hooks already."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     cfg = runtime.load_config(args.config)
-    runtime.apply_adapter(cfg)
+    if not adapted:
+        runtime.apply_adapter(cfg)
     runtime.seed_everything(int(cfg["train"].get("seed", 1234)))
     made: list[ProbeFile] = []
 

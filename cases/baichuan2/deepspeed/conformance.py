@@ -21,6 +21,16 @@ import copy
 import zlib
 from typing import Any
 
+from training.conformance.forking import torch_after_fork as after_fork  # noqa: F401 (the check forks the probe)
+
+
+def before_fork(cfg: dict[str, Any]) -> None:
+    """The probe's imports, made in the rank before it forks the probe (the build imports them next)."""
+    import torch._dynamo  # noqa: F401 (the first forward imports it)
+
+    from cases.baichuan2.deepspeed import model  # noqa: F401
+    from training import deepspeed_loop  # noqa: F401
+
 
 def probe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The run's config for a probe: one layer, one process, one sequence, no ZeRO (its

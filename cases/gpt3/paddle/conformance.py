@@ -183,6 +183,17 @@ def _part(g: np.ndarray | None, shape: tuple[int, ...], i: int, to: tuple[int, .
     return part.reshape(to).T if len(to) == 2 else part.reshape(to)
 
 
+def before_fork(cfg: dict[str, Any]) -> None:
+    """The probe's imports, made in the rank before it forks the probe (the build imports them next)."""
+    from paddlenlp.transformers import GPTForCausalLM  # noqa: F401
+
+    from cases.gpt3.paddle import model  # noqa: F401
+
+
+def after_fork(cfg: dict[str, Any]) -> None:
+    """Nothing: paddle's CPU kernels compute in a forked child as in a spawned one."""
+
+
 def device_name(cfg: dict[str, Any]) -> str:
     """The probe's device as paddle names it (its environment has no torch): the ceiling's
     timers' name (the vendor's memory query's, else the device's own)."""

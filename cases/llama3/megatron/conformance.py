@@ -14,6 +14,8 @@ import copy
 import zlib
 from typing import Any
 
+from training.conformance.forking import torch_after_fork as after_fork  # noqa: F401 (the check forks the probe)
+
 # parallel switches that only schedule or place work: a one-layer, one-process probe runs without them
 _SCHEDULE_ONLY = {
     "tp": 1,
@@ -27,6 +29,11 @@ _SCHEDULE_ONLY = {
     "optimizer_cpu_offload": False,
     "overlap_cpu_optimizer_d2h_h2d": False,
 }
+
+
+def before_fork(cfg: dict[str, Any]) -> None:
+    """The probe's imports, made in the rank before it forks the probe (the build imports them next)."""
+    from cases.llama3.megatron import kernels, modeling  # noqa: F401
 
 
 def probe_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from training.conformance.forking import torch_after_fork as after_fork  # noqa: F401 (the check forks the probe)
+
+
+def before_fork(cfg: dict[str, Any]) -> None:
+    """The probe's imports, made in the rank before it forks the probe (the build imports them next)."""
+    from transformers import LlavaForConditionalGeneration  # noqa: F401
+
+    from cases.llava.deepspeed import model  # noqa: F401
+
 
 def probe_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The run's config for a probe: one language-model layer, a two-layer vision tower, no

@@ -94,6 +94,7 @@ class Trainer:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+        startup.mark("imports")  # megatron-core's, made here after the adapter: 9.5-10.4 s on an H200 machine
         if not dist.is_initialized():
             dist.init_process_group(backend=self.s.common.dist_backend)
         lay = self.s.layout

@@ -1,5 +1,5 @@
 """Slurm failures on the real test Slurm cluster (tests/slurm/): a node whose slurmd is down,
-start_task.py stopped by SIGHUP, partitions that can never run the job, a controller that
+a controller that answers nothing, start_task.py stopped by SIGHUP, partitions that can never run the job, a controller that
 refuses it for now. Each checks the line the user gets, the exit status, and that no job or
 process is left.
 
@@ -255,6 +255,18 @@ def test_a_wrong_slurm_conf_is_named_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 20
     clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=60)
     assert clean.returncode == 2 and "no such file" in clean.stderr, clean.stdout + clean.stderr
+
+
+def test_a_controller_that_answers_nothing_is_named_at_once(tmp_path: Path, slurm_cluster: SlurmTestCluster) -> None:
+    """slurmctld frozen: its port takes the connection, no answer comes. The run is refused
+    with exit 2 in the line scontrol ping gives (not its banner of asterisks), and submits nothing."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    with slurm_cluster.controller_frozen():
+        proc = subprocess.run(start_argv(tmp_path, cfile, sys.executable), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert re.fullmatch(r"error: backend slurm: the Slurm controller does not answer \(Slurmctld\(primary\) at \S+ is DOWN\)", line), line
+    assert slurm_cluster.jobs() == []
 
 
 @pytest.mark.framework("megatron")
@@ -534,6 +546,7 @@ def test_a_job_its_partition_can_never_run_fails_at_once_naming_the_limit(tmp_pa
             first = rnd["error"].splitlines()[0]
             assert first == f"Slurm job {job['job_id']} can never start: {said}; cancelled", first
             assert job["cancelled_by_harness"] == ("partition limit")
+            assert [n["host"] for n in rnd["nodes"]] == ["not allocated"] * nodes, rnd["nodes"]  # no name made up
             assert took < 30, f"{took:.0f} s to say so"  # the first poll, 1.8 s on the 2-core test machine (2026-12-01)
             assert_nothing_left(slurm_cluster, res["run_id"])
         _partition(slurm_cluster, "State=INACTIVE")

@@ -16,6 +16,7 @@ Run ``python -m tests.slurm.cluster`` to start one by hand; Ctrl-C stops it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from run_benchmarks.running.runtimes.local import kill_group
@@ -289,6 +291,17 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])  # no -c: its jobs and nodes kept
         self._wait("slurmctld", lambda: self._scontrol("ping").returncode == 0)
         self._wait("nodes idle", self._nodes_idle, timeout=90)
+
+    @contextlib.contextmanager
+    def controller_frozen(self) -> Iterator[None]:
+        """slurmctld stopped (SIGSTOP) inside the block: its port takes connections and answers
+        nothing; continued whatever the block's outcome."""
+        pid = self.procs["slurmctld"].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def jobs(self) -> list[str]:
         """Job ids the controller still lists as pending or running."""

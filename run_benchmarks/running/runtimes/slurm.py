@@ -269,8 +269,10 @@ class SlurmRuntime(Runtime):
         self._check_conf()
         ping = self._run(["scontrol", "ping"], timeout=30)
         if ping.returncode != 0 or "DOWN" in ping.stdout:
-            why = (ping.stdout + ping.stderr).strip().splitlines()
-            raise InputError(f"backend slurm: the Slurm controller does not answer ({why[-1] if why else 'scontrol ping failed'})")
+            # scontrol ping's banner of asterisks ("** RESTORE SLURMCTLD DAEMON TO SERVICE **") says nothing
+            why = [ln.strip() for ln in (ping.stdout + ping.stderr).splitlines() if ln.strip() and not ln.strip().startswith("*")]
+            said = next((ln for ln in why if "DOWN" in ln), why[-1] if why else f"`scontrol ping` exit status {ping.returncode}")
+            raise InputError(f"backend slurm: the Slurm controller does not answer ({said})")
         if not plan.run_dir.is_absolute():
             raise InputError(f"backend slurm: run dir {plan.run_dir} must be an absolute path on a shared filesystem")
         line = self.cancel_orphans()
@@ -477,9 +479,7 @@ class SlurmRuntime(Runtime):
         self.aborted = None
         if self.gave_up and self._run(["scontrol", "ping"], timeout=30).returncode != 0:
             return [
-                NodeOutcome(
-                    f"slurm-node{n.node_rank}", n.node_rank, None, False, round_dir / f"node{n.node_rank}", f"not started: {self.gave_up}"
-                )
+                NodeOutcome("no job submitted", n.node_rank, None, False, round_dir / f"node{n.node_rank}", f"not started: {self.gave_up}")
                 for n in planned
             ]
         self.lease = lease.Renewer(slurm_dir / LEASE_FILE)
@@ -741,11 +741,11 @@ class SlurmRuntime(Runtime):
         job.first_end_seen = job.first_end_seen or now
         if now - job.first_end_seen < PEER_LOST_S:
             return False
-        hosts = self._hostnames(job.nodelist)
+        hosts = self._node_names(job.nodelist, job.nnodes)
         first = reports[ended[0][1]].get("slurm_node") or f"node {ended[0][1]}"
         for k in range(job.nnodes):
             if not reports.get(k, {}).get("finished"):
-                host = reports.get(k, {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
+                host = reports.get(k, {}).get("slurm_node") or hosts[k]
                 state = next((n.get("State", "") for n in self.node_states(host)), "") or "unknown"
                 job.lost[k] = (
                     f"node {host} lost: its launcher had not ended {PEER_LOST_S:g} s after {first}'s (Slurm's node state: {state})"
@@ -805,7 +805,7 @@ class SlurmRuntime(Runtime):
         return said
 
     def _outcomes(self, plan: Plan, job: Job, round_dir: Path) -> list[NodeOutcome]:
-        hosts = self._hostnames(job.nodelist)
+        hosts = self._node_names(job.nodelist, job.nnodes)
         reports = _read_reports(round_dir, job.nnodes, wait=job.state == "COMPLETED")
         if job.state == "NODE_FAIL" and not job.failed_nodes:  # no node out of service any more: srun named it
             job.failed_nodes = self._failed_in_service(round_dir / "slurm" / f"job-{job.job_id}.out")
@@ -819,7 +819,7 @@ class SlurmRuntime(Runtime):
         outcomes = []
         for k in range(job.nnodes):
             rep = reports.get(k)
-            host = (rep or {}).get("slurm_node") or (hosts[k] if k < len(hosts) else f"slurm-node{k}")
+            host = (rep or {}).get("slurm_node") or hosts[k]
             rc = rep.get("returncode") if rep else None
             extra = {
                 "slurm_job_id": job.job_id,
@@ -888,6 +888,12 @@ class SlurmRuntime(Runtime):
             name: f"{states.get(name) or 'unknown'} again (srun: Node failure on {name}; Slurm put it back in service, its reason gone)"
             for name in names
         }
+
+    def _node_names(self, nodelist: str, nnodes: int) -> list[str]:
+        """The job's nodes by name, as many as it has: Slurm's names, else "not allocated" (Slurm
+        gave the job no nodes) or "one of <its node list>" (scontrol could not expand it)."""
+        hosts = self._hostnames(nodelist)[:nnodes]
+        return hosts + ["one of " + nodelist if nodelist else "not allocated"] * (nnodes - len(hosts))
 
     def _hostnames(self, nodelist: str) -> list[str]:
         if not nodelist:

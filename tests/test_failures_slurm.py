@@ -503,6 +503,39 @@ def test_munge_lost_mid_run_is_named_and_no_cancel_is_claimed(
     assert_nothing_left(slurm_cluster, run_id)
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
+@pytest.mark.framework("megatron")
+def test_ctrl_c_with_munge_lost_ends_in_seconds(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
+    """munged killed, then Ctrl-C: the lease ends at once, scancel gets 10 s (Slurm's clients
+    would retry for a minute), the nodes' own stop is awaited, not Slurm; exit 130 with nothing
+    left running and no cancel claimed. munged is restarted whatever the outcome."""
+    cfile = cluster_file(tmp_path, slurm_cluster.conf)
+    proc = subprocess.Popen(
+        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
+        jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
+        slurm_cluster.kill_munge()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+        took = time.monotonic() - t0
+        ranks = [p for p in processes_of(run_id) if not p.split(": ", 1)[1].startswith("srun ")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        slurm_cluster.restart_munge()
+        _end_every_job(slurm_cluster)
+    assert proc.returncode == 130 and "Traceback" not in out, out
+    assert f"Slurm job {jid} could not be cancelled (`scancel {jid}`: scancel: no answer from the Slurm controller within 10 s)" in out, out
+    (job,) = results(tmp_path)["runtime_info"]["slurm"]["jobs"]
+    assert job["cancelled_by_harness"] is None and job["cancel_failed"], job
+    assert ranks == [], ranks  # ended through the lease
+    assert took < 10 + 20, f"{took:.1f} s"  # scancel's 10 s, then the nodes' stop; 10.3 s measured (2026-12-01), 112 s before
+    assert_nothing_left(slurm_cluster, run_id)
+
+
 def _partition(cluster: SlurmTestCluster, *settings: str) -> None:
     done = subprocess.run(
         ["scontrol", "update", "PartitionName=debug", *settings], env=cluster.env(), capture_output=True, text=True, timeout=30

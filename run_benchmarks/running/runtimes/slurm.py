@@ -76,6 +76,7 @@ LOST_GONE_WAIT_S = 10.0
 SILENT_CHECK_AFTER_S = 10.0  # a job still completing this long after its end: which nodes hold it?  # a lost node keeps the job COMPLETING until Slurm marks it down
 GONE = "GONE"  # no longer known to the controller (purged after MinJobAge)
 GONE_WAIT_S = 60.0
+INTERRUPT_CANCEL_S = 10.0  # scancel's bound after Ctrl-C: a healthy controller answers in well under a second
 REPORT_WAIT_S = 5.0  # a shared filesystem may show a node's last file a little late
 TAIL = 15
 LEASE_FILE = "lease"
@@ -489,8 +490,7 @@ class SlurmRuntime(Runtime):
             try:
                 self._follow(job, time.monotonic() + timeout_s, slurm_dir / f"job-{job.job_id}.out")
             except KeyboardInterrupt:
-                self._cancel(job, "interrupted")
-                self._wait_gone(job)
+                self._interrupted(job, round_dir)
                 raise
             self._wait_gone(job, LOST_GONE_WAIT_S if job.lost else LAUNCH_FAILED_GONE_WAIT_S if job.launch_failure else GONE_WAIT_S)
         finally:
@@ -659,6 +659,12 @@ class SlurmRuntime(Runtime):
         job.unreachable = f"Slurm did not answer the harness for {self.conf.unreachable_s:g} s ({self.silent_error})"
         self.gave_up = job.unreachable
         self._cancel(job, "slurm unreachable")
+        self._await_nodes_stopped(job, round_dir)
+        return True
+
+    def _await_nodes_stopped(self, job: Job, round_dir: Path) -> None:
+        """The nodes' own stop of their ranks, the lease ended (their reports), within the
+        lease's bound: what ends the job where Slurm does not answer."""
         end = time.monotonic() + lease.CHECK_S + STOP_GRACE_S + 10
         while (
             time.monotonic() < end
@@ -666,7 +672,16 @@ class SlurmRuntime(Runtime):
         ):
             time.sleep(0.5)
         job.ended_at = time.time()
-        return True
+
+    def _interrupted(self, job: Job, round_dir: Path) -> None:
+        """Ctrl-C: the lease ended at once (the nodes stop their ranks themselves) and scancel
+        given ``INTERRUPT_CANCEL_S``. Where it did not reach Slurm (munge lost, the controller
+        silent), the nodes' stop is awaited, not Slurm's answers."""
+        self._cancel(job, "interrupted", timeout=INTERRUPT_CANCEL_S)
+        if job.cancel_failed:
+            self._await_nodes_stopped(job, round_dir)
+        else:
+            self._wait_gone(job)
 
     def node_states(self, nodes: str) -> list[dict[str, str]]:
         """``scontrol show node -o`` of a node list: each node's fields (NodeName, State, Reason)."""
@@ -752,14 +767,16 @@ class SlurmRuntime(Runtime):
                 )
         return bool(job.lost)
 
-    def _cancel(self, job: Job, why: str) -> None:
+    def _cancel(self, job: Job, why: str, timeout: float | None = None) -> None:
         if self.lease is not None:  # the nodes stop the ranks themselves too, should scancel not reach Slurm
             self.lease.end(why)
         if job.stopped_by_harness is None:
             job.stopped_by_harness = why
             job.state_at_cancel = f"{job.state} ({job.reason})" if job.reason and job.reason != "None" else job.state
         target = [job.job_id] if job.job_id else [f"--name={job.name}"]
-        proc = self._run(["scancel", *target], timeout=self._poll_timeout() if self.silent_since is not None else 60)
+        if timeout is None:
+            timeout = self._poll_timeout() if self.silent_since is not None else 60
+        proc = self._run(["scancel", *target], timeout=timeout)
         if proc.returncode == 0:
             job.cancelled_by_harness = job.cancelled_by_harness or job.stopped_by_harness
         elif job.cancel_failed is None and "already complet" not in proc.stderr:  # never a cancel recorded that was not made
@@ -772,22 +789,30 @@ class SlurmRuntime(Runtime):
                     flush=True,
                 )
 
-    def _alive(self, job: Job) -> bool:
+    def _listed(self, job: Job) -> bool | None:
+        """Whether squeue lists the job; None where it does not answer."""
         target = ["--jobs", job.job_id] if job.job_id else ["--name", job.name]
         proc = self._run(["squeue", "--noheader", "--format=%i %T", *target], timeout=30)
-        return proc.returncode == 0 and bool(proc.stdout.strip())
+        return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+
+    def _alive(self, job: Job) -> bool:
+        return self._listed(job) is True
 
     def _wait_gone(self, job: Job, limit: float = GONE_WAIT_S) -> None:
         """Until squeue no longer lists the job (its steps and processes are gone), or one of
         its nodes no longer answers the controller (its slurmd gone: the job would stay
         COMPLETING until Slurm marks the node down), which is said, naming the node."""
+        if job.unreachable:
+            return  # not known to be gone: Slurm is not asked again
         start = time.monotonic()
-        while not job.unreachable and self._alive(job) and time.monotonic() < start + limit and not job.silent_nodes:
+        listed = self._listed(job)
+        while listed is not False and time.monotonic() < start + limit and not job.silent_nodes:
             if time.monotonic() - start > SILENT_CHECK_AFTER_S and job.stopped_by_harness is None:
                 self._check_silent(job)
             time.sleep(min(self.conf.poll_interval_s, 0.5))
-        if job.unreachable:
-            return  # not known to be gone
+            listed = self._listed(job)
+        if listed is None:
+            return  # not known to be gone: squeue did not answer
         job.gone_at = time.time()
         if job.ended_at is None:
             job.ended_at = job.gone_at
@@ -941,8 +966,8 @@ class SlurmRuntime(Runtime):
         return text
 
     def cleanup(self) -> None:
-        for job in self.jobs:
-            if job.gone_at is None and not job.unreachable and self._alive(job):
+        for job in self.jobs:  # a job whose cancel failed was named already, with the command to cancel it
+            if job.gone_at is None and not job.unreachable and not job.cancel_failed and self._alive(job):
                 self._cancel(job, "cleanup")
                 self._wait_gone(job, limit=30.0)
 

@@ -85,8 +85,10 @@ def test_human_plan_lists_everything(tmp_path):
 
 
 def test_expandable_segments_reach_the_ranks_through_the_vendors_allocator_variable(tmp_path):
-    """parallel.expandable_segments sets the vendor's allocator_env for every rank before it starts;
-    off, the variable is left to the environment; a vendor's own options in it are kept."""
+    """parallel.expandable_segments and parallel.pinned_register_threads set the vendor's
+    allocator_env for every rank before it starts; off, the variable is left to the environment;
+    a vendor's own options in it are kept; a thread count that is not one is refused."""
+    from run_benchmarks.errors import InputError
     from run_benchmarks.planning import plan, registry
 
     on = dry(
@@ -110,6 +112,26 @@ def test_expandable_segments_reach_the_ranks_through_the_vendors_allocator_varia
         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512,expandable_segments:True"
     }
     assert plan.allocator_options(theirs, {}) == {}
+    register = "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    assert plan.allocator_options(theirs, {"expandable_segments": True, "pinned_register_threads": 16}) == {
+        "PYTORCH_CUDA_ALLOC_CONF": f"max_split_size_mb:512,expandable_segments:True,{register}"
+    }
+    assert plan.allocator_options(nvidia, {"pinned_register_threads": 16}) == {"PYTORCH_CUDA_ALLOC_CONF": register}
+    for bad in (-1, 65, 2.5, True, "8"):
+        with pytest.raises(InputError, match=r"config_x\.yaml: parallel\.pinned_register_threads must be a whole number from 0"):
+            plan.allocator_options(nvidia, {"pinned_register_threads": bad}, "config_x.yaml")
+    pinned = dry(
+        "--vendor",
+        "nvidia",
+        "--case_name",
+        "llama3_8b:megatron:H200:1:1",
+        "--python",
+        sys.executable,
+        "--set",
+        "parallel.pinned_register_threads=16",
+        cwd=tmp_path,
+    )
+    assert pinned["nodes"][0]["env"]["PYTORCH_CUDA_ALLOC_CONF"] == register
     assert list(tmp_path.iterdir()) == []
 
 

@@ -464,23 +464,35 @@ def build(
 
 
 def allocator_options(vendor: VendorConfig, parallel: dict[str, Any], source: str = "") -> dict[str, str]:
-    """The allocator variable of the vendor with ``parallel.expandable_segments``: the vendor's own
-    value of it (its ``env``) with ``expandable_segments:True`` added; {} when the switch is off.
-    The variable is set for the ranks before they start, so the allocator reads it at its first
-    use. A vendor that declares no ``allocator_env`` cannot take the switch (InputError)."""
+    """The allocator variable of the vendor with the allocator's switches: the vendor's own value
+    of it (its ``env``) with ``expandable_segments:True`` for ``parallel.expandable_segments``, and
+    ``pinned_use_cuda_host_register:True,pinned_num_register_threads:N`` for
+    ``parallel.pinned_register_threads`` N (host memory pinned by registering it, N threads at a
+    time, not allocated pinned: docs/results/probes/2026-12-01_h200x1_offload-build/); {} when both
+    are off. The variable is set for the ranks before they start, so the allocator reads it at
+    its first use. A vendor that declares no ``allocator_env`` cannot take a switch (InputError)."""
+    where = source or "settings"
     on = parallel.get("expandable_segments", False)
     if not isinstance(on, bool):
-        raise InputError(f"{source or 'settings'}: parallel.expandable_segments must be true or false, got {on!r}")
-    if not on:
+        raise InputError(f"{where}: parallel.expandable_segments must be true or false, got {on!r}")
+    threads = parallel.get("pinned_register_threads", 0)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 0 <= threads <= 64:
+        raise InputError(f"{where}: parallel.pinned_register_threads must be a whole number from 0 (off) to 64, got {threads!r}")
+    options = (["expandable_segments:True"] if on else []) + (
+        ["pinned_use_cuda_host_register:True", f"pinned_num_register_threads:{threads}"] if threads else []
+    )
+    if not options:
         return {}
     var = vendor.allocator_env
     if var is None:
+        switch = "expandable_segments" if on else "pinned_register_threads"
         raise InputError(
-            f"{source or 'settings'}: parallel.expandable_segments: vendor {vendor.name!r} declares no allocator_env in "
+            f"{where}: parallel.{switch}: vendor {vendor.name!r} declares no allocator_env in "
             f"vendors/{vendor.name}/vendor.yaml (the variable its torch allocator reads, e.g. PYTORCH_CUDA_ALLOC_CONF)"
         )
-    kept = [o for o in vendor.env.get(var, "").split(",") if o.strip() and o.split(":")[0].strip() != "expandable_segments"]
-    return {var: ",".join([*kept, "expandable_segments:True"])}
+    ours = {o.split(":")[0] for o in options}
+    kept = [o for o in vendor.env.get(var, "").split(",") if o.strip() and o.split(":")[0].strip() not in ours]
+    return {var: ",".join([*kept, *options])}
 
 
 def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[NodePlan]:

@@ -76,3 +76,25 @@ def test_a_device_a_thread_or_no_after_fork_spawns_the_probe():
     finally:
         stop.set()
         thread.join()
+
+
+def _resolved(tmp_path, *sets: str) -> dict:
+    from run_benchmarks.planning import plan as planning
+    from run_benchmarks.planning.casename import CaseName
+    from run_benchmarks.planning.config import ClusterConfig
+
+    cluster = ClusterConfig(backend="local", hosts=[{"name": "localhost", "address": "127.0.0.1"}])
+    p = planning.build(CaseName.parse("llama3_8b:megatron:H200:1:1"), "nvidia", cluster, tmp_path, None, list(sets))
+    return p.resolved(0, str(tmp_path / "output"), str(tmp_path / "cache"))
+
+
+def test_the_hosts_allocator_switches_are_no_part_of_the_stack(tmp_path):
+    """parallel.pinned_register_threads and parallel.expandable_segments set the allocator's
+    variable on the host (training/settings.py HOST_KEYS): the check's key is the same with them;
+    a switch the probe builds with (the attention kernel) is another stack."""
+    from training.conformance import stack_key
+
+    base, _ = stack_key(_resolved(tmp_path), "NVIDIA H200")
+    host, _ = stack_key(_resolved(tmp_path, "parallel.pinned_register_threads=16", "parallel.expandable_segments=true"), "NVIDIA H200")
+    other, _ = stack_key(_resolved(tmp_path, "parallel.attention=local"), "NVIDIA H200")
+    assert host == base and other != base

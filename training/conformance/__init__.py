@@ -99,17 +99,24 @@ def probe_view(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def stack_key(cfg: dict[str, Any], device: str) -> tuple[str, dict[str, Any]]:
     """The cache key of a verdict and what it was made of."""
+    from training.settings import HOST_KEYS  # read by the host alone (the allocator's variable): not the math
+
     cfg = probe_view(cfg)
+    host = {section: set(keys) for section, keys in HOST_KEYS.items()}
     what = {
         "code": code_digest(),
         "versions": versions(),
         "device": device,
         "case": {k: cfg["case"].get(k) for k in ("model", "framework", "conformance")},
-        **{k: cfg.get(k) for k in MATH_KEYS},
+        **{k: _without(cfg.get(k), host.get(k, set())) for k in MATH_KEYS},
         "train": {k: cfg["train"].get(k) for k in TRAIN_KEYS},
     }
     key = hashlib.blake2b(json.dumps(what, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
     return key, what
+
+
+def _without(section: Any, keys: set[str]) -> Any:
+    return {k: v for k, v in section.items() if k not in keys} if isinstance(section, dict) else section
 
 
 def cache_dir(cfg: dict[str, Any]) -> Path:

@@ -453,6 +453,33 @@ def _end_every_job(cluster: SlurmTestCluster) -> None:
         time.sleep(0.5)
 
 
+def _munge_lost_run(
+    tmp_path: Path, cluster: SlurmTestCluster, python: str, cfile: Path, interrupt: bool
+) -> tuple[subprocess.Popen[str], str, float, str, str, list[str]]:
+    """A long run on ``cfile`` whose munged is killed at its first step, then, with ``interrupt``,
+    stopped by Ctrl-C: its process, its output, the seconds from the kill to its end, its job and
+    run ids, and its processes left but srun's (the ranks, launchers and node wrappers; srun and
+    slurmstepd wait for munge to report the end). munged is restarted and every job ended
+    whatever the outcome."""
+    proc = subprocess.Popen(start_argv(tmp_path, cfile, python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
+        jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
+        cluster.kill_munge()
+        t0 = time.monotonic()
+        if interrupt:
+            proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+        took = time.monotonic() - t0
+        ranks = [p for p in processes_of(run_id) if not p.split(": ", 1)[1].startswith("srun ")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        cluster.restart_munge()
+        _end_every_job(cluster)
+    return proc, out, took, jid, run_id, ranks
+
+
 @pytest.mark.alone  # times something: tests/parallel.py
 @pytest.mark.framework("megatron")
 def test_munge_lost_mid_run_is_named_and_no_cancel_is_claimed(
@@ -463,23 +490,7 @@ def test_munge_lost_mid_run_is_named_and_no_cancel_is_claimed(
     round's lease (the nodes stop their ranks without Slurm), records no cancel it could not
     make, says how to cancel the job and exits 1. munged is restarted whatever the outcome."""
     cfile = cluster_file(tmp_path, slurm_cluster.conf, unreachable_s=10)
-    proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
-        jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
-        slurm_cluster.kill_munge()
-        t0 = time.monotonic()
-        out, _ = proc.communicate(timeout=180)
-        took = time.monotonic() - t0
-        # the ranks, launchers and node wrappers; srun and slurmstepd wait for munge to report the end
-        ranks = [p for p in processes_of(run_id) if not p.split(": ", 1)[1].startswith("srun ")]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        slurm_cluster.restart_munge()
-        _end_every_job(slurm_cluster)
+    proc, out, took, jid, run_id, ranks = _munge_lost_run(tmp_path, slurm_cluster, megatron_python, cfile, interrupt=False)
     print(out[-3000:])
     assert proc.returncode == 1 and "Traceback" not in out, out
     # munged SIGKILLed leaves its socket: Slurm's clients retry for a minute, silent; munge itself says why
@@ -510,23 +521,7 @@ def test_ctrl_c_with_munge_lost_ends_in_seconds(tmp_path: Path, slurm_cluster: S
     would retry for a minute), the nodes' own stop is awaited, not Slurm; exit 130 with nothing
     left running and no cancel claimed. munged is restarted whatever the outcome."""
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
-        jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
-        slurm_cluster.kill_munge()
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=180)
-        took = time.monotonic() - t0
-        ranks = [p for p in processes_of(run_id) if not p.split(": ", 1)[1].startswith("srun ")]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        slurm_cluster.restart_munge()
-        _end_every_job(slurm_cluster)
+    proc, out, took, jid, run_id, ranks = _munge_lost_run(tmp_path, slurm_cluster, megatron_python, cfile, interrupt=True)
     assert proc.returncode == 130 and "Traceback" not in out, out
     assert f"Slurm job {jid} could not be cancelled (`scancel {jid}`: scancel: no answer from the Slurm controller within 10 s)" in out, out
     (job,) = results(tmp_path)["runtime_info"]["slurm"]["jobs"]

@@ -168,3 +168,29 @@ def test_stillness_counts_from_the_last_move_of_any_node_on_the_callers_clock():
     ft = {"started": True, "last_t": 20.0, "phase": "finetune", "step": 3, "t": 20.0}
     assert still.update([started, ft], now=130.0) == 0.0 and still.where() == "after finetune step 3"
     assert still.update([started, ft], now=1930.5) == 1800.5
+
+
+def test_nodes_seen_stopping_closer_than_the_reads_are_both_named():
+    """Progress is written and read every 2 s each, so a node seen stopping 3 s after another may
+    have stopped first: the stall's blame names every node within the slack of the earliest
+    stop, and only the earlier where they stopped farther apart."""
+    still = progress.Stillness()
+
+    def at(step: int) -> dict:
+        return {"started": True, "last_t": float(step), "phase": "train", "step": step, "t": float(step)}
+
+    still.update([at(1), at(1)], now=10.0)
+    still.update([at(2), at(1)], now=13.0)  # node 1 seen still since 10 s, node 0 since 13 s
+    slack = progress.WRITE_EVERY_S + 2.0  # the orchestrator's read interval
+    assert still.still_first(slack=slack) == [0, 1]
+    still.update([at(3), at(1)], now=16.0)  # node 0 moved again 6 s after node 1 stopped
+    assert still.still_first(slack=slack) == [1]
+
+
+def test_a_node_never_seen_is_named_with_the_first_to_stand_still():
+    """A node whose ranks report no steps (none of the reporting ranks) has no progress to read:
+    when it stopped is not known, so a stall names it beside the node seen stopping first."""
+    still = progress.Stillness()
+    step = {"started": True, "last_t": 1.0, "phase": "train", "step": 1, "t": 1.0}
+    still.update([step, None, None], now=10.0)
+    assert still.still_first(slack=4.0) == [0, 1, 2]

@@ -503,7 +503,9 @@ def _watched_round(plan: Plan, runtime: Runtime, console: Console, rnd: planning
             # the ranks write their stacks when their call reaches the timeout; a few seconds
             # more and the files are there for the round's error (causes.stall_stacks)
             if idle is not None and idle > stall + STACKS_GRACE_S and not runtime.aborted:
-                shown["blame"] = still.still_first()
+                # the nodes write their progress and the harness reads it every 2 s each: stops
+                # closer together than that cannot be told apart, and both nodes are named
+                shown["blame"] = still.still_first(slack=progress.WRITE_EVERY_S + PROGRESS_EVERY_S)
                 runtime.abort(f"no record from any rank for {stall:g} s {still.where()} ({causes.STALL_MARK}): the ranks hang; stopped")
             line = progress.line(snaps, steps, plan.world_size)
             text = ", ".join(filter(None, [note, line, progress.elapsed(t0)]))

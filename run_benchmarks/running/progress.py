@@ -131,9 +131,11 @@ class Stillness:
         self.moved_at: float | None = None
         self.node_moved: dict[int, float] = {}  # node index -> when its snapshot last moved
         self.newest: dict[str, Any] | None = None
+        self.nodes = 0  # how many nodes the snapshots are of
 
     def update(self, snaps: list[dict[str, Any] | None], now: float) -> float | None:
         """Seconds since the last move (None before any rank reported)."""
+        self.nodes = max(self.nodes, len(snaps))
         for i, s in enumerate(snaps):
             if not s:
                 continue
@@ -144,12 +146,16 @@ class Stillness:
                 self.newest = s
         return None if self.moved_at is None else now - self.moved_at
 
-    def still_first(self, slack: float = 1.0) -> list[int]:
-        """The nodes whose progress stood still first (within ``slack`` s of the earliest)."""
+    def still_first(self, slack: float) -> list[int]:
+        """The nodes whose progress stood still first (within ``slack`` s of the earliest: at
+        least the time a move takes to be seen, since nodes that stop closer together than that
+        are seen stopping in either order), and those never seen at all (a node whose ranks
+        report no steps, holding none of the reporting ranks: when it stopped is not known)."""
         if not self.node_moved:
             return []
         first = min(self.node_moved.values())
-        return sorted(i for i, t in self.node_moved.items() if t <= first + slack)
+        unseen = set(range(self.nodes)) - set(self.node_moved)
+        return sorted(unseen | {i for i, t in self.node_moved.items() if t <= first + slack})
 
     def where(self) -> str:
         """ "after step 8", "after finetune step 3", or "before the first step"."""

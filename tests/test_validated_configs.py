@@ -28,10 +28,7 @@ def test_a_validated_config_names_an_aligned_run(path: Path) -> None:
 
 def test_the_llama3_8b_h200_config_is_validated_by_its_run_on_one_card() -> None:
     doc = yaml.safe_load((registry.VENDORS_DIR / "nvidia/cases/llama3_8b/megatron/config_H200x1x1.yaml").read_text())
-    assert (
-        doc["validated"] is True
-        and doc["validated_by"] == "docs/results/runs/2026-12-01_llama3_8b_H200x1_short-pinned-register-16.json"
-    )
+    assert doc["validated"] is True and doc["validated_by"] == "docs/results/runs/2026-12-01_llama3_8b_H200x1_short-pinned-register-16.json"
 
 
 @pytest.fixture

@@ -153,7 +153,11 @@ SECTIONS = ("train", "parallel", "data")
 PRECISIONS = ("bf16", "fp16", "fp32")
 #: keys of a case.yaml ``standard`` that the host reads, not the ranks (the steady window,
 #: the allocator's variable, how the data is checked before launch and fingerprinted)
-HOST_KEYS = {"train": ("warmup_steps",), "parallel": ("expandable_segments", "pinned_register_threads"), "data": ("format", "fingerprint", "max_image_pixels")}
+HOST_KEYS = {
+    "train": ("warmup_steps",),
+    "parallel": ("expandable_segments", "pinned_register_threads"),
+    "data": ("format", "fingerprint", "max_image_pixels"),
+}
 BETAS = (0.9, 0.95)  # the default when neither train.adam_beta1/2 nor train.betas is given
 
 

@@ -178,11 +178,11 @@ def _start_probe(cfg: dict[str, Any], config_path: str, probe_dir: str, env: dic
     made already: training/conformance/forking.py), else spawned."""
     from training.conformance import forking
 
-    why = "run alone" if not in_rank else forking.refusal(probe_module(cfg), cfg)
+    module = probe_module(cfg)
+    why = "run alone" if not in_rank else forking.refusal(module, cfg)
     if why is not None:
         cmd = [sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_dir]
         return _start(cmd, env), f"spawned: {why}"
-    module = probe_module(cfg)
 
     def work() -> int:
         from training.conformance import probe

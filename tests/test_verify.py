@@ -174,3 +174,26 @@ def test_a_code_version_that_is_no_commit_here_is_said(tmp_path):
     for version in (head.stdout.strip(), head.stdout.strip() + "+changes"):
         path = write(tmp_path, consistent().model_copy(update={"code_version": version}), "real.json")
         assert findings(path) == (0, [f"{path}: every figure of 1 round(s) matches its records"])
+
+
+def test_a_code_version_no_branch_reaches_is_said(tmp_path):
+    """A commit left behind by a rewrite (here, but on no branch or tag) does not travel with a
+    clone: the note says so, where a plain existence check would pass it on this checkout only."""
+    shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True, text=True)
+    if shallow.returncode != 0 or shallow.stdout.strip() != "false":
+        pytest.skip("not a full git clone: its history cannot tell")
+    made = subprocess.run(  # an object only: no ref, no working-tree change
+        ["git", "-C", str(ROOT), "commit-tree", "HEAD^{tree}", "-m", f"unreachable {tmp_path.name}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    orphan = made.stdout.strip()
+    path = write(tmp_path, consistent().model_copy(update={"code_version": orphan}))
+    assert findings(path) == (
+        0,
+        [
+            f"{path}: code_version {orphan} is on no branch or tag of this repository ({ROOT}): a clone cannot check it out",
+            f"{path}: every figure of 1 round(s) matches its records",
+        ],
+    )

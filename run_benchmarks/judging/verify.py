@@ -10,8 +10,8 @@ recomputed from the repeats it keeps); per round, the one-phase figures
 and the loss aggregates, and a status that agrees with the phases' verdicts. A schema-1
 file has no per-step records: what cannot be recomputed is said in one line, and MFU
 (from tokens/p/s and the counts) and the loss verdict (from its recorded curve) are checked.
-A ``code_version`` that is not a commit of the repository the harness runs from (a full clone)
-is said in a note: the code that made the figures cannot be checked out from here.
+A ``code_version`` that is not a commit of the repository the harness runs from (a full clone),
+or one no branch or tag reaches (a clone would not get it), is said in a note.
 
 Exit status: 0 every figure matches, 1 a mismatch (listed), 2 a file that cannot be read.
 """
@@ -166,11 +166,16 @@ def commit_note(path: Path, version: str | None) -> str | None:
 
     if not version or git("rev-parse", "--is-shallow-repository") != "false":
         return None
-    if git("cat-file", "-e", f"{version.removesuffix('+changes')}^{{commit}}") is not None:  # found
-        return None
-    return (
-        f"{path}: code_version {version} is not a commit of this repository ({ROOT}): the code that made it cannot be checked out from here"
-    )
+    commit = version.removesuffix("+changes")
+    if git("cat-file", "-e", f"{commit}^{{commit}}") is None:
+        return (
+            f"{path}: code_version {version} is not a commit of this repository ({ROOT}): "
+            "the code that made it cannot be checked out from here"
+        )
+    if git("for-each-ref", "--contains", commit, "--format=%(refname)") == "":
+        # an object left behind by a rewrite: here, but no clone of this repository gets it
+        return f"{path}: code_version {version} is on no branch or tag of this repository ({ROOT}): a clone cannot check it out"
+    return None
 
 
 def verify_file(path: Path) -> Check:

@@ -50,34 +50,61 @@ def test_the_reference_loads_numpy_alone():
     assert p.stdout.strip() == "[]", p.stdout
 
 
+DEFECTS = [
+    ("attention_times_zero", "attention output"),
+    ("softmax_scale_x4", "attention output"),
+    ("attention_window", "attention output"),
+    ("rope_base_off", "attention output"),
+    ("frozen_embeddings", "gradient of embedding"),
+]
+
+
+def _checks(command: list[str], hooks: list[str]) -> tuple[int, list[dict]]:
+    """One ``flagbench conformance`` with one ``--hook`` per defect: one process, the probes
+    forked from it once its imports are made."""
+    cmd = [*command, "--json", "--no-cache", *(a for h in hooks for a in ("--hook", f"examples.defects:{h}"))]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    verdicts = json.loads(p.stdout[p.stdout.index("[") :])
+    assert [v["hook"] for v in verdicts] == [f"examples.defects:{h}" for h in hooks], verdicts
+    assert all(v["probe_start"] == "forked from the check" for v in verdicts), [v["probe_start"] for v in verdicts]
+    return p.returncode, verdicts
+
+
 @pytest.mark.framework("megatron")
-@pytest.mark.parametrize(
-    "hook, tensor",
-    [
-        ("attention_times_zero", "attention output"),
-        ("softmax_scale_x4", "attention output"),
-        ("attention_window", "attention output"),
-        ("rope_base_off", "attention output"),
-        ("frozen_embeddings", "gradient of embedding"),
-    ],
-)
-def test_each_defect_fails(megatron_python, hook, tensor):
-    rc, v = _check("--hook", f"examples.defects:{hook}", "--no-cache")
-    assert rc == 1 and v["verdict"] == "failed", v
-    assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
+def test_each_defect_fails(megatron_python):
+    """Each defect fails, naming the tensor it first shows in."""
+    rc, verdicts = _checks([sys.executable, "-m", "run_benchmarks.cli", "conformance", *CASE], [h for h, _ in DEFECTS])
+    assert rc == 1
+    for (hook, tensor), v in zip(DEFECTS, verdicts):
+        assert v["verdict"] == "failed", (hook, v)
+        assert v["message"].startswith(tensor) and "differs" in v["message"] and "from the reference" in v["message"], (hook, v["message"])
+
+
+@pytest.mark.framework("megatron")
+def test_several_hooks_in_one_process_fail_only_where_a_defect_is(megatron_python):
+    """A correct hook beside a defect: each child applies its own hook alone, so nothing of one
+    reaches the next, and the exit status fails where any check fails."""
+    cmd = [sys.executable, "-m", "run_benchmarks.cli", "conformance", *CASE, "--json", "--no-cache"]
+    hooks = ["examples.defects:attention_times_zero", "examples.alternatives:sdpa_math", "examples.defects:rope_base_off"]
+    p = subprocess.run([*cmd, *(a for h in hooks for a in ("--hook", h))], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    verdicts = json.loads(p.stdout[p.stdout.index("[") :])
+    assert [(v["hook"], v["verdict"]) for v in verdicts] == list(zip(hooks, ["failed", "passed", "failed"])), verdicts
+    assert verdicts[1]["worst"]["error"] < verdicts[1]["worst"]["tolerance"] / 20, verdicts[1]["worst"]
 
 
 @pytest.mark.framework("megatron")
 @pytest.mark.parametrize(
     "extra",
     [
-        ("--hook", "examples.alternatives:sdpa_math"),
         ("--set", "parallel.attention=local"),
         ("--set", "parallel.fused_linear_loss=chunked"),
         ("--set", "parallel.fused_rope=qkv"),
     ],
 )
 def test_correct_alternatives_pass(megatron_python, extra):
+    """(The math-kernel SDPA hook passes beside two defects in one process, above.)"""
     rc, v = _check(*extra, "--no-cache")
     assert rc == 0 and v["verdict"] == "passed", v
     assert v["worst"]["error"] < v["worst"]["tolerance"] / 20, v["worst"]  # far inside: fp32 rounds at about 1e-6
@@ -204,12 +231,21 @@ FAMILY_DEFECTS = [
 
 
 @pytest.mark.parametrize(
-    "family, hook",
-    [pytest.param(f, h, marks=pytest.mark.framework("paddle" if f == "gpt3" else "deepspeed")) for f, h in FAMILY_DEFECTS],
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.framework("paddle" if f == "gpt3" else "deepspeed"))
+        for f in sorted({f for f, _ in FAMILY_DEFECTS})
+    ],
 )
-def test_each_family_defect_fails(request, family, hook):
+def test_each_family_defect_fails(request, family):
     """Every defect that applies to a family fails its check, first at the attention output."""
     request.getfixturevalue("paddle_python" if family == "gpt3" else "deepspeed_python")
-    rc, v = _check_family(family, "--hook", f"examples.defects:{hook}")
-    assert rc == 1 and v["verdict"] == "failed", v
-    assert v["message"].startswith("attention output") and "differs" in v["message"] and "from the reference" in v["message"], v["message"]
+    hooks = [h for f, h in FAMILY_DEFECTS if f == family]
+    rc, verdicts = _checks([sys.executable, "-m", "run_benchmarks.cli", "conformance", *FAMILIES[family]], hooks)
+    assert rc == 1
+    for hook, v in zip(hooks, verdicts):
+        assert v["verdict"] == "failed", (hook, v)
+        assert v["message"].startswith("attention output") and "differs" in v["message"] and "from the reference" in v["message"], (
+            hook,
+            v["message"],
+        )

@@ -4,11 +4,12 @@ The check every run makes before training (training/conformance/): the case's pr
 decoder layer, the embedding and the loss head on this host's first device as the run would
 (the vendor config, variant and ``--set`` values given, the vendor's adapter and hooks), and an
 isolated float64 numpy reference of the architecture judges its outputs and gradients. Nothing
-trains; no run folder. ``--hook`` adds a vendor hook (``module:function``) to the check alone, to
-see what a defect does to it (examples/defects.py). ``--no-cache`` checks again where this
-stack already has a verdict.
+trains; no run folder. ``--hook`` gives the check alone a vendor hook (``module:function``) in
+place of the config's own, to see what a defect does to it (examples/defects.py); given several
+times, one process checks each in turn, its probes forked once their imports are made.
+``--no-cache`` checks again where this stack already has a verdict.
 
-Exit status: 0 passed, 1 failed (or the probe could not finish, or the case has no probe),
+Exit status: 0 passed (every check), 1 failed (or the probe could not finish, or the case has no probe),
 2 bad input (nothing ran).
 """
 
@@ -31,22 +32,33 @@ from run_benchmarks.running.runtimes import select
 from run_benchmarks.tools.ceiling import process_env
 
 
-def check(plan: planning.Plan, python: str, root: Path, cache: Path, no_cache: bool, timeout_s: float = 900) -> dict[str, Any]:
-    """The verdict of the case's probe on this host (RuntimeError where the process fails)."""
+def check(plans: list[planning.Plan], python: str, root: Path, cache: Path, no_cache: bool, timeout_s: float = 900) -> list[dict[str, Any]]:
+    """The verdicts of the case's probe on this host, one per plan, in order, from one check
+    process (RuntimeError where it fails)."""
     with tempfile.TemporaryDirectory(prefix="flagbench-conformance-") as tmp:
-        cfg = Path(tmp) / "resolved.json"
-        cfg.write_text(json.dumps(plan.resolved(0, str(Path(tmp) / "output"), str(cache)), indent=2))
-        cmd = [python, "-m", "training.conformance", "--config", str(cfg), *(["--no-cache"] if no_cache else [])]
+        cmd = [python, "-m", "training.conformance", *(["--no-cache"] if no_cache else [])]
+        for i, plan in enumerate(plans):
+            cfg = Path(tmp) / f"resolved-{i}.json"
+            cfg.write_text(json.dumps(plan.resolved(0, str(Path(tmp) / "output"), str(cache)), indent=2))
+            cmd += ["--config", str(cfg)]
+        limit = timeout_s * len(plans)
         try:
-            proc = subprocess.run(cmd, cwd=str(root), env=process_env(plan, root), capture_output=True, text=True, timeout=timeout_s)
+            proc = subprocess.run(cmd, cwd=str(root), env=process_env(plans[0], root), capture_output=True, text=True, timeout=limit)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the conformance check ran past {timeout_s:.0f} s") from None
+            raise RuntimeError(f"the conformance check ran past {limit:.0f} s") from None
     sys.stderr.write("".join(f"{line}\n" for line in proc.stderr.splitlines() if line.startswith(("probe:", "reference:"))))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
+    if proc.returncode != 0 or len(lines) != len(plans):
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"the conformance check exited {proc.returncode}: {tail[0]}")
-    return json.loads(lines[-1])
+        raise RuntimeError(f"the conformance check exited {proc.returncode} after {len(lines)} of {len(plans)} verdicts: {tail[0]}")
+    return [json.loads(line) for line in lines]
+
+
+def _print(cn: CaseName, vendor: str, hook: str | None, verdict: dict[str, Any]) -> None:
+    print(f"conformance of {cn} ({vendor}{', hook ' + hook if hook else ''}): {conformance_text(verdict)}")
+    for row in verdict.get("failed") or []:
+        where = f" at positions {row['positions'][0]:,}-{row['positions'][1]:,}" if row.get("positions") else ""
+        print(f"  {row['tensor']}{where}: {100 * row['error']:.3g} % (tolerance {100 * row['tolerance']:.3g} %)")
 
 
 def main(argv: list[str]) -> int:
@@ -55,23 +67,29 @@ def main(argv: list[str]) -> int:
     ap = parser()
     ap.prog = "flagbench conformance"
     ap.add_argument("--conformance", action="store_true", help="run the case's conformance check alone on this host's first device")
-    ap.add_argument("--hook", help="an extra vendor hook for the check alone, module:function (examples/defects.py)")
+    ap.add_argument(
+        "--hook",
+        action="append",
+        default=[],
+        help="a vendor hook for the check alone, module:function (examples/defects.py), in place of the config's own; "
+        "repeat to check each in turn in one process",
+    )
     ap.add_argument("--no-cache", action="store_true", help="check again where this stack already has a verdict")
     args = ap.parse_args(argv)
     try:
         for flag, given in (("--cluster", args.cluster), ("--reference", args.reference), ("--nightly", args.nightly)):
             if given:
                 raise InputError(f"the conformance check runs on this host's first device alone; {flag} does not apply")
-        if args.hook and not MODSPEC.match(args.hook):
-            raise InputError(f"--hook {args.hook!r}: must be 'module:function'")
+        for hook in args.hook:
+            if not MODSPEC.match(hook):
+                raise InputError(f"--hook {hook!r}: must be 'module:function'")
         check_name(args.vendor, "vendor")
         cn = CaseName.parse(args.case_name)
         cluster = load_cluster(args)
         plan = planning.build(cn, args.vendor, cluster, Path(tempfile.gettempdir()), planning.check_variant(args.variant), args.sets)
         if not plan.conformance:
             raise InputError(f"case {cn.model}:{cn.framework} has no conformance probe (case.yaml: conformance)")
-        if args.hook:
-            plan = dataclasses.replace(plan, hook=args.hook)
+        plans = [dataclasses.replace(plan, hook=hook) for hook in args.hook] or [plan]
         runtime = select(cluster, args.python)
         python, root = runtime.prepare(plan, Path(tempfile.gettempdir()) / f"flagbench-conformance-env-{plan.run_id}.log")
     except InputError as exc:
@@ -79,15 +97,13 @@ def main(argv: list[str]) -> int:
         return 2
     cache = Path.home() / ".cache" / "flagbench" / "data"  # the cache a local run's check uses
     try:
-        verdict = check(plan, python, root, cache, args.no_cache)
+        verdicts = check(plans, python, root, cache, args.no_cache)
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(verdict, indent=2))
+    if args.json:  # one check: its verdict; several: the list, each naming its hook
+        print(json.dumps(verdicts[0] if len(plans) == 1 else [{"hook": p.hook, **v} for p, v in zip(plans, verdicts)], indent=2))
     else:
-        print(f"conformance of {cn} ({args.vendor}{', hook ' + args.hook if args.hook else ''}): {conformance_text(verdict)}")
-        for row in verdict.get("failed") or []:
-            where = f" at positions {row['positions'][0]:,}-{row['positions'][1]:,}" if row.get("positions") else ""
-            print(f"  {row['tensor']}{where}: {100 * row['error']:.3g} % (tolerance {100 * row['tolerance']:.3g} %)")
-    return 0 if verdict.get("verdict") == "passed" else 1
+        for p, verdict in zip(plans, verdicts):
+            _print(cn, args.vendor, p.hook, verdict)
+    return 0 if all(v.get("verdict") == "passed" for v in verdicts) else 1

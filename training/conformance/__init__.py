@@ -173,13 +173,16 @@ def _run(cmd: list[str], env: dict[str, str], what: str, timeout_s: float) -> No
     _wait(_start(cmd, env), what, timeout_s)
 
 
-def _start_probe(cfg: dict[str, Any], config_path: str, probe_dir: str, env: dict[str, str], in_rank: bool) -> tuple[Any, str]:
+def _start_probe(
+    cfg: dict[str, Any], config_path: str, probe_dir: str, env: dict[str, str], in_rank: bool, fork_alone: bool
+) -> tuple[Any, str]:
     """The probe's process and how it started: forked from this rank (its imports and adapter
-    made already: training/conformance/forking.py), else spawned."""
+    made already: training/conformance/forking.py), or from a check process that checks several
+    configs (its imports made once; the child applies its own config's adapter), else spawned."""
     from training.conformance import forking
 
     module = probe_module(cfg)
-    why = "run alone" if not in_rank else forking.refusal(module, cfg)
+    why = forking.refusal(module, cfg) if in_rank or fork_alone else "run alone"
     if why is not None:
         cmd = [sys.executable, "-m", "training.conformance.probe", "--config", config_path, "--out", probe_dir]
         return _start(cmd, env), f"spawned: {why}"
@@ -190,9 +193,9 @@ def _start_probe(cfg: dict[str, Any], config_path: str, probe_dir: str, env: dic
         os.environ.clear()
         os.environ.update(env)
         module.after_fork(cfg)
-        return probe.main(["--config", config_path, "--out", probe_dir], adapted=True)
+        return probe.main(["--config", config_path, "--out", probe_dir], adapted=in_rank)
 
-    return forking.Forked(work, os.path.dirname(probe_dir)), "forked from the rank"
+    return forking.Forked(work, os.path.dirname(probe_dir)), "forked from the rank" if in_rank else "forked from the check"
 
 
 def preload(cfg: dict[str, Any]) -> None:
@@ -207,14 +210,25 @@ def preload(cfg: dict[str, Any]) -> None:
         module.before_fork(cfg)
 
 
-def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_cache: bool = True, in_rank: bool = False) -> dict[str, Any]:
+def check(
+    cfg: dict[str, Any],
+    config_path: str,
+    timeout_s: float = 600.0,
+    use_cache: bool = True,
+    in_rank: bool = False,
+    fork_alone: bool = False,
+) -> dict[str, Any]:
     """The verdict of the case's conformance probe for this run's stack: ``{"verdict": "passed" |
     "failed" | "not checked", "message", "cached", "probe_s", "reference_s", "key", "probe_start",
     ...}``. ``in_rank``: called by a rank whose process applied this config's adapter
-    (training.runtime.setup), so the probe may be forked from it."""
+    (training.runtime.setup), so the probe may be forked from it. ``fork_alone``: called by a
+    check process that checks several configs in turn, which makes the probe's imports once
+    (:func:`preload`) and forks each probe, which applies its config's adapter itself."""
     spec = (cfg.get("case") or {}).get("conformance")
     if not spec:
         return {"verdict": "not checked", "message": "the case declares no conformance probe (case.yaml: conformance)", "cached": False}
+    if fork_alone and not in_rank:
+        preload(cfg)  # the imports, once per process: not the probe's time
     t0 = time.monotonic()
     folder = cache_dir(cfg)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
@@ -235,7 +249,7 @@ def check(cfg: dict[str, Any], config_path: str, timeout_s: float = 600.0, use_c
 
             if runtime.ADAPTED != os.path.abspath(config_path):
                 raise RuntimeError(f"the conformance check in a rank needs {config_path}'s adapter applied (training.runtime.setup)")
-        probe, started = _start_probe(cfg, config_path, probe_dir, env, in_rank)
+        probe, started = _start_probe(cfg, config_path, probe_dir, env, in_rank, fork_alone)
         try:
             key, what = stack_key(cfg, device_name(cfg))
             cached = folder / f"{key}.json"

@@ -99,6 +99,8 @@ def test_switch_values_are_read_and_checked(tmp_path):
             True,
         ),
         "parallel.overlap_cpu_optimizer_d2h_h2d must be true or false": ({"overlap_cpu_optimizer_d2h_h2d": "yes"}, True),
+        "parallel.offload_pinned_copy changes how the host optimizer's parameter copies are made: it needs "
+        "parallel.optimizer_cpu_offload: true": ({"offload_pinned_copy": True}, True),
     }
     for message, (parallel, on_cuda) in refused.items():
         world = parallel.get("tp", 1)
@@ -1234,3 +1236,89 @@ def test_halves_overlap_matches_tensor_parallel(tmp_path):
             assert other["grads"].keys() == tp["grads"].keys()
             for n, g in tp["grads"].items():
                 assert other["grads"][n] == pytest.approx(g, rel=1e-4, abs=1e-7), (name, n)
+
+
+# ``parallel.offload_pinned_copy``: megatron's split of the parameters between the host and the
+# device optimizer, and the patched one, on the same parameters. On the CPU no parameter is on a
+# device, so only the float32 copies and the grouping are compared there; the host copies are
+# compared on a GPU.
+_OFFLOAD_SPLIT = r"""
+import json, sys, types
+import torch
+from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+from cases.llama3.megatron import kernels, mcore_patches
+
+device = sys.argv[1]
+gen = torch.Generator().manual_seed(5)
+def param(shape, dtype):
+    return torch.nn.Parameter(torch.randn(*shape, generator=gen).to(device=device, dtype=dtype))
+groups = [
+    {"params": [param((64, 32), torch.bfloat16), param((32,), torch.float32), param((48, 16), torch.bfloat16)], "wd_mult": 1.0},
+    {"params": [param((16,), torch.bfloat16), param((8, 8), torch.float32)], "wd_mult": 0.0},
+]
+megatrons = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+def described(out, params):
+    host_groups, device_groups, to_host, to_device, fp32 = out
+    index = {id(p): i for i, p in enumerate(params)}
+    def tensor(t):
+        return [str(t.device.type), str(t.dtype), list(t.shape), t.is_pinned() if t.device.type == "cpu" else None,
+                t.detach().double().cpu().flatten().tolist(), index.get(id(t))]
+    return {
+        "host": [[{k: v for k, v in g.items() if k != "params"}, [tensor(t) for t in g["params"]]] for g in host_groups],
+        "device": [[{k: v for k, v in g.items() if k != "params"}, [tensor(t) for t in g["params"]]] for g in device_groups],
+        "to_host": [[index[id(k)], tensor(v)] for k, v in to_host.items()],
+        "to_device": [[tensor(k), index[id(v)]] for k, v in to_device.items()],
+        "fp32": [[index[id(k)], tensor(v)] for k, v in fp32.items()],
+    }
+
+params = [p for g in groups for p in g["params"]]
+found = {}
+for fp32 in (False, True):
+    for fraction in (0.0, 0.4, 1.0):
+        me = types.SimpleNamespace(param_groups=groups, param_update_in_fp32=fp32)
+        theirs, ours = described(megatrons(me, fraction), params), described(kernels.offload_param_groups(me, fraction), params)
+        found[f"{fp32}-{fraction}"] = {"same": theirs == ours, "host_copies": len(theirs["to_host"]), "fp32": len(theirs["fp32"])}
+kernels.install_offload_copy(True)
+patched = HybridDeviceOptimizer._get_sub_optimizer_param_groups is kernels.offload_param_groups
+applied = mcore_patches.applied()["applied"]
+kernels.install_offload_copy(False)
+print("RESULT " + json.dumps({"found": found, "patched": patched, "applied": applied,
+      "restored": HybridDeviceOptimizer._get_sub_optimizer_param_groups is megatrons and not mcore_patches.applied()["applied"]}))
+"""
+
+
+def _offload_split(py: str, device: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([py, "-c", _OFFLOAD_SPLIT, device], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[len("RESULT ") :])
+
+
+def _check_offload_split(res: dict, on_device: bool) -> None:
+    assert all(case["same"] for case in res["found"].values()), res["found"]
+    # the float32 copies of the bfloat16 parameters are made in every case; host copies only of device parameters
+    assert {k: v["fp32"] for k, v in res["found"].items()} == {
+        f"{fp32}-{f}": 3 if fp32 == "True" else 0 for fp32 in ("False", "True") for f in (0.0, 0.4, 1.0)
+    }
+    copies = {k: v["host_copies"] for k, v in res["found"].items()}
+    assert copies == (
+        {f"{b}-{f}": n for b in ("False", "True") for f, n in ((0.0, 0), (0.4, 1), (1.0, 5))} if on_device else dict.fromkeys(copies, 0)
+    )
+    assert res["patched"] and res["applied"] == {"offload_copy": "parallel.offload_pinned_copy"} and res["restored"], res
+
+
+@pytest.mark.framework("megatron")
+def test_offload_pinned_copy_splits_as_megatron_does_on_the_cpu(tmp_path):
+    py = framework_python("FB_TEST_MEGATRON_PYTHON", "no megatron-core environment to run the case in")
+    _check_offload_split(_offload_split(py, "cpu"), on_device=False)
+
+
+@pytest.mark.skipif(not _cuda_with("megatron.core"), reason="needs a CUDA device with torch and megatron-core: runs on the GPU machine")
+def test_offload_pinned_copy_makes_megatrons_host_copies_on_a_gpu():
+    """On a GPU: the same parameters go to the host, as the same pinned values, in the same groups
+    and maps, at offload fractions 0, 0.4 and 1, with and without float32 updates."""
+    import sys
+
+    _check_offload_split(_offload_split(sys.executable, "cuda"), on_device=True)

@@ -23,7 +23,7 @@ from tests.test_llama3_megatron_case import CASE_DIR, ROOT
 
 
 def test_each_patch_is_described_and_verified_somewhere():
-    assert set(mcore_patches.PATCHES) == {"rope_compile", "rope_qkv", "wgrad_accumulation", "grad_clip", "symm_mem_linears"}
+    assert set(mcore_patches.PATCHES) == {"rope_compile", "rope_qkv", "wgrad_accumulation", "grad_clip", "offload_copy", "symm_mem_linears"}
     for key, patch in mcore_patches.PATCHES.items():
         assert patch.switch.startswith("parallel."), key
         assert patch.module.startswith("megatron.core."), key

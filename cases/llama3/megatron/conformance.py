@@ -28,6 +28,7 @@ _SCHEDULE_ONLY = {
     "overlap_param_gather": False,
     "optimizer_cpu_offload": False,
     "overlap_cpu_optimizer_d2h_h2d": False,
+    "offload_pinned_copy": False,
 }
 
 

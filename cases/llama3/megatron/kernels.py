@@ -656,6 +656,59 @@ def install_wgrad_accumulation(device: torch.device, dtype: torch.dtype) -> str:
     return "torch addmm into main_grad"
 
 
+# ``parallel.offload_pinned_copy``: megatron-core's host optimizer (``HybridDeviceOptimizer``, 0.16
+# and 0.19) makes each parameter it offloads with ``detach().clone().cpu().pin_memory()``: a copy on
+# the device, one into pageable host memory, and one more into pinned memory. For llama3_8b on one
+# H200 (40 % of the float32 parameters, 12.3 GiB) that took 11.2-12.2 s of the start-up with the
+# allocator registering its pinned memory, where one copy into a pinned buffer took 1.5 s
+# (docs/results/probes/2026-12-01_h200x1_offload-build). The split itself is megatron's, kept as is.
+
+
+def offload_param_groups(self: Any, offload_fraction: float) -> tuple:
+    """``HybridDeviceOptimizer._get_sub_optimizer_param_groups`` with each offloaded parameter
+    copied once, straight into pinned host memory: the same groups, maps and values as
+    megatron's. Parameters go to the host in order while fewer than ``offload_fraction`` of the
+    device's elements have gone; with ``param_update_in_fp32`` a parameter not in float32 gets a
+    float32 copy, which the maps name in its place."""
+    on_device = sum(p.numel() for group in self.param_groups for p in group["params"] if p.is_cuda)
+    threshold, offloaded = on_device * offload_fraction, 0
+    host_groups: list[dict] = []
+    device_groups: list[dict] = []
+    to_host: dict = {}  # device parameter -> its host copy (megatron's gpu_params_map_cpu_copy)
+    to_device: dict = {}  # the other way (cpu_copys_map_gpu_param)
+    fp32: dict = {}  # parameter -> its float32 copy (param_to_fp32_param)
+    for group in self.param_groups:
+        split: dict[bool, list] = {True: [], False: []}  # on the device?
+        for param in group["params"]:
+            held, host_copy = param, False
+            if offloaded < threshold and param.is_cuda:
+                held = torch.empty(param.shape, dtype=param.dtype, device="cpu", pin_memory=True)
+                held.copy_(param.detach())
+                offloaded += held.numel()
+                host_copy = True
+            if self.param_update_in_fp32 and held.dtype != torch.float32:
+                held = held.detach().float()
+                fp32[param] = held
+            if host_copy:
+                to_host[param], to_device[held] = held, param
+            split[held.is_cuda].append(held)
+        for placed, groups in ((True, device_groups), (False, host_groups)):
+            if split[placed]:
+                groups.append({**group, "params": split[placed]})
+    return host_groups, device_groups, to_host, to_device, fp32
+
+
+def install_offload_copy(on: bool) -> str:
+    """``parallel.offload_pinned_copy``: megatron's host optimizer makes its parameter copies with
+    :func:`offload_param_groups` (one copy each) or, off, its own three. Call before the optimizer is
+    built. Returns how the copies are made (run_meta's ``offload_copy``)."""
+    if on:
+        mcore_patches.replace("offload_copy", **{"HybridDeviceOptimizer._get_sub_optimizer_param_groups": offload_param_groups})
+        return "one copy into pinned memory"
+    mcore_patches.restore("offload_copy")
+    return "megatron (device clone, host copy, pinned copy)"
+
+
 # ``parallel.fused_grad_clip``: without apex or TransformerEngine megatron-core (0.16, 0.19) takes
 # the gradient norm with one ``torch.norm`` per tensor, gathered through ``torch.tensor`` on the
 # host (a device-to-host copy and wait per tensor), and clips with ``dst.copy_(src * scale)`` per

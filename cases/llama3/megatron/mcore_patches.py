@@ -62,6 +62,12 @@ PATCHES: dict[str, Patch] = {
         ("l2_norm_impl", "multi_tensor_scale_impl"),
         (CPU, GPU),
     ),
+    "offload_copy": Patch(
+        "parallel.offload_pinned_copy",
+        "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+        ("HybridDeviceOptimizer._get_sub_optimizer_param_groups",),
+        (CPU, GPU),
+    ),
     "symm_mem_linears": Patch(
         "parallel.tp_comm_overlap: symm_mem",
         "megatron.core.tensor_parallel.layers",
@@ -121,9 +127,21 @@ def replace(key: str, **values: Any) -> None:
     if set(values) - set(patch.names):
         raise ValueError(f"patch {key} replaces {', '.join(patch.names)}, not {', '.join(sorted(set(values) - set(patch.names)))}")
     module = importlib.import_module(patch.module)
-    _ORIGINALS.setdefault(key, {name: getattr(module, name, _MISSING) for name in patch.names})
+    _ORIGINALS.setdefault(key, {name: _own(module, name) for name in patch.names})
     for name, value in values.items():
-        setattr(module, name, value)
+        setattr(*_owner(module, name), value)
+
+
+def _owner(module: Any, name: str) -> tuple[Any, str]:
+    """Where ``name`` lives: the module, or its class for ``Class.attr``; and the attribute."""
+    owner, _, attr = name.rpartition(".")
+    return (getattr(module, owner) if owner else module), attr
+
+
+def _own(module: Any, name: str) -> Any:
+    """The value ``name`` holds where it lives (a class's own function, not a bound or inherited one)."""
+    where, attr = _owner(module, name)
+    return vars(where).get(attr, _MISSING)
 
 
 def original(key: str, name: str) -> Any:
@@ -132,7 +150,7 @@ def original(key: str, name: str) -> Any:
     if key in _ORIGINALS:
         value = _ORIGINALS[key][name]
     else:
-        value = getattr(importlib.import_module(PATCHES[key].module), name, _MISSING)
+        value = _own(importlib.import_module(PATCHES[key].module), name)
     return None if value is _MISSING else value
 
 
@@ -143,11 +161,12 @@ def restore(key: str) -> None:
         return
     module = importlib.import_module(PATCHES[key].module)
     for name, value in saved.items():
+        where, attr = _owner(module, name)
         if value is _MISSING:
-            if hasattr(module, name):
-                delattr(module, name)
+            if attr in where.__dict__:
+                delattr(where, attr)
         else:
-            setattr(module, name, value)
+            setattr(where, attr, value)
 
 
 def applied() -> dict[str, Any]:

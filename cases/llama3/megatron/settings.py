@@ -41,7 +41,9 @@ listed there), and this case's own:
   tp_gemm_comm.py),
   ``optimizer_cpu_offload``, ``optimizer_offload_fraction``, ``overlap_cpu_optimizer_d2h_h2d``
   (with the offload: megatron's host optimizer a tensor at a time, each tensor's step on the
-  host overlapping the gradient and parameter copies of the others, on streams of their own)
+  host overlapping the gradient and parameter copies of the others, on streams of their own),
+  ``offload_pinned_copy`` (with the offload: each parameter copied to the host once, straight
+  into pinned memory, where megatron makes three copies; kernels.install_offload_copy)
 * ``vendor.device``: any device type (training.accelerator gives the case its calls); the
   switches whose kernels exist on CUDA alone (attention cudnn, fused_elementwise liger) need
   ``cuda`` and name both where they are refused (:func:`check_device`)
@@ -113,6 +115,7 @@ class Layout:
     optimizer_cpu_offload: bool = option(False)
     optimizer_offload_fraction: float = option(1.0)
     overlap_cpu_optimizer_d2h_h2d: bool = option(False)
+    offload_pinned_copy: bool = option(False)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -189,6 +192,11 @@ def check_layout_fits(shape: Shape, layout: Layout) -> None:
     if layout.overlap_cpu_optimizer_d2h_h2d and not layout.optimizer_cpu_offload:
         raise SettingsError(
             "parallel.overlap_cpu_optimizer_d2h_h2d overlaps the host optimizer's copies: it needs parallel.optimizer_cpu_offload: true"
+        )
+    if layout.offload_pinned_copy and not layout.optimizer_cpu_offload:
+        raise SettingsError(
+            "parallel.offload_pinned_copy changes how the host optimizer's parameter copies are made: "
+            "it needs parallel.optimizer_cpu_offload: true"
         )
     if layout.fused_adam and layout.optimizer_cpu_offload:
         raise SettingsError(

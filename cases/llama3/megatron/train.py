@@ -169,6 +169,7 @@ class Trainer:
                 optimizer_offload_fraction=lay.optimizer_offload_fraction,
                 overlap_cpu_optimizer_d2h_h2d=lay.overlap_cpu_optimizer_d2h_h2d,
             )
+        self.offload_copy = kernels.install_offload_copy(lay.offload_pinned_copy) if lay.optimizer_cpu_offload else None
         self.optimizer = get_megatron_optimizer(OptimizerConfig(**opt_kw), [self.model])
         startup.mark("optimizer")
         self.adam_kernel = kernels.fuse_adam(self.optimizer, lay.fused_adam)  # torch's foreach AdamW, or fused
@@ -279,6 +280,7 @@ class Trainer:
                 tp_comm_path=tp_gemm_comm.path(s.common.device) if lay.tp_comm_overlap == "symm_mem" else None,
                 transformer_engine=modeling.use_transformer_engine(s),
                 optimizer_cpu_offload=lay.optimizer_cpu_offload,
+                offload_copy=self.offload_copy,
             ),
             world_size=s.common.world_size,
             steps=s.common.train.steps,

@@ -271,7 +271,7 @@ def _main(argv: list[str] | None) -> int:
 
 def _run(plan: planning.Plan, args: argparse.Namespace, t0: float) -> int:
     """The planned run: its references checked, then printed (--dry-run) or run round by round."""
-    from run_benchmarks.judging import references
+    from run_benchmarks.judging import loss_gate, references
     from run_benchmarks.planning import datacheck
     from run_benchmarks.running import orchestrator
 
@@ -281,7 +281,7 @@ def _run(plan: planning.Plan, args: argparse.Namespace, t0: float) -> int:
         said = console if args.json else Console()  # with the plan and the table, on stdout; beside --json's, on stderr
         for line in datacheck.describe(plan.data):
             said.print(line, markup=False, soft_wrap=True)
-        for note in references.reference_notes(refs):
+        for note in loss_gate.reference_notes(refs):
             console.print(note, markup=False, soft_wrap=True)
         runtime = select(plan.cluster, args.python)
         if args.dry_run:

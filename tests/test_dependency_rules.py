@@ -241,3 +241,11 @@ def test_the_checks_see_a_violation(tmp_path):
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"a"}, "b": set()}) == [["a"]]
     assert stage_rank("run_benchmarks.planning.plan") < stage_rank("run_benchmarks.judging.references") < stage_rank("run_benchmarks.cli")
+
+
+def test_the_loss_gate_is_a_function_of_curves():
+    """judging/loss_gate.py reads no file and asks no plan: at any level it imports only the
+    standard library's math and typing helpers and the typed records of the curves it judges."""
+    path = ROOT / "run_benchmarks" / "judging" / "loss_gate.py"
+    allowed = {"__future__", "math", "typing", "collections.abc", "run_benchmarks.judging.typed_results"}
+    assert imported(path, module_level=False) <= allowed, imported(path, module_level=False) - allowed

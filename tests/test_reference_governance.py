@@ -1,12 +1,12 @@
 """Committed references change only for cause, and never to absorb a run that failed against them.
 
 - No committed reference has among its repeats a run judged not aligned against a reference of
-  its model (references.absorbed_failures; --record-reference refuses to make one).
+  its model (recording.absorbed_failures; --record-reference refuses to make one).
 - Since references became one per model, phase and recipe (commit 5851a7a), every commit that adds
   or changes a reference file changes nothing else and says why in a body of its own; git keeps
   the earlier versions readable.
 - Every reference recorded from 2026-12-01 on has at least 3 repeats whose curves differ in
-  rounding (references.MIN_REPEATS), so that the noise figure has a measured spread.
+  rounding (loss_gate.MIN_REPEATS), so that the noise figure has a measured spread.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from run_benchmarks.judging import references
+from run_benchmarks.judging import loss_gate, recording
 from run_benchmarks.planning.registry import ROOT
 
 REFERENCES = sorted(ROOT.glob("cases/*/*/reference/*/*.json"))
@@ -25,7 +25,7 @@ SINCE = "5851a7a"
 
 @pytest.mark.parametrize("path", REFERENCES, ids=lambda p: str(p.relative_to(ROOT / "cases")))
 def test_no_reference_absorbs_a_run_that_failed_against_it(path):
-    assert references.absorbed_failures(path) == []
+    assert recording.absorbed_failures(path) == []
 
 
 #: the day the repeats rule began; references made before it keep what they had
@@ -39,7 +39,7 @@ def test_a_reference_made_since_the_rule_has_three_repeats(path):
     if not (made[:4].isdigit() and made[:10] >= REPEATS_RULE_FROM):  # older ones wrote "cpu x1, <date>"
         return
     curves = {tuple(r["loss"]) for r in doc.get("repeats") or []}
-    assert len(curves) >= references.MIN_REPEATS and doc.get("spread") is not None, f"{path}: {len(curves)} distinct repeat(s)"
+    assert len(curves) >= loss_gate.MIN_REPEATS and doc.get("spread") is not None, f"{path}: {len(curves)} distinct repeat(s)"
 
 
 def test_a_reference_that_absorbed_a_failed_run_is_named(tmp_path):
@@ -50,7 +50,7 @@ def test_a_reference_that_absorbed_a_failed_run_is_named(tmp_path):
     doc["repeats"].append({"path": failed, "steps": doc["steps"], "loss": doc["loss"]})
     bad = tmp_path / "standard.json"
     bad.write_text(json.dumps(doc))
-    (said,) = references.absorbed_failures(bad)
+    (said,) = recording.absorbed_failures(bad)
     assert f"repeat {failed} round 1 was judged not aligned against" in said and "baichuan2_13b/config_H200x1x4.json" in said
 
 

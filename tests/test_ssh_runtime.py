@@ -252,7 +252,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
     ],
 )
 def test_launcher_across_two_hosts(cluster, request, framework, case, reference, runtime, tmp_path):
-    from run_benchmarks.judging import references
+    from run_benchmarks.judging import curves, loss_gate
 
     python = request.getfixturevalue(f"{framework}_python")
     cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)
@@ -269,9 +269,9 @@ def test_launcher_across_two_hosts(cluster, request, framework, case, reference,
     for p in rnd["phases"]:
         assert p["meta"]["world_size"] == 2
         # same global batch and data as the 1 node x 2 processes reference: the curves agree
-        ref = references.load_reference(ROOT / reference.format(phase=p["phase"]))
-        mre, n = references.loss_mre({int(k): v for k, v in p["loss"].items()}, ref)
-        assert n >= 5 and references.is_aligned(mre), (p["phase"], mre)
+        ref = curves.load_reference(ROOT / reference.format(phase=p["phase"]))
+        mre, n = loss_gate.loss_mre({int(k): v for k, v in p["loss"].items()}, ref)
+        assert n >= 5 and loss_gate.is_aligned(mre), (p["phase"], mre)
     assert leftovers(cluster, res["run_id"]) == []
 
 

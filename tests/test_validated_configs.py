@@ -3,7 +3,7 @@
 ``validated_by`` names that run's results.json (docs/results/runs/<file>.json): a run of this
 vendor, model and config, with the config's layout as it stands, under a recipe whose committed
 reference judges every phase of one of its clean rounds aligned, judged again against the
-reference as it is now (references.validation_problem). A run that was not judged, one that is
+reference as it is now (config_validation.validation_problem). A run that was not judged, one that is
 the reference's own curve or one of its repeats, and one of another layout validate nothing; a
 switch the case gained after the run, at its standard value, leaves the run's layout as it was.
 """
@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from run_benchmarks.judging import references
 from run_benchmarks.planning import registry
+from run_benchmarks.tools import config_validation
 
 CONFIGS = sorted(registry.VENDORS_DIR.glob("*/cases/*/*/config_*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(registry.VENDORS_DIR)))
 def test_a_validated_config_names_an_aligned_run(path: Path) -> None:
-    assert references.validation_problem(path) is None
+    assert config_validation.validation_problem(path) is None
 
 
 def test_the_llama3_8b_h200_config_is_validated_by_its_run_on_one_card() -> None:
@@ -49,13 +49,13 @@ def scratch_config():
 
 def test_the_rule_bites(scratch_config) -> None:
     runs = "docs/results/runs/2026-11-29_llama3_8b_H200x1_short-"
-    assert "needs validated_by" in references.validation_problem(scratch_config(validated=True, validated_by=None))
-    said = references.validation_problem(scratch_config(validated=True, validated_by="docs/results/runs/none.json"))
+    assert "needs validated_by" in config_validation.validation_problem(scratch_config(validated=True, validated_by=None))
+    said = config_validation.validation_problem(scratch_config(validated=True, validated_by="docs/results/runs/none.json"))
     assert "no such file" in said
     # the right run, but of another config name
-    said = references.validation_problem(scratch_config(validated=True, validated_by=runs + "micro2.json"))
+    said = config_validation.validation_problem(scratch_config(validated=True, validated_by=runs + "micro2.json"))
     assert "a run of config 'config_H200x1x1', not 'config_H200x1x1_CHECK'" in said
-    assert references.validation_problem(scratch_config(validated=False, validated_by=None)) is None
+    assert config_validation.validation_problem(scratch_config(validated=False, validated_by=None)) is None
 
 
 def test_a_run_not_judged_or_of_another_layout_validates_nothing(tmp_path) -> None:
@@ -66,7 +66,7 @@ def test_a_run_not_judged_or_of_another_layout_validates_nothing(tmp_path) -> No
     try:
         sdpa = text.replace("2026-12-01_llama3_8b_H200x1_short-pinned-register-16.json", "2026-11-29_llama3_8b_H200x1_short-sdpa.json")
         cfg.write_text(sdpa)
-        said = references.validation_problem(cfg)
+        said = config_validation.validation_problem(cfg)
         assert "its layout (parallel, micro batch) is not the config's as it stands" in said, said
         then = "optimizer_offload_fraction: 0.5}"  # the config of that run
         cfg.write_text(
@@ -74,7 +74,7 @@ def test_a_run_not_judged_or_of_another_layout_validates_nothing(tmp_path) -> No
                 "optimizer_offload_fraction: 0.4, overlap_cpu_optimizer_d2h_h2d: true, pinned_register_threads: 16}", then
             )
         )
-        said = references.validation_problem(cfg)
+        said = config_validation.validation_problem(cfg)
         assert said.endswith("not a run judged aligned: no round of status ok"), said
     finally:
         cfg.write_text(text)
@@ -87,12 +87,12 @@ def test_a_switch_added_after_the_run_keeps_its_layout_only_at_the_standard_valu
     standard = {"parallel": {"tp": 1, "recompute": "none", "overlap": False}}
     run = {"parallel": {"tp": 1, "recompute": "full"}, "train": {"micro_batch": 2}}
     ours = {"parallel": {"tp": 1, "recompute": "full", "overlap": False}, "train": {"micro_batch": 2}}
-    assert references.same_layout(ours, run, standard)
-    assert not references.same_layout({**ours, "parallel": {**ours["parallel"], "overlap": True}}, run, standard)
-    assert not references.same_layout({**ours, "parallel": {**ours["parallel"], "recompute": "none"}}, run, standard)
-    assert not references.same_layout({**ours, "train": {"micro_batch": 1}}, run, standard)
-    assert not references.same_layout(ours, {**run, "parallel": {**run["parallel"], "gone": 3}}, standard)
-    assert not references.same_layout({**ours, "parallel": {**ours["parallel"], "unknown": 1}}, run, standard)
+    assert config_validation.same_layout(ours, run, standard)
+    assert not config_validation.same_layout({**ours, "parallel": {**ours["parallel"], "overlap": True}}, run, standard)
+    assert not config_validation.same_layout({**ours, "parallel": {**ours["parallel"], "recompute": "none"}}, run, standard)
+    assert not config_validation.same_layout({**ours, "train": {"micro_batch": 1}}, run, standard)
+    assert not config_validation.same_layout(ours, {**run, "parallel": {**run["parallel"], "gone": 3}}, standard)
+    assert not config_validation.same_layout({**ours, "parallel": {**ours["parallel"], "unknown": 1}}, run, standard)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(registry.VENDORS_DIR)))
@@ -110,7 +110,7 @@ def test_the_run_a_reference_was_made_of_validates_nothing() -> None:
     run = "docs/results/runs/2026-11-28_llava1.5_7b_H200x2_hostX-standard-config.json"
     try:
         cfg.write_text(text.replace("validated: false", f"validated: true\nvalidated_by: {run}"))
-        said = references.validation_problem(cfg)
+        said = config_validation.validation_problem(cfg)
         assert "phase pretrain: the run is the one cases/llava/deepspeed/reference/llava1.5_7b/standard.pretrain.json was made of" in said
     finally:
         cfg.write_text(text)

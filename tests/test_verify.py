@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from run_benchmarks.judging import metrics, references, verify
+from run_benchmarks.judging import loss_gate, metrics, verify
 from run_benchmarks.judging import typed_results as tr
-from run_benchmarks.judging.references import round_status
+from run_benchmarks.judging.loss_gate import round_status
 from run_benchmarks.planning.registry import ROOT
 from tests.test_results_models import RUNS, fake_phase, fake_run
 
@@ -47,7 +47,7 @@ def consistent(off: float = 0.0, **step_changes: float) -> tr.RunResults:
     steps = [s.model_copy(update={"loss": step_changes.get(f"s{s.step}", s.loss)}) for s in p.steps]
     fig = metrics.figures(steps, 5, run.world_size, run.model_counts["train"], run.hardware_info["peak_flops"])
     ref = tr.Reference(path="/refs/curve.json", loss={s: v / (1 - off) for s, v in p.loss.items()})
-    gate = references.judge_loss(fig["loss"], ref, 5)
+    gate = loss_gate.judge_loss(fig["loss"], ref, 5)
     phase = p.model_copy(update={**fig, "steps": steps, "gate": gate, "reference": ref})
     status = round_status([], {"train": gate})[0]
     rnd = run.rounds[0].model_copy(

@@ -9,7 +9,7 @@ code) in ``--out`` (default ``logs/compare-<time>``).
 
 ``start_task.py --record-reference RUN/results.json [RUN2/results.json ...] --why TEXT``: the
 curves of the runs' rounds that ran through become the reference of their model, phase, recipe
-and data (references.record: the mean of the repeats, with their provenance and spread).
+and data (recording.record: the mean of the repeats, with their provenance and spread).
 
 Exit status: 0 done, 2 bad input (a file that is not a results.json, only failed rounds, a
 curve too short to judge a run). ``--judge`` exits as a run does: 0 when every phase it judged
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import pages, references
+from run_benchmarks.judging import loss_gate, pages, recording
 from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.judging.results import (
     _pct,
@@ -131,16 +131,16 @@ class Side:
 
 
 def _mre(loss: dict[int, float], ref: dict[int, float]) -> tuple[float | None, str]:
-    """The gate's MRE (references.loss_mre) of a run against the reference run, over the steps
+    """The gate's MRE (loss_gate.loss_mre) of a run against the reference run, over the steps
     from 21 on that both ran; None with why where they are too few or a loss is not finite."""
     common = {s: v for s, v in ref.items() if s in loss}
-    steps = [s for s in sorted(common) if s >= references.ALIGN_FROM_STEP]
-    if len(steps) < references.MIN_COMPARED_STEPS:
-        return None, f"{len(steps)} common step(s) from step {references.ALIGN_FROM_STEP}"
+    steps = [s for s in sorted(common) if s >= loss_gate.ALIGN_FROM_STEP]
+    if len(steps) < loss_gate.MIN_COMPARED_STEPS:
+        return None, f"{len(steps)} common step(s) from step {loss_gate.ALIGN_FROM_STEP}"
     if any(not math.isfinite(loss[s]) for s in steps):
         return None, "a non-finite or zero loss"
     try:
-        mre, _ = references.loss_mre(loss, common)
+        mre, _ = loss_gate.loss_mre(loss, common)
     except ValueError:
         return None, "a non-finite or zero loss"
     return mre, f"steps {steps[0]}-{steps[-1]}"
@@ -349,7 +349,7 @@ def _judged_band(last: int) -> dict[str, Any]:
         "type": "rect",
         "xref": "x",
         "yref": "paper",
-        "x0": references.ALIGN_FROM_STEP - 0.5,
+        "x0": loss_gate.ALIGN_FROM_STEP - 0.5,
         "x1": last + 0.5,
         "y0": 0,
         "y1": 1,
@@ -361,7 +361,7 @@ def _judged_band(last: int) -> dict[str, Any]:
 
 def _zoom_buttons(last: int, judged_y: tuple[float, float] | None) -> list[dict[str, Any]]:
     """Buttons: every step, or the judged steps alone (from step 21), their loss range."""
-    judged = {"xaxis.range": [references.ALIGN_FROM_STEP - 0.5, last + 0.5]}
+    judged = {"xaxis.range": [loss_gate.ALIGN_FROM_STEP - 0.5, last + 0.5]}
     if judged_y:
         pad = 0.1 * (judged_y[1] - judged_y[0]) or 0.01 * abs(judged_y[1]) or 0.01
         judged["yaxis.range"] = [judged_y[0] - pad, judged_y[1] + pad]
@@ -374,7 +374,7 @@ def _zoom_buttons(last: int, judged_y: tuple[float, float] | None) -> list[dict[
             "y": 1.12,
             "buttons": [
                 {"label": "all steps", "method": "relayout", "args": [{"xaxis.autorange": True, "yaxis.autorange": True}]},
-                {"label": f"judged steps ({references.ALIGN_FROM_STEP} on)", "method": "relayout", "args": [judged]},
+                {"label": f"judged steps ({loss_gate.ALIGN_FROM_STEP} on)", "method": "relayout", "args": [judged]},
             ],
         }
     ]
@@ -388,7 +388,7 @@ def phase_charts(phase: str, sides: list[Side], first: bool) -> list[str]:
     same = [(i, s) for i, s in enumerate(sides) if s.fingerprint(phase) == ref.fingerprint(phase)]
     others = [(i, s) for i, s in enumerate(sides) if s.fingerprint(phase) != ref.fingerprint(phase)]
     ref_loss = ref.loss(phase)
-    last = max([max(s.loss(phase), default=0) for s in sides] + [references.ALIGN_FROM_STEP])
+    last = max([max(s.loss(phase), default=0) for s in sides] + [loss_gate.ALIGN_FROM_STEP])
 
     def style(i: int, s: Side) -> dict[str, Any]:
         if s is ref:  # drawn first, wide and dashed: an equal run's markers stay visible on it
@@ -402,7 +402,7 @@ def phase_charts(phase: str, sides: list[Side], first: bool) -> list[str]:
         curve = s.loss(phase)
         steps = sorted(curve)
         traces.append({"type": "scatter", "x": steps, "y": [curve[k] for k in steps], "name": side_name(s, i, sides), **style(i, s)})
-        judged += [curve[k] for k in steps if k >= references.ALIGN_FROM_STEP and math.isfinite(curve[k])]
+        judged += [curve[k] for k in steps if k >= loss_gate.ALIGN_FROM_STEP and math.isfinite(curve[k])]
     band = [_judged_band(last)]
     charts = [
         _chart(
@@ -434,7 +434,7 @@ def phase_charts(phase: str, sides: list[Side], first: bool) -> list[str]:
             }
         )
     if diffs:
-        tol = 100 * references.ALIGN_TOLERANCE
+        tol = 100 * loss_gate.ALIGN_TOLERANCE
         shapes = band + [
             {
                 "type": "rect",
@@ -543,7 +543,7 @@ def html_page(c: dict[str, Any]) -> str:
 
 def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
     """Each run's rounds that ran through, each phase's curve judged again by the loss gate
-    (references.judge_loss) against the curve ``files``: what the run would have said against them. The
+    (loss_gate.judge_loss) against the curve ``files``: what the run would have said against them. The
     runs' files are not changed. One row per run, round and phase, with the verdict recorded."""
     if not files:
         raise InputError("--judge needs at least one --reference FILE to judge against")
@@ -557,8 +557,8 @@ def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
         for rnd in through:
             for p in rnd.phases:
                 if p.phase not in refs:  # checked as a live run's --reference is, data first
-                    refs[p.phase] = references.offline_reference(res, p.phase, files)
-                gate = references.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
+                    refs[p.phase] = recording.offline_reference(res, p.phase, files)
+                gate = loss_gate.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
                 rows.append(
                     {
                         "run": res.run_id,
@@ -650,14 +650,14 @@ def main(argv: list[str]) -> int:
     try:
         if args.record_reference:
             paths = [Path(a).expanduser().resolve() for a in args.record_reference]
-            print("\n".join(references.record(paths, args.why, args.replace)))
+            print("\n".join(recording.record(paths, args.why, args.replace)))
             return 0
         if args.judge and args.update:
             files = [Path(r).expanduser().resolve() for r in args.reference]
             verdicts = []
             for a in args.judge:
                 path = Path(a).expanduser().resolve()
-                print("\n".join(references.judge_file(path, files)))
+                print("\n".join(recording.judge_file(path, files)))
                 verdicts += [p.gate.verdict for r in tr.load(path).rounds if r.ran_through for p in r.phases]
             return judged_status(verdicts)
         if args.judge:

@@ -1,7 +1,7 @@
 """``start_task.py --verify RESULTS.json [...]``: recompute every figure of a results.json from its
 per-step records and recorded config, and name each one that does not match.
 
-Recomputed per phase with the code that made them (metrics.figures, references.judge_loss):
+Recomputed per phase with the code that made them (metrics.figures, loss_gate.judge_loss):
 the window, tokens/p/s, step time, the per-step spread (where the file records one), MFU both
 ways from the recorded model counts and peak,
 the loss curve and its gate verdict against the reference curve the file holds (or the
@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import metrics, references
+from run_benchmarks.judging import curves, loss_gate, metrics
 from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.planning import registry
 from run_benchmarks.planning.code_version import git
@@ -93,7 +93,7 @@ def _reference(res: tr.RunResults, rnd: tr.RoundResult, p: tr.PhaseResult, check
         )
         return False, None
     try:
-        return True, references.read_reference(Path(path), p.phase)
+        return True, curves.read_reference(Path(path), p.phase)
     except ValueError as exc:
         raise InputError(f"{check.path}: round {rnd.round} phase {p.phase}: its reference: {exc}") from None
 
@@ -104,8 +104,8 @@ def _repeats(ref: tr.Reference, where: str, check: Check) -> tr.Reference:
         check.field(where, "reference spread", ref.spread, None)  # one curve has no spread
         return ref
     try:
-        mean = references.mean_reference(ref.path, ref.repeats)
-    except references.BadReference as exc:
+        mean = curves.mean_reference(ref.path, ref.repeats)
+    except loss_gate.BadReference as exc:
         raise InputError(f"{check.path}: {where}: its reference repeats: {exc}") from None
     check.field(where, "reference loss (the mean of its repeats)", ref.loss, mean.loss)
     check.field(where, "reference spread", ref.spread, mean.spread)
@@ -119,8 +119,8 @@ def _gate(
     if not found:
         return None
     try:
-        gate = references.judge_loss(loss, ref, int(res.settings["train"]["warmup_steps"]))
-    except references.BadReference as exc:
+        gate = loss_gate.judge_loss(loss, ref, int(res.settings["train"]["warmup_steps"]))
+    except loss_gate.BadReference as exc:
         raise InputError(f"{check.path}: {where}: {exc}") from None
     for name in GATE_FIELDS if res.schema_ >= 2 else GATE_FIELDS_SCHEMA1:
         check.field(where, f"loss gate {name}", getattr(p.gate, name), getattr(gate, name))
@@ -150,12 +150,12 @@ def _round(res: tr.RunResults, rnd: tr.RoundResult, check: Check) -> None:
     one = rnd.phases[0] if len(rnd.phases) == 1 else None
     for name in ("tokens_per_gpu_s", "mfu_6n", "mfu_palm", "window"):
         check.field(where, name, getattr(rnd, name), getattr(one, name) if one else None)
-    loss_mre, loss_aligned = references.round_loss([p.gate for p in rnd.phases])
+    loss_mre, loss_aligned = loss_gate.round_loss([p.gate for p in rnd.phases])
     check.field(where, "loss_mre", rnd.loss_mre, loss_mre)
     check.field(where, "loss_aligned", rnd.loss_aligned, loss_aligned)
     if rnd.status != "failed" and all(g is not None for g in gates.values()):
         # a round that did not fail has the status its phases' verdicts give
-        check.field(where, "status", rnd.status, references.round_status([], {ph: g for ph, g in gates.items() if g is not None})[0])
+        check.field(where, "status", rnd.status, loss_gate.round_status([], {ph: g for ph, g in gates.items() if g is not None})[0])
 
 
 def commit_note(path: Path, version: str | None) -> str | None:

@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn
 from rich.table import Table
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import references, typed_results
+from run_benchmarks.judging import curves, loss_gate, references, typed_results
 from run_benchmarks.judging.typed_results import RunResults, environment_changes, recorded_environment
 from run_benchmarks.nightly import history
 from run_benchmarks.nightly.runlist import RunList, RunListEntry, Tolerances, parse_runlist
@@ -50,7 +50,7 @@ class NightlyCase:
     plan: planning.Plan
     tolerances: Tolerances
     hardware_key: str
-    reference_notes: list[str] = dataclasses.field(default_factory=list)  # what its references can judge (references.resolution_note)
+    reference_notes: list[str] = dataclasses.field(default_factory=list)  # what its references can judge (loss_gate.resolution_note)
 
 
 @dataclasses.dataclass
@@ -100,7 +100,7 @@ def prepare(
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
         hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
         hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
-        jobs.append(NightlyCase(i, e, plan, tol, hw, references.reference_notes(refs) + references.judging(plan, refs)))
+        jobs.append(NightlyCase(i, e, plan, tol, hw, loss_gate.reference_notes(refs) + references.judging(plan, refs)))
     return Night(
         path=path,
         text=path.read_text(encoding="utf-8"),
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             for j in night.jobs:
                 given = [str(p) for p in j.plan.reference] or [
-                    references.shown(p) for ph in j.plan.phases for p in references.reference_paths(j.plan, ph)
+                    curves.shown(p) for ph in j.plan.phases for p in references.reference_paths(j.plan, ph)
                 ]
                 refs = "".join(f", reference {p}" for p in given)
                 print(

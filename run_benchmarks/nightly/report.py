@@ -16,8 +16,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from run_benchmarks.judging.loss_gate import ALIGN_FROM_STEP
 from run_benchmarks.judging.pages import PAGE, e, img, legend, table
-from run_benchmarks.judging.references import ALIGN_FROM_STEP
 from run_benchmarks.judging.results import figure
 from run_benchmarks.judging.typed_results import CLEAN
 from run_benchmarks.nightly import history

@@ -16,7 +16,9 @@ from rich.console import Console
 
 from run_benchmarks.errors import InputError
 from run_benchmarks.judging import metrics, results, typed_results
-from run_benchmarks.judging.references import judge_phase, load_references, not_judged_reason, round_loss, round_status, shown, shown_paths
+from run_benchmarks.judging.curves import shown, shown_paths
+from run_benchmarks.judging.loss_gate import round_loss, round_status
+from run_benchmarks.judging.references import judge_phase, load_references, not_judged_reason
 from run_benchmarks.judging.typed_results import PhaseResult, Reference, RoundResult, RunResults
 from run_benchmarks.planning import code_version, datacheck, hostdata
 from run_benchmarks.planning import plan as planning

@@ -26,12 +26,12 @@ if __package__ in (None, ""):
 import yaml
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import references
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning import registry
 from run_benchmarks.planning.casename import CaseName, check_name
 from run_benchmarks.planning.config import VendorCaseConfig, VendorConfig, load
 from run_benchmarks.planning.config import problems as config_problems
+from run_benchmarks.tools import config_validation
 
 CONFIG_NAME = re.compile(
     r"^config_(?P<hw>[A-Za-z0-9][A-Za-z0-9.\-]*)x(?P<n>[0-9]+)x(?P<m>[0-9]+)(?:_(?P<variant>[A-Za-z0-9][A-Za-z0-9_.\-]*))?$"
@@ -117,7 +117,7 @@ def check_vendor(name: str, vendors_dir: Path = registry.VENDORS_DIR, cases_dir:
                 err = _function_defined(r.hook, root)
                 if err:
                     problems.append(f"{cfg_file}: field 'hook': {err}")
-            not_validated = references.validation_problem(cfg_file)
+            not_validated = config_validation.validation_problem(cfg_file)
             if not_validated:
                 problems.append(f"{cfg_file}: field 'validated': {not_validated}")
             prec = r.settings["train"]["precision"]

@@ -249,3 +249,14 @@ def test_the_loss_gate_is_a_function_of_curves():
     path = ROOT / "run_benchmarks" / "judging" / "loss_gate.py"
     allowed = {"__future__", "math", "typing", "collections.abc", "run_benchmarks.judging.typed_results"}
     assert imported(path, module_level=False) <= allowed, imported(path, module_level=False) - allowed
+
+
+def test_the_orchestrator_hands_a_round_to_judging_once():
+    """running/orchestrator.py judges nothing itself: a round's raw outcome goes to
+    judging/rounds.py's judge_round in one call; the gate and the figures are judging's."""
+    path = ROOT / "run_benchmarks" / "running" / "orchestrator.py"
+    uses = imported(path, module_level=False)
+    assert "run_benchmarks.judging.rounds" in uses
+    assert not uses & {"run_benchmarks.judging.loss_gate", "run_benchmarks.judging.recording"}, uses
+    text = path.read_text()
+    assert text.count("rounds.judge_round(") == 1 and "judge_phase" not in text and "round_status" not in text

@@ -15,11 +15,10 @@ from typing import Any
 from rich.console import Console
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import metrics, results, typed_results
-from run_benchmarks.judging.curves import shown, shown_paths
-from run_benchmarks.judging.loss_gate import round_loss, round_status
-from run_benchmarks.judging.references import judge_phase, load_references, not_judged_reason
-from run_benchmarks.judging.typed_results import PhaseResult, Reference, RoundResult, RunResults
+from run_benchmarks.judging import metrics, results, rounds, typed_results
+from run_benchmarks.judging.curves import shown
+from run_benchmarks.judging.references import load_references
+from run_benchmarks.judging.typed_results import Reference, RoundResult, RunResults
 from run_benchmarks.planning import code_version, datacheck, hostdata
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.plan import Plan
@@ -85,56 +84,13 @@ def _used_gpus(plan: Plan, nodes: Sequence[planning.NodePlan], node_rank: int) -
         return None
 
 
-def _phase_result(
-    plan: Plan,
-    parsed: ml.ParsedLog,
-    phase: str,
-    reference: Reference | None,
-    monitor_nodes: list[tuple[list[dict[str, Any]], set[int] | None]],
-) -> PhaseResult:
-    warmup = int(plan.settings["train"]["warmup_steps"])
-    steps = metrics.step_records(parsed, phase)
-    fig = metrics.figures(steps, warmup, plan.world_size, plan.counts[phase], plan.hardware["peak_flops"])
-    metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if r.value.get("phase", "train") == phase]
-    meta = metas[0] if metas else None
-    mem = metrics.memory_summary(parsed, phase)
-    return PhaseResult(
-        phase=phase,
-        **fig,
-        gate=judge_phase(fig["loss"], reference, warmup, plan, phase, not_judged_reason(plan, phase)),
-        reference=reference,
-        meta=meta,
-        step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
-        # each phase's own layout and memory (llava: ZeRO-2 then ZeRO-3)
-        layout=results.layout({**plan.settings["parallel"], "dp": plan.data_parallel, **((meta or {}).get("parallel") or {})}),
-        peak_mem_gib=mem["peak_mem_gib"],
-        reserved_mem_gib=mem["reserved_mem_gib"],
-        alloc_retries=mem["alloc_retries"],
-        device_mem=metrics.device_memory(monitor_nodes, metrics.phase_span(steps)),
-        device_clocks=metrics.device_clocks(monitor_nodes, metrics.phase_span(steps)),
-        device_energy=metrics.device_energy(
-            monitor_nodes,
-            metrics.window_span(steps, fig["window"]),
-            fig["tokens_per_gpu_s"],
-            [next((s["identity"] for s in samples if "identity" in s), None) for samples, _ in monitor_nodes],
-        ),
-        steps=steps,
-    )
-
-
 def _first_line(text: str | None) -> str:
     return next(iter((text or "").strip().splitlines()), "")
 
 
-def _process_errors(
-    plan: Plan,
-    outcomes: list[NodeOutcome],
-    parsed: ml.ParsedLog,
-    phases: list[PhaseResult],
-    devices: list[str],
-    monitors: dict[int, dict[str, Any] | None],
-) -> list[str]:
-    """What makes a round fail apart from its loss: a node's exit, a missing record, the wrong device.
+def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLog, monitors: dict[int, dict[str, Any] | None]) -> list[str]:
+    """What the processes say made a round fail: a node's exit, a stop, a stall, a rank's error
+    (judging adds what the records lack: judging/rounds.py).
 
     The root cause first: the round deadline or the stall timeout (the harness stopped the
     ranks: what they say after that is the stop's doing; after a stall, where each rank
@@ -188,27 +144,7 @@ def _process_errors(
         for o in outcomes:
             ranks_here = list(range(o.node_rank * n, (o.node_rank + 1) * n))
             hung += causes.stall_stacks(o.node_dir, ranks_here, f"node{o.node_rank} ({o.host})")
-    errors = deadline + stalled + hung + lost + killed + ranks + nodes + stopped + context
-    steps_expected = int(plan.settings["train"]["steps"])
-    if not errors:
-        if not parsed.of(ml.EV_END, ml.K_RUN_END):
-            errors.append("the case exited without its run_end record")
-        for p in phases:
-            if p.steps_run < steps_expected:
-                errors.append(f"phase {p.phase}: {p.steps_run} of {steps_expected} steps reported")
-            if not p.meta:
-                errors.append(f"phase {p.phase}: no run_meta record")
-    wrong = [d for d in devices if not any(re.search(pat, d, re.I) for pat in plan.hardware["device_names"])]
-    if wrong:
-        errors.append(
-            f"the case names {plan.case.hardware} but the ranks ran on {', '.join(wrong)} "
-            f"(vendors/{plan.vendor.name}/vendor.yaml, chip {plan.case.hardware}, device_names "
-            f"{plan.hardware['device_names']}): these are not {plan.case.hardware} figures; "
-            "name the chip the cards are"
-        )
-    if parsed.errors:
-        errors += [f"bad metric line {e.source}:{e.lineno}: {e.reason}" for e in parsed.errors[:3]]
-    return errors
+    return deadline + stalled + hung + lost + killed + ranks + nodes + stopped + context
 
 
 def evaluate_round(
@@ -219,52 +155,24 @@ def evaluate_round(
     references: dict[str, Reference | None] | None = None,
     nodes: Sequence[planning.NodePlan] = (),
 ) -> RoundResult:
-    """A round's result from its logs: every phase's figures and loss gate, and the round's status
-    (``nodes``: the round's node plans, whose environment names the devices each node used)."""
+    """A round's raw outcome (its parsed logs, the monitors, what the processes said), handed to
+    judging once (``nodes``: the round's node plans, whose environment names the devices each
+    node used)."""
     parsed = ml.ParsedLog([], [])
     for o in outcomes:
         for f in metric_files(o.node_dir):
             parsed.extend(ml.parse_file(f))
-    references = load_references(plan) if references is None else references
-    monitor_nodes = [(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, nodes, o.node_rank)) for o in outcomes]
-    phases = [_phase_result(plan, parsed, ph, references[ph], monitor_nodes) for ph in plan.phases]
-    devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
     monitors = {o.node_rank: monitor_summary(o.node_dir / "monitor.jsonl") for o in outcomes}
-    checks = parsed.of(ml.EV_INFO, ml.K_CONFORMANCE)
-    conformance = checks[0].value if checks else None
-    starts = parsed.of(ml.EV_INFO, ml.K_STARTUP)
-    status, reasons = round_status(
-        _process_errors(plan, outcomes, parsed, phases, devices, monitors), {p.phase: p.gate for p in phases}, conformance
-    )
-    mem = metrics.memory_summary(parsed)
-    one = phases[0] if len(phases) == 1 else None  # round-level figures only where they cannot be mistaken
-    loss_mre, loss_aligned = round_loss([p.gate for p in phases])
-    return RoundResult(
-        round=round_no,
-        status=status,
-        error="\n".join(reasons) or None,
+    outcome = rounds.RoundOutcome(
+        round_no=round_no,
         duration_s=round(time.monotonic() - started, 3),
-        layout=", ".join(dict.fromkeys(p.layout for p in phases if p.layout)) or None,
-        tokens_per_gpu_s=one.tokens_per_gpu_s if one else None,
-        mfu_6n=one.mfu_6n if one else None,
-        mfu_palm=one.mfu_palm if one else None,
-        window=one.window if one else None,
-        peak_mem_gib=mem["peak_mem_gib"],
-        reserved_mem_gib=mem["reserved_mem_gib"],
-        total_mem_gib=mem["total_mem_gib"],
-        per_rank_mem_gib=mem["per_rank_gib"],
-        device_mem=metrics.device_memory(monitor_nodes, None),
-        devices=devices,
-        loss_mre=loss_mre,
-        loss_aligned=loss_aligned,
-        phases=phases,
-        monitor={f"node{k}": m for k, m in monitors.items()},
-        reference={ph: (shown_paths(r.path) if r else None) for ph, r in references.items()},
+        parsed=parsed,
+        monitor_nodes=[(metrics.read_monitor(o.node_dir / "monitor.jsonl"), _used_gpus(plan, nodes, o.node_rank)) for o in outcomes],
+        monitors=monitors,
+        process_errors=_process_errors(plan, outcomes, parsed, monitors),
         nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
-        metric_parse_errors=len(parsed.errors),
-        conformance=conformance,
-        startup=({k: v for k, v in starts[0].value.items() if k != "phase"} if starts else None),
     )
+    return rounds.judge_round(plan, outcome, load_references(plan) if references is None else references)
 
 
 def base_results(plan: Plan) -> RunResults:

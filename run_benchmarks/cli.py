@@ -1,10 +1,10 @@
 """``flagbench <command>``: every tool of the harness under one name.
 
 ``flagbench --help`` lists the commands, ``flagbench <command> --help`` the options of one. Each
-command is the same code as its older form, which keeps working:
-``python run_benchmarks/start_task.py --vendor V --case_name C`` is ``flagbench run --vendor V
---case_name C``, ``start_task.py --verify F`` is ``flagbench verify F``, and so on; ``flagbench``
-followed directly by options is ``flagbench run``.
+command is one function called with the command's own arguments (:data:`COMMANDS`).
+``start_task.py`` is the ``run`` command, and its older flags stay aliases of the others
+(:func:`aliased`): ``start_task.py --verify F`` is ``flagbench verify F``, and so on;
+``flagbench`` followed directly by options is ``flagbench run``.
 
 The checkout a command works on is the one it runs inside, when it is one (a folder above the
 working directory holding ``run_benchmarks/cli.py``, ``cases/`` and ``vendors/``), and otherwise
@@ -18,7 +18,6 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,71 +27,58 @@ from run_benchmarks.planning.casename import GRAMMAR
 @dataclass(frozen=True)
 class Command:
     help: str
-    run: Callable[[list[str]], int]  # the command's arguments -> exit status
-    usage: Callable[[], int]  # prints the command's own options
+    function: str  # "module:function" under run_benchmarks/, called with the command's own arguments
+    alias: str | None = None  # start_task.py's flag for it (``--verify F`` is ``verify F``)
 
-
-def _start(*flag: str) -> Callable[[list[str]], int]:
-    def run(argv: list[str]) -> int:
-        from run_benchmarks import start_task
-
-        return start_task.main([*flag, *argv])
-
-    return run
-
-
-def _module(name: str, *head: str) -> Callable[[list[str]], int]:
-    def run(argv: list[str]) -> int:
+    def run(self, argv: list[str]) -> int:
+        """The command's exit status; an error nobody foresaw is one line and exit 3."""
         import importlib
 
-        return int(importlib.import_module(f"run_benchmarks.{name}").main([*head, *argv]) or 0)
+        from run_benchmarks import start_task
 
-    return run
-
-
-def _help(name: str, *head: str) -> Callable[[], int]:
-    return lambda: _module(name, *head)(["--help"])
+        module, _, name = self.function.partition(":")
+        call = getattr(importlib.import_module(f"run_benchmarks.{module}"), name)
+        if module == "start_task":  # the run command guards itself (its run folder takes the traceback)
+            return int(call(argv) or 0)
+        try:
+            return int(call(argv) or 0)
+        except Exception as exc:
+            print(start_task.crash_report(exc, None), file=sys.stderr)
+            return 3
 
 
 COMMANDS: dict[str, Command] = {
-    "run": Command(f"run a case ({GRAMMAR}) and judge it", _start(), _help("start_task")),
-    "verify": Command("recompute results.json files' figures and verdicts from their records", _start("--verify"), _help("judging.verify")),
-    "judge": Command("judge finished runs against references (--update writes the verdict)", _start("--judge"), _help("judging.compare")),
-    "compare": Command("set runs side by side against the last one", _start("--compare"), _help("judging.compare")),
+    "run": Command(f"run a case ({GRAMMAR}) and judge it", "start_task:main"),
+    "verify": Command("recompute results.json files' figures and verdicts from their records", "judging.verify:main", "--verify"),
+    "judge": Command("judge finished runs against references (--update writes the verdict)", "judging.compare:judge_main", "--judge"),
+    "compare": Command("set runs side by side against the last one", "judging.compare:compare_main", "--compare"),
     "record-reference": Command(
-        "make runs the reference of their model, phase, recipe and data", _start("--record-reference"), _help("judging.compare")
+        "make runs the reference of their model, phase, recipe and data", "judging.compare:record_main", "--record-reference"
     ),
-    "ceiling": Command("measure a case's kernel ceiling on this host's first device", _start("--ceiling"), _help("tools.ceiling")),
+    "ceiling": Command("measure a case's kernel ceiling on this host's first device", "tools.ceiling:main", "--ceiling"),
     "conformance": Command(
-        "check a case's math on this host's first device against float64 numpy",
-        _start("--conformance"),
-        _help("tools.conformance"),
+        "check a case's math on this host's first device against float64 numpy", "tools.conformance:main", "--conformance"
     ),
-    "nightly": Command("run a nightly run list and judge it against history", _start("--nightly"), _help("nightly.driver")),
-    "cleanup": Command("clean the hosts, finish runs left running", _start("--cleanup"), lambda: _start()(["--cleanup", "--help"])),
-    "load-images": Command(
-        "put a vendor's images on a cluster's hosts", _start("--load-images"), lambda: _start()(["--load-images", "--help"])
-    ),
-    "scaffold-case": Command(
-        "write a runnable tiny case", _module("tools.case_tools", "scaffold-case"), _help("tools.case_tools", "scaffold-case")
-    ),
-    "scaffold-vendor": Command(
-        "write a vendor folder", _module("tools.vendor_tools", "scaffold-vendor"), _help("tools.vendor_tools", "scaffold-vendor")
-    ),
-    "scaffold-config": Command(
-        "write a vendor's config of a case",
-        _module("tools.vendor_tools", "scaffold-config"),
-        _help("tools.vendor_tools", "scaffold-config"),
-    ),
-    "runs-table": Command(
-        "write docs/results/runs.md from the committed results (--check: is it current)",
-        _module("judging.runs_table"),
-        _help("judging.runs_table"),
-    ),
-    "check": Command(
-        "check a vendor folder: every problem, nothing run", _module("tools.vendor_tools", "check"), _help("tools.vendor_tools", "check")
-    ),
+    "nightly": Command("run a nightly run list and judge it against history", "nightly.driver:main", "--nightly"),
+    "cleanup": Command("clean the hosts, finish runs left running", "start_task:cleanup_command", "--cleanup"),
+    "load-images": Command("put a vendor's images on a cluster's hosts", "start_task:load_images_command", "--load-images"),
+    "scaffold-case": Command("write a runnable tiny case", "tools.case_tools:scaffold_case_main"),
+    "scaffold-vendor": Command("write a vendor folder", "tools.vendor_tools:scaffold_vendor_main"),
+    "scaffold-config": Command("write a vendor's config of a case", "tools.vendor_tools:scaffold_config_main"),
+    "runs-table": Command("write docs/results/runs.md from the committed results (--check: is it current)", "judging.runs_table:main"),
+    "check": Command("check a vendor folder: every problem, nothing run", "tools.vendor_tools:check_main"),
 }
+
+
+def aliased(argv: list[str]) -> tuple[str, list[str]] | None:
+    """start_task.py's older form of a command (its first flag that names one, ``--verify F`` or
+    ``--verify=F``): the command and its arguments, the flag left out; None for a run."""
+    flags = {c.alias: name for name, c in COMMANDS.items() if c.alias}
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            return flags[flag], [*argv[:i], *([value] if eq else []), *argv[i + 1 :]]
+    return None
 
 
 def usage() -> str:
@@ -141,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
-    if argv[0].startswith("-"):  # the older form: start_task.py's own options
-        return _start()(argv)
+    if argv[0].startswith("-"):  # the older form: start_task.py's own options (and its aliases)
+        return COMMANDS["run"].run(argv)
     name, rest = argv[0], argv[1:]
     command = COMMANDS.get(name)
     if command is None:
@@ -150,11 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         print(f"error: flagbench has no command {name!r}{hint} (flagbench --help lists them)", file=sys.stderr)
         return 2
-    if "-h" in rest or "--help" in rest:
-        try:
-            return command.usage()
-        except SystemExit as exc:  # argparse's help
-            return int(exc.code or 0)
     return command.run(rest)
 
 

@@ -46,6 +46,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -90,58 +91,70 @@ def describe(plan: planning.Plan, rnd: planning.RoundPlan, details: dict | None 
     return "\n".join(lines)
 
 
-def host_command(argv: list[str]) -> int:
-    """``--cluster FILE --vendor V --load-images [ARCHIVE]``: put the vendor's base images on every
-    host that lacks them (hosts without a registry); ``--cleanup [--cluster FILE] [--log-dir DIR]``:
-    remove the containers and processes earlier runs left on the hosts, bring back their run
-    folders there into the runs' folders here before removing them, and finish a results.json
-    left running whose start_task.py is gone. One line per host and per such run; exit 2 on bad input."""
-    ap = argparse.ArgumentParser(prog="start_task.py", description=host_command.__doc__)
-    ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (backend ssh for --load-images)")
-    group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument(
-        "--load-images",
-        nargs="?",
-        const="",
-        metavar="ARCHIVE",
-        help="load the vendor's base images on every host that lacks them: from ARCHIVE "
-        "(a docker save file), else from this machine's docker engine",
-    )
-    group.add_argument(
-        "--cleanup",
-        action="store_true",
-        help="remove what earlier runs left on the hosts, their logs brought back first (ssh), or cancel the Slurm jobs of runs whose start_task.py is gone (slurm); "
-        "then finish each results.json in the log folders left running by a start_task.py gone from this machine",
-    )
+def _printed(lines_of: Any) -> int:
+    """Print a host command's lines; exit 2 on bad input."""
+    try:
+        lines = lines_of()
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+def _parsed(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    try:
+        return ap.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0) and 2
+
+
+def cleanup_command(argv: list[str]) -> int:
+    """``flagbench cleanup [--cluster FILE] [--log-dir DIR]`` (``start_task.py --cleanup``): remove
+    the containers and processes earlier runs left on the hosts, bring back their run folders
+    there into the runs' folders here before removing them, or cancel the Slurm jobs of runs whose
+    start_task.py is gone; then finish a results.json left running whose start_task.py is gone.
+    One line per host and per such run; exit 2 on bad input."""
+    ap = argparse.ArgumentParser(prog="flagbench cleanup", description=cleanup_command.__doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", metavar="FILE", help="cluster YAML whose hosts (ssh) or jobs (slurm) to clean")
     ap.add_argument(
         "--log-dir",
         "--log_dir",
         dest="log_dirs",
         action="append",
         metavar="DIR",
-        help="for --cleanup: a folder of run folders, or a run folder (repeatable; default: the cluster's log_dir, else ./logs)",
+        help="a folder of run folders, or a run folder (repeatable; default: the cluster's log_dir, else ./logs)",
     )
-    ap.add_argument("--vendor", help="vendor folder under vendors/ (for --load-images)")
-    args = ap.parse_args(argv)
-    try:
-        if args.cleanup:
-            lines = cleanup(args.cluster, args.log_dirs)
-        else:
-            if not args.cluster:
-                raise InputError("--load-images needs --cluster FILE (the hosts to load them on)")
-            if not args.vendor:
-                raise InputError("--load-images needs --vendor (whose Dockerfiles name the base images)")
-            check_name(args.vendor, "vendor")
-            from run_benchmarks.running.runtimes.ssh import load_base_images
+    args = _parsed(ap, argv)
+    return args if isinstance(args, int) else _printed(lambda: cleanup(args.cluster, args.log_dirs))
 
-            lines = load_base_images(
-                load(ClusterConfig, args.cluster), args.vendor, None, Path(args.load_images) if args.load_images else None
-            )
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print("\n".join(lines))
-    return 0
+
+def load_images_command(argv: list[str]) -> int:
+    """``flagbench load-images [ARCHIVE] --cluster FILE --vendor V`` (``start_task.py
+    --load-images``): put the vendor's base images on every host that lacks them (hosts without a
+    registry), from ARCHIVE (a docker save file), else from this machine's docker engine. One line
+    per host; exit 2 on bad input."""
+    ap = argparse.ArgumentParser(prog="flagbench load-images", description=load_images_command.__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "archive", nargs="?", metavar="ARCHIVE", help="a docker save file of the images (default: this machine's docker engine)"
+    )
+    ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (backend ssh) of the hosts to load them on")
+    ap.add_argument("--vendor", help="vendor folder under vendors/ (whose Dockerfiles name the base images)")
+    args = _parsed(ap, argv)
+    if isinstance(args, int):
+        return args
+
+    def lines() -> list[str]:
+        if not args.cluster:
+            raise InputError("--load-images needs --cluster FILE (the hosts to load them on)")
+        if not args.vendor:
+            raise InputError("--load-images needs --vendor (whose Dockerfiles name the base images)")
+        check_name(args.vendor, "vendor")
+        from run_benchmarks.running.runtimes.ssh import load_base_images
+
+        return load_base_images(load(ClusterConfig, args.cluster), args.vendor, None, Path(args.archive) if args.archive else None)
+
+    return _printed(lines)
 
 
 def cleanup(cluster_file: str | None, log_dirs: list[str] | None) -> list[str]:
@@ -215,30 +228,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     t0 = time.time()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--nightly" or a.startswith("--nightly=") for a in argv):  # a run list: the nightly driver
-        from run_benchmarks.nightly import driver as nightly
+    from run_benchmarks import cli
 
-        return nightly.main(argv)
-    if "--conformance" in argv:  # the case's conformance check on this host's device, alone
-        from run_benchmarks.tools import conformance
-
-        return conformance.main(argv)
-    if "--ceiling" in argv:  # the case's kernel ceiling on this host's device, printed alone
-        from run_benchmarks.tools import ceiling
-
-        return ceiling.main(argv)
-    if any(
-        a in ("--record-reference", "--compare", "--judge") or a.startswith(("--record-reference=", "--compare=", "--judge=")) for a in argv
-    ):
-        from run_benchmarks.judging import compare  # a run's curve made a reference, or runs set side by side: nothing runs
-
-        return compare.main(argv)
-    if any(a == "--verify" or a.startswith("--verify=") for a in argv):  # check results files, run nothing
-        from run_benchmarks.judging import verify
-
-        return verify.main(argv)
-    if any(a in ("--load-images", "--cleanup") or a.startswith("--load-images=") for a in argv):
-        return host_command(argv)  # a cluster's hosts made ready or cleaned, no case run
+    aliased = cli.aliased(argv)  # start_task.py --verify F is flagbench verify F, and so on
+    if aliased is not None:
+        return cli.COMMANDS[aliased[0]].run(aliased[1])
     args = options.parser(__doc__).parse_args(argv)
     try:
         if args.json and not args.dry_run:

@@ -31,7 +31,7 @@ def test_help_lists_every_command():
     "command, option",
     [
         ("run", "--case_name"),
-        ("verify", "--verify"),
+        ("verify", "RESULTS.json"),
         ("judge", "--update"),
         ("record-reference", "--why"),
         ("nightly", "--check"),
@@ -130,3 +130,26 @@ def test_the_installed_command_works_on_the_checkout_it_runs_inside(tmp_path):
     outside = subprocess.run(plan_args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert outside.returncode == 0 and "flagbench: the checkout at" not in outside.stderr, outside.stderr
     assert json.loads(outside.stdout)["config_file"].startswith(str(installed / "vendors"))
+
+
+def test_each_older_flag_is_an_alias_of_one_command():
+    """start_task.py's flags name the commands they are aliases of, in one table, and are taken
+    out of the arguments the command is called with (``--flag=value`` keeps its value)."""
+    flags = {c.alias: name for name, c in cli.COMMANDS.items() if c.alias}
+    assert flags == {
+        "--verify": "verify",
+        "--judge": "judge",
+        "--compare": "compare",
+        "--record-reference": "record-reference",
+        "--ceiling": "ceiling",
+        "--conformance": "conformance",
+        "--nightly": "nightly",
+        "--cleanup": "cleanup",
+        "--load-images": "load-images",
+    }
+    assert cli.aliased(["--reference", "r.json", "--judge", "a.json", "b.json", "--update"]) == (
+        "judge",
+        ["--reference", "r.json", "a.json", "b.json", "--update"],
+    )
+    assert cli.aliased(["--verify=a.json"]) == ("verify", ["a.json"])
+    assert cli.aliased(["--vendor", "cpu", "--case_name", "x:megatron:cpu:1:1"]) is None  # a run

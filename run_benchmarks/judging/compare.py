@@ -613,60 +613,86 @@ def print_judged(rows: list[dict[str, Any]]) -> None:
     Console(width=240).print(t)
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="start_task.py", description=__doc__.split("\n\n")[0])
-    group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--compare", nargs="+", metavar="RESULTS.json", help="runs to compare; the last is the reference run")
-    group.add_argument(
-        "--judge",
-        nargs="+",
-        metavar="RESULTS.json",
-        help="judge runs' loss curves again against --reference files (several: their mean and spread); the files stay as they are",
-    )
-    ap.add_argument("--reference", action="append", default=[], metavar="FILE", help="with --judge: a curve to judge against (repeatable)")
-    group.add_argument(
-        "--record-reference",
-        nargs="+",
-        metavar="RESULTS.json",
-        help="make a run's curves the case's reference for its data; several runs of one config: their mean, with the runs and their spread",
-    )
-    ap.add_argument("--replace", action="store_true", help="with --record-reference: replace a reference that exists")
-    ap.add_argument(
-        "--update",
-        action="store_true",
-        help="with --judge: write the verdicts into the runs' results.json (a reference made after they ran)",
-    )
-    ap.add_argument("--why", default="", metavar="TEXT", help="with --record-reference: why the reference is made or changed (kept in it)")
-    ap.add_argument("--out", metavar="DIR", help="with --compare: where compare.md and compare.html go (default logs/compare-<time>)")
-    ap.add_argument(
-        "--with-invalid",
-        action="store_true",
-        help="with --compare: count rounds whose own loss gate failed (they ran through), marked invalid in the status column",
-    )
+def _parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status of a usage error (2) or of --help (0)."""
     try:
-        args = ap.parse_args(argv)
+        return ap.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0) and 2
+
+
+def _paths(names: list[str]) -> list[Path]:
+    return [Path(a).expanduser().resolve() for a in names]
+
+
+def judge_main(argv: list[str]) -> int:
+    """``flagbench judge RESULTS.json ... --reference FILE ...`` (``start_task.py --judge``)."""
+    ap = argparse.ArgumentParser(prog="flagbench judge", description="judge finished runs' loss curves again against --reference files")
+    ap.add_argument("runs", nargs="+", metavar="RESULTS.json", help="the runs to judge (their files stay as they are without --update)")
+    ap.add_argument(
+        "--reference", action="append", default=[], metavar="FILE", help="a curve to judge against (repeatable: their mean and spread)"
+    )
+    ap.add_argument(
+        "--update", action="store_true", help="write the verdicts into the runs' results.json (a reference made after they ran)"
+    )
+    args = _parse(ap, argv)
+    if isinstance(args, int):
+        return args
     try:
-        if args.record_reference:
-            paths = [Path(a).expanduser().resolve() for a in args.record_reference]
-            print("\n".join(recording.record(paths, args.why, args.replace)))
-            return 0
-        if args.judge and args.update:
-            files = [Path(r).expanduser().resolve() for r in args.reference]
+        files = _paths(args.reference)
+        if args.update:
             verdicts = []
-            for a in args.judge:
-                path = Path(a).expanduser().resolve()
+            for path in _paths(args.runs):
                 print("\n".join(recording.judge_file(path, files)))
                 verdicts += [p.gate.verdict for r in tr.load(path).rounds if r.ran_through for p in r.phases]
             return judged_status(verdicts)
-        if args.judge:
-            rows = judge_again(
-                [Path(a).expanduser().resolve() for a in args.judge], [Path(r).expanduser().resolve() for r in args.reference]
-            )
-            print_judged(rows)
-            return judged_status([r["verdict"] for r in rows])
-        c = comparison([Path(p).expanduser().resolve() for p in args.compare], args.with_invalid)
+        rows = judge_again(_paths(args.runs), files)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_judged(rows)
+    return judged_status([r["verdict"] for r in rows])
+
+
+def record_main(argv: list[str]) -> int:
+    """``flagbench record-reference RESULTS.json ... [--why TEXT] [--replace]`` (``start_task.py --record-reference``)."""
+    ap = argparse.ArgumentParser(
+        prog="flagbench record-reference", description="make runs the reference of their model, phase, recipe and data"
+    )
+    ap.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RESULTS.json",
+        help="a run's curves become the case's reference for its data; several runs of one config: their mean, with the runs and their spread",
+    )
+    ap.add_argument("--replace", action="store_true", help="replace a reference that exists")
+    ap.add_argument("--why", default="", metavar="TEXT", help="why the reference is made or changed (kept in it)")
+    args = _parse(ap, argv)
+    if isinstance(args, int):
+        return args
+    try:
+        print("\n".join(recording.record(_paths(args.runs), args.why, args.replace)))
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def compare_main(argv: list[str]) -> int:
+    """``flagbench compare RESULTS.json ... [--out DIR]`` (``start_task.py --compare``)."""
+    ap = argparse.ArgumentParser(prog="flagbench compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", metavar="RESULTS.json", help="runs to compare; the last is the reference run")
+    ap.add_argument("--out", metavar="DIR", help="where compare.md and compare.html go (default logs/compare-<time>)")
+    ap.add_argument(
+        "--with-invalid",
+        action="store_true",
+        help="count rounds whose own loss gate failed (they ran through), marked invalid in the status column",
+    )
+    args = _parse(ap, argv)
+    if isinstance(args, int):
+        return args
+    try:
+        c = comparison(_paths(args.runs), args.with_invalid)
         out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
         try:
             out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""``start_task.py --verify RESULTS.json [...]``: recompute every figure of a results.json from its
+"""``flagbench verify RESULTS.json [...]`` (``start_task.py --verify``): recompute every figure of a results.json from its
 per-step records and recorded config, and name each one that does not match.
 
 Recomputed per phase with the code that made them (metrics.figures, loss_gate.judge_loss):
@@ -216,14 +216,14 @@ def run(paths: list[Path]) -> Iterator[tuple[int, str]]:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="start_task.py --verify", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--verify", nargs="+", required=True, metavar="RESULTS.json", help="results.json files to check")
+    ap = argparse.ArgumentParser(prog="flagbench verify", description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", metavar="RESULTS.json", help="results.json files to check")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exc:  # argparse: usage errors are bad input
         return int(exc.code or 0) and EXIT_BAD_INPUT
     status = EXIT_OK
-    for code, line in run([Path(p) for p in args.verify]):
+    for code, line in run([Path(p) for p in args.files]):
         print(line, file=sys.stderr if code == EXIT_BAD_INPUT else sys.stdout)
         status = max(status, code)  # unreadable (2) over a mismatch (1) over all matching (0)
     return status

@@ -137,8 +137,13 @@ def next_steps(family: str, framework: str, model: str, root: Path) -> list[str]
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m run_benchmarks.tools.case_tools", description=__doc__.split("\n\n")[0])
+def scaffold_case_main(argv: list[str]) -> int:
+    """``flagbench scaffold-case``."""
+    return main(["scaffold-case", *argv], prog="flagbench")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m run_benchmarks.tools.case_tools") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sc = sub.add_parser("scaffold-case", help="write a runnable tiny case on the case contract")
     sc.add_argument("family", help="the model family: cases/<family>/ (a Python package name)")

@@ -154,8 +154,8 @@ def main(argv: list[str]) -> int:
     from run_benchmarks.running.runtimes import select
 
     ap = parser()
-    ap.prog = "start_task.py --ceiling"
-    ap.add_argument("--ceiling", action="store_true", help="print the case's kernel ceiling on this host's first device alone")
+    ap.prog = "flagbench ceiling"
+    ap.description = "print the case's kernel ceiling on this host's first device alone"
     args = ap.parse_args(argv)
     try:
         for flag, given in (

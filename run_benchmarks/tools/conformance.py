@@ -66,7 +66,6 @@ def main(argv: list[str]) -> int:
 
     ap = parser()
     ap.prog = "flagbench conformance"
-    ap.add_argument("--conformance", action="store_true", help="run the case's conformance check alone on this host's first device")
     ap.add_argument(
         "--hook",
         action="append",

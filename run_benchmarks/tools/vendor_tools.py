@@ -274,8 +274,23 @@ def scaffold_config(vendor: str, case_name: str, variant: str | None, vendors_di
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m run_benchmarks.tools.vendor_tools", description=__doc__.split("\n\n")[0])
+def check_main(argv: list[str]) -> int:
+    """``flagbench check``."""
+    return main(["check", *argv], prog="flagbench")
+
+
+def scaffold_vendor_main(argv: list[str]) -> int:
+    """``flagbench scaffold-vendor``."""
+    return main(["scaffold-vendor", *argv], prog="flagbench")
+
+
+def scaffold_config_main(argv: list[str]) -> int:
+    """``flagbench scaffold-config``."""
+    return main(["scaffold-config", *argv], prog="flagbench")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m run_benchmarks.tools.vendor_tools") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="validate a vendor folder without running anything")
     c.add_argument("vendor")

@@ -34,7 +34,7 @@ class Command:
         """The command's exit status; an error nobody foresaw is one line and exit 3."""
         import importlib
 
-        from run_benchmarks import start_task
+        from run_benchmarks.errors import crash_report
 
         module, _, name = self.function.partition(":")
         call = getattr(importlib.import_module(f"run_benchmarks.{module}"), name)
@@ -43,17 +43,17 @@ class Command:
         try:
             return int(call(argv) or 0)
         except Exception as exc:
-            print(start_task.crash_report(exc, None), file=sys.stderr)
+            print(crash_report(exc, None), file=sys.stderr)
             return 3
 
 
 COMMANDS: dict[str, Command] = {
     "run": Command(f"run a case ({GRAMMAR}) and judge it", "start_task:main"),
     "verify": Command("recompute results.json files' figures and verdicts from their records", "judging.verify:main", "--verify"),
-    "judge": Command("judge finished runs against references (--update writes the verdict)", "judging.compare:judge_main", "--judge"),
+    "judge": Command("judge finished runs against references (--update writes the verdict)", "judging.recording:judge_main", "--judge"),
     "compare": Command("set runs side by side against the last one", "judging.compare:compare_main", "--compare"),
     "record-reference": Command(
-        "make runs the reference of their model, phase, recipe and data", "judging.compare:record_main", "--record-reference"
+        "make runs the reference of their model, phase, recipe and data", "judging.recording:record_main", "--record-reference"
     ),
     "ceiling": Command("measure a case's kernel ceiling on this host's first device", "tools.ceiling:main", "--ceiling"),
     "conformance": Command(

@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from rich.console import Console
 
-from run_benchmarks.errors import InputError
+from run_benchmarks.errors import InputError, crash_report, parse_args
 from run_benchmarks.judging import results
 from run_benchmarks.planning import code_version, options
 from run_benchmarks.planning import plan as planning
@@ -102,13 +100,6 @@ def _printed(lines_of: Any) -> int:
     return 0
 
 
-def _parsed(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
-    try:
-        return ap.parse_args(argv)
-    except SystemExit as exc:  # --help (0) or a usage error (2)
-        return int(exc.code or 0) and 2
-
-
 def cleanup_command(argv: list[str]) -> int:
     """``flagbench cleanup [--cluster FILE] [--log-dir DIR]`` (``start_task.py --cleanup``): remove
     the containers and processes earlier runs left on the hosts, bring back their run folders
@@ -125,7 +116,7 @@ def cleanup_command(argv: list[str]) -> int:
         metavar="DIR",
         help="a folder of run folders, or a run folder (repeatable; default: the cluster's log_dir, else ./logs)",
     )
-    args = _parsed(ap, argv)
+    args = parse_args(ap, argv)
     return args if isinstance(args, int) else _printed(lambda: cleanup(args.cluster, args.log_dirs))
 
 
@@ -140,7 +131,7 @@ def load_images_command(argv: list[str]) -> int:
     )
     ap.add_argument("--cluster", metavar="FILE", help="cluster YAML (backend ssh) of the hosts to load them on")
     ap.add_argument("--vendor", help="vendor folder under vendors/ (whose Dockerfiles name the base images)")
-    args = _parsed(ap, argv)
+    args = parse_args(ap, argv)
     if isinstance(args, int):
         return args
 
@@ -180,29 +171,6 @@ def cleanup(cluster_file: str | None, log_dirs: list[str] | None) -> list[str]:
     if not left and not cluster_file:
         left = [f"no results.json left running in {', '.join(map(str, dirs))}"]
     return lines + left
-
-
-#: where an unexpected error's traceback goes when no run folder exists yet
-CRASH_DIR = Path.home() / ".cache" / "flagbench" / "crashes"
-
-
-def crash_report(exc: BaseException, run_dir: Path | None) -> str:
-    """An unexpected error (a harness bug, an unforeseen failure) as one line; its traceback goes
-    to ``harness-error.log`` in the run folder (else under ``CRASH_DIR``), which the line names."""
-    text = "".join(traceback.format_exception(exc))
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for path in ([run_dir / "harness-error.log"] if run_dir is not None else []) + [CRASH_DIR / f"{stamp}-{os.getpid()}.log"]:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-            where = f"the traceback is in {path}"
-            break
-        except OSError:
-            continue
-    else:
-        where = "the traceback could not be written to a file"
-    lines = str(exc).strip().splitlines()
-    return f"error: unexpected {type(exc).__name__}" + (f": {lines[0]}" if lines else "") + f" ({where})"
 
 
 class Crashed(Exception):

@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import compare, references
+from run_benchmarks.judging import recording, references
 from run_benchmarks.planning import datacheck
 from run_benchmarks.planning.registry import ROOT
 from tests.test_results_models import fake_phase, fake_run
@@ -147,14 +147,14 @@ def test_judge_refuses_a_reference_of_other_data_naming_both(tmp_path):
     real = run_file(tmp_path / "real.json", "0123456789abcdef")
     synthetic = run_file(tmp_path / "synth.json", None)
     with pytest.raises(InputError) as exc:
-        compare.judge_again([real], [synthetic])
+        recording.judge_again([real], [synthetic])
     msg = str(exc.value)
     assert f"--reference {synthetic}: made on other data (fingerprint synthetic)" in msg and "(fingerprint 0123456789abcdef)" in msg
     assert "no committed reference for this data" in msg
     proc = start("--judge", str(synthetic), "--reference", str(real))
     assert proc.returncode == 2 and "(fingerprint 0123456789abcdef) than the run's phase train (fingerprint synthetic)" in proc.stderr
     assert "the committed reference for this data is cases/llama3/megatron/reference/llama3_tiny/" in proc.stderr
-    assert compare.judge_again([synthetic], [run_file(tmp_path / "s2.json", None)])  # same data: judged
+    assert recording.judge_again([synthetic], [run_file(tmp_path / "s2.json", None)])  # same data: judged
 
 
 def test_judge_refuses_to_judge_data_without_a_fingerprint(tmp_path):

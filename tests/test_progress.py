@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks import start_task
+from run_benchmarks import errors, start_task
 from run_benchmarks.running import progress
 from training import metriclog as ml
 
@@ -75,7 +75,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_a_file(tmp_path, monk
         raise KeyError("nodes")
 
     monkeypatch.setattr(start_task.planning, "build", broken)
-    monkeypatch.setattr(start_task, "CRASH_DIR", tmp_path / "crashes")
+    monkeypatch.setattr(errors, "CRASH_DIR", tmp_path / "crashes")
     rc = start_task.main(["--vendor", "cpu", "--case_name", "llama3_tiny:megatron:cpu:1:2", "--log-dir", str(tmp_path / "logs")])
     err = capsys.readouterr().err
     assert rc == 3 and "Traceback" not in err

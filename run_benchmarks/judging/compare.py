@@ -1,19 +1,13 @@
-"""A vendor's run against a reference run, and a run's curve made the case's reference.
-
-``start_task.py --compare RUN_A RUN_B [...]``: every run set against the last one (the
+"""A vendor's run against a reference run: ``flagbench compare RUN_A RUN_B [...]``
+(``start_task.py --compare``): every run set against the last one (the
 reference run, e.g. NVIDIA's), phase by phase: tokens/p/s and its ratio, MFU both ways,
 memory both ways, the loss MRE over the steps both ran from step 21 on (only where both
 trained on the same data), the layout and every setting that differs. A table here, and
 ``compare.md`` and ``compare.html`` (the loss curves overlaid, drawn by the pages module's plotting
 code) in ``--out`` (default ``logs/compare-<time>``).
 
-``start_task.py --record-reference RUN/results.json [RUN2/results.json ...] --why TEXT``: the
-curves of the runs' rounds that ran through become the reference of their model, phase, recipe
-and data (recording.record: the mean of the repeats, with their provenance and spread).
-
-Exit status: 0 done, 2 bad input (a file that is not a results.json, only failed rounds, a
-curve too short to judge a run). ``--judge`` exits as a run does: 0 when every phase it judged
-is aligned, 1 when one is not aligned or not judged, 2 bad input.
+Exit status: 0 done, 2 bad input (a file that is not a results.json, only failed rounds).
+``flagbench judge`` and ``record-reference`` are recording.py's.
 """
 
 from __future__ import annotations
@@ -26,9 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.errors import InputError
-from run_benchmarks.judging import loss_gate, pages, recording
+from run_benchmarks.errors import InputError, parse_args
+from run_benchmarks.judging import loss_gate, pages
 from run_benchmarks.judging import typed_results as tr
+from run_benchmarks.judging.compare_charts import phase_charts, side_name
 from run_benchmarks.judging.results import (
     _pct,
     allocated_cell,
@@ -271,11 +266,6 @@ def markdown(c: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def side_name(s: Side, i: int, sides: list[Side]) -> str:
-    """A run as the page names it: its place, what ran, and its run id, host and date."""
-    return f"{'reference' if s is sides[-1] else f'run {i + 1}'}: {s.label} ({s.tag})"
-
-
 def footnote(c: dict[str, Any]) -> str:
     """What the table's figures are, for the page and compare.md alike."""
     return (
@@ -320,196 +310,6 @@ def verdict_lines(c: dict[str, Any]) -> list[str]:
 
 
 #: one color per run (the reference is black), as many as a comparison usually holds
-COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
-
-
-def _chart(div_id: str, title: str, traces: list[dict[str, Any]], layout: dict[str, Any], first: bool) -> str:
-    """A plotly chart written into the page (plotly.js once, with the first chart: the page needs
-    no network), zoomable, its legend under the axes in text a reader can read."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure(data=traces)
-    fig.update_layout(
-        title={"text": title, "font": {"size": 16}},
-        font={"size": 13},
-        showlegend=True,  # also for one run: its name is the legend
-        legend={"orientation": "h", "yanchor": "top", "y": -0.18, "x": 0, "font": {"size": 13}},
-        margin={"l": 60, "r": 20, "t": 50, "b": 40},
-        height=460,
-        template="plotly_white",
-        **layout,
-    )
-    html = fig.to_html(full_html=False, include_plotlyjs=first, div_id=div_id, config={"displaylogo": False, "responsive": True})
-    return f'<figure class="chart" data-title="{pages.e(title)}">{html}</figure>'
-
-
-def _judged_band(last: int) -> dict[str, Any]:
-    """The steps the gate compares, shaded."""
-    return {
-        "type": "rect",
-        "xref": "x",
-        "yref": "paper",
-        "x0": loss_gate.ALIGN_FROM_STEP - 0.5,
-        "x1": last + 0.5,
-        "y0": 0,
-        "y1": 1,
-        "fillcolor": "rgba(120,120,120,0.12)",
-        "line": {"width": 0},
-        "layer": "below",
-    }
-
-
-def _zoom_buttons(last: int, judged_y: tuple[float, float] | None) -> list[dict[str, Any]]:
-    """Buttons: every step, or the judged steps alone (from step 21), their loss range."""
-    judged = {"xaxis.range": [loss_gate.ALIGN_FROM_STEP - 0.5, last + 0.5]}
-    if judged_y:
-        pad = 0.1 * (judged_y[1] - judged_y[0]) or 0.01 * abs(judged_y[1]) or 0.01
-        judged["yaxis.range"] = [judged_y[0] - pad, judged_y[1] + pad]
-    return [
-        {
-            "type": "buttons",
-            "direction": "right",
-            "x": 1,
-            "xanchor": "right",
-            "y": 1.12,
-            "buttons": [
-                {"label": "all steps", "method": "relayout", "args": [{"xaxis.autorange": True, "yaxis.autorange": True}]},
-                {"label": f"judged steps ({loss_gate.ALIGN_FROM_STEP} on)", "method": "relayout", "args": [judged]},
-            ],
-        }
-    ]
-
-
-def phase_charts(phase: str, sides: list[Side], first: bool) -> list[str]:
-    """A phase's charts: the loss per step of the runs on the reference run's data (the judged
-    steps shaded; a button zooms to them), each run's relative difference to the reference run per
-    step (the gate's 2 % band shaded), tokens/p/s per step, and the runs on other data apart."""
-    ref = sides[-1]
-    same = [(i, s) for i, s in enumerate(sides) if s.fingerprint(phase) == ref.fingerprint(phase)]
-    others = [(i, s) for i, s in enumerate(sides) if s.fingerprint(phase) != ref.fingerprint(phase)]
-    ref_loss = ref.loss(phase)
-    last = max([max(s.loss(phase), default=0) for s in sides] + [loss_gate.ALIGN_FROM_STEP])
-
-    def style(i: int, s: Side) -> dict[str, Any]:
-        if s is ref:  # drawn first, wide and dashed: an equal run's markers stay visible on it
-            return {"line": {"color": "#000", "width": 3, "dash": "dash"}, "mode": "lines"}
-        return {"line": {"color": COLORS[i % len(COLORS)], "width": 1.6}, "mode": "lines+markers", "marker": {"size": 4}}
-
-    order = [(len(sides) - 1, ref)] + [(i, s) for i, s in same if s is not ref]
-    traces = []
-    judged: list[float] = []
-    for i, s in order:
-        curve = s.loss(phase)
-        steps = sorted(curve)
-        traces.append({"type": "scatter", "x": steps, "y": [curve[k] for k in steps], "name": side_name(s, i, sides), **style(i, s)})
-        judged += [curve[k] for k in steps if k >= loss_gate.ALIGN_FROM_STEP and math.isfinite(curve[k])]
-    band = [_judged_band(last)]
-    charts = [
-        _chart(
-            f"loss-{phase}",
-            f"loss, phase {phase} (judged steps shaded)",
-            traces,
-            {
-                "xaxis": {"title": "step"},
-                "yaxis": {"title": "loss"},
-                "shapes": band,
-                "updatemenus": _zoom_buttons(last, (min(judged), max(judged)) if judged else None),
-            },
-            first,
-        )
-    ]
-    diffs = []
-    for i, s in same:
-        if s is ref:
-            continue
-        curve = s.loss(phase)
-        steps = [k for k in sorted(curve) if k in ref_loss and ref_loss[k] and math.isfinite(curve[k])]
-        diffs.append(
-            {
-                "type": "scatter",
-                "x": steps,
-                "y": [100 * (curve[k] - ref_loss[k]) / ref_loss[k] for k in steps],
-                "name": side_name(s, i, sides),
-                **style(i, s),
-            }
-        )
-    if diffs:
-        tol = 100 * loss_gate.ALIGN_TOLERANCE
-        shapes = band + [
-            {
-                "type": "rect",
-                "xref": "paper",
-                "x0": 0,
-                "x1": 1,
-                "y0": -tol,
-                "y1": tol,
-                "fillcolor": "rgba(46,160,44,0.08)",
-                "line": {"width": 0},
-                "layer": "below",
-            },
-            {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": 0, "y1": 0, "line": {"color": "#000", "width": 1}},
-        ]
-        charts.append(
-            _chart(
-                f"diff-{phase}",
-                f"loss against the reference run, phase {phase}: (run - reference) / reference, % (the gate's {tol:g} % band shaded)",
-                diffs,
-                {"xaxis": {"title": "step"}, "yaxis": {"title": "% of the reference run's loss"}, "shapes": shapes},
-                False,
-            )
-        )
-    speed = []
-    for i, s in order + others:
-        ps = s.phase(phase)
-        if not ps:
-            continue
-        world = s.res.world_size
-        steps = [st for st in ps[-1].steps if st.step_time_s > 0]
-        speed.append(
-            {
-                "type": "scatter",
-                "x": [st.step for st in steps],
-                "y": [st.tokens / st.step_time_s / world for st in steps],
-                "name": side_name(s, i, sides),
-                **style(i, s),
-            }
-        )
-    if speed:
-        charts.append(
-            _chart(
-                f"tps-{phase}",
-                f"tokens/p/s per step, phase {phase} (each run's last kept round; the warm-up steps included)",
-                speed,
-                {"xaxis": {"title": "step"}, "yaxis": {"title": "tokens per GPU per second"}},
-                False,
-            )
-        )
-    if others:
-        traces = []
-        for i, s in others:
-            curve = s.loss(phase)
-            steps = sorted(curve)
-            traces.append(
-                {
-                    "type": "scatter",
-                    "x": steps,
-                    "y": [curve[k] for k in steps],
-                    "name": f"{side_name(s, i, sides)}, data {s.fingerprint(phase)}",
-                    **style(i, s),
-                }
-            )
-        charts.append(
-            _chart(
-                f"other-{phase}",
-                f"loss, phase {phase}: runs on other data than the reference run's ({ref.fingerprint(phase)}): not compared",
-                traces,
-                {"xaxis": {"title": "step"}, "yaxis": {"title": "loss"}},
-                False,
-            )
-        )
-    return charts
-
-
 def html_page(c: dict[str, Any]) -> str:
     sides = c["sides"]
     body = [f"<h1>{pages.e(sides[-1].res.model)}: {len(sides) - 1} run(s) against the reference run</h1>"]
@@ -538,47 +338,6 @@ def html_page(c: dict[str, Any]) -> str:
     return pages.PAGE.substitute(title=pages.e(f"flagbench compare {sides[-1].res.model}"), body="\n".join(body))
 
 
-# --------------------------------------------------------------------------- --judge
-
-
-def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
-    """Each run's rounds that ran through, each phase's curve judged again by the loss gate
-    (loss_gate.judge_loss) against the curve ``files``: what the run would have said against them. The
-    runs' files are not changed. One row per run, round and phase, with the verdict recorded."""
-    if not files:
-        raise InputError("--judge needs at least one --reference FILE to judge against")
-    rows = []
-    for path in paths:
-        res = tr.load(path)
-        through = [r for r in res.rounds if r.ran_through]
-        if not through:
-            raise InputError(f"{path}: no round ran through (every round failed): nothing to judge")
-        refs: dict[str, tr.Reference] = {}  # per phase: a run's rounds share its settings
-        for rnd in through:
-            for p in rnd.phases:
-                if p.phase not in refs:  # checked as a live run's --reference is, data first
-                    refs[p.phase] = recording.offline_reference(res, p.phase, files)
-                gate = loss_gate.judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
-                rows.append(
-                    {
-                        "run": res.run_id,
-                        "round": rnd.round,
-                        "phase": p.phase,
-                        "recorded": f"{p.gate.verdict}: {p.gate.reason}",
-                        "verdict": gate.verdict,
-                        "noise_units": gate.noise_units,
-                        "reason": gate.reason,
-                    }
-                )
-    return rows
-
-
-def judged_status(verdicts: list[str]) -> int:
-    """``--judge``'s exit status, as a run's: 0 every phase judged aligned, 1 a phase not aligned
-    or not judged (bad input, 2, is refused before)."""
-    return 0 if verdicts and all(v == "aligned" for v in verdicts) else 1
-
-
 def print_table(c: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -600,84 +359,6 @@ def print_table(c: dict[str, Any]) -> None:
         console.print(d)
 
 
-def print_judged(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title="loss gate, judged again")
-    for col in ("run", "round", "phase", "recorded", "verdict", "x noise", "reason"):
-        t.add_column(col)
-    for r in rows:
-        units = "-" if r.get("noise_units") is None else f"{r['noise_units']:.1f}"
-        t.add_row(r["run"], str(r["round"]), r["phase"], r["recorded"], r["verdict"], units, r["reason"])
-    Console(width=240).print(t)
-
-
-def _parse(ap: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
-    """The parsed arguments, or the exit status of a usage error (2) or of --help (0)."""
-    try:
-        return ap.parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0) and 2
-
-
-def _paths(names: list[str]) -> list[Path]:
-    return [Path(a).expanduser().resolve() for a in names]
-
-
-def judge_main(argv: list[str]) -> int:
-    """``flagbench judge RESULTS.json ... --reference FILE ...`` (``start_task.py --judge``)."""
-    ap = argparse.ArgumentParser(prog="flagbench judge", description="judge finished runs' loss curves again against --reference files")
-    ap.add_argument("runs", nargs="+", metavar="RESULTS.json", help="the runs to judge (their files stay as they are without --update)")
-    ap.add_argument(
-        "--reference", action="append", default=[], metavar="FILE", help="a curve to judge against (repeatable: their mean and spread)"
-    )
-    ap.add_argument(
-        "--update", action="store_true", help="write the verdicts into the runs' results.json (a reference made after they ran)"
-    )
-    args = _parse(ap, argv)
-    if isinstance(args, int):
-        return args
-    try:
-        files = _paths(args.reference)
-        if args.update:
-            verdicts = []
-            for path in _paths(args.runs):
-                print("\n".join(recording.judge_file(path, files)))
-                verdicts += [p.gate.verdict for r in tr.load(path).rounds if r.ran_through for p in r.phases]
-            return judged_status(verdicts)
-        rows = judge_again(_paths(args.runs), files)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print_judged(rows)
-    return judged_status([r["verdict"] for r in rows])
-
-
-def record_main(argv: list[str]) -> int:
-    """``flagbench record-reference RESULTS.json ... [--why TEXT] [--replace]`` (``start_task.py --record-reference``)."""
-    ap = argparse.ArgumentParser(
-        prog="flagbench record-reference", description="make runs the reference of their model, phase, recipe and data"
-    )
-    ap.add_argument(
-        "runs",
-        nargs="+",
-        metavar="RESULTS.json",
-        help="a run's curves become the case's reference for its data; several runs of one config: their mean, with the runs and their spread",
-    )
-    ap.add_argument("--replace", action="store_true", help="replace a reference that exists")
-    ap.add_argument("--why", default="", metavar="TEXT", help="why the reference is made or changed (kept in it)")
-    args = _parse(ap, argv)
-    if isinstance(args, int):
-        return args
-    try:
-        print("\n".join(recording.record(_paths(args.runs), args.why, args.replace)))
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 def compare_main(argv: list[str]) -> int:
     """``flagbench compare RESULTS.json ... [--out DIR]`` (``start_task.py --compare``)."""
     ap = argparse.ArgumentParser(prog="flagbench compare", description=__doc__.split("\n\n")[0])
@@ -688,11 +369,11 @@ def compare_main(argv: list[str]) -> int:
         action="store_true",
         help="count rounds whose own loss gate failed (they ran through), marked invalid in the status column",
     )
-    args = _parse(ap, argv)
+    args = parse_args(ap, argv)
     if isinstance(args, int):
         return args
     try:
-        c = comparison(_paths(args.runs), args.with_invalid)
+        c = comparison([Path(a).expanduser().resolve() for a in args.runs], args.with_invalid)
         out = Path(args.out or Path("logs") / f"compare-{dt.datetime.now():%Y%m%d-%H%M%S}").expanduser().resolve()
         try:
             out.mkdir(parents=True, exist_ok=True)

@@ -6,12 +6,14 @@ failed against it. Git keeps its earlier versions readable (``git log -p -- <fil
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.errors import InputError
+from run_benchmarks.errors import InputError, parse_args
 from run_benchmarks.judging import typed_results
 from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.judging.curves import (
@@ -272,3 +274,114 @@ def absorbed_failures(path: Path) -> list[str]:
                 ref = rnd.reference.get(doc["phase"])
                 out.append(f"{shown(path)}: repeat {shown(file)} round {rnd.round} was judged not aligned against {ref}")
     return out
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def judge_again(paths: list[Path], files: list[Path]) -> list[dict[str, Any]]:
+    """Each run's rounds that ran through, each phase's curve judged again by the loss gate
+    (loss_gate.judge_loss) against the curve ``files``: what the run would have said against them. The
+    runs' files are not changed. One row per run, round and phase, with the verdict recorded."""
+    if not files:
+        raise InputError("--judge needs at least one --reference FILE to judge against")
+    rows = []
+    for path in paths:
+        res = tr.load(path)
+        through = [r for r in res.rounds if r.ran_through]
+        if not through:
+            raise InputError(f"{path}: no round ran through (every round failed): nothing to judge")
+        refs: dict[str, tr.Reference] = {}  # per phase: a run's rounds share its settings
+        for rnd in through:
+            for p in rnd.phases:
+                if p.phase not in refs:  # checked as a live run's --reference is, data first
+                    refs[p.phase] = offline_reference(res, p.phase, files)
+                gate = judge_loss(p.loss, refs[p.phase], p.window.warmup_steps)
+                rows.append(
+                    {
+                        "run": res.run_id,
+                        "round": rnd.round,
+                        "phase": p.phase,
+                        "recorded": f"{p.gate.verdict}: {p.gate.reason}",
+                        "verdict": gate.verdict,
+                        "noise_units": gate.noise_units,
+                        "reason": gate.reason,
+                    }
+                )
+    return rows
+
+
+def judged_status(verdicts: list[str]) -> int:
+    """``--judge``'s exit status, as a run's: 0 every phase judged aligned, 1 a phase not aligned
+    or not judged (bad input, 2, is refused before)."""
+    return 0 if verdicts and all(v == "aligned" for v in verdicts) else 1
+
+
+def print_judged(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="loss gate, judged again")
+    for col in ("run", "round", "phase", "recorded", "verdict", "x noise", "reason"):
+        t.add_column(col)
+    for r in rows:
+        units = "-" if r.get("noise_units") is None else f"{r['noise_units']:.1f}"
+        t.add_row(r["run"], str(r["round"]), r["phase"], r["recorded"], r["verdict"], units, r["reason"])
+    Console(width=240).print(t)
+
+
+def _paths(names: list[str]) -> list[Path]:
+    return [Path(a).expanduser().resolve() for a in names]
+
+
+def judge_main(argv: list[str]) -> int:
+    """``flagbench judge RESULTS.json ... --reference FILE ...`` (``start_task.py --judge``)."""
+    ap = argparse.ArgumentParser(prog="flagbench judge", description="judge finished runs' loss curves again against --reference files")
+    ap.add_argument("runs", nargs="+", metavar="RESULTS.json", help="the runs to judge (their files stay as they are without --update)")
+    ap.add_argument(
+        "--reference", action="append", default=[], metavar="FILE", help="a curve to judge against (repeatable: their mean and spread)"
+    )
+    ap.add_argument(
+        "--update", action="store_true", help="write the verdicts into the runs' results.json (a reference made after they ran)"
+    )
+    args = parse_args(ap, argv)
+    if isinstance(args, int):
+        return args
+    try:
+        files = _paths(args.reference)
+        if args.update:
+            verdicts = []
+            for path in _paths(args.runs):
+                print("\n".join(judge_file(path, files)))
+                verdicts += [p.gate.verdict for r in tr.load(path).rounds if r.ran_through for p in r.phases]
+            return judged_status(verdicts)
+        rows = judge_again(_paths(args.runs), files)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_judged(rows)
+    return judged_status([r["verdict"] for r in rows])
+
+
+def record_main(argv: list[str]) -> int:
+    """``flagbench record-reference RESULTS.json ... [--why TEXT] [--replace]`` (``start_task.py --record-reference``)."""
+    ap = argparse.ArgumentParser(
+        prog="flagbench record-reference", description="make runs the reference of their model, phase, recipe and data"
+    )
+    ap.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RESULTS.json",
+        help="a run's curves become the case's reference for its data; several runs of one config: their mean, with the runs and their spread",
+    )
+    ap.add_argument("--replace", action="store_true", help="replace a reference that exists")
+    ap.add_argument("--why", default="", metavar="TEXT", help="why the reference is made or changed (kept in it)")
+    args = parse_args(ap, argv)
+    if isinstance(args, int):
+        return args
+    try:
+        print("\n".join(record(_paths(args.runs), args.why, args.replace)))
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -441,7 +441,9 @@ def summary_table(outcomes: list[dict[str, Any]]) -> Table:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="flagbench nightly", description=__doc__.split("\n\n")[0], epilog="Format and exit statuses: docs/nightly.md")
+    ap = argparse.ArgumentParser(
+        prog="flagbench nightly", description=__doc__.split("\n\n")[0], epilog="Format and exit statuses: docs/nightly.md"
+    )
     ap.add_argument("runlist", nargs="?", metavar="RUNLIST.yaml", help="the run list")
     ap.add_argument("--nightly", metavar="RUNLIST.yaml", help="the run list (as start_task.py takes it)")
     ap.add_argument("--db", metavar="PATH", help="history file (default: the run list's history_db)")

@@ -40,3 +40,8 @@ def sdpa_cudnn(cfg: dict[str, Any]) -> None:
 
 def sdpa_efficient(cfg: dict[str, Any]) -> None:
     _held_to("EFFICIENT_ATTENTION")
+
+
+def unchanged(cfg: dict[str, Any]) -> None:
+    """The stack as configured: a hook that changes nothing, so that one check process can judge
+    the intact stack beside defects (``flagbench conformance --hook ... --hook ...``)."""

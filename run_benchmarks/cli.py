@@ -38,7 +38,7 @@ class Command:
 
         module, _, name = self.function.partition(":")
         call = getattr(importlib.import_module(f"run_benchmarks.{module}"), name)
-        if module == "start_task":  # the run command guards itself (its run folder takes the traceback)
+        if self.function == "start_task:main":  # the run command guards itself (its run folder takes the traceback)
             return int(call(argv) or 0)
         try:
             return int(call(argv) or 0)

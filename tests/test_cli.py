@@ -153,3 +153,11 @@ def test_each_older_flag_is_an_alias_of_one_command():
     )
     assert cli.aliased(["--verify=a.json"]) == ("verify", ["a.json"])
     assert cli.aliased(["--vendor", "cpu", "--case_name", "x:megatron:cpu:1:1"]) is None  # a run
+
+
+def test_every_command_names_a_function_that_exists():
+    import importlib
+
+    for name, command in cli.COMMANDS.items():
+        module, _, function = command.function.partition(":")
+        assert callable(getattr(importlib.import_module(f"run_benchmarks.{module}"), function, None)), name

@@ -6,7 +6,8 @@ decoder layer, the embedding and the loss head on this host's first device as th
 isolated float64 numpy reference of the architecture judges its outputs and gradients. Nothing
 trains; no run folder. ``--hook`` gives the check alone a vendor hook (``module:function``) in
 place of the config's own, to see what a defect does to it (examples/defects.py); given several
-times, one process checks each in turn, its probes forked once their imports are made.
+times, one process checks each in turn, its probes forked once their imports are made;
+``--each-set KEY=VALUE`` given several times does the same for settings, each value alone.
 ``--no-cache`` checks again where this stack already has a verdict.
 
 Exit status: 0 passed (every check), 1 failed (or the probe could not finish, or the case has no probe),
@@ -54,8 +55,9 @@ def check(plans: list[planning.Plan], python: str, root: Path, cache: Path, no_c
     return [json.loads(line) for line in lines]
 
 
-def _print(cn: CaseName, vendor: str, hook: str | None, verdict: dict[str, Any]) -> None:
-    print(f"conformance of {cn} ({vendor}{', hook ' + hook if hook else ''}): {conformance_text(verdict)}")
+def _print(cn: CaseName, vendor: str, label: dict[str, str], verdict: dict[str, Any]) -> None:
+    what = "".join(f", {k} {v}" for k, v in label.items())
+    print(f"conformance of {cn} ({vendor}{what}): {conformance_text(verdict)}")
     for row in verdict.get("failed") or []:
         where = f" at positions {row['positions'][0]:,}-{row['positions'][1]:,}" if row.get("positions") else ""
         print(f"  {row['tensor']}{where}: {100 * row['error']:.3g} % (tolerance {100 * row['tolerance']:.3g} %)")
@@ -73,6 +75,13 @@ def main(argv: list[str]) -> int:
         help="a vendor hook for the check alone, module:function (examples/defects.py), in place of the config's own; "
         "repeat to check each in turn in one process",
     )
+    ap.add_argument(
+        "--each-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a --set of one check: repeat to check each value alone in one process (not with --hook)",
+    )
     ap.add_argument("--no-cache", action="store_true", help="check again where this stack already has a verdict")
     args = ap.parse_args(argv)
     try:
@@ -82,13 +91,22 @@ def main(argv: list[str]) -> int:
         for hook in args.hook:
             if not MODSPEC.match(hook):
                 raise InputError(f"--hook {hook!r}: must be 'module:function'")
+        if args.hook and args.each_set:
+            raise InputError("--hook and --each-set: give one of them (each makes checks of its own)")
         check_name(args.vendor, "vendor")
         cn = CaseName.parse(args.case_name)
         cluster = load_cluster(args)
-        plan = planning.build(cn, args.vendor, cluster, Path(tempfile.gettempdir()), planning.check_variant(args.variant), args.sets)
+
+        def planned(sets: list[str]) -> planning.Plan:
+            return planning.build(cn, args.vendor, cluster, Path(tempfile.gettempdir()), planning.check_variant(args.variant), sets)
+
+        plan = planned(args.sets)
         if not plan.conformance:
             raise InputError(f"case {cn.model}:{cn.framework} has no conformance probe (case.yaml: conformance)")
-        plans = [dataclasses.replace(plan, hook=hook) for hook in args.hook] or [plan]
+        plans = (
+            [dataclasses.replace(plan, hook=hook) for hook in args.hook] or [planned([*args.sets, kv]) for kv in args.each_set] or [plan]
+        )
+        labels = [{"hook": hook} for hook in args.hook] or [{"set": kv} for kv in args.each_set] or [{}]
         runtime = select(cluster, args.python)
         python, root = runtime.prepare(plan, Path(tempfile.gettempdir()) / f"flagbench-conformance-env-{plan.run_id}.log")
     except InputError as exc:
@@ -100,9 +118,9 @@ def main(argv: list[str]) -> int:
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.json:  # one check: its verdict; several: the list, each naming its hook
-        print(json.dumps(verdicts[0] if len(plans) == 1 else [{"hook": p.hook, **v} for p, v in zip(plans, verdicts)], indent=2))
+    if args.json:  # one check: its verdict; several: the list, each naming its hook or --each-set value
+        print(json.dumps(verdicts[0] if len(plans) == 1 else [{**label, **v} for label, v in zip(labels, verdicts)], indent=2))
     else:
-        for p, verdict in zip(plans, verdicts):
-            _print(cn, args.vendor, p.hook, verdict)
+        for label, verdict in zip(labels, verdicts):
+            _print(cn, args.vendor, label, verdict)
     return 0 if all(v.get("verdict") == "passed" for v in verdicts) else 1

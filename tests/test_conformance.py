@@ -245,3 +245,10 @@ def test_each_family_defect_fails(request, family):
             hook,
             v["message"],
         )
+
+
+def test_hooks_and_settings_are_not_mixed():
+    """``--hook`` and ``--each-set`` each make checks of their own: both at once is bad input."""
+    cmd = [sys.executable, "-m", "run_benchmarks.cli", "conformance", *CASE, "--hook", "a:b", "--each-set", "parallel.attention=local"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --hook and --each-set: give one of them (each makes checks of its own)"

@@ -180,7 +180,7 @@ def test_a_case_that_measures_no_ceiling_is_refused(monkeypatch, capsys):
         return dataclasses.replace(entry, config=entry.config.model_copy(update={"ceiling": False}))
 
     monkeypatch.setattr(registry, "find_case", without_ceiling)
-    assert ceiling_cli.main(["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:2", "--ceiling"]) == 2
+    assert ceiling_cli.main(["--vendor", "cpu", "--case_name", "gpt3_tiny:paddle:cpu:1:2"]) == 2
     assert "does not measure a kernel ceiling (no 'ceiling: true' in its case.yaml)" in capsys.readouterr().err
 
 

@@ -29,6 +29,7 @@ class Command:
     help: str
     function: str  # "module:function" under run_benchmarks/, called with the command's own arguments
     alias: str | None = None  # start_task.py's flag for it (``--verify F`` is ``verify F``)
+    guards_itself: bool = False  # reports its own unexpected errors (the run: its run folder takes the traceback)
 
     def run(self, argv: list[str]) -> int:
         """The command's exit status; an error nobody foresaw is one line and exit 3."""
@@ -38,7 +39,7 @@ class Command:
 
         module, _, name = self.function.partition(":")
         call = getattr(importlib.import_module(f"run_benchmarks.{module}"), name)
-        if self.function == "start_task:main":  # the run command guards itself (its run folder takes the traceback)
+        if self.guards_itself:
             return int(call(argv) or 0)
         try:
             return int(call(argv) or 0)
@@ -48,7 +49,7 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "run": Command(f"run a case ({GRAMMAR}) and judge it", "start_task:main"),
+    "run": Command(f"run a case ({GRAMMAR}) and judge it", "start_task:main", guards_itself=True),
     "verify": Command("recompute results.json files' figures and verdicts from their records", "judging.verify:main", "--verify"),
     "judge": Command("judge finished runs against references (--update writes the verdict)", "judging.recording:judge_main", "--judge"),
     "compare": Command("set runs side by side against the last one", "judging.compare:compare_main", "--compare"),

@@ -43,8 +43,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -89,7 +89,7 @@ def describe(plan: planning.Plan, rnd: planning.RoundPlan, details: dict | None 
     return "\n".join(lines)
 
 
-def _printed(lines_of: Any) -> int:
+def _printed(lines_of: Callable[[], list[str]]) -> int:
     """Print a host command's lines; exit 2 on bad input."""
     try:
         lines = lines_of()

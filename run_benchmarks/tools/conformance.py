@@ -103,10 +103,13 @@ def main(argv: list[str]) -> int:
         plan = planned(args.sets)
         if not plan.conformance:
             raise InputError(f"case {cn.model}:{cn.framework} has no conformance probe (case.yaml: conformance)")
-        plans = (
-            [dataclasses.replace(plan, hook=hook) for hook in args.hook] or [planned([*args.sets, kv]) for kv in args.each_set] or [plan]
+        # one check per hook, or per --each-set value, or the one config; each labelled in the output
+        checks = (
+            [({"hook": hook}, dataclasses.replace(plan, hook=hook)) for hook in args.hook]
+            or [({"set": kv}, planned([*args.sets, kv])) for kv in args.each_set]
+            or [({}, plan)]
         )
-        labels = [{"hook": hook} for hook in args.hook] or [{"set": kv} for kv in args.each_set] or [{}]
+        plans = [p for _, p in checks]
         runtime = select(cluster, args.python)
         python, root = runtime.prepare(plan, Path(tempfile.gettempdir()) / f"flagbench-conformance-env-{plan.run_id}.log")
     except InputError as exc:
@@ -119,8 +122,8 @@ def main(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.json:  # one check: its verdict; several: the list, each naming its hook or --each-set value
-        print(json.dumps(verdicts[0] if len(plans) == 1 else [{**label, **v} for label, v in zip(labels, verdicts)], indent=2))
+        print(json.dumps(verdicts[0] if len(checks) == 1 else [{**label, **v} for (label, _), v in zip(checks, verdicts)], indent=2))
     else:
-        for label, verdict in zip(labels, verdicts):
+        for (label, _), verdict in zip(checks, verdicts):
             _print(cn, args.vendor, label, verdict)
     return 0 if all(v.get("verdict") == "passed" for v in verdicts) else 1

@@ -233,22 +233,21 @@ def _main(argv: list[str] | None) -> int:
 
 def _run(plan: planning.Plan, args: argparse.Namespace, t0: float) -> int:
     """The planned run: its references checked, then printed (--dry-run) or run round by round."""
-    from run_benchmarks.judging import loss_gate, references
-    from run_benchmarks.planning import datacheck
+    from run_benchmarks.judging import loss_gate
+    from run_benchmarks.planning import datacheck, references
     from run_benchmarks.running import orchestrator
 
     console = Console(stderr=True)
     try:
-        refs = references.load_references(plan)  # a curve that cannot judge the run is bad input, before anything runs
         said = console if args.json else Console()  # with the plan and the table, on stdout; beside --json's, on stderr
         for line in datacheck.describe(plan.data):
             said.print(line, markup=False, soft_wrap=True)
-        for note in loss_gate.reference_notes(refs):
+        for note in loss_gate.reference_notes(references.curves_of(plan.references)):
             console.print(note, markup=False, soft_wrap=True)
         runtime = select(plan.cluster, args.python)
         if args.dry_run:
             rnd = runtime.dry_round(plan)
-            judged_by = references.judging(plan, refs)
+            judged_by = references.judging(plan)
             out = {**plan.to_json(rnd), "judged_by": judged_by, "runtime_details": runtime.dry_run_details(plan, rnd)}
             print(json.dumps(out, indent=2, default=str) if args.json else describe(plan, rnd, out["runtime_details"], judged_by))
             return 0

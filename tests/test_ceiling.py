@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.judging import results
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.planning import registry
 from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.tools import ceiling as ceiling_cli

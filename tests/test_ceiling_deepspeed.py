@@ -22,7 +22,7 @@ import yaml
 
 from cases.baichuan2.deepspeed import ceiling as baichuan2_ceiling
 from cases.llava.deepspeed import ceiling as llava_ceiling
-from run_benchmarks.judging import typed_results as tr
+from run_benchmarks import typed_results as tr
 from run_benchmarks.planning.registry import ROOT
 from tests.case_helpers import start_task, torch_unit
 from training import ceiling, flops, flops_llava

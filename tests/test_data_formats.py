@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.judging import typed_results as tr
+from run_benchmarks import typed_results as tr
 from run_benchmarks.planning.registry import ROOT
 from tests.case_helpers import start_task
 

@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import recording, references
-from run_benchmarks.planning import datacheck
+from run_benchmarks.judging import recording
+from run_benchmarks.planning import datacheck, references
 from run_benchmarks.planning.registry import ROOT
 from tests.test_results_models import fake_phase, fake_run
 from training.data import corpus, llava_images, paddle_gpt

@@ -131,7 +131,9 @@ def test_a_case_never_imports_the_host_side():
 
 #: the host side's stages, lowest first (docs/architecture.md); each imports only those before it
 STAGES = ["planning", "judging", "running", "nightly", "tools"]
-BELOW = {"run_benchmarks", "run_benchmarks.errors"}  # below every stage
+#: below every stage: the errors, the records' base, the typed results and reference records, and
+#: the curves' arithmetic that planning (reading references) and judging (the gate) both need
+BELOW = {"run_benchmarks", "run_benchmarks.errors", "run_benchmarks.schema", "run_benchmarks.typed_results", "run_benchmarks.curve_math"}
 ABOVE = {"run_benchmarks.start_task", "run_benchmarks.cli"}  # the entry points, above every stage
 
 
@@ -240,14 +242,14 @@ def test_the_checks_see_a_violation(tmp_path):
     assert imported(f, False) == {"os", "torch", "megatron.core"}
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"a"}, "b": set()}) == [["a"]]
-    assert stage_rank("run_benchmarks.planning.plan") < stage_rank("run_benchmarks.judging.references") < stage_rank("run_benchmarks.cli")
+    assert stage_rank("run_benchmarks.planning.plan") < stage_rank("run_benchmarks.judging.loss_gate") < stage_rank("run_benchmarks.cli")
 
 
 def test_the_loss_gate_is_a_function_of_curves():
     """judging/loss_gate.py reads no file and asks no plan: at any level it imports only the
     standard library's math and typing helpers and the typed records of the curves it judges."""
     path = ROOT / "run_benchmarks" / "judging" / "loss_gate.py"
-    allowed = {"__future__", "math", "typing", "collections.abc", "run_benchmarks.judging.typed_results"}
+    allowed = {"__future__", "math", "typing", "collections.abc", "run_benchmarks.typed_results", "run_benchmarks.curve_math"}
     assert imported(path, module_level=False) <= allowed, imported(path, module_level=False) - allowed
 
 
@@ -260,3 +262,26 @@ def test_the_orchestrator_hands_a_round_to_judging_once():
     assert not uses & {"run_benchmarks.judging.loss_gate", "run_benchmarks.judging.recording"}, uses
     text = path.read_text()
     assert text.count("rounds.judge_round(") == 1 and "judge_phase" not in text and "round_status" not in text
+
+
+#: the run flow after planning: what runs the rounds and judges them
+RUN_FLOW = [
+    "run_benchmarks/running",
+    "run_benchmarks/judging/rounds.py",
+    "run_benchmarks/judging/results.py",
+    "run_benchmarks/judging/metrics.py",
+]
+#: what finds and reads reference files: planning's (the offline commands, verify, judge, compare and
+#: record-reference, read them by design)
+READS_REFERENCES = {"run_benchmarks.planning.references", "run_benchmarks.planning.curves"}
+
+
+def test_nothing_after_planning_reads_a_reference_file():
+    """A run's references are found, read and checked while it is planned (planning/references.py,
+    held by the Plan); the rounds and their judging take them from the plan."""
+    flow = [f for d in RUN_FLOW for f in ((ROOT / d).rglob("*.py") if (ROOT / d).is_dir() else [ROOT / d])]
+    assert len(flow) > 10, flow
+    bad = {module_name(f): sorted(imported(f, False) & READS_REFERENCES) for f in flow}
+    assert not {m: r for m, r in bad.items() if r}, bad
+    plan = (ROOT / "run_benchmarks" / "planning" / "plan.py").read_text()
+    assert "references.resolve(plan)" in plan  # the one place a plan takes them

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.judging import typed_results as tr
+from run_benchmarks import typed_results as tr
 from tests.case_helpers import START, start_task
 
 LLAMA = "llama3_tiny:megatron:cpu:1:2"

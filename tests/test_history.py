@@ -12,8 +12,8 @@ import sqlite3
 import pytest
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging.typed_results import RunResults
 from run_benchmarks.nightly import history
+from run_benchmarks.typed_results import RunResults
 from tests.test_results_models import fake_phase, fake_run
 
 CASE = "llama3_tiny:megatron:cpu:1:2"

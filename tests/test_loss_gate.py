@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from run_benchmarks.judging import curves, loss_gate, recording, references, results
+from run_benchmarks import curve_math
+from run_benchmarks.judging import loss_gate, recording, results, rounds
 from run_benchmarks.judging.loss_gate import round_status
-from run_benchmarks.judging.typed_results import LossGate, Reference, Repeat
+from run_benchmarks.planning import curves, references
 from run_benchmarks.planning.registry import ROOT
+from run_benchmarks.typed_results import LossGate, Reference, Repeat
 
 NAN, INF = float("nan"), float("inf")
 
@@ -77,9 +79,9 @@ def test_too_few_compared_steps_judge_nothing():
     with pytest.raises(
         loss_gate.BadReference, match=r"^/refs/few.json: 4 step\(s\) from step 21 on \(steps 21-24\); the loss gate compares at least 5$"
     ):
-        loss_gate.check_curve(few)
+        curve_math.check_curve(few)
     with pytest.raises(loss_gate.BadReference, match=r"0 step\(s\) from step 21 on \(none\)"):
-        loss_gate.check_curve(Reference(path="/refs/early.json", loss=curve(last=20)))
+        curve_math.check_curve(Reference(path="/refs/early.json", loss=curve(last=20)))
 
 
 @pytest.mark.parametrize("bad", [0.0, NAN, INF])
@@ -88,7 +90,7 @@ def test_a_zero_or_nonfinite_reference_loss_is_a_bad_reference(bad):
     with pytest.raises(loss_gate.BadReference, match=rf"^/refs/curve.json: step 24: reference loss {bad}"):
         loss_gate.judge_loss(curve(), r, warmup_steps=5)
     with pytest.raises(loss_gate.BadReference, match=r"/refs/curve.json: step 24: reference loss"):
-        loss_gate.check_curve(r)
+        curve_math.check_curve(r)
 
 
 def test_no_reference_is_not_judged():
@@ -367,8 +369,8 @@ def _repeats_file(tmp_path, spread_off: float):
 
 
 def test_verify_recomputes_a_repeats_gate_from_the_file_alone(tmp_path):
+    from run_benchmarks import typed_results as tr
     from run_benchmarks.judging import results, verify
-    from run_benchmarks.judging import typed_results as tr
 
     wide, gate = _repeats_file(tmp_path, 0.05)
     assert gate.verdict == "not judged" and gate.reason.startswith("reference repeats differ by 5.00% among themselves")
@@ -530,8 +532,11 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
     cn = CaseName.parse("baichuan2_13b:deepspeed:H200:1:4")
     short = planning.build(cn, "nvidia", ClusterConfig(), tmp_path, sets=["train.global_batch=32"])
     assert references.load_references(short) == {"train": None}
-    assert references.not_judged_reason(short, "train") == (
-        "--set train.global_batch=32 changes the standard recipe: its reference judges only runs of that recipe"
+    assert short.references["train"].curve is None  # the plan holds what it found
+    assert (
+        references.not_judged_reason(short, "train")
+        == short.references["train"].why_none
+        == ("--set train.global_batch=32 changes the standard recipe: its reference judges only runs of that recipe")
     )
     assert references.other_batch_reason(short, "train") == (
         "no reference at global batch 32 (the committed curve standard.json is of global batch 64)"
@@ -539,9 +544,10 @@ def test_a_curve_of_another_global_batch_judges_nothing(tmp_path):
     standard = planning.build(cn, "nvidia", ClusterConfig(), tmp_path)
     assert references.not_judged_reason(standard, "train") is None
     (ref,) = references.load_references(standard).values()
+    assert standard.references["train"].curve == ref and standard.references["train"].why_none is None
     assert ref is not None and ref.path == "cases/baichuan2/deepspeed/reference/baichuan2_13b/standard.json" and len(ref.loss) == 30
 
-    gate = references.judge_phase({s: 5.0 for s in range(1, 31)}, None, 5, short, "train", references.not_judged_reason(short, "train"))
+    gate = rounds.phase_gate({s: 5.0 for s in range(1, 31)}, None, 5, short.references["train"].why_none)
     assert gate.verdict == "not judged" and gate.reason.startswith("--set train.global_batch=32 changes the standard recipe")
 
 

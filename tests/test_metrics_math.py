@@ -2,8 +2,8 @@
 
 import pytest
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.judging import metrics
-from run_benchmarks.judging import typed_results as tr
 from training import flops
 from training import metriclog as ml
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import references
 from run_benchmarks.nightly import driver as nightly
 from run_benchmarks.nightly import history
+from run_benchmarks.planning import references
 from run_benchmarks.planning.registry import ROOT
 
 GOOD_CASE = "  - {case: 'llama3_tiny:megatron:cpu:1:2', vendor: cpu, rounds: 2, set: [train.steps=10]}\n"

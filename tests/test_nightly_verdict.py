@@ -158,7 +158,7 @@ def test_a_finding_names_the_environment_set_otherwise_than_in_the_baseline(tmp_
     ``recorded_env`` (NCCL tuning and the like) is neither, so a slower night names the recorded
     variables set otherwise than in the latest baseline run, read from the history; nothing is
     said where they agree or where either run recorded none."""
-    from run_benchmarks.judging.typed_results import environment_changes, recorded_environment
+    from run_benchmarks.typed_results import environment_changes, recorded_environment
 
     def recorded(run_id: str, env: dict | None):
         res = fake_results(run_id, [100.0])

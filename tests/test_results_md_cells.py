@@ -9,8 +9,8 @@ import os
 import subprocess
 import sys
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.judging import results
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.running.remote.errors import HostBusy
 from run_benchmarks.running.runtimes import local

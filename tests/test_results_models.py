@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
 from run_benchmarks.judging import results
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.planning.registry import ROOT
 
 RUNS = sorted((ROOT / "docs" / "results" / "runs").glob("*.json"))

@@ -252,7 +252,8 @@ def test_host_down(cluster, megatron_python, tmp_path):
     ],
 )
 def test_launcher_across_two_hosts(cluster, request, framework, case, reference, runtime, tmp_path):
-    from run_benchmarks.judging import curves, loss_gate
+    from run_benchmarks.judging import loss_gate
+    from run_benchmarks.planning import curves
 
     python = request.getfixturevalue(f"{framework}_python")
     cfile = cluster_file(cluster, tmp_path, python, runtime=runtime)

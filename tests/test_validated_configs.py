@@ -28,7 +28,10 @@ def test_a_validated_config_names_an_aligned_run(path: Path) -> None:
 
 def test_the_llama3_8b_h200_config_is_validated_by_its_run_on_one_card() -> None:
     doc = yaml.safe_load((registry.VENDORS_DIR / "nvidia/cases/llama3_8b/megatron/config_H200x1x1.yaml").read_text())
-    assert doc["validated"] is True and doc["validated_by"] == "docs/results/runs/2026-12-02_llama3_8b_H200x1_short-offload-pinned-copy-r2.json"
+    assert (
+        doc["validated"] is True
+        and doc["validated_by"] == "docs/results/runs/2026-12-02_llama3_8b_H200x1_short-offload-pinned-copy-r2.json"
+    )
 
 
 @pytest.fixture
@@ -72,7 +75,8 @@ def test_a_run_not_judged_or_of_another_layout_validates_nothing(tmp_path) -> No
         then = "optimizer_offload_fraction: 0.5}"  # the config of that run
         cfg.write_text(
             sdpa.replace("micro_batch: 2", "micro_batch: 1").replace(
-                "optimizer_offload_fraction: 0.4, overlap_cpu_optimizer_d2h_h2d: true, pinned_register_threads: 16, offload_pinned_copy: true}", then
+                "optimizer_offload_fraction: 0.4, overlap_cpu_optimizer_d2h_h2d: true, pinned_register_threads: 16, offload_pinned_copy: true}",
+                then,
             )
         )
         said = config_validation.validation_problem(cfg)

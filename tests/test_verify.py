@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.judging import loss_gate, metrics, verify
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.judging.loss_gate import round_status
 from run_benchmarks.planning.registry import ROOT
 from tests.test_results_models import RUNS, fake_phase, fake_run

@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError, parse_args
 from run_benchmarks.judging import loss_gate, pages
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.judging.compare_charts import phase_charts, side_name
 from run_benchmarks.judging.results import (
     _pct,

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from run_benchmarks.judging.typed_results import DeviceClocks, DeviceEnergy, DeviceMemory, Spread, Step, Window
+from run_benchmarks.typed_results import DeviceClocks, DeviceEnergy, DeviceMemory, Spread, Step, Window
 from training import metriclog as ml
 from training.flops import mfu
 

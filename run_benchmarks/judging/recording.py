@@ -13,10 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from run_benchmarks import typed_results
+from run_benchmarks import typed_results as tr
+from run_benchmarks.curve_math import check_curve
 from run_benchmarks.errors import InputError, parse_args
-from run_benchmarks.judging import typed_results
-from run_benchmarks.judging import typed_results as tr
-from run_benchmarks.judging.curves import (
+from run_benchmarks.judging.loss_gate import MIN_REPEATS, judge_loss, round_loss, round_status
+from run_benchmarks.planning import datacheck, registry
+from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.planning.curves import (
     check_reference_data,
     combine,
     committed_path,
@@ -24,15 +29,10 @@ from run_benchmarks.judging.curves import (
     mean_reference,
     read_reference,
     same_training,
-    shown,
-    shown_paths,
 )
-from run_benchmarks.judging.loss_gate import MIN_REPEATS, check_curve, judge_loss, round_loss, round_status
-from run_benchmarks.judging.references import recipe_sets
-from run_benchmarks.judging.typed_results import Reference, Repeat
-from run_benchmarks.planning import datacheck, registry
-from run_benchmarks.planning import plan as planning
-from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.planning.references import recipe_sets
+from run_benchmarks.planning.registry import shown, shown_paths
+from run_benchmarks.typed_results import Reference, Repeat
 
 
 def _rounds_ran_through(res: tr.RunResults, path: Path) -> list[tr.RoundResult]:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from run_benchmarks.judging.typed_results import (
+from run_benchmarks.typed_results import (
     DeviceClocks,
     DeviceEnergy,
     DeviceMemory,

@@ -11,11 +11,9 @@ import re
 from typing import Any
 
 from run_benchmarks.judging import metrics, results
-from run_benchmarks.judging.curves import shown_paths
-from run_benchmarks.judging.loss_gate import round_loss, round_status
-from run_benchmarks.judging.references import judge_phase, not_judged_reason
-from run_benchmarks.judging.typed_results import PhaseResult, Reference, RoundResult
+from run_benchmarks.judging.loss_gate import judge_loss, round_loss, round_status
 from run_benchmarks.planning.plan import Plan
+from run_benchmarks.typed_results import LossGate, PhaseResult, Reference, RoundResult
 from training import metriclog as ml
 
 
@@ -37,7 +35,6 @@ def _phase_result(
     plan: Plan,
     parsed: ml.ParsedLog,
     phase: str,
-    reference: Reference | None,
     monitor_nodes: list[tuple[list[dict[str, Any]], set[int] | None]],
 ) -> PhaseResult:
     warmup = int(plan.settings["train"]["warmup_steps"])
@@ -46,10 +43,11 @@ def _phase_result(
     metas = [r.value for r in parsed.of(ml.EV_META, ml.K_RUN_META) if r.value.get("phase", "train") == phase]
     meta = metas[0] if metas else None
     mem = metrics.memory_summary(parsed, phase)
+    reference = plan.references[phase].curve
     return PhaseResult(
         phase=phase,
         **fig,
-        gate=judge_phase(fig["loss"], reference, warmup, plan, phase, not_judged_reason(plan, phase)),
+        gate=phase_gate(fig["loss"], reference, warmup, plan.references[phase].why_none),
         reference=reference,
         meta=meta,
         step_breakdown=metrics.step_breakdowns(parsed, phase, fig["step_time_s"]),
@@ -97,11 +95,19 @@ def record_errors(plan: Plan, parsed: ml.ParsedLog, phases: list[PhaseResult], d
     return errors
 
 
-def judge_round(plan: Plan, outcome: RoundOutcome, references: dict[str, Reference | None]) -> RoundResult:
-    """The round's result: every phase's figures and loss gate against ``references`` (the plan's,
-    by phase), and the round's status and why."""
+def phase_gate(loss: dict[int, float], reference: Reference | None, warmup: int, why_none: str | None) -> LossGate:
+    """The loss gate (judge_loss); a phase without a reference says why, as its plan found it."""
+    gate = judge_loss(loss, reference, warmup)
+    if reference is None and why_none and gate.verdict == "not judged" and gate.nonfinite_step is None:
+        gate = gate.model_copy(update={"reason": why_none})
+    return gate
+
+
+def judge_round(plan: Plan, outcome: RoundOutcome) -> RoundResult:
+    """The round's result: every phase's figures and loss gate against the plan's references,
+    and the round's status and why."""
     parsed = outcome.parsed
-    phases = [_phase_result(plan, parsed, ph, references[ph], outcome.monitor_nodes) for ph in plan.phases]
+    phases = [_phase_result(plan, parsed, ph, outcome.monitor_nodes) for ph in plan.phases]
     devices = sorted({str(r.value.get("device")) for r in parsed.of(ml.EV_MEMORY, ml.K_PEAK_MEMORY) if r.value.get("device")})
     checks = parsed.of(ml.EV_INFO, ml.K_CONFORMANCE)
     conformance = checks[0].value if checks else None
@@ -131,7 +137,7 @@ def judge_round(plan: Plan, outcome: RoundOutcome, references: dict[str, Referen
         loss_aligned=loss_aligned,
         phases=phases,
         monitor={f"node{k}": m for k, m in outcome.monitors.items()},
-        reference={ph: (shown_paths(r.path) if r else None) for ph, r in references.items()},
+        reference={ph: (r.curve.path if r.curve else None) for ph, r in plan.references.items()},
         nodes=outcome.nodes,
         metric_parse_errors=len(parsed.errors),
         conformance=conformance,

@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.planning import registry
 
 RUNS = registry.ROOT / "docs" / "results" / "runs"

@@ -27,10 +27,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import curves, loss_gate, metrics
-from run_benchmarks.judging import typed_results as tr
-from run_benchmarks.planning import registry
+from run_benchmarks.judging import loss_gate, metrics
+from run_benchmarks.planning import curves, registry
 from run_benchmarks.planning.code_version import git
 from training.flops import mfu
 

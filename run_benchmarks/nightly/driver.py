@@ -29,16 +29,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from run_benchmarks import typed_results
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import curves, loss_gate, references, typed_results
-from run_benchmarks.judging.typed_results import RunResults, environment_changes, recorded_environment
+from run_benchmarks.judging import loss_gate
 from run_benchmarks.nightly import history
 from run_benchmarks.nightly.runlist import RunList, RunListEntry, Tolerances, parse_runlist
-from run_benchmarks.planning import code_version
+from run_benchmarks.planning import code_version, references, registry
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.casename import CaseName
 from run_benchmarks.planning.config import ClusterConfig, cluster_with, load, parse_duration
 from run_benchmarks.running import orchestrator
+from run_benchmarks.typed_results import RunResults, environment_changes, recorded_environment
 
 EXIT_OK, EXIT_REGRESSED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -93,14 +94,16 @@ def prepare(
         cn = dataclasses.replace(CaseName.parse(e.case), repeat=e.rounds)
         try:
             refs_given = planning.reference_files(e.reference, base, "reference")
+            # its references read and checked: a curve that cannot judge the case is bad input, nothing runs
             plan = planning.build(cn, e.vendor, cluster, logs, e.variant, list(e.sets), recipe=e.recipe, references=refs_given)
-            refs = references.load_references(plan)  # a curve that cannot judge the case: bad input, nothing runs
         except InputError as exc:
             raise InputError(f"{path}: field 'cases.{i}' ({e.case} on {e.vendor}): {exc}") from None
         tol = rl.tolerances.model_copy(update=e.tolerances.model_dump(exclude_none=True))
         hosts = [h.name for h in cluster.hosts[: cn.nnodes]]
         hw = history.hardware_key(cn.hardware, cluster.backend, hosts, history.cpu_model() if cluster.backend == "local" else None)
-        jobs.append(NightlyCase(i, e, plan, tol, hw, loss_gate.reference_notes(refs) + references.judging(plan, refs)))
+        jobs.append(
+            NightlyCase(i, e, plan, tol, hw, loss_gate.reference_notes(references.curves_of(plan.references)) + references.judging(plan))
+        )
     return Night(
         path=path,
         text=path.read_text(encoding="utf-8"),
@@ -486,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             for j in night.jobs:
                 given = [str(p) for p in j.plan.reference] or [
-                    curves.shown(p) for ph in j.plan.phases for p in references.reference_paths(j.plan, ph)
+                    registry.shown(p) for ph in j.plan.phases for p in references.reference_paths(j.plan, ph)
                 ]
                 refs = "".join(f", reference {p}" for p in given)
                 print(

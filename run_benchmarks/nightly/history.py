@@ -31,9 +31,9 @@ from rich.console import Console
 from rich.table import Table
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging.typed_results import PhaseResult, RunResults, recorded_environment
 from run_benchmarks.planning import registry
 from run_benchmarks.planning.casename import CaseName, check_name
+from run_benchmarks.typed_results import PhaseResult, RunResults, recorded_environment
 
 SCHEMA_VERSION = 3
 #: the figures aggregated per run and phase, over its clean rounds (ok or unjudged)

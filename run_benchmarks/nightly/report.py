@@ -19,8 +19,8 @@ from matplotlib.figure import Figure
 from run_benchmarks.judging.loss_gate import ALIGN_FROM_STEP
 from run_benchmarks.judging.pages import PAGE, e, img, legend, table
 from run_benchmarks.judging.results import figure
-from run_benchmarks.judging.typed_results import CLEAN
 from run_benchmarks.nightly import history
+from run_benchmarks.typed_results import CLEAN
 
 EXIT_MEANING = {0: "no regression", 1: "regression or failure", 2: "bad run list", 130: "interrupted", None: "running"}
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning.casename import check_name
+from run_benchmarks.schema import M, Strict, problem_line, validate
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-.]{0,252})$")
 _MODSPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -57,10 +57,6 @@ def check_remote_path(v: str | None) -> str | None:
     if not _REMOTE_PATH.match(v) or ".." in v.split("/"):
         raise ValueError("not an absolute path of letters, digits and _.+@%,:=/- without '..'")
     return v.rstrip("/") or "/"
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # --------------------------------------------------------------------------- cluster
@@ -446,7 +442,10 @@ class VendorCaseConfig(BaseModel):
 
 # --------------------------------------------------------------------------- loading
 
-M = TypeVar("M", bound=BaseModel)
+
+def phase_value(train: dict[str, Any], phase: str, key: str) -> Any:
+    """A train setting of one phase: its ``phases.<phase>`` value, else the common one."""
+    return ((train.get("phases") or {}).get(phase) or {}).get(key, train.get(key))
 
 
 def read_yaml(path: str | os.PathLike[str]) -> Any:
@@ -466,51 +465,6 @@ def read_yaml(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"{p}:{where}: YAML syntax error: {problem}") from None
 
 
-def field_path(loc: tuple[Any, ...]) -> str:
-    """A pydantic error location as the dotted field name users see in error messages."""
-    return ".".join(str(x) for x in loc) or "(top level)"
-
-
-def _inner_model(tp: Any) -> type[BaseModel] | None:
-    """The model inside an annotation: ``M``, ``M | None``, ``list[M]``, ``dict[str, M]``."""
-    if isinstance(tp, type) and issubclass(tp, BaseModel):
-        return tp
-    for arg in typing.get_args(tp):
-        found = _inner_model(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The model that holds the field at ``loc`` (list indexes and mapping keys skipped)."""
-    cur: type[BaseModel] | None = model
-    for part in loc:
-        if cur is None:
-            return None
-        fields = {f.alias or n: f for n, f in cur.model_fields.items()}
-        if part not in fields:  # an index or a key of the container field before it
-            continue
-        cur = _inner_model(fields[part].annotation)
-    return cur
-
-
-def _problem(model: type[BaseModel], err: Any, source: str) -> str:
-    if err["type"] == "extra_forbidden":
-        parent = _model_at(model, tuple(err["loc"][:-1]))
-        names = [f.alias or n for n, f in parent.model_fields.items()] if parent else []
-        msg = "unknown field" + (f"; expected one of: {', '.join(names)}" if names else "")
-    else:
-        got = err.get("input")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            where = f"under '{field_path(err['loc'][:-1])}'" if len(err["loc"]) > 1 else "at the top level"
-            msg = f"Field required; add '{err['loc'][-1]}: <value>' {where}"
-        elif not isinstance(got, dict) and f"got {got!r}" not in msg:  # a validator's own message names it
-            msg += f", got {got!r}"
-    return f"{source}: field '{field_path(err['loc'])}': {msg}"
-
-
 def problems(model: type[BaseModel], path: str | os.PathLike[str]) -> list[str]:
     """Every problem of a YAML file against ``model``, each naming file and field ([] when valid)."""
     try:
@@ -522,21 +476,8 @@ def problems(model: type[BaseModel], path: str | os.PathLike[str]) -> list[str]:
     try:
         model.model_validate(data)
     except ValidationError as exc:
-        return [_problem(model, err, str(path)) for err in exc.errors()]
+        return [problem_line(model, err, str(path)) for err in exc.errors()]
     return []
-
-
-def validate(model: type[M], data: Any, source: str) -> M:
-    """``model`` from parsed YAML; one clear InputError naming ``source`` and the field otherwise."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise InputError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-        raise InputError(_problem(model, exc.errors()[0], source) + more) from None
 
 
 def cluster_with(cluster: ClusterConfig, source: str, **values: Any) -> ClusterConfig:

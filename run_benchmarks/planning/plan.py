@@ -21,7 +21,7 @@ import yaml
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning import datacheck, registry
 from run_benchmarks.planning.casename import CaseName, check_name
-from run_benchmarks.planning.config import STANDARD_RECIPE, CaseConfig, ClusterConfig, VendorConfig
+from run_benchmarks.planning.config import STANDARD_RECIPE, CaseConfig, ClusterConfig, VendorConfig, phase_value
 from run_benchmarks.planning.launchers import LAUNCHERS, LaunchSpec
 
 
@@ -76,6 +76,8 @@ class Plan:
     memory: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # phase -> lower bound of the states' memory
     recipe: str = STANDARD_RECIPE  # the named training recipe the settings start from (case.yaml)
     conformance: str | None = None  # the case's conformance probe, "module:function" (case.yaml)
+    # phase -> planning.references.PhaseReference: its curve, read and checked, or why it has none
+    references: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -157,11 +159,6 @@ def parse_override(text: str) -> tuple[str, Any]:
     if isinstance(value, dict) or isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value):
         raise InputError(f"--set {text!r}: value must be a scalar or a list of scalars ([a, b])")
     return key, value
-
-
-def phase_value(train: dict[str, Any], phase: str, key: str) -> Any:
-    """A train setting of one phase: its ``phases.<phase>`` value, else the common one."""
-    return ((train.get("phases") or {}).get(phase) or {}).get(key, train.get(key))
 
 
 #: the share of a device's memory (of a host's, with offload) the states alone may take: the
@@ -460,7 +457,17 @@ def build(
     )
     if command is None:
         command = command_line(plan, variant, list(sets or []), [str(p) for p in plan.reference])
-    return dataclasses.replace(plan, command=list(command), data=datacheck.check(plan))
+    return with_data(dataclasses.replace(plan, command=list(command)), datacheck.check(plan))
+
+
+def with_data(plan: Plan, data: dict[str, Any] | None) -> Plan:
+    """The plan with its data's identities (the pre-launch check's, or what the hosts fingerprinted
+    before training) and the references they select, read and checked (InputError naming the file):
+    the one place a run's reference files are read."""
+    from run_benchmarks.planning import references
+
+    plan = dataclasses.replace(plan, data=data)
+    return dataclasses.replace(plan, references=references.resolve(plan))
 
 
 def allocator_options(vendor: VendorConfig, parallel: dict[str, Any], source: str = "") -> dict[str, str]:

@@ -244,3 +244,17 @@ def _function(case: CaseConfig, field: str, spec: str) -> Callable[..., dict[str
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError) as exc:
         raise InputError(f"case {case.family}/{case.framework}: {field} function {spec!r} not found: {exc}") from None
+
+
+def shown_paths(paths: str) -> str:
+    """A reference's ``path`` (several files joined by "; ") with each file :func:`shown`."""
+    return "; ".join(shown(p) for p in paths.split("; "))
+
+
+def shown(path: str | Path) -> str:
+    """A path as results and messages name it: relative to the repository where it lies inside."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import os
@@ -14,17 +13,17 @@ from typing import Any
 
 from rich.console import Console
 
+from run_benchmarks import typed_results
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import metrics, results, rounds, typed_results
-from run_benchmarks.judging.curves import shown
-from run_benchmarks.judging.references import load_references
-from run_benchmarks.judging.typed_results import Reference, RoundResult, RunResults
+from run_benchmarks.judging import metrics, results, rounds
 from run_benchmarks.planning import code_version, datacheck, hostdata
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning.plan import Plan
+from run_benchmarks.planning.registry import shown
 from run_benchmarks.running import causes, orphans, progress
 from run_benchmarks.running.monitors import monitor_summary
 from run_benchmarks.running.runtimes.base import NodeOutcome, Runtime
+from run_benchmarks.typed_results import RoundResult, RunResults
 from training import metriclog as ml
 
 TAIL_LINES = 20
@@ -152,7 +151,6 @@ def evaluate_round(
     round_no: int,
     outcomes: list[NodeOutcome],
     started: float,
-    references: dict[str, Reference | None] | None = None,
     nodes: Sequence[planning.NodePlan] = (),
 ) -> RoundResult:
     """A round's raw outcome (its parsed logs, the monitors, what the processes said), handed to
@@ -172,7 +170,7 @@ def evaluate_round(
         process_errors=_process_errors(plan, outcomes, parsed, monitors),
         nodes=[{"host": o.host, "node_rank": o.node_rank, "returncode": o.returncode, **o.extra} for o in outcomes],
     )
-    return rounds.judge_round(plan, outcome, load_references(plan) if references is None else references)
+    return rounds.judge_round(plan, outcome)
 
 
 def base_results(plan: Plan) -> RunResults:
@@ -245,7 +243,7 @@ def orchestration_overhead(rnd: RoundResult, outcomes: list[NodeOutcome], begin:
 def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, Any]]]) -> tuple[Plan, RunResults]:
     """The plan and results with the data identities the hosts' reports give (hostdata.agree:
     InputError where the hosts disagree), written, and its new data lines said."""
-    before, plan = plan.data or {}, dataclasses.replace(plan, data=hostdata.agree(plan, reports))
+    before, plan = plan.data or {}, planning.with_data(plan, hostdata.agree(plan, reports))  # and the references that data selects
     res = res.model_copy(update={"data": plan.data})
     results.write(res, plan.run_dir)
     for line in datacheck.describe({ph: ident for ph, ident in (plan.data or {}).items() if ident != before.get(ph)}):
@@ -256,12 +254,11 @@ def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, 
 def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> RunResults:
     """Run every round; ``t0`` (wall clock) is when the command started, for the overhead figure.
 
-    The reference curves are checked first: a curve that cannot judge the run is bad input
-    (InputError) before anything is written or started.
+    The plan holds its references, read and checked as it was made (planning.plan.with_data,
+    again when the hosts fingerprint its data): nothing here reads a reference file.
     """
     console = console or Console(stderr=True)
     t0 = t0 if t0 is not None else time.time()
-    references = load_references(plan)
     run_dir = plan.run_dir
     res = base_results(plan)
     try:
@@ -281,9 +278,8 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
             if reports is not None:
                 plan, res = _hosts_took(plan, res, reports)
             else:
-                plan = dataclasses.replace(plan, data=hostdata.not_taken(plan, runtime.name))
+                plan = planning.with_data(plan, hostdata.not_taken(plan, runtime.name))
                 res = res.model_copy(update={"data": plan.data})
-            references = load_references(plan)  # judged by the data's fingerprint: a --reference of other data is refused
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
@@ -305,8 +301,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                 reports = runtime.round_data(plan, rnd_plan)
                 if reports is not None:
                     plan, res = _hosts_took(plan, res, reports)
-                    references = load_references(plan)
-            rnd = evaluate_round(plan, r, outcomes, started, references, rnd_plan.nodes)
+            rnd = evaluate_round(plan, r, outcomes, started, rnd_plan.nodes)
             full = _full_folder(run_dir) if rnd.status != "ok" else None
             if full and str(run_dir) not in _first_line(rnd.error or ""):  # the cause of the rank errors that follow
                 lead = f"{run_dir}: this machine's log folder is full ({full}): the logs written there are cut short"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from run_benchmarks.errors import InputError
 
 if TYPE_CHECKING:
-    from run_benchmarks.judging.typed_results import RunResults
+    from run_benchmarks.typed_results import RunResults
 
 WRITER = "writer.json"
 
@@ -58,7 +58,7 @@ def _writer(run_dir: Path) -> dict[str, Any] | None:
 def left_running(run_dir: Path) -> RunResults | None:
     """The run's results.json (typed) when it still says running, else None (finished, missing,
     or not a results.json: nothing of ours to finish)."""
-    from run_benchmarks.judging import typed_results
+    from run_benchmarks import typed_results
 
     try:
         res = typed_results.load(run_dir / "results.json")

@@ -9,14 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import typed_results as tr
-from run_benchmarks.judging.curves import committed_path, read_reference, shown
 from run_benchmarks.judging.loss_gate import judge_loss
-from run_benchmarks.judging.references import recipe_sets
 from run_benchmarks.planning import plan as planning
 from run_benchmarks.planning import registry
 from run_benchmarks.planning.casename import CaseName
+from run_benchmarks.planning.curves import committed_path, read_reference
+from run_benchmarks.planning.references import recipe_sets
+from run_benchmarks.planning.registry import shown
 
 
 def same_layout(ours: dict[str, Any], run: dict[str, Any], standard: dict[str, Any]) -> bool:

@@ -1,21 +1,26 @@
-"""A run's references: which curve judges each phase of a plan (the committed one of its model,
-phase, recipe and data, or ``--reference`` files), loaded and checked before anything runs, and
-why a phase will not be judged (its recipe changed by ``--set``, another global batch, real data
-with no reference of its own).
+"""A run's references, found and checked while it is planned: which curve judges each phase (the
+committed one of its model, phase, recipe and data, or ``--reference`` files), and why a phase will
+not be judged (its recipe changed by ``--set``, another global batch, real data with no reference
+of its own). The plan holds the outcome (``Plan.references``, :func:`resolve`): after planning
+nothing in a run reads a reference file.
 
-The gate itself is gate.py; reading and combining curve files, curves.py; recording a reference
-and judging a finished run again, recording.py.
+Reading and combining curve files is curves.py; the gate that compares a run's curve with its
+reference is judging/loss_gate.py; recording a reference, judging/recording.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from run_benchmarks.curve_math import check_curve, compared_steps
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging.curves import (
+from run_benchmarks.planning import datacheck
+from run_benchmarks.planning.config import phase_value
+from run_benchmarks.planning.curves import (
     OtherBatch,
     check_reference_data,
     combine,
@@ -23,16 +28,35 @@ from run_benchmarks.judging.curves import (
     read_reference,
     reference_fingerprint,
     same_training,
-    shown,
-    shown_paths,
 )
-from run_benchmarks.judging.loss_gate import check_curve, compared_steps, judge_loss
-from run_benchmarks.judging.typed_results import Reference
-from run_benchmarks.planning import datacheck
-from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.registry import shown, shown_paths
+from run_benchmarks.typed_results import Reference
 
-if TYPE_CHECKING:
-    from run_benchmarks.planning.plan import Plan
+Plan = Any  # run_benchmarks.planning.plan.Plan, which builds its references with this module
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseReference:
+    """What judges one phase of a plan: its reference curve, or why there is none."""
+
+    curve: Reference | None
+    why_none: str | None = None  # no curve: why the phase will not be judged (None: the gate's own reason)
+
+
+def resolve(plan: Plan) -> dict[str, PhaseReference]:
+    """Every phase's reference, read and checked (InputError naming the file for a curve that cannot
+    judge the run), with the reason a phase without one will not be judged."""
+    curves = load_references(plan)
+    return {
+        ph: PhaseReference(curves[ph], None if curves[ph] is not None else (not_judged_reason(plan, ph) or no_reference_reason(plan, ph)))
+        for ph in plan.phases
+    }
+
+
+def curves_of(references: Mapping[str, PhaseReference]) -> dict[str, Reference | None]:
+    """The phases' curves alone (None: no reference)."""
+    return {ph: r.curve for ph, r in references.items()}
+
 
 #: train settings a run may set without leaving its recipe: how long it runs (at least to the
 #: reference's last step), its throughput window, its layout's micro batch, what it profiles
@@ -86,7 +110,7 @@ def _decay_pinned(train: Mapping[str, Any] | None, phase: str | None) -> bool:
     if train is None:
         return False
     if phase is not None:
-        return planning.phase_value(dict(train), phase, "lr_decay_steps") is not None
+        return phase_value(dict(train), phase, "lr_decay_steps") is not None
     phases = train.get("phases") or {}
     return train.get("lr_decay_steps") is not None or (bool(phases) and all(p.get("lr_decay_steps") for p in phases.values()))
 
@@ -100,12 +124,12 @@ def recipe_changed(plan: Plan, phase: str) -> str | None:
     return f"--set {', '.join(changed)} changes the {plan.recipe} recipe: its reference judges only runs of that recipe"
 
 
-def judging(plan: Plan, references: Mapping[str, Reference | None]) -> list[str]:
+def judging(plan: Plan) -> list[str]:
     """What will judge each phase, as the plan and --dry-run say it: the reference's file (relative
     to the repository), its repeats and spread; or why no reference will."""
     out = []
     for phase in plan.phases:
-        ref = references.get(phase)
+        ref = plan.references[phase].curve
         tag = f"reference ({phase}): "
         ident = (plan.data or {}).get(phase) or {}
         hosts = ident.get("on_hosts") and not ident.get("checked")  # fingerprinted on the hosts before training
@@ -167,7 +191,7 @@ def _checked_reference(plan: Plan, path: Path, phase: str) -> Reference:
 
 
 def _same_training(plan: Plan, path: Path, phase: str) -> None:
-    same_training(path, phase, plan.case.model, planning.phase_value(plan.settings["train"], phase, "global_batch"), plan.recipe)
+    same_training(path, phase, plan.case.model, phase_value(plan.settings["train"], phase, "global_batch"), plan.recipe)
 
 
 def other_batch_reason(plan: Plan, phase: str) -> str | None:
@@ -232,16 +256,6 @@ def no_reference_reason(plan: Any, phase: str) -> str | None:
     if not fp:
         return f"no reference for this data (no fingerprint: {ident.get('reason') or 'not checked'})"
     return f"no reference for this data (fingerprint {fp}; start_task.py --record-reference RUN/results.json ... makes one from 3 runs)"
-
-
-def judge_phase(loss: dict[int, float], reference: Any, warmup: int, plan: Any, phase: str, why_none: str | None = None) -> Any:
-    """The loss gate (judge_loss), with the reason a phase has no reference: ``why_none``
-    (the caller's: e.g. the committed curve is of another global batch), or real data's own."""
-    gate = judge_loss(loss, reference, warmup)
-    reason = (why_none or no_reference_reason(plan, phase)) if reference is None else None
-    if reason and gate.verdict == "not judged" and gate.nonfinite_step is None:
-        gate = gate.model_copy(update={"reason": reason})
-    return gate
 
 
 def chain_reason(plan: Any, phase: str, ident: dict[str, Any]) -> str | None:

@@ -21,12 +21,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from run_benchmarks import typed_results
+from run_benchmarks.curve_math import ALIGN_FROM_STEP, BadReference, loss_mre, step_ranges
 from run_benchmarks.errors import InputError
-from run_benchmarks.judging import typed_results
-from run_benchmarks.judging.loss_gate import ALIGN_FROM_STEP, BadReference, loss_mre, step_ranges
-from run_benchmarks.judging.typed_results import Reference, Repeat
 from run_benchmarks.planning import datacheck, registry
-from run_benchmarks.planning import plan as planning
+from run_benchmarks.planning.config import phase_value
+from run_benchmarks.typed_results import Reference, Repeat
 
 
 def round_repeats(path: str, rounds: Sequence[Any], phase: str) -> list[Repeat]:
@@ -205,20 +205,6 @@ def committed_path(case_dir: Path, model: str, recipe: str, phase: str, fingerpr
     return case_dir / "reference" / model / f"{name}.json"
 
 
-def shown_paths(paths: str) -> str:
-    """A reference's ``path`` (several files joined by "; ") with each file :func:`shown`."""
-    return "; ".join(shown(p) for p in paths.split("; "))
-
-
-def shown(path: str | Path) -> str:
-    """A path as results and messages name it: relative to the repository where it lies inside."""
-    p = Path(path)
-    try:
-        return str(p.resolve().relative_to(registry.ROOT))
-    except ValueError:
-        return str(p)
-
-
 def same_training(path: Path, phase: str, model: str, ours: Any, recipe: str | None = None) -> None:
     """Loss curves compare step by step only for the same model and phase at the same global
     batch: ``path`` (a reference, read by read_reference already) against a run of
@@ -229,7 +215,7 @@ def same_training(path: Path, phase: str, model: str, ours: Any, recipe: str | N
         run = typed_results.parse(data, str(path))
         if run.model != model:
             raise ValueError(f"{path}: a run of {run.model!r}, not of {model!r}")
-        theirs = planning.phase_value(run.settings.get("train") or {}, phase, "global_batch")
+        theirs = phase_value(run.settings.get("train") or {}, phase, "global_batch")
         if theirs != ours:
             raise ValueError(
                 f"{path}: global batch {theirs} there, {ours} here"

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from run_benchmarks.errors import InputError
-from run_benchmarks.planning.config import Strict, validate
+from run_benchmarks.schema import Strict, validate
 from training.ceiling import efficiency
 
 SCHEMA_VERSION = 2

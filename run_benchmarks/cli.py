@@ -67,6 +67,7 @@ COMMANDS: dict[str, Command] = {
     "scaffold-vendor": Command("write a vendor folder", "tools.vendor_tools:scaffold_vendor_main"),
     "scaffold-config": Command("write a vendor's config of a case", "tools.vendor_tools:scaffold_config_main"),
     "runs-table": Command("write docs/results/runs.md from the committed results (--check: is it current)", "judging.runs_table:main"),
+    "results-page": Command("write docs/results/README.md, the headlines (--check: is it current)", "judging.results_page:main"),
     "check": Command("check a vendor folder: every problem, nothing run", "tools.vendor_tools:check_main"),
 }
 

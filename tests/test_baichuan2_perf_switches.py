@@ -9,7 +9,7 @@ its loss and every gradient equal the plain model's from the same weights; with
 ``recompute_num_layers: 2`` only the first two layers are recomputed and loss and gradients are
 the plain model's; ``fused_linear_loss: chunked`` (here 5 tokens a chunk, with and without the
 z-loss) gives the plain model's loss and gradients to float32 rounding; ``attention: flex`` gives the plain model's logits (FlexAttention has no
-backward on CPUs, so its gradients are checked by the GPU runs, docs/results/README.md). The
+backward on CPUs, so its gradients are checked by the GPU runs, docs/results/history.md). The
 compiled regions run with the ``aot_eager`` backend here (graph capture and the autograd split
 without Inductor's code generation); the GPU runs use Inductor.
 """

@@ -8,7 +8,7 @@ its calls (one shape), and its loss and every gradient equal the plain model's f
 starting weights; the cuDNN and liger paths refuse a CPU with a clear error. The compiled
 regions run with the ``aot_eager`` backend here (dynamo's full-graph capture and the
 autograd split, without Inductor's code generation, which takes half a minute per graph on
-this machine); the GPU runs use Inductor (docs/results/README.md).
+this machine); the GPU runs use Inductor (docs/results/history.md).
 """
 
 from __future__ import annotations

@@ -342,7 +342,7 @@ def test_repeats_that_part_still_judge_the_steps_where_they_agree():
 
 def test_the_committed_baichuan2_curve_jumps_at_step_14():
     """The 4 x H200 standard runs of baichuan2_13b (global batch 64) climb from about 6.8 to 17 at
-    step 14, above their first loss of 12.24 (docs/results/README.md): the gate says so before a run."""
+    step 14, above their first loss of 12.24 (docs/results/history.md): the gate says so before a run."""
     r = curves.read_reference(ROOT / "cases/baichuan2/deepspeed/reference/baichuan2_13b/standard.json")
     assert loss_gate.reference_jump(r).startswith("at step 14 (") and "above its first step's 12.24" in loss_gate.resolution_note(r)
 

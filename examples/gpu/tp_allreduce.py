@@ -1,5 +1,5 @@
 """The tensor-parallel all-reduce of llama3_8b's TP2 layout alone, beside GEMMs, and in a
-layer's backward (docs/results/README.md, 2026-11-28). Needs two CUDA GPUs of one host:
+layer's backward (docs/results/history.md, 2026-11-28). Needs two CUDA GPUs of one host:
 
     torchrun --nproc_per_node 2 examples/gpu/tp_allreduce.py LABEL forward|backward
 

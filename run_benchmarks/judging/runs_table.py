@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from run_benchmarks import typed_results as tr
@@ -92,8 +93,8 @@ def page(runs: Path = RUNS) -> str:
         "# Every committed run",
         "",
         "Generated from `docs/results/runs/*.json` by `flagbench runs-table`; do not edit by hand (the suite",
-        "checks that this page is the one the files make). The sections of README.md say what each run",
-        "measured and why; a figure is a headline only as the median of three runs judged aligned.",
+        "checks that this page is the one the files make). history.md says what each run measured and why;",
+        "a figure is a headline only as the median of three runs judged aligned ([README.md](README.md)).",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),
@@ -106,25 +107,30 @@ def _shown(path: Path) -> str:
     return str(path.relative_to(registry.ROOT)) if path.is_relative_to(registry.ROOT) else str(path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="flagbench runs-table", description=__doc__.split("\n\n")[0])
+def publish(argv: list[str] | None, prog: str, description: str, target: Path, make: Callable[[], str]) -> int:
+    """A generated page's command: write ``target`` from ``make()``, or with --check say whether it is current."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("--check", action="store_true", help="exit 1 when the committed page is not the one the files make")
     args = ap.parse_args(argv)
     try:
-        text = page(RUNS)
+        text = make()
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        current = PAGE.read_text() if PAGE.is_file() else ""
+        current = target.read_text() if target.is_file() else ""
         if current != text:
-            print(f"{_shown(PAGE)} is not current: run flagbench runs-table", file=sys.stderr)
+            print(f"{_shown(target)} is not current: run {prog}", file=sys.stderr)
             return 1
-        print(f"{_shown(PAGE)}: current")
+        print(f"{_shown(target)}: current")
         return 0
-    PAGE.write_text(text)
-    print(f"wrote {_shown(PAGE)}")
+    target.write_text(text)
+    print(f"wrote {_shown(target)}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return publish(argv, "flagbench runs-table", __doc__.split("\n\n")[0], PAGE, lambda: page(RUNS))
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from run_benchmarks import typed_results as tr
 from run_benchmarks.errors import InputError
 from run_benchmarks.judging import runs_table
-from run_benchmarks.judging import typed_results as tr
 from run_benchmarks.planning import registry
 
 RUNS = runs_table.RUNS

@@ -35,45 +35,11 @@ RULE = (
     f" paths or dates); a measurement judged aligned (round ok, loss gate aligned) in at least {HEADLINE_RUNS}"
     " runs is a headline: their median."
 )
-HEADLINE = (
-    "case",
-    "vendor",
-    "cards",
-    "config",
-    "layout",
-    "recipe",
-    "phase",
-    "settings",
-    "set",
-    "tokens/p/s (median)",
-    "range",
-    "runs",
-    "MFU-6N",
-    "allocated (GiB)",
-    "tokens/J",
-    "of own ceiling",
-    "date",
-    "files",
-)
-SINGLE = (
-    "date",
-    "case",
-    "vendor",
-    "cards",
-    "config",
-    "layout",
-    "recipe",
-    "phase",
-    "settings",
-    "set",
-    "tokens/p/s",
-    "MFU-6N",
-    "allocated (GiB)",
-    "tokens/J",
-    "of own ceiling",
-    "headline",
-    "file",
-)
+#: what names a measurement in both tables
+MEASUREMENT = ("case", "vendor", "cards", "config", "layout", "recipe", "phase", "settings", "set")
+FIGURES = ("MFU-6N", "allocated (GiB)", "tokens/J", "of own ceiling")
+HEADLINE = (*MEASUREMENT, "tokens/p/s (median)", "range", "runs", *FIGURES, "date", "files")
+SINGLE = ("date", *MEASUREMENT, "tokens/p/s", *FIGURES, "headline", "file")
 
 
 def _settings(value: Any) -> Any:

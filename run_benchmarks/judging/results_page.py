@@ -19,7 +19,6 @@ from statistics import median
 from typing import Any
 
 from run_benchmarks import typed_results as tr
-from run_benchmarks.errors import InputError
 from run_benchmarks.judging import runs_table
 from run_benchmarks.planning import registry
 
@@ -91,14 +90,7 @@ class Run:
 
 
 def load_runs(runs: Path = RUNS) -> list[Run]:
-    out = []
-    for path in sorted(runs.glob("*.json")):
-        try:
-            res = tr.load(path)
-        except InputError as exc:
-            raise InputError(f"{path}: not a results.json the page can read ({exc})") from None
-        out += [Run(path, res, rnd, p) for rnd in res.rounds for p in rnd.phases]
-    return out
+    return [Run(path, res, rnd, p) for path, res in runs_table.committed(runs) for rnd in res.rounds for p in rnd.phases]
 
 
 def groups(runs: Iterable[Run]) -> dict[tuple, list[Run]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from run_benchmarks import typed_results as tr
@@ -57,13 +57,19 @@ def _loss(gate: tr.LossGate) -> str:
     return f"{gate.verdict}{mre}"
 
 
-def rows(runs: Path = RUNS) -> list[list[str]]:
-    out = []
+def committed(runs: Path = RUNS) -> Iterator[tuple[Path, tr.RunResults]]:
+    """Each committed results file, in name order, with its typed results."""
     for path in sorted(runs.glob("*.json")):
         try:
             res = tr.load(path)
         except InputError as exc:
-            raise InputError(f"{path}: not a results.json the table can read ({exc})") from None
+            raise InputError(f"{path}: not a results.json the results pages can read ({exc})") from None
+        yield path, res
+
+
+def rows(runs: Path = RUNS) -> list[list[str]]:
+    out = []
+    for path, res in committed(runs):
         sets = ", ".join(f"{o['param']}={o['value']}" for o in res.user_overrides) or "/"
         cards = f"{res.hardware} x {res.world_size}"
         link = f"[{path.stem}](runs/{path.name})"

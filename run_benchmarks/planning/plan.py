@@ -462,11 +462,15 @@ def build(
 
 def with_data(plan: Plan, data: dict[str, Any] | None) -> Plan:
     """The plan with its data's identities (the pre-launch check's, or what the hosts fingerprinted
-    before training) and the references they select, read and checked (InputError naming the file):
-    the one place a run's reference files are read."""
+    before training) and the references they select (:func:`with_references`)."""
+    return with_references(dataclasses.replace(plan, data=data))
+
+
+def with_references(plan: Plan) -> Plan:
+    """The plan with the references its data selects, read and checked (InputError naming the
+    file): the one place a run's reference files are read."""
     from run_benchmarks.planning import references
 
-    plan = dataclasses.replace(plan, data=data)
     return dataclasses.replace(plan, references=references.resolve(plan))
 
 

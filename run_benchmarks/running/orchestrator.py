@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -243,7 +244,7 @@ def orchestration_overhead(rnd: RoundResult, outcomes: list[NodeOutcome], begin:
 def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, Any]]]) -> tuple[Plan, RunResults]:
     """The plan and results with the data identities the hosts' reports give (hostdata.agree:
     InputError where the hosts disagree), written, and its new data lines said."""
-    before, plan = plan.data or {}, planning.with_data(plan, hostdata.agree(plan, reports))  # and the references that data selects
+    before, plan = plan.data or {}, dataclasses.replace(plan, data=hostdata.agree(plan, reports))
     res = res.model_copy(update={"data": plan.data})
     results.write(res, plan.run_dir)
     for line in datacheck.describe({ph: ident for ph, ident in (plan.data or {}).items() if ident != before.get(ph)}):
@@ -277,9 +278,11 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                 reports = runtime.host_data(plan, spec)
             if reports is not None:
                 plan, res = _hosts_took(plan, res, reports)
+                plan = planning.with_references(plan)  # that data's: a --reference of other data is refused
             else:
-                plan = planning.with_data(plan, hostdata.not_taken(plan, runtime.name))
+                plan = dataclasses.replace(plan, data=hostdata.not_taken(plan, runtime.name))
                 res = res.model_copy(update={"data": plan.data})
+                plan = planning.with_references(plan)
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})
@@ -301,6 +304,7 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                 reports = runtime.round_data(plan, rnd_plan)
                 if reports is not None:
                     plan, res = _hosts_took(plan, res, reports)
+                    plan = planning.with_references(plan)  # that data's: a --reference of other data is refused
             rnd = evaluate_round(plan, r, outcomes, started, rnd_plan.nodes)
             full = _full_folder(run_dir) if rnd.status != "ok" else None
             if full and str(run_dir) not in _first_line(rnd.error or ""):  # the cause of the rank errors that follow

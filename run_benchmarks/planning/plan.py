@@ -457,18 +457,13 @@ def build(
     )
     if command is None:
         command = command_line(plan, variant, list(sets or []), [str(p) for p in plan.reference])
-    return with_data(dataclasses.replace(plan, command=list(command)), datacheck.check(plan))
-
-
-def with_data(plan: Plan, data: dict[str, Any] | None) -> Plan:
-    """The plan with its data's identities (the pre-launch check's, or what the hosts fingerprinted
-    before training) and the references they select (:func:`with_references`)."""
-    return with_references(dataclasses.replace(plan, data=data))
+    return with_references(dataclasses.replace(plan, command=list(command), data=datacheck.check(plan)))
 
 
 def with_references(plan: Plan) -> Plan:
-    """The plan with the references its data selects, read and checked (InputError naming the
-    file): the one place a run's reference files are read."""
+    """The plan with the references its data selects (the pre-launch check's identities, or what
+    the hosts fingerprinted before training), read and checked (InputError naming the file): the
+    one place a run's reference files are read."""
     from run_benchmarks.planning import references
 
     return dataclasses.replace(plan, references=references.resolve(plan))

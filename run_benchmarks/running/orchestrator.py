@@ -255,7 +255,7 @@ def _hosts_took(plan: Plan, res: RunResults, reports: list[tuple[str, dict[str, 
 def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float | None = None) -> RunResults:
     """Run every round; ``t0`` (wall clock) is when the command started, for the overhead figure.
 
-    The plan holds its references, read and checked as it was made (planning.plan.with_data,
+    The plan holds its references, read and checked as it was made (planning.plan.with_references,
     again when the hosts fingerprint its data): nothing here reads a reference file.
     """
     console = console or Console(stderr=True)
@@ -278,11 +278,10 @@ def run(plan: Plan, runtime: Runtime, console: Console | None = None, t0: float 
                 reports = runtime.host_data(plan, spec)
             if reports is not None:
                 plan, res = _hosts_took(plan, res, reports)
-                plan = planning.with_references(plan)  # that data's: a --reference of other data is refused
             else:
                 plan = dataclasses.replace(plan, data=hostdata.not_taken(plan, runtime.name))
                 res = res.model_copy(update={"data": plan.data})
-                plan = planning.with_references(plan)
+            plan = planning.with_references(plan)  # that data's, once recorded: a --reference of other data is refused
         if any(m["host_gib_per_node"] for m in plan.memory.values()):  # offload: do the hosts hold it?
             planning.check_host_memory(plan.memory, runtime.host_memory(), str(plan.config_file))
         res = res.model_copy(update={"python": python, "runtime_info": runtime.describe()})

@@ -239,6 +239,7 @@ def offline_reference(res: tr.RunResults, phase: str, files: list[Path]) -> Refe
     ours = planning.phase_value(res.settings.get("train") or {}, phase, "global_batch")
     ident = (res.data or {}).get(phase)
     fp = datacheck.SYNTHETIC if ident is None else ident.get("fingerprint")  # None: not checked, judged by none
+    files = files_of_phase(files, phase)
     for f in files:  # a curve of other data cannot judge it: both fingerprints named
         check_reference_data(f, phase, fp, res.model, (ident or {}).get("reason"))
     refs = []
@@ -255,6 +256,27 @@ def offline_reference(res: tr.RunResults, phase: str, files: list[Path]) -> Refe
     except ValueError as exc:
         raise InputError(f"--reference {exc}") from None
     return ref.model_copy(update={"path": shown_paths(ref.path)})
+
+
+def files_of_phase(files: list[Path], phase: str) -> list[Path]:
+    """The ``--reference`` files that can judge ``phase``: a committed reference names its one
+    phase, and judges only that one; a results.json or a plain curve is read for every phase.
+    InputError when none is left, naming the phases the files hold."""
+    kept, named = [], []
+    for f in files:
+        try:
+            doc = json.loads(Path(f).read_text())
+        except (OSError, ValueError):
+            kept.append(f)  # read_reference names what is wrong with it
+            continue
+        their = doc.get("phase") if isinstance(doc, dict) else None
+        if their is None or their == phase:
+            kept.append(f)
+        else:
+            named.append(f"{shown(Path(f))} ({their})")
+    if not kept:
+        raise InputError(f"--reference: no file is a curve of phase {phase!r}: {', '.join(named)}")
+    return kept
 
 
 def absorbed_failures(path: Path) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
 import os
 import signal
 import socket
@@ -46,6 +47,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: DeepSpeed's CPU all-reduce maps one 66 MB file per rank here, named by the rendezvous's
+#: address and port, and never unlinks it (run_benchmarks/planning/launchers.py)
+SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+def remove_shm_buffers(port: int | str) -> None:
+    """Remove the all-reduce buffers of the launch at ``port``, once its ranks have ended. Only
+    that launch's: another one starting beside it (the other xdist worker's) finds its peers'
+    buffers by name, and one removed between its creation and its peer's open leaves that peer
+    waiting forever, holding the interpreter lock in DeepSpeed's C++ (shm.cpp's open loop)."""
+    for path in glob.glob(f"{SHM_BUFFERS}_{port}_*"):
+        Path(path).unlink(missing_ok=True)
+
+
 def torch_extensions_dir() -> str:
     """Where DeepSpeed JIT-builds its CPU shared-memory comm op: ``TORCH_EXTENSIONS_DIR`` when
     set, else a ``torch_extensions`` folder beside the framework environments, so the build
@@ -73,8 +88,9 @@ def deepspeed_launch(py: str, tmp: Path, cfg: dict, train_py: Path, timeout: int
         # DeepSpeed JIT-builds its CPU shared-memory comm op once (about a minute); keep it in a cache
         "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
+    port = free_port()
     cmd = [py, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(train_py), "--config", str(path)]
+    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), str(train_py), "--config", str(path)]
     # its own process group: on a timeout the ranks go with the launcher, not left running
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
         try:
@@ -83,6 +99,8 @@ def deepspeed_launch(py: str, tmp: Path, cfg: dict, train_py: Path, timeout: int
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
             raise
+        finally:
+            remove_shm_buffers(port)
     proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     (tmp / "stdout.log").write_text(proc.stdout)
     (tmp / "stderr.log").write_text(proc.stderr)

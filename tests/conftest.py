@@ -7,7 +7,6 @@ find its Python through FB_TEST_<FRAMEWORK>_PYTHON, set here when not given.
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -114,34 +113,6 @@ def _environment_fixture(framework: str):  # type: ignore[no-untyped-def]
         return py
 
     return python
-
-
-@pytest.fixture(autouse=True)
-def _no_deepspeed_shm_left():  # type: ignore[no-untyped-def]
-    """Tests that start DeepSpeed's launcher themselves (not through a runtime, which removes
-    them) leave its CPU all-reduce buffers in /dev/shm, 66 MB a rank: removed after each test,
-    but for those a process still maps (a run of the other xdist worker: its ranks find each
-    other's buffers by name, and one removed while they start leaves them waiting forever)."""
-    pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
-    before = set(glob.glob(pattern))
-    yield
-    new = set(glob.glob(pattern)) - before
-    if not new:
-        return
-    for path in new - _mapped_files(new):
-        Path(path).unlink(missing_ok=True)
-
-
-def _mapped_files(paths: set[str]) -> set[str]:
-    """Those of ``paths`` that some process maps now."""
-    found = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:  # the process ended, or is not ours to read
-            continue
-        found.update(p for p in paths if p in text)
-    return found
 
 
 megatron_python = _environment_fixture("megatron")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.case_helpers import deepspeed_launch, framework_python
+from tests.case_helpers import SHM_BUFFERS, deepspeed_launch, framework_python
 from tests.deepspeed_runs import (
     Run,
     assert_data_inside_step,
@@ -132,9 +132,6 @@ def standard(tmp_path_factory, deepspeed_python) -> Run:
     port = command[command.index("--master_port") + 1]
     run.shm_left = {b for b in set(glob.glob(SHM_BUFFERS)) - before if f"_{port}_" in b}  # type: ignore[attr-defined]
     return run
-
-
-SHM_BUFFERS = "/dev/shm/deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce, one per rank
 
 
 @pytest.mark.framework("deepspeed")

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
 
-from tests.case_helpers import framework_python, free_port, torch_unit
+from tests.case_helpers import framework_python, free_port, remove_shm_buffers, torch_unit
 
 try:
     import torch
@@ -126,10 +126,13 @@ def test_zero3_gathered_weights_equal_the_unpartitioned_model(tmp_path):
         "--master_addr",
         "127.0.0.1",
         "--master_port",
-        str(free_port()),
+        str(port := free_port()),
         str(Path(__file__)),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        remove_shm_buffers(port)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((tmp_path / "zero3.json").read_text())
     for case in ("baichuan2_tiny", "llava_tiny"):

@@ -59,3 +59,22 @@ def test_beside(k):
     # the other worker did run while the file's other tests did: the files were side by side
     a_tests = [r for n, r in ran.items() if n.startswith("a")]
     assert any(b["t0"] < a["t1"] and a["t0"] < b["t1"] for a in a_tests for b in beside), ran
+
+
+def test_a_launch_removes_only_its_own_shm_buffers():
+    """DeepSpeed's CPU all-reduce buffers of a test's launch are removed by its port alone: the
+    other worker's launch at another port keeps its buffers, even one made a moment ago that no
+    process maps yet (its peer opens it by name next). Removing those by "new and unmapped"
+    hung a llava_tiny ZeRO-3 run under two workers (rank 0 in shm.cpp's open loop)."""
+    from tests.case_helpers import SHM_BUFFERS, free_port, remove_shm_buffers
+
+    mine, theirs = free_port(), free_port()
+    made = [Path(f"{SHM_BUFFERS[:-1]}0_127.0.0.1_{port}_{rank}") for port in (mine, theirs) for rank in (0, 1)]
+    try:
+        for path in made:
+            path.write_bytes(b"\0")
+        remove_shm_buffers(mine)
+        assert [p.exists() for p in made] == [False, False, True, True]
+    finally:
+        for path in made:
+            path.unlink(missing_ok=True)

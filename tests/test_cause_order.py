@@ -92,3 +92,24 @@ def test_a_node_whose_engine_was_lost_leads_rank_0s_gloo_error(tmp_path):
     lines = _round(tmp_path, [survivor, lost]).error.splitlines()
     assert lines[0] == "node1 (h2): lost the node: docker engine not answering over ssh: no reply within 60 s", lines
     assert lines[1] == f"rank 0: {GLOO}", lines
+
+
+def test_a_startup_stop_says_where_each_rank_waited(tmp_path):
+    """A round stopped for never starting to train reads the ranks' stack files as a stall
+    does: the ranks write them before the startup timeout (training/case.py)."""
+    start = "no rank started training within 60 s of launch (startup_timeout_s): a node that never joined; stopped"
+    node = _node(tmp_path, 0)
+    (node / "stacks").mkdir()
+    (node / "stacks" / "rank0.txt").write_text(
+        "Timeout (0:00:40)!\nThread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/env/lib/python3.11/site-packages/torch/distributed/rendezvous.py", line 189 in _create_c10d_store\n'
+        '  File "/w/cases/llama3/megatron/train.py", line 99 in init_distributed\n'
+        '  File "/w/cases/llama3/megatron/train.py", line 400 in <module>\n'
+    )
+    lines = _round(tmp_path, [NodeOutcome("h1", 0, None, False, node, start)]).error.splitlines()
+    assert lines[0] == f"node0 (h1): {start}", lines
+    assert lines[1:3] == [
+        "rank 0 on node0 (h1): waited in _create_c10d_store (torch/distributed/rendezvous.py:189), "
+        "called from init_distributed (cases/llama3/megatron/train.py:99)",
+        "rank 1 on node0 (h1): no stack written by its timeout (a stopped process, or one that never reached it, writes none)",
+    ], lines

@@ -209,7 +209,7 @@ def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_name
     lines = causes.stall_stacks(node, [2, 3], "node1 (h2)")
     line = next(n for n, ln in enumerate(TRAINER.splitlines(), 1) if "time.sleep(seconds)" in ln)
     assert lines[0] == (
-        "rank 2 on node1 (h2): no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
+        "rank 2 on node1 (h2): no stack written by its timeout (a stopped process, or one that never reached it, writes none)"
     )
     assert re.fullmatch(
         rf"rank 3 on node1 \(h2\): waited in wait_here \(trainer.py:{line}\), called from run \(training/case.py:\d+\)", lines[1]
@@ -335,6 +335,66 @@ def test_a_call_holding_the_interpreter_lock_is_dumped_by_faulthandler(tmp_path)
     assert re.search(r"^Finished after 3\.\d s: step 1$", text, re.M), text
 
 
+START_HOLDER = (
+    """\
+import ctypes, sys
+sys.path.insert(0, sys.argv[1])
+from training import case
+
+
+def wait_for_a_peer(seconds):
+    ctypes.PyDLL(None).sleep(seconds)  # as DeepSpeed's shm.cpp waits for a peer's buffer: in C, the lock held
+
+
+class Trainer:
+    phase, steps, reporting = None, 1, False
+
+    def build(self):
+        wait_for_a_peer(int(sys.argv[2]))
+
+    def step(self, k):
+        pass
+
+"""
+    + DRIVE
+)
+
+
+def test_a_start_up_hang_is_dumped_before_the_startup_timeout_not_the_stall_timeout(tmp_path):
+    """A build that waits in C code holding the interpreter lock (DeepSpeed's CPU all-reduce
+    waiting for a peer's buffer that was removed: the hang of tests/test_llava_case.py under
+    two workers) with a stall timeout of 600 s and a startup timeout of 4 s: its stacks are
+    written from the startup timeout (2 s before it, by faulthandler since the lock is held),
+    so the harness's startup stop names where it waited; the process groups a case opens
+    outlast both timeouts (training/runtime.py), so no collective ends the hang first."""
+    script = tmp_path / "holder.py"
+    script.write_text(START_HOLDER)
+    node = tmp_path / "node0"
+    env = {**os.environ, "FB_STALL_TIMEOUT_S": "600", "FB_STARTUP_TIMEOUT_S": "4", "FB_STACKS_DIR": str(node / "stacks"), "RANK": "0"}
+    proc = subprocess.Popen([sys.executable, str(script), str(ROOT), "120"], env=env)
+    stacks = node / "stacks" / "rank0.txt"
+    try:  # as the harness's stop of a rank that never trained: killed while it waits
+        end = time.monotonic() + 90
+        while " in wait_for_a_peer" not in causes.read(stacks) and time.monotonic() < end and proc.poll() is None:
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    text = causes.read(stacks)
+    header = re.search(r"^Timeout \((\d+):(\d+):([\d.]+)\)!$", text, re.M)
+    assert header and int(header[1]) * 3600 + int(header[2]) * 60 + float(header[3]) < 10, text  # not the stall's 600 s
+    frames = causes.last_dump_main_thread(text)
+    assert frames and frames[0][2] == "wait_for_a_peer" and frames[1][2] == "build", text
+    from training import runtime
+
+    os.environ.update(FB_STALL_TIMEOUT_S="600", FB_STARTUP_TIMEOUT_S="900")
+    try:
+        assert runtime.process_group_timeout().total_seconds() == 900 + runtime.PG_MARGIN_S
+    finally:
+        del os.environ["FB_STALL_TIMEOUT_S"], os.environ["FB_STARTUP_TIMEOUT_S"]
+    assert runtime.process_group_timeout() is None  # outside the harness: the framework's own default
+
+
 @pytest.mark.alone  # times something: tests/parallel.py
 def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ranks_waited(megatron_python, tmp_path):
     """A real two-rank run: rank 1 is stopped (SIGSTOP, as a rank stuck in the kernel would
@@ -359,7 +419,7 @@ def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ran
     assert re.fullmatch(
         r"rank 0 on node0 \(localhost\): waited in \S+ \(\S+:\d+\), called from \S+ \(cases/llama3/megatron/\S+\.py:\d+\)", lines[1]
     ), rnd["error"]
-    assert lines[2].startswith("rank 1 on node0 (localhost): no stack written at the stall timeout"), rnd["error"]
+    assert lines[2].startswith("rank 1 on node0 (localhost): no stack written by its timeout"), rnd["error"]
     assert f"round 1: failed - {lines[0]}" in " ".join(err.split())  # the terminal's width wraps it
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     print(f"found {time.monotonic() - stopped_at:.0f} s after the stop, {time.monotonic() - t0:.0f} s in all")
@@ -390,5 +450,5 @@ def test_a_stack_written_on_resuming_a_stopped_rank_is_no_location(tmp_path):
     text = (node / "stacks" / "rank0.txt").read_text()
     assert "Written late:" in text, text
     assert causes.stall_stacks(node, [0], "node0 (n2)") == [
-        "rank 0 on node0 (n2): no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
+        "rank 0 on node0 (n2): no stack written by its timeout (a stopped process, or one that never reached it, writes none)"
     ], text

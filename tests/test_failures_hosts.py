@@ -352,7 +352,7 @@ def test_a_rank_stopped_in_its_container_is_found_at_the_stall_timeout(fc, megat
         re.fullmatch(r"rank 0 on node0 \(h1\): waited in \S+ \(\S+:\d+\), called from \S+ \(cases/llama3/megatron/\S+:\d+\)", ln)
         for ln in lines
     ), rnd["error"]
-    assert any(ln.startswith("rank 1 on node1 (h2): no stack written at the stall timeout") for ln in lines), rnd["error"]
+    assert any(ln.startswith("rank 1 on node1 (h2): no stack written by its timeout") for ln in lines), rnd["error"]
     assert leftovers(fc, run_id) == []
 
 

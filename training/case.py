@@ -29,8 +29,13 @@ It also keeps a watch on each call: where the harness sets ``FB_STALL_TIMEOUT_S`
 ``FB_STACKS_DIR``, a ``build()``, ``step(k)`` or ``finish()`` still running after that many
 seconds has every thread's stack written to ``FB_STACKS_DIR/rank<RANK>.txt`` (by a thread of
 its own, in faulthandler's format; faulthandler itself only where the call holds the
-interpreter lock: :class:`StallWatch`). The harness stops a round whose ranks report nothing
-for that long and names, from these files, where each rank waited (run_benchmarks/running/causes.py).
+interpreter lock: :class:`StallWatch`). Before the first step ends, where the harness also sets
+``FB_STARTUP_TIMEOUT_S``, the stacks come :data:`STARTUP_LEAD` before that timeout from the
+process's start, whichever is first. The harness stops a round whose ranks report nothing for
+that long (or never start training) and names, from these files, where each rank waited
+(run_benchmarks/running/causes.py); the process groups outlast both (:func:`training.runtime.
+process_group_timeout`), so a collective's own timeout never ends a hang before its stacks are
+written.
 
 Case modules are imported by their package path, ``cases.<family>.<framework>.<module>``
 (the repository root is on ``PYTHONPATH``); :func:`isolate` takes the entry point's own
@@ -72,6 +77,10 @@ STACK_DONE = "Finished after"
 #: then (stopped by SIGSTOP, resumed by a cancel's SIGCONT), so the stacks are not where it hung
 STACK_LATE = "Written late:"
 LATE_S = 5.0
+#: the stacks of a call before the first step are written this long (at most a tenth of the
+#: timeout, at least STARTUP_LEAD_MIN_S) before the harness's startup timeout, measured from the
+#: process's start: the launcher's own start-up comes before it
+STARTUP_LEAD_MIN_S = 20.0
 
 
 class StallWatch:
@@ -92,24 +101,35 @@ class StallWatch:
 
     FALLBACK_S = 2.0
 
-    def __init__(self, timeout_s: float | None, path: str | None) -> None:
+    def __init__(self, timeout_s: float | None, path: str | None, startup_by: float | None = None) -> None:
         self.timeout_s, self.path = timeout_s, path
+        #: time.monotonic() by which a call before the first step has its stacks written (None: no cap)
+        self.startup_by = startup_by
         self._file: Any = None
         self._cond = threading.Condition()
         self._deadline: float | None = None  # of the call being watched; None between calls
+        self._limit = 0.0  # the seconds the call being watched was given, for the dump's header
 
     @classmethod
     def from_env(cls) -> StallWatch:
         t, folder = os.environ.get("FB_STALL_TIMEOUT_S"), os.environ.get("FB_STACKS_DIR")
         if not t or not folder:
             return cls(None, None)
+        from training import startup
         from training.runtime import dist_info
 
-        return cls(float(t), os.path.join(folder, f"rank{dist_info().rank}.txt"))
+        by, first = None, os.environ.get("FB_STARTUP_TIMEOUT_S")
+        started = startup.process_started()
+        if first and started is not None:
+            s = float(first)
+            lead = min(max(STARTUP_LEAD_MIN_S, 0.1 * s), 0.5 * s)
+            by = time.monotonic() + (started + s - lead - startup.now())
+        return cls(float(t), os.path.join(folder, f"rank{dist_info().rank}.txt"), by)
 
     @contextlib.contextmanager
-    def watch(self, what: str) -> Any:
-        """Watch the call in the ``with`` block, named ``what`` (``step 12``) in its end line."""
+    def watch(self, what: str, before_first_step: bool = False) -> Any:
+        """Watch the call in the ``with`` block, named ``what`` (``step 12``) in its end line; a
+        call ``before_first_step`` is also given no longer than ``startup_by``."""
         if self.timeout_s is None or self.path is None:
             yield
             return
@@ -118,9 +138,12 @@ class StallWatch:
             self._file = open(self.path, "a", encoding="utf-8")
             threading.Thread(target=self._watcher, name="flagbench-stall-watch", daemon=True).start()
         size, t0 = os.fstat(self._file.fileno()).st_size, time.monotonic()
+        limit = self.timeout_s
+        if before_first_step and self.startup_by is not None:
+            limit = max(0.0, min(limit, self.startup_by - t0))
         with self._cond:  # the fallback armed before the deadline, both under the lock the watcher dumps in
-            faulthandler.dump_traceback_later(self.timeout_s + self.FALLBACK_S, repeat=False, file=self._file, exit=False)
-            self._deadline = t0 + self.timeout_s
+            faulthandler.dump_traceback_later(limit + self.FALLBACK_S, repeat=False, file=self._file, exit=False)
+            self._deadline, self._limit = t0 + limit, limit
             self._cond.notify()
         try:
             yield
@@ -150,7 +173,7 @@ class StallWatch:
     def _dump(self) -> None:
         """Every other thread's stack, innermost frame first, as faulthandler writes them."""
         me = threading.get_ident()
-        lines = [f"Timeout ({datetime.timedelta(seconds=self.timeout_s or 0)})!"]
+        lines = [f"Timeout ({datetime.timedelta(seconds=round(self._limit, 3))})!"]
         for ident, frame in sys._current_frames().items():
             if ident == me:
                 continue
@@ -178,7 +201,8 @@ def run(
     startup.mark("imports")
     if cfg is not None:
         try:
-            conformance_gate(cfg, log)
+            with stall.watch("conformance check", before_first_step=True):
+                conformance_gate(cfg, log)
         except BaseException as exc:
             log.error(f"{type(exc).__name__}: {exc}", phase=phases[0])
             log.end("failed", 0, phase=phases[0])
@@ -189,12 +213,12 @@ def run(
         named = f"{phase} " if phase is not None else ""
         try:
             trainer = make(phase)
-            with stall.watch(f"{named}build"):
+            with stall.watch(f"{named}build", before_first_step=k == 0):
                 trainer.build()
             if k == 0:
                 startup.mark("build")
             for step in range(1, trainer.steps + 1):
-                with stall.watch(f"{named}step {step}"):
+                with stall.watch(f"{named}step {step}", before_first_step=k == 0 and step == 1):
                     trainer.step(step)
                 steps_done = step
                 if k == 0 and step == 1:

@@ -65,7 +65,7 @@ import torch.distributed as dist
 from training.accelerator import Accelerator
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger
 from training.profiling import StepProfiler
-from training.runtime import allocator_options, dist_info, recorded_env, visible_devices
+from training.runtime import allocator_options, dist_info, process_group_timeout, recorded_env, visible_devices
 from training.settings import Common, Train
 from training.steptimer import StepClock
 
@@ -94,7 +94,8 @@ def init_distributed(cfg: dict) -> torch.device:
     acc = Accelerator(vendor)
     if not vendor.get("dist_backend"):
         raise ValueError("resolved config: vendor.dist_backend is missing (the vendor's torch.distributed backend)")
-    deepspeed.init_distributed(dist_backend=vendor["dist_backend"])
+    timeout = process_group_timeout()
+    deepspeed.init_distributed(dist_backend=vendor["dist_backend"], **({"timeout": timeout} if timeout else {}))
     theirs = get_accelerator().device_name()
     if theirs != acc.type:
         raise RuntimeError(

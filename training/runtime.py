@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import importlib
 import json
 import os
@@ -33,6 +34,20 @@ def dist_info() -> DistInfo:
     local_rank = int(env.get("LOCAL_RANK", env.get("PADDLE_LOCAL_RANK", "0")))
     local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("PADDLE_LOCAL_SIZE", str(world))))
     return DistInfo(rank, world, local_rank, local_world)
+
+
+#: how long a process group's collectives outlast the harness's own stop of a hung round
+PG_MARGIN_S = 120.0
+
+
+def process_group_timeout() -> datetime.timedelta | None:
+    """The timeout a case gives its process groups under the harness: the longer of the
+    harness's stall and startup timeouts (``FB_STALL_TIMEOUT_S``, ``FB_STARTUP_TIMEOUT_S``) and
+    :data:`PG_MARGIN_S` more, so a hang is stopped by the harness, its stacks written first
+    (training/case.py), not ended by the framework's own default (DeepSpeed's 10 minutes) with
+    nothing to show where it waited. None outside the harness: the framework's default."""
+    given = [float(v) for v in (os.environ.get("FB_STALL_TIMEOUT_S"), os.environ.get("FB_STARTUP_TIMEOUT_S")) if v]
+    return datetime.timedelta(seconds=max(given) + PG_MARGIN_S) if given else None
 
 
 def visible_devices(vendor: dict[str, Any]) -> dict[str, str | None] | None:

@@ -538,12 +538,14 @@ def plan_nodes(plan: Plan, python: str, root: Path, round_dir: Path) -> list[Nod
                 rank,
                 launcher.command(spec),
                 # the ranks write their threads' stacks to stacks/rank<R>.txt when a step
-                # (or a phase's build or finish) outlasts the stall timeout (training/case.py),
+                # (or a phase's build or finish) outlasts the stall timeout, or the start-up
+                # is near its timeout (training/case.py),
                 # and to their stderr when a fatal signal kills them (causes.fatal_signal_frames)
                 {
                     **env,
                     **launcher.env(spec),
                     "FB_STALL_TIMEOUT_S": f"{cluster.stall_timeout_s:g}",
+                    "FB_STARTUP_TIMEOUT_S": f"{cluster.startup_timeout_s:g}",
                     "FB_STACKS_DIR": str(node_dir / "stacks"),
                     "PYTHONFAULTHANDLER": "1",
                 },

@@ -170,15 +170,16 @@ def _threads(dump: str) -> list[tuple[str, list[tuple[str, int, str]]]]:
 
 
 def stall_stacks(node_dir: Path, ranks: list[int], where: str) -> list[str]:
-    """One line per rank of a node stopped as hung: where its main thread waited when its
-    call reached the stall timeout (``stacks/rank<R>.txt``, training/case.py), and the
-    project's frame it was called from; a rank that wrote nothing is named as such."""
+    """One line per rank of a node stopped as hung, or as never starting to train: where its
+    main thread waited when its call reached the stall timeout, or came near the startup
+    timeout (``stacks/rank<R>.txt``, training/case.py), and the project's frame it was called
+    from; a rank that wrote nothing is named as such."""
     out = []
     for r in ranks:
         frames = last_dump_main_thread(read(node_dir / "stacks" / f"rank{r}.txt"))
         if not frames:
             out.append(
-                f"rank {r} on {where}: no stack written at the stall timeout (a stopped process, or one that never reached it, writes none)"
+                f"rank {r} on {where}: no stack written by its timeout (a stopped process, or one that never reached it, writes none)"
             )
             continue
         out.append(f"rank {r} on {where}: waited in {describe(frames)}")

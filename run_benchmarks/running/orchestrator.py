@@ -92,9 +92,9 @@ def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLo
     """What the processes say made a round fail: a node's exit, a stop, a stall, a rank's error
     (judging adds what the records lack: judging/rounds.py).
 
-    The root cause first: the round deadline or the stall timeout (the harness stopped the
-    ranks: what they say after that is the stop's doing; after a stall, where each rank
-    waited), a rank killed by a signal, then the ranks' own exceptions
+    The root cause first: the round deadline, the stall or the startup timeout (the harness
+    stopped the ranks: what they say after that is the stop's doing; after a stop of its own,
+    where each rank waited), a rank killed by a signal, then the ranks' own exceptions
     (earliest first: later ones are mostly their peers' fall), then the nodes, a node that was
     only stopped because another failed last; the tail of the failing log closes the message.
     ``monitors``: each node's monitor summary, by node rank.
@@ -112,8 +112,8 @@ def _process_errors(plan: Plan, outcomes: list[NodeOutcome], parsed: ml.ParsedLo
             # the harness's own stop, the same on every node: said once, naming the nodes it concerns
             named = [p for p in outcomes if p.extra.get(causes.BLAME_KEY)] or outcomes
             said = f"{', '.join(f'node{p.node_rank} ({p.host})' for p in named)}: {o.error}"
-        if o.error and causes.STALL_MARK in o.error:
-            stalled.append(said)
+        if o.error and (causes.STALL_MARK in o.error or causes.STARTUP_MARK in o.error):
+            stalled.append(said)  # the harness's own stop: what the ranks say after it is its doing
         elif o.error and o.extra.get(causes.LOST_KEY):
             lost.append(said)
         elif o.error:

@@ -96,7 +96,8 @@ class Trainer:
 
         startup.mark("imports")  # megatron-core's, made here after the adapter: 9.5-10.4 s on an H200 machine
         if not dist.is_initialized():
-            dist.init_process_group(backend=self.s.common.dist_backend)
+            timeout = runtime.process_group_timeout()  # the harness's stop, and its stacks, come first
+            dist.init_process_group(backend=self.s.common.dist_backend, **({"timeout": timeout} if timeout else {}))
         lay = self.s.layout
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=lay.tp, pipeline_model_parallel_size=lay.pp)
         model_parallel_cuda_manual_seed(self.s.common.train.seed)

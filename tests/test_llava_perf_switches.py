@@ -31,7 +31,7 @@ from tests.case_helpers import framework_python
 from tests.test_llava_case import CASE, CASE_DIR, ROOT, TINY, resolved
 from training import settings as common
 
-KEYS = ("recompute_num_layers", "fused_elementwise")
+KEYS = ("recompute_num_layers", "fused_elementwise", "fused_rope")
 
 
 def test_case_yaml_whitelists_the_switches_and_vendor_configs_hold_valid_values():
@@ -40,7 +40,7 @@ def test_case_yaml_whitelists_the_switches_and_vendor_configs_hold_valid_values(
     from run_benchmarks.planning.config import CaseConfig, load
 
     par = CASE["standard"]["parallel"]
-    assert (par["recompute_num_layers"], par["fused_elementwise"]) == (None, "none")
+    assert (par["recompute_num_layers"], par["fused_elementwise"], par["fused_rope"]) == (None, "none", "none")
     paths = {f"parallel.{k}" for k in KEYS} | {f"parallel.phases.{ph}.{k}" for ph in ("pretrain", "finetune") for k in KEYS}
     assert paths <= set(CASE["vendor_may_change"])
 
@@ -64,6 +64,7 @@ def test_case_yaml_whitelists_the_switches_and_vendor_configs_hold_valid_values(
         vpar = yaml.safe_load(f.read_text()).get("parallel") or {}
         for section in [vpar, *(vpar.get("phases") or {}).values()]:
             assert section.get("fused_elementwise", "none") in llava_settings.FUSED_ELEMENTWISE, f
+            assert section.get("fused_rope", "none") in llava_settings.FUSED_ROPE, f
             n = section.get("recompute_num_layers")
             assert n is None or 0 <= n <= layers, f
 
@@ -78,12 +79,15 @@ def _switches(tmp: Path, parallel: dict | None = None, device: str = "cpu") -> d
 
 
 def test_switches_are_read_per_phase_and_bad_values_refused(tmp_path):
-    plain = {"fused_elementwise": "none", "recompute_num_layers": None}
+    plain = {"fused_elementwise": "none", "recompute_num_layers": None, "fused_rope": "none"}
     assert _switches(tmp_path) == {"pretrain": plain, "finetune": plain}
-    got = _switches(tmp_path, {"fused_elementwise": "compile", "phases": {"finetune": {"recompute": "full", "recompute_num_layers": 1}}})
+    got = _switches(
+        tmp_path,
+        {"fused_elementwise": "compile", "phases": {"finetune": {"recompute": "full", "recompute_num_layers": 1, "fused_rope": "compile"}}},
+    )
     assert got == {
-        "pretrain": {"fused_elementwise": "compile", "recompute_num_layers": None},
-        "finetune": {"fused_elementwise": "compile", "recompute_num_layers": 1},
+        "pretrain": {"fused_elementwise": "compile", "recompute_num_layers": None, "fused_rope": "none"},
+        "finetune": {"fused_elementwise": "compile", "recompute_num_layers": 1, "fused_rope": "compile"},
     }
     for k in (0, 2, None):
         assert _switches(tmp_path, {"recompute": "full", "recompute_num_layers": k})["finetune"]["recompute_num_layers"] == k
@@ -92,6 +96,10 @@ def test_switches_are_read_per_phase_and_bad_values_refused(tmp_path):
 
     refused = [
         ("parallel.fused_elementwise must be one of none, compile, liger, got 'triton' (phase pretrain)", {"fused_elementwise": "triton"}),
+        (
+            "parallel.fused_rope must be one of none, compile, got 'liger' (phase finetune)",
+            {"phases": {"finetune": {"fused_rope": "liger"}}},
+        ),
         (
             "parallel.fused_elementwise: liger runs liger-kernel's Triton kernels, which need vendor.device: cuda "
             "(this vendor's device is cpu); use none or compile",
@@ -117,6 +125,7 @@ _CHECK = r"""
 import copy, json, sys
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from transformers.models.llama import modeling_llama
 from cases.llava.deepspeed import model as M
 from training import deepspeed_loop as dsl, fused
 
@@ -143,10 +152,10 @@ def batch(width, pad):
 batches = [batch(48, 5), batch(64, 11)]
 
 
-def run(fused="none", recompute="none", layers=None):
+def run(fused="none", recompute="none", layers=None, rope="none"):
     model = M.build_model(shape, torch.float32, torch.device("cpu"))
     model.load_state_dict(state)
-    changed = M.apply_speed_switches(model, fused, layers)
+    changed = M.apply_speed_switches(model, fused, layers, rope)
     dsl._prepare_model(model, recompute, M.trainable("finetune"))  # as DeepSpeedPhase.build does
     model.train()
     calls = [0] * len(M.language_model(model).layers)
@@ -180,7 +189,7 @@ def compare(a, b):
 plain = run()
 part = lambda name: M.canonical(name).split("/")[0]
 res = {"frozen": sorted({part(n) for n in state} - {part(n) for n in plain["grads"]})}
-variants = {"compile": {"fused": "compile"}, "compile_k1": {"fused": "compile", "recompute": "full", "layers": 1}}
+variants = {"compile": {"fused": "compile"}, "compile_k1": {"fused": "compile", "recompute": "full", "layers": 1}, "rope": {"rope": "compile"}}
 for k in (0, 1, 2, None):
     variants[f"k{k}"] = {"recompute": "full", "layers": k}
 frames = None
@@ -188,8 +197,13 @@ for name, kw in variants.items():
     got = run(**kw)
     if name == "compile":
         frames = counter.frame_count
+    if name == "rope":
+        res["rope_frames"] = counter.frame_count - frames
+        res["rope_is_set"] = modeling_llama.apply_rotary_pos_emb is M._compiled_rope
     res[name] = {k: v for k, v in got.items() if k != "grads"} | {"grads": compare(got, plain)}
 res["plain"] = {k: v for k, v in plain.items() if k != "grads"} | {"grad_names": sorted(plain["grads"])}
+again = run()  # the eager rotary embedding is back: the plain model's numbers exactly
+res["rope_undone"] = again["losses"] == plain["losses"] and all(g["equal"] for g in compare(again, plain).values())
 res["frames_compiled"] = frames
 try:
     M.apply_speed_switches(M.build_model(shape, torch.float32, torch.device("cpu")), "none", 3)
@@ -210,23 +224,28 @@ def test_switched_model_trains_like_the_plain_model():
 
     plain = res["plain"]
     assert res["frozen"] == ["vision"]  # the finetune phase trains projector, language model and head
-    assert plain["changed"] == {"norms": 0, "mlps": 0} and plain["marked"] == ["-"]
+    assert plain["changed"] == {"norms": 0, "mlps": 0, "ropes": 0} and plain["marked"] == ["-"]
     assert plain["recomputed"] == [False, False] and plain["layer_calls"] == [2, 2]  # two micro-batches, no recompute
     assert len(plain["grad_names"]) == 2 * 9 + 2 + 4 + 1  # a layer: 4 attention + 3 MLP + 2 norms; embedding, final norm; projector; head
     assert res["apply_refuses"] == "parallel.recompute_num_layers must be null or 0..2, got 3"
 
     # compile: 2 layers x 2 norms + the final norm, 2 MLPs; rms_norm and swiglu captured once each for both lengths
     for name in ("compile", "compile_k1"):
-        assert res[name]["changed"] == {"norms": 5, "mlps": 2} and res[name]["marked"] == ["compile"], name
+        assert res[name]["changed"] == {"norms": 5, "mlps": 2, "ropes": 0} and res[name]["marked"] == ["compile"], name
     assert res["frames_compiled"] == 2
-    recomputed = {"compile": [False, False], "compile_k1": [True, False], "k0": [False, False], "k1": [True, False], "k2": [True, True]}
+    # fused_rope: both attentions' rotary embedding, captured once for both lengths; set for the
+    # process while asked, transformers' own back after
+    assert res["rope"]["changed"] == {"norms": 0, "mlps": 0, "ropes": 2} and res["rope_frames"] == 1
+    assert res["rope_is_set"] and res["rope_undone"]
+    recomputed = {"compile": [False, False], "compile_k1": [True, False], "rope": [False, False], "k0": [False, False], "k1": [True, False]}
+    recomputed["k2"] = [True, True]
     recomputed["kNone"] = [True, True]  # null: every layer, as recompute: full alone
     for name, flags in recomputed.items():
         got = res[name]
         assert got["recomputed"] == flags, name
         assert got["layer_calls"] == [4 if f else 2 for f in flags], name
         assert sorted(got["grads"]) == plain["grad_names"], name
-        if name.startswith("compile"):
+        if name.startswith(("compile", "rope")):
             assert got["losses"] == pytest.approx(plain["losses"], rel=1e-6), name
             assert {n: g["outside"] for n, g in got["grads"].items() if g["outside"]} == {}, name
         else:  # recompute runs the same arithmetic again: bit for bit

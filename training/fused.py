@@ -12,7 +12,10 @@ kernel per direction, and SwiGLU keeps only its inputs for the backward):
   weight, so in bf16 the two norms differ by a rounding step: each case keeps the one its
   plain model runs;
 - :func:`swiglu`: ``silu(gate) * up``; :func:`swiglu_packed` the same on one ``[..., gate; up]``
-  tensor (megatron's fused fc1 output).
+  tensor (megatron's fused fc1 output);
+- :func:`rope`: rotary position embedding of queries and keys ``[batch, heads, seq, head_dim]``
+  by ``cos`` and ``sin`` ``[batch, seq, head_dim]`` (transformers' ``apply_rotary_pos_emb``:
+  ``x * cos + rotate_half(x) * sin``); :func:`seq_rows` marks its varying dimensions.
 
 Shapes: ``compiled(fn)`` is static (each new input shape compiles anew, as suits a fixed
 sequence length); ``compiled(fn, dynamic=True)`` takes torch's automatic dynamic shapes, and
@@ -86,3 +89,25 @@ def swiglu_packed(y: torch.Tensor) -> torch.Tensor:
     is the gate, the second half ``up``."""
     gate, up = torch.chunk(y, 2, dim=-1)
     return swiglu(gate, up)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of ``q`` and ``k`` (``[batch, heads, seq, head_dim]``) by ``cos``
+    and ``sin`` (``[batch, seq, head_dim]``): ``x * cos + rotate_half(x) * sin``, where
+    ``rotate_half`` of ``[x1; x2]`` (the halves of the last dimension) is ``[-x2; x1]``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def seq_rows(*tensors: torch.Tensor, seq_dim: int) -> tuple[torch.Tensor, ...]:
+    """The tensors as they are, their batch (0) and sequence (``seq_dim``) dimensions marked
+    dynamic for :func:`compiled` ``(fn, dynamic=True)``: one graph for every micro-batch length."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+        torch._dynamo.maybe_mark_dynamic(t, seq_dim)
+    return tensors

@@ -61,7 +61,7 @@ def probe(cfg: dict[str, Any], out: Any) -> None:
     acc = Accelerator(cfg.get("vendor") or {})
     device = acc.device(0)
     model = llava_model.build_model(shape, dtype, device)
-    switches = {"fused_elementwise": (one["parallel"].get("fused_elementwise") or "none")}
+    switches = {k: (one["parallel"].get(k) or "none") for k in ("fused_elementwise", "fused_rope")}
     llava_model.apply_speed_switches(model, **switches)
     model.train()
     log("built")

@@ -30,6 +30,13 @@ Speed switches of the language model (:func:`apply_speed_switches`, the values c
                           ``liger``: liger-kernel's Triton RMSNorm (casting mode ``llama``,
                           transformers' order; not in place) and SwiGLU
                           (``LigerSwiGLUMLP.forward``) bound to the same modules. CUDA only.
+``fused_rope``            ``compile``: the rotary embedding of queries and keys in every
+                          attention of the language model (transformers' ``apply_rotary_pos_emb``,
+                          ``x * cos + rotate_half(x) * sin``) as one ``torch.compile`` region
+                          (``training/fused.py``'s ``rope``; batch and sequence dynamic) instead
+                          of eight eager kernels each way. transformers looks the function up in
+                          its module at each call, so the switch sets it there for the process,
+                          as each phase asks (``none`` puts transformers' own back).
 ``recompute_num_layers``  with ``recompute: full``, only the first K decoder layers of the
                           language model are recomputed in the backward; the others keep
                           their activations (the vision tower is untouched).
@@ -46,7 +53,7 @@ from typing import Any
 
 import torch
 
-from cases.llava.deepspeed.settings import FUSED_ELEMENTWISE
+from cases.llava.deepspeed.settings import FUSED_ELEMENTWISE, FUSED_ROPE
 from training import fused
 
 #: checkpoint key prefix -> (part, prefix that replaces it), first match wins
@@ -176,6 +183,33 @@ def _compiled_mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tenso
     return self.down_proj(out.view(gate.shape))
 
 
+def _compiled_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: Any = None, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if position_ids is not None or unsqueeze_dim != 1:  # another transformers' call: not what fused.rope computes
+        raise RuntimeError(
+            f"parallel.fused_rope: compile expects apply_rotary_pos_emb(q, k, cos, sin) on [batch, heads, seq, dim], "
+            f"got position_ids={position_ids is not None}, unsqueeze_dim={unsqueeze_dim}: use fused_rope: none"
+        )
+    q, k = fused.seq_rows(q, k, seq_dim=2)
+    cos, sin = fused.seq_rows(cos, sin, seq_dim=1)
+    return fused.compiled(fused.rope, dynamic=True)(q, k, cos, sin)
+
+
+#: transformers' own rotary embedding, as its module had it when this module was imported
+_EAGER_ROPE: Callable[..., Any] | None = None
+
+
+def _set_rope(fused_rope: str) -> None:
+    """Point transformers' llama module at the rotary embedding ``fused_rope`` names."""
+    global _EAGER_ROPE
+    from transformers.models.llama import modeling_llama
+
+    if _EAGER_ROPE is None:
+        _EAGER_ROPE = modeling_llama.apply_rotary_pos_emb
+    modeling_llama.apply_rotary_pos_emb = _compiled_rope if fused_rope == "compile" else _EAGER_ROPE
+
+
 def _liger_forwards() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]:
     """liger-kernel's RMSNorm and SwiGLU MLP forwards (liger_kernel.transformers)."""
     try:
@@ -194,10 +228,11 @@ def language_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def apply_speed_switches(
-    model: torch.nn.Module, fused_elementwise: str = "none", recompute_num_layers: int | None = None
+    model: torch.nn.Module, fused_elementwise: str = "none", recompute_num_layers: int | None = None, fused_rope: str = "none"
 ) -> dict[str, int]:
     """Apply the language model's speed switches to a built model (partitioned by ZeRO-3 or
-    not), before the DeepSpeed engine starts; returns how many norms and MLPs were changed.
+    not), before the DeepSpeed engine starts; returns how many norms, MLPs and attentions
+    (their rotary embedding) were changed.
 
     ``fused_elementwise`` binds a new ``forward`` to every LlamaRMSNorm and LlamaMLP of the
     language model (the parameters stay where they are). ``recompute_num_layers`` wraps the
@@ -208,6 +243,9 @@ def apply_speed_switches(
 
     if fused_elementwise not in FUSED_ELEMENTWISE:
         raise ValueError(f"parallel.fused_elementwise must be one of {', '.join(FUSED_ELEMENTWISE)}, got {fused_elementwise!r}")
+    if fused_rope not in FUSED_ROPE:
+        raise ValueError(f"parallel.fused_rope must be one of {', '.join(FUSED_ROPE)}, got {fused_rope!r}")
+    _set_rope(fused_rope)
     lm = language_model(model)
     norms = [m for m in lm.modules() if isinstance(m, LlamaRMSNorm)]
     mlps = [m for m in lm.modules() if isinstance(m, LlamaMLP)]
@@ -240,7 +278,8 @@ def apply_speed_switches(
 
         model.gradient_checkpointing_enable = enable_first_layers
     changed = fused_elementwise != "none"
-    return {"norms": len(norms) if changed else 0, "mlps": len(mlps) if changed else 0}
+    attentions = len(lm.layers) if fused_rope != "none" else 0
+    return {"norms": len(norms) if changed else 0, "mlps": len(mlps) if changed else 0, "ropes": attentions}
 
 
 def recomputed_layers(model: torch.nn.Module) -> list[bool]:

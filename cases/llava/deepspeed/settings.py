@@ -5,12 +5,14 @@ The common train / parallel / data / vendor keys of each phase are read by
 ``training.settings.from_config`` (the phase's sections overlaid with their
 ``phases.<phase>`` entries), the ZeRO section by the shared loop
 (``training.deepspeed_loop.zero_section``), the data keys by ``train.py``. This module reads
-the two ``parallel`` switches of the language model (model.py applies them), per phase, so
+the ``parallel`` switches of the language model (model.py applies them), per phase, so
 ``parallel.phases.finetune.recompute_num_layers`` reaches the finetune phase alone:
 
 * ``fused_elementwise``: ``none`` (default: transformers' eager LlamaRMSNorm and SwiGLU MLP)
   | ``compile`` (both as torch.compile regions) | ``liger`` (liger-kernel's Triton kernels;
   CUDA only, refused with both keys named on any other ``vendor.device``);
+* ``fused_rope``: ``none`` (default: transformers' eager rotary embedding) | ``compile`` (one
+  torch.compile region for queries and keys);
 * ``recompute_num_layers``: null (default: with ``recompute: full`` every decoder layer of the
   language model is recomputed) or K in 0..num_layers (only the first K are); it needs the
   phase's ``recompute: full``.
@@ -27,6 +29,7 @@ from training.settings import Common, SettingsError
 
 PHASES = ("pretrain", "finetune")  # one round trains both, in this order
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
+FUSED_ROPE = ("none", "compile")
 
 
 def check_device(fused_elementwise: str, device: str) -> None:
@@ -39,7 +42,7 @@ def check_device(fused_elementwise: str, device: str) -> None:
 
 
 def speed_switches(c: Common, num_layers: int) -> dict[str, Any]:
-    """``{"fused_elementwise", "recompute_num_layers"}`` of the phase ``c`` was read for, checked
+    """``{"fused_elementwise", "recompute_num_layers", "fused_rope"}`` of the phase ``c`` was read for, checked
     against the language model's ``num_layers``, the phase's ``recompute`` and the vendor's device;
     absent keys take today's path (``none``, every layer recomputed)."""
     par = c.sections["parallel"]
@@ -60,7 +63,11 @@ def speed_switches(c: Common, num_layers: int) -> dict[str, Any]:
                 f"parallel.recompute_num_layers ({layers}) needs parallel.recompute: full, but the {c.phase} phase's "
                 f"recompute is {c.parallel.recompute}"
             )
-    return {"fused_elementwise": fused, "recompute_num_layers": layers}
+    rope = par.get("fused_rope")
+    rope = "none" if rope is None else rope
+    if rope not in FUSED_ROPE:
+        raise SettingsError(f"parallel.fused_rope must be one of {', '.join(FUSED_ROPE)}, got {rope!r} (phase {c.phase})")
+    return {"fused_elementwise": fused, "recompute_num_layers": layers, "fused_rope": rope}
 
 
 def check(cfg: dict[str, Any], world_size: int) -> None:

@@ -24,7 +24,8 @@ lengths of its samples, image tokens included, summed over all ranks.
 
 Speed switches of the language model, per phase (``settings.py`` checks them, ``model.py``
 applies them before the engine starts, ``run_meta`` reports them):
-``parallel.fused_elementwise`` (none | compile | liger) and ``parallel.recompute_num_layers``.
+``parallel.fused_elementwise`` (none | compile | liger), ``parallel.fused_rope`` (none | compile) and
+``parallel.recompute_num_layers``.
 
 Before each phase's model is built, every rank times that phase's kernel ceiling on its
 device (``ceiling.py``, training/ceiling.py; the phase's run_meta ``kernel_ceiling``; the
@@ -240,6 +241,7 @@ class PhaseTrainer:
             "attention": "sdpa",
             "fused_elementwise": switches["fused_elementwise"],
             "recompute_num_layers": switches["recompute_num_layers"],
+            "fused_rope": switches["fused_rope"],
             "zero_stage_requested": ds_config["zero_optimization"]["stage"],
             K_KERNEL_CEILING: kernel_ceiling,
         }

@@ -29,9 +29,10 @@ It also keeps a watch on each call: where the harness sets ``FB_STALL_TIMEOUT_S`
 ``FB_STACKS_DIR``, a ``build()``, ``step(k)`` or ``finish()`` still running after that many
 seconds has every thread's stack written to ``FB_STACKS_DIR/rank<RANK>.txt`` (by a thread of
 its own, in faulthandler's format; faulthandler itself only where the call holds the
-interpreter lock: :class:`StallWatch`). Before the first step ends, where the harness also sets
-``FB_STARTUP_TIMEOUT_S``, the stacks come :data:`STARTUP_LEAD` before that timeout from the
-process's start, whichever is first. The harness stops a round whose ranks report nothing for
+interpreter lock: :class:`StallWatch`; not the conformance check, whose probe is forked from a
+rank of one thread). Before the first step ends, where the harness also sets
+``FB_STARTUP_TIMEOUT_S``, the stacks come a tenth of that timeout (at least
+:data:`STARTUP_LEAD_MIN_S`, at most half) before it, from the process's start, if that is sooner. The harness stops a round whose ranks report nothing for
 that long (or never start training) and names, from these files, where each rank waited
 (run_benchmarks/running/causes.py); the process groups outlast both (:func:`training.runtime.
 process_group_timeout`), so a collective's own timeout never ends a hang before its stacks are
@@ -200,9 +201,8 @@ def run(
     stall = StallWatch.from_env()
     startup.mark("imports")
     if cfg is not None:
-        try:
-            with stall.watch("conformance check", before_first_step=True):
-                conformance_gate(cfg, log)
+        try:  # not watched: the probe is forked from this rank, which must run one thread then
+            conformance_gate(cfg, log)
         except BaseException as exc:
             log.error(f"{type(exc).__name__}: {exc}", phase=phases[0])
             log.end("failed", 0, phase=phases[0])

@@ -417,7 +417,8 @@ def test_a_rank_stopped_mid_run_is_found_at_the_stall_timeout_with_where_the_ran
         lines[0],
     ), rnd["error"]
     assert re.fullmatch(
-        r"rank 0 on node0 \(localhost\): waited in \S+ \(\S+:\d+\), called from \S+ \(cases/llama3/megatron/\S+\.py:\d+\)", lines[1]
+        r"rank 0 on node0 \(localhost\): waited in \S+ \(\S+:\d+\), called from \S+ \((?:cases/llama3/megatron|training)/\S+\.py:\d+\)",
+        lines[1],
     ), rnd["error"]
     assert lines[2].startswith("rank 1 on node0 (localhost): no stack written by its timeout"), rnd["error"]
     assert f"round 1: failed - {lines[0]}" in " ".join(err.split())  # the terminal's width wraps it

@@ -5,7 +5,7 @@
     python cases/llama3/megatron/weights_check.py --compare a.pt b.pt [...]
 
 The first form sets the run up exactly as train.py does (``Trainer.init_distributed``
-and ``Trainer.build_model``: model, start weights, Float16Module, DDP, optimizer), then
+and ``Trainer.build_trained_model``: model, start weights, Float16Module, DDP, optimizer), then
 joins every parameter's tensor-parallel shards back into its TP1 tensor and collects
 the pipeline stages on rank 0, which saves ``{"weights": {layout-free name: float32
 tensor}, ...}``.  The joining is written here again, from megatron's layouts, rather
@@ -119,7 +119,7 @@ def dump(argv: list[str]) -> int:
 
     trainer = train.Trainer(cfg, MetricLogger(stream=sys.stderr))
     trainer.init_distributed()
-    trainer.build_model()
+    trainer.build_trained_model()
     if args.megatron_std and dist.get_world_size() != 1:
         raise SystemExit("--megatron-std needs one process")
     full = gather(trainer)

@@ -72,6 +72,35 @@ class Trainer(Protocol):
     def finish(self) -> None: ...
 
 
+class LoopHooks:
+    """What a case gives a framework's shared loop (training/megatron_loop.py, paddle_loop.py),
+    whatever the framework: its settings, model, data and run_meta fields; the parameter count
+    its model must have (training/flops.py's of case.yaml's shape, unless it says otherwise)."""
+
+    cfg: dict[str, Any]
+
+    def read_settings(self, cfg: dict[str, Any], world_size: int) -> Any:
+        raise NotImplementedError
+
+    def build_model(self) -> Any:
+        raise NotImplementedError
+
+    def make_batches(self) -> tuple[Any, Any]:
+        """The data (the step's micro-batches, by the loop's protocol) and run_meta's ``data``."""
+        raise NotImplementedError
+
+    def meta(self) -> dict[str, Any]:
+        return {}
+
+    def parallel_meta(self) -> dict[str, Any]:
+        return {}
+
+    def expected_params(self) -> int:
+        from training import flops, settings
+
+        return int(flops.param_counts(flops.decoder_shape(settings.shape_source(self.cfg["model"])))["total"])
+
+
 #: written after a stack dump when the call it caught returns after all: that dump is no hang
 STACK_DONE = "Finished after"
 #: written after a stack dump that came long after its deadline: the process was not running

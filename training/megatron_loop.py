@@ -38,8 +38,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from training import case, flops, runtime, startup
-from training import settings as common
+from training import case, runtime, startup
 from training.ceiling import K_KERNEL_CEILING
 from training.metriclog import K_STEP_BREAKDOWN, MetricLogger
 
@@ -66,7 +65,7 @@ def torch_dtype(precision: str) -> Any:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-class MegatronTrainer:
+class MegatronTrainer(case.LoopHooks):
     """One phase of a megatron case (the module docstring says what a case gives)."""
 
     #: the function each micro-batch's forward runs (:func:`forward_step`)
@@ -87,22 +86,7 @@ class MegatronTrainer:
         self.steps = self.s.common.train.steps
         self.reporting = False  # known once the process groups are
 
-    # -- what a case gives ---------------------------------------------------
-    def read_settings(self, cfg: dict[str, Any], world_size: int) -> Any:
-        raise NotImplementedError
-
-    def build_model(self) -> Any:
-        raise NotImplementedError
-
-    def make_batches(self) -> Any:
-        raise NotImplementedError
-
-    def meta(self) -> dict[str, Any]:
-        return {}
-
-    def parallel_meta(self) -> dict[str, Any]:
-        return {}
-
+    # -- what a case gives (beyond case.LoopHooks) ---------------------------
     def layout_options(self) -> dict[str, bool]:
         return {"distributed_optimizer": True, "overlap_grad_reduce": False, "overlap_param_gather": False}
 
@@ -114,9 +98,6 @@ class MegatronTrainer:
 
     def measure_ceiling(self) -> dict[str, Any] | None:
         return None
-
-    def expected_params(self) -> int:
-        return int(flops.param_counts(flops.decoder_shape(common.shape_source(self.cfg["model"])))["total"])
 
     def local_param_count(self, model: Any) -> int:
         """This rank's parameters of one data-parallel replica: a tensor-parallel shard counts

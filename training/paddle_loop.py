@@ -45,8 +45,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from training import case, flops, runtime
-from training import settings as common
+from training import case, runtime
 from training.metriclog import K_KERNEL_CEILING, MetricLogger
 
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
@@ -85,7 +84,7 @@ def device_module(device: str) -> Any:
     return paddle.device.cuda if device == "gpu" else paddle.device
 
 
-class PaddleTrainer:
+class PaddleTrainer(case.LoopHooks):
     """One phase of a paddle case (the module docstring says what a case gives)."""
 
     def __init__(self, cfg: dict[str, Any], log: MetricLogger, phase: str | None = None):
@@ -94,17 +93,8 @@ class PaddleTrainer:
         self.steps = 0
         self.reporting = self.dist.rank == 0  # until the topology is known
 
-    # -- what a case gives ---------------------------------------------------
-    def read_settings(self, cfg: dict[str, Any], world_size: int) -> Any:
-        raise NotImplementedError
-
+    # -- what a case gives (beyond case.LoopHooks) ---------------------------
     def layout(self) -> Layout:
-        raise NotImplementedError
-
-    def build_model(self) -> Any:
-        raise NotImplementedError
-
-    def make_batches(self) -> tuple[Any, Any]:
         raise NotImplementedError
 
     def scheduler(self) -> Any:
@@ -119,17 +109,8 @@ class PaddleTrainer:
     def setup(self) -> None:
         """After the settings and the device, before anything is measured or built."""
 
-    def meta(self) -> dict[str, Any]:
-        return {}
-
-    def parallel_meta(self) -> dict[str, Any]:
-        return {}
-
     def measure_ceiling(self) -> tuple[dict[str, Any], Any] | None:
         return None
-
-    def expected_params(self) -> int:
-        return int(flops.param_counts(flops.decoder_shape(common.shape_source(self.cfg["model"])))["total"])
 
     def local_param_count(self, model: Any) -> int:
         return sum(int(p.numel()) for p in model.parameters())

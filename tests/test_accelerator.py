@@ -197,7 +197,7 @@ CUDA_ONLY = {
     ("cases/llava/deepspeed/settings.py", "check_device"): "the check of the CUDA-only switch (liger)",
     ("cases/gpt3/paddle/model.py", "flash_attention_available"): "paddle's flash attention",
     ("cases/gpt3/paddle/settings.py", "paddle_device"): "paddle's name of the cuda device",
-    ("cases/gpt3/paddle/settings.py", "device_module"): "paddle's module for the gpu device",
+    ("training/paddle_loop.py", "device_module"): "paddle's module for the gpu device",
 }
 
 

@@ -16,6 +16,7 @@ LIMIT = 72
 #: every commit after it new ids, and committed results name those ids as the code that ran
 KEPT = {
     "84b5afa": "docs/results/runs/2026-12-01_llama3_8b_H200x1_*.json were made by code 09a64f7, after it",
+    "9f21352": "docs/results/runs/2026-12-02_llava1.5_7b_H200x1_short-fused-rope.json was made by this code",
 }
 
 

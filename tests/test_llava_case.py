@@ -356,6 +356,7 @@ def resolved(tmp: Path) -> dict:
         "recompute": "none",
         "recompute_num_layers": None,
         "fused_elementwise": "none",
+        "fused_rope": "none",
         "expandable_segments": False,
         "zero": {
             "overlap_comm": True,

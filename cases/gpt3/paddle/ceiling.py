@@ -150,7 +150,7 @@ class PaddleTimers:
         return ceiling.median_seconds(fn, self.synchronize, self.seconds_per_call, repeat=repeat)
 
     def _module(self) -> Any:
-        from cases.gpt3.paddle.settings import device_module
+        from training.paddle_loop import device_module
 
         return device_module(self.device)
 

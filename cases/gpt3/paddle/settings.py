@@ -193,15 +193,6 @@ def paddle_device(device_type: str) -> str:
     return {"cuda": "gpu"}.get(device_type, device_type)
 
 
-def device_module(device: str) -> Any:
-    """paddle's module of a device's memory and property calls (``device``: paddle's name, as
-    :func:`paddle_device` gives it): ``paddle.device.cuda`` for gpu, else ``paddle.device``'s own,
-    which answer for the build's xpu or custom device."""
-    import paddle
-
-    return paddle.device.cuda if device == "gpu" else paddle.device
-
-
 def from_config(cfg: dict, world_size: int) -> Settings:
     """Validate the resolved config for a run of ``world_size`` ranks."""
     c = common.from_config(cfg, world_size, recompute=RECOMPUTE)

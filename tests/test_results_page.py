@@ -34,11 +34,13 @@ def test_three_runs_of_one_measurement_make_one_headline_their_median(tmp_path):
     assert [(r[TOKENS], r[RUNS_COL]) for r in rows] == [("7,130", "3 of 3"), ("6,993", "3 of 3")]
     for row, names in zip(rows, (OVERLAP, PINNED)):
         assert all(name in row[FILES] for name in names)
-    # in the committed files the 2026-12-02 row is those three; the 2026-12-01 three share theirs
-    # with the run of the same settings that spawned its conformance check (code 179584a)
+    # in the committed files the 2026-12-02 row is those three and the run of the same settings
+    # through the shared megatron loop (code 5355b1e); the 2026-12-01 three share theirs with the
+    # run of the same settings that spawned its conformance check (code 179584a)
     committed = results_page.headline_rows(results_page.load_runs())
     (pinned,) = [r for r in committed if PINNED[0] in r[FILES]]
-    assert pinned[TOKENS] == "6,993" and pinned[RUNS_COL] == "3 of 3"
+    assert pinned[TOKENS] == "6,993" and pinned[RUNS_COL] == "4 of 4"
+    assert "2026-12-03_llama3_8b_H200x1_short-shared-loop.json" in pinned[FILES]
     (overlap,) = [r for r in committed if OVERLAP[0] in r[FILES]]
     assert all(name in overlap[FILES] for name in OVERLAP) and "short-spawned-check" in overlap[FILES]
 

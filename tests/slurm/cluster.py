@@ -71,6 +71,10 @@ class SlurmTestCluster:
         self.nodes = [name for name, _ in NODES]
         self.node_namespaces: dict[str, str] = {}  # node name -> its UTS namespace
         self.retired_namespaces: set[str] = set()  # of slurmd processes killed and started again
+        # an open descriptor of each namespace noted above keeps it alive, so the kernel cannot
+        # give its inode number to a new namespace (another test's container) while it is
+        # matched by node_processes, which SIGKILLs what it finds
+        self._pins: dict[str, int] = {}
 
     # ------------------------------------------------------------------ config
 
@@ -252,6 +256,12 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
                 ns = os.readlink(f"/proc/{proc.pid}/ns/uts")
                 if ns == os.readlink("/proc/self/ns/uts"):
                     raise ClusterError(f"{n} runs in this machine's UTS namespace")
+                if ns not in self._pins:
+                    fd = os.open(f"/proc/{proc.pid}/ns/uts", os.O_RDONLY)
+                    if os.readlink(f"/proc/self/fd/{fd}") != ns:  # slurmd was replaced in between
+                        os.close(fd)
+                        raise ClusterError(f"{n}: its UTS namespace changed while it was noted")
+                    self._pins[ns] = fd
                 self.node_namespaces[n.removeprefix("slurmd-")] = ns
 
     def kill_node(self, name: str) -> None:
@@ -351,6 +361,9 @@ PartitionName=debug Nodes={",".join(self.nodes)} Default=YES MaxTime=INFINITE St
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for fd in self._pins.values():
+            os.close(fd)
+        self._pins.clear()
         self.timings["stop_s"] = time.monotonic() - t0
         if self._own_base and os.environ.get("FB_KEEP_SLURM_DIR") != "1":
             shutil.rmtree(self.base, ignore_errors=True)

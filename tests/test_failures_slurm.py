@@ -370,6 +370,10 @@ def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_clust
     wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
     try:
         slurm_cluster.kill_node("n2")
+        # the health check comes first: were it slower than the harness's own silent-node check
+        # (10 s of COMPLETING) on a loaded machine, the job would not end NODE_FAIL
+        down = ["scontrol", "update", "nodename=n2", "state=down", "reason=fan failure"]
+        subprocess.run(down, env=slurm_cluster.env(), check=True, timeout=30)
         for _ in range(50):  # what ran on n2 (its namespace is a retired one now), started until slurmd was gone
             if not (victims := set(slurm_cluster.node_processes()) - set(slurm_cluster.node_processes("n1"))):
                 break
@@ -377,8 +381,6 @@ def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_clust
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.1)
-        down = ["scontrol", "update", "nodename=n2", "state=down", "reason=fan failure"]
-        subprocess.run(down, env=slurm_cluster.env(), check=True, timeout=30)
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:

@@ -14,6 +14,15 @@ from run_benchmarks.errors import InputError
 M = TypeVar("M", bound=BaseModel)
 
 
+class FieldError(ValueError):
+    """A validator's error about a field below the one it validates: ``loc`` continues the
+    error's location, so the message names that field."""
+
+    def __init__(self, loc: tuple[str, ...], msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,6 +57,9 @@ def _model_at(model: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] |
 
 
 def problem_line(model: type[BaseModel], err: Any, source: str) -> str:
+    below = (err.get("ctx") or {}).get("error")
+    if isinstance(below, FieldError):
+        err = {**err, "loc": (*err["loc"], *below.loc)}
     if err["type"] == "extra_forbidden":
         parent = _model_at(model, tuple(err["loc"][:-1]))
         names = [f.alias or n for n, f in parent.model_fields.items()] if parent else []

@@ -10,6 +10,7 @@ import pytest
 
 from training.data.indexed import write_indexed
 from training.data.synthetic import corpus_name
+from training.settings import SettingsError
 
 CASE_DIR = Path(__file__).resolve().parent.parent / "cases" / "baichuan2" / "deepspeed"
 
@@ -111,14 +112,20 @@ def test_shape_flat_or_nested_and_checked():
         "num_heads": 10,
         "seq_length": 128,
         "vocab_size": 2048,
+        "position_embedding": "alibi",
+        "output_layer": "normhead",
     }
     s = settings_mod.shape({"model": flat})
-    assert s["max_position_embeddings"] == 4096 and s["norm_eps"] == 1e-6
+    assert s["max_position_embeddings"] == 128 and s["norm_eps"] == 1e-5  # the schema's defaults, not the case's
     assert settings_mod.shape({"model": {"shape": flat}}) == s
-    with pytest.raises(settings_mod.SettingsError, match="model.shape.vocab_size"):
+    with pytest.raises(SettingsError, match="model.shape.vocab_size"):
         settings_mod.shape({"model": {k: v for k, v in flat.items() if k != "vocab_size"}})
-    with pytest.raises(settings_mod.SettingsError, match="not a multiple of model.num_heads"):
+    with pytest.raises(SettingsError, match="not a multiple of num_heads"):
         settings_mod.shape({"model": {**flat, "num_heads": 7}})
-    with pytest.raises(settings_mod.SettingsError, match="exceeds model.max_position_embeddings"):
+    with pytest.raises(SettingsError, match="exceeds max_position_embeddings 64"):
         settings_mod.shape({"model": {**flat, "max_position_embeddings": 64}})
+    with pytest.raises(SettingsError, match="position_embedding is 'rope', Baichuan2 has 'alibi'"):
+        settings_mod.shape({"model": {k: v for k, v in flat.items() if k != "position_embedding"}})
+    with pytest.raises(SettingsError, match="num_kv_groups is 5"):
+        settings_mod.shape({"model": {**flat, "num_kv_groups": 5}})
     assert settings_mod.model_name({"case": {"model": "x"}, "model": flat}) == "x"

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from tests.case_helpers import framework_python, pytest_in, torch_unit
+from training import shapes
 from training.flops import decoder_flops
 
 try:
@@ -26,7 +27,7 @@ except ImportError:  # the harness's environment
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 
 needs_torch = torch_unit(torch is not None, "torch is not importable here; test_model_in_framework_env runs these")
 

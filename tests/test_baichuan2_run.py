@@ -28,12 +28,13 @@ from tests.deepspeed_runs import (
     start_task,
 )
 from tests.test_ceiling_deepspeed import assert_baichuan2_ceiling
+from training import shapes
 from training.flops import decoder_flops
 from training.metriclog import parse_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 TINY = CASE["models"]["baichuan2_tiny"]
 REFERENCE = CASE_DIR / "reference" / "baichuan2_tiny" / "standard.json"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from training import flops
+from training import flops, shapes
 
 # Qwen2-7B's published shape (its config.json): 7,615,616,512 parameters, untied output layer
 QWEN2_7B = dict(
@@ -30,7 +30,7 @@ def test_qwen2_counts_its_query_key_value_biases():
 def test_every_linear_biased_is_the_same_as_naming_them_all():
     shape = {**QWEN2_7B, "num_layers": 2}
     every = flops.param_counts(flops.decoder_shape({**shape, "bias": True}))
-    named = flops.param_counts(flops.decoder_shape({**shape, "bias": list(flops.BIASED)}))
+    named = flops.param_counts(flops.decoder_shape({**shape, "bias": list(shapes.BIASED)}))
     assert every == named
     o_only = flops.param_counts(flops.decoder_shape({**shape, "bias": ["o"]}))
     assert o_only["per_layer"] - flops.param_counts(flops.decoder_shape({**shape, "bias": False}))["per_layer"] == 3584

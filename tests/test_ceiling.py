@@ -19,13 +19,13 @@ from run_benchmarks.planning import registry
 from run_benchmarks.planning.registry import ROOT
 from run_benchmarks.tools import ceiling as ceiling_cli
 from tests.case_helpers import start_task
-from training import ceiling, flops
+from training import ceiling, flops, shapes
 
 LLAMA3_8B = dict(hidden=4096, ffn=14336, heads=32, groups=8, head_dim=128, vocab=128256)
 
 
 def test_decoder_gemms_are_the_models_linear_layers_per_tp_rank():
-    shape = flops.DecoderShape(
+    shape = shapes.ModelShape(
         num_layers=32, hidden_size=4096, num_heads=32, seq_length=8192, vocab_size=128256, ffn_hidden_size=14336, num_kv_groups=8
     )
     counts = flops.param_counts(shape)

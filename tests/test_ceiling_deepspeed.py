@@ -25,7 +25,7 @@ from cases.llava.deepspeed import ceiling as llava_ceiling
 from run_benchmarks import typed_results as tr
 from run_benchmarks.planning.registry import ROOT
 from tests.case_helpers import start_task, torch_unit
-from training import ceiling, flops, flops_llava
+from training import ceiling, flops, flops_llava, shapes
 
 try:
     import torch
@@ -33,8 +33,8 @@ except ImportError:  # the host's test environment: the unit tests run in the fr
     torch = None
 
 needs_torch = torch_unit(torch is not None)
-BAICHUAN2 = yaml.safe_load((ROOT / "cases/baichuan2/deepspeed/case.yaml").read_text())["models"]
-LLAVA = yaml.safe_load((ROOT / "cases/llava/deepspeed/case.yaml").read_text())["models"]
+BAICHUAN2 = shapes.complete(yaml.safe_load((ROOT / "cases/baichuan2/deepspeed/case.yaml").read_text()))["models"]
+LLAVA = shapes.complete(yaml.safe_load((ROOT / "cases/llava/deepspeed/case.yaml").read_text()))["models"]
 
 
 def by_name(gemms: list[ceiling.Gemm]) -> dict[str, ceiling.Gemm]:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from training import shapes
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script
     sys.path.insert(0, str(ROOT))
@@ -37,8 +39,8 @@ except ImportError:  # the host's test environment: the unit tests run in the fr
 
 LLAVA_DIR = ROOT / "cases" / "llava" / "deepspeed"
 BAICHUAN2_DIR = ROOT / "cases" / "baichuan2" / "deepspeed"
-LLAVA = yaml.safe_load((LLAVA_DIR / "case.yaml").read_text())["models"]["llava_tiny"]["shape"]
-BAICHUAN2 = yaml.safe_load((BAICHUAN2_DIR / "case.yaml").read_text())["models"]["baichuan2_tiny"]["shape"]
+LLAVA = shapes.complete(yaml.safe_load((LLAVA_DIR / "case.yaml").read_text()))["models"]["llava_tiny"]["shape"]
+BAICHUAN2 = shapes.complete(yaml.safe_load((BAICHUAN2_DIR / "case.yaml").read_text()))["models"]["baichuan2_tiny"]["shape"]
 needs_torch = torch_unit(torch is not None)
 
 

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from training import shapes
 from training.flops import mfu
 from training.flops_llava import llava_flops, llava_params, palm_flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
-CASE = yaml.safe_load((ROOT / "cases" / "llava" / "deepspeed" / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((ROOT / "cases" / "llava" / "deepspeed" / "case.yaml").read_text()))
 LLAVA7B = CASE["models"]["llava1.5_7b"]
 TINY = CASE["models"]["llava_tiny"]
 A800_BF16 = 312e12

@@ -22,11 +22,11 @@ import yaml
 from cases.gpt3.paddle import ceiling as gpt3_ceiling
 from cases.gpt3.paddle import settings as S
 from tests.case_helpers import framework_python, start_task
-from training import flops
+from training import flops, shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 
 
 def settings(model: str, world: int, **parallel) -> S.Settings:
@@ -89,7 +89,7 @@ def test_the_gemms_are_six_flops_per_weight_and_token(model, implied, tp, fused)
     per_token = sum(g.times(L) * g.flops for g in gpt3_ceiling.gemms(s)) / tokens
     weights = per_token * tp / 6
     assert weights == implied
-    counts = flops.param_counts(flops.decoder_shape(sh.decoder_shape()))
+    counts = flops.param_counts(sh)
     biases_and_norms = L * (4 * h + f + h + 2 * 2 * h) + 2 * h
     assert implied == counts["total"] - counts["positions"] - biases_and_norms
     assert implied == L * (4 * h * h + 2 * h * f) + sh.vocab_size * h
@@ -110,9 +110,10 @@ def test_the_gemms_are_the_built_models_layers_and_the_attention_is_causal():
         import json, sys
         sys.path[:0] = [{str(ROOT)!r}]
         import numpy as np, paddle, yaml
+        from training import shapes
         from cases.gpt3.paddle import ceiling, model as gpt3_model
         from cases.gpt3.paddle.settings import from_config
-        case = yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r}))
+        case = shapes.complete(yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r})))
         m = case["models"]["gpt3_tiny"]
         out = {{}}
         for fused in (False, True):

@@ -20,11 +20,11 @@ import yaml
 
 from cases.gpt3.paddle import settings as S
 from tests.case_helpers import framework_python
-from training import flops
+from training import flops, shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 
 
 def _hand_count(L: int, h: int, V: int, T: int) -> int:
@@ -156,10 +156,11 @@ def test_built_models_match_the_counter():
         import json, sys
         sys.path[:0] = [{str(ROOT)!r}]
         import numpy as np, paddle, yaml
+        from training import shapes
         from paddlenlp.transformers.gpt import modeling as gm
         from cases.gpt3.paddle import model as gpt3_model
         from cases.gpt3.paddle.settings import from_config
-        case = yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r}))
+        case = shapes.complete(yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r})))
         out = {{}}
         def settings(name):
             m = case["models"][name]

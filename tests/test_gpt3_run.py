@@ -27,13 +27,14 @@ import pytest
 import yaml
 
 from tests.case_helpers import framework_python
+from training import shapes
 from training.flops import decoder_flops
 from training.metriclog import REQUIRED_META, ParsedLog, parse_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 TINY = CASE["models"]["gpt3_tiny"]
 REFERENCE = json.loads((CASE_DIR / "reference" / "gpt3_tiny" / "standard.json").read_text())
 

@@ -25,13 +25,14 @@ import yaml
 
 from cases.gpt3.paddle import weights as W
 from tests.case_helpers import framework_python
+from training import shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "gpt3" / "paddle"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 TINY = CASE["models"]["gpt3_tiny"]
 
-SHAPE = W.Shape(**{k: v for k, v in TINY["shape"].items() if k in W.Shape.__dataclass_fields__})
+SHAPE = shapes.read(TINY["shape"])
 #: GPTForCausalLMPipe.get_sequential_name_prefixes() of the 4-layer model
 PIPE_PREFIXES = {
     "0": "gpt.embeddings",
@@ -91,9 +92,10 @@ SETTINGS = f"""
 import json, os, sys, time
 sys.path[:0] = [{str(ROOT)!r}]
 import numpy as np, paddle, yaml
+from training import shapes
 from cases.gpt3.paddle import model as gpt3_model, weights as gpt3_weights
 from cases.gpt3.paddle.settings import from_config
-case = yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r}))
+case = shapes.complete(yaml.safe_load(open({str(CASE_DIR / "case.yaml")!r})))
 m = case["models"]["gpt3_tiny"]
 
 def settings(world=1, seed=42, **par):

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.case_helpers import framework_python, free_port
-from training import flops
+from training import flops, shapes
 from training.metriclog import REQUIRED_META, ParsedLog, parse_file, parse_lines
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,20 +120,32 @@ def test_settings_from_resolved_config(tmp_path):
 
 def test_case_yaml_models():
     yaml = pytest.importorskip("yaml")
-    case = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    raw = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    # the family's flag stated once; each model block its sizes only
+    assert raw["shape_defaults"] == {"rope_base": 500000}
+    sizes = {"num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "num_kv_groups", "seq_length", "vocab_size"}
+    assert {m: set(e["shape"]) for m, e in raw["models"].items()} == {"llama3_8b": sizes, "llama3_tiny": sizes}
+    case = shapes.complete(raw)
     assert (case["family"], case["framework"], case["launcher"], case["entry"]) == ("llama3", "megatron", "torchrun", "train.py")
     big = case["models"]["llama3_8b"]
-    assert big["shape"] == {
-        "num_layers": 32,
-        "hidden_size": 4096,
-        "ffn_hidden_size": 14336,
-        "num_heads": 32,
-        "num_kv_groups": 8,
-        "seq_length": 8192,
-        "vocab_size": 128256,
-        "norm_eps": 1e-5,
-        "rope_base": 500000,
-    }
+    whole = shapes.ModelShape(
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_heads=32,
+        num_kv_groups=8,
+        seq_length=8192,
+        vocab_size=128256,
+        rope_base=500000,
+    ).as_dict()
+    assert big["shape"] == whole
+    assert (whole["norm_eps"], whole["norm"], whole["hidden_act"], whole["gated_mlp"], whole["bias"]) == (
+        1e-5,
+        "rmsnorm",
+        "silu",
+        True,
+        False,
+    )
     assert big["params_nominal"] == 8.0e9 and big["train"]["global_batch"] == 512
     assert big["train"]["lr_decay_steps"] == 300  # FlagPerf decays the cosine over 300 steps
     std = case["standard"]["train"]
@@ -142,12 +154,13 @@ def test_case_yaml_models():
     counts = flops.decoder_flops(big)
     assert counts["params_exact"] == 8_030_261_248
     assert flops.decoder_flops(case["models"]["llama3_tiny"])["params_exact"] == 241_984
-    assert case["models"]["llama3_tiny"]["shape"] == TINY_SHAPE
+    tiny = case["models"]["llama3_tiny"]["shape"]
+    assert {k: tiny[k] for k in TINY_SHAPE} == TINY_SHAPE
 
 
 def test_vendor_configs_change_only_allowed_keys():
     yaml = pytest.importorskip("yaml")
-    allowed = yaml.safe_load((CASE_DIR / "case.yaml").read_text())["vendor_may_change"]
+    allowed = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))["vendor_may_change"]
     files = sorted((ROOT / "vendors" / "nvidia" / "cases" / "llama3_8b" / "megatron").glob("config_*.yaml"))
     files += sorted((ROOT / "vendors" / "cpu" / "cases" / "llama3_tiny" / "megatron").glob("config_*.yaml"))
     names = {f.stem for f in files}
@@ -285,7 +298,7 @@ def test_cpu_layout_through_start_task(layout_runs, name):
     dp = nprocs // (tp * pp)
     assert (m["parallel"]["tp"], m["parallel"]["pp"], m["parallel"]["dp"]) == (tp, pp, dp)
     assert m["parallel"]["grad_accum"] == 8 // dp and m["parallel"]["micro_batch"] == 1
-    shape = flops.DecoderShape(**{k: v for k, v in TINY_SHAPE.items() if k not in ("norm_eps", "rope_base")})
+    shape = shapes.ModelShape(**TINY_SHAPE)
     assert m["params_exact"] == flops.param_counts(shape)["total"] == 241_984
     assert m["params_nominal"] == 2.4e5 and m["framework"] == "megatron" and m["framework_version"]
     assert m["world_size"] == nprocs and m["global_batch"] == 8 and m["precision"] == "fp32"

@@ -26,6 +26,7 @@ import yaml
 
 from tests.case_helpers import framework_python, free_port, start_task
 from tests.test_llama3_megatron_case import CASE_DIR, ROOT, resolved_config
+from training import shapes
 
 
 def _settings():
@@ -126,7 +127,7 @@ def test_switch_values_are_read_and_checked(tmp_path):
 
 
 def test_case_and_vendor_configs_carry_the_switches():
-    case = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    case = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
     assert case["standard"]["parallel"]["fused_elementwise"] == "none"
     assert case["standard"]["parallel"]["attention"] == "sdpa"
     assert "parallel.fused_elementwise" in case["vendor_may_change"] and "parallel.attention" in case["vendor_may_change"]
@@ -1119,7 +1120,7 @@ def test_halves_overlap_settings(tmp_path):
         with pytest.raises(st.SettingsError) as err:
             st.from_config(resolved_config(tmp_path, world, "x", parallel=parallel, micro_batch=micro), world_size=world)
         assert message in str(err.value)
-    case = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+    case = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
     assert case["standard"]["parallel"]["tp_comm_overlap"] == "none" and "parallel.tp_comm_overlap" in case["vendor_may_change"]
 
 

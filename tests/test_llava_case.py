@@ -30,6 +30,7 @@ from tests.deepspeed_runs import (
     start_task,
 )
 from tests.test_ceiling_deepspeed import assert_llava_ceilings
+from training import shapes
 from training.flops_llava import llava_params
 from training.metriclog import parse_lines
 
@@ -40,7 +41,7 @@ except ImportError:  # the host's test environment: the unit tests run in the fr
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE_DIR = ROOT / "cases" / "llava" / "deepspeed"
-CASE = yaml.safe_load((CASE_DIR / "case.yaml").read_text())
+CASE = shapes.complete(yaml.safe_load((CASE_DIR / "case.yaml").read_text()))
 TINY = CASE["models"]["llava_tiny"]
 REFERENCE = CASE_DIR / "reference" / "llava_tiny"
 needs_torch = torch_unit(torch is not None)

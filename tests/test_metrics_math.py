@@ -4,7 +4,7 @@ import pytest
 
 from run_benchmarks import typed_results as tr
 from run_benchmarks.judging import metrics
-from training import flops
+from training import flops, shapes
 from training import metriclog as ml
 
 LLAMA3_8B = dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_heads=32, num_kv_groups=8, seq_length=8192, vocab_size=128256)
@@ -44,7 +44,7 @@ def test_seed000_mfu_column_reproduced(row, tps, peak, printed):
 
 
 def test_llama3_8b_counts():
-    s = flops.DecoderShape(**LLAMA3_8B)
+    s = shapes.ModelShape(**LLAMA3_8B)
     counts = flops.param_counts(s)
     assert counts["total"] == 8_030_261_248
     assert counts["embedding"] == 128256 * 4096

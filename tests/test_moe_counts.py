@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from training import flops
+from training import flops, shapes
 from training.memory import megatron_states
 
 # Mixtral 8x7B's published shape: 46.7e9 parameters, 12.9e9 active per token
@@ -25,28 +25,28 @@ TINY = dict(num_layers=2, hidden_size=64, num_heads=4, seq_length=32, vocab_size
 
 
 def test_mixtral_counts_all_and_active_parameters():
-    c = flops.param_counts(flops.DecoderShape(**MIXTRAL))
+    c = flops.param_counts(shapes.ModelShape(**MIXTRAL))
     assert round(c["total"] / 1e9, 1) == 46.7 and round(c["active"] / 1e9, 1) == 12.9
     expert = 3 * 4096 * 14336  # one SwiGLU expert
     assert c["experts"] == 32 * 8 * expert and c["total"] - c["active"] == 32 * 6 * expert
 
 
 def test_experts_by_hand():
-    c = flops.param_counts(flops.DecoderShape(**TINY))
-    dense = flops.param_counts(flops.DecoderShape(**{**TINY, "num_experts": 0, "moe_top_k": 0}))
+    c = flops.param_counts(shapes.ModelShape(**TINY))
+    dense = flops.param_counts(shapes.ModelShape(**{**TINY, "num_experts": 0, "moe_top_k": 0}))
     expert = 3 * 64 * 96
     router = 64 * 4
     assert c["per_layer"] == dense["per_layer"] - expert + router + 4 * expert
     assert c["active"] == dense["total"] + 2 * router  # one expert a token: the dense model plus the routers
     assert dense["active"] == dense["total"] and dense["experts"] == 0
-    narrow = flops.param_counts(flops.DecoderShape(**{**TINY, "moe_ffn_hidden_size": 48}))
+    narrow = flops.param_counts(shapes.ModelShape(**{**TINY, "moe_ffn_hidden_size": 48}))
     assert narrow["experts"] == 2 * 4 * 3 * 64 * 48
 
 
 def test_flops_count_active_parameters():
     model = {"params_nominal": 46.7e9, "shape": MIXTRAL}
     counts = flops.decoder_flops(model)
-    c = flops.param_counts(flops.DecoderShape(**MIXTRAL))
+    c = flops.param_counts(shapes.ModelShape(**MIXTRAL))
     assert counts["params_exact"] == c["total"] and counts["params_active"] == c["active"]
     assert counts["flops_per_token_6n"] == 6 * c["active"]  # not 6 x 46.7e9
     attention = flops.attention_flops_per_token_palm(32, 32, 128, 4096)
@@ -59,7 +59,7 @@ def test_flops_count_active_parameters():
 
 def test_top_k_is_checked():
     with pytest.raises(ValueError, match="moe_top_k must be 1..num_experts"):
-        flops.DecoderShape(**{**TINY, "moe_top_k": 5})
+        shapes.ModelShape(**{**TINY, "moe_top_k": 5})
 
 
 def test_memory_holds_every_expert_split_over_expert_parallel_ranks():

@@ -22,6 +22,7 @@ from run_benchmarks.errors import InputError
 from run_benchmarks.planning import plan, registry
 from run_benchmarks.planning.casename import CaseName
 from run_benchmarks.tools import vendor_tools
+from training import shapes
 
 MODEL = "llama3_tiny"
 DEEPSPEED_CONFIG = (
@@ -31,7 +32,7 @@ DEEPSPEED_CONFIG = (
 
 def _second_case(cases: Path) -> None:
     """cases/llama3/deepspeed: the DeepSpeed case's yaml serving llama3_tiny (the baichuan2 tiny shape)."""
-    case = yaml.safe_load((registry.CASES_DIR / "baichuan2" / "deepspeed" / "case.yaml").read_text())
+    case = shapes.complete(yaml.safe_load((registry.CASES_DIR / "baichuan2" / "deepspeed" / "case.yaml").read_text()))
     case["family"] = "llama3"
     case["models"] = {MODEL: case["models"]["baichuan2_tiny"]}
     (cases / "llama3" / "deepspeed").mkdir(parents=True)

@@ -17,57 +17,10 @@ and by the host side.
 
 from __future__ import annotations
 
-import dataclasses
-
-#: the projections ``DecoderShape.bias`` can name: attention's query, key, value and output, and
-#: every linear of the MLP (its experts' too)
-BIASED = ("q", "k", "v", "o", "mlp")
+from training.shapes import ModelShape, read
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-    """Shape of a decoder-only transformer, enough to count its parameters."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    seq_length: int
-    vocab_size: int
-    ffn_hidden_size: int
-    num_kv_groups: int | None = None  # None: multi-head attention (groups == heads)
-    gated_mlp: bool = True  # SwiGLU: three matrices; plain GELU MLP: two
-    tied_embeddings: bool = False
-    bias: bool | tuple[str, ...] = False  # linear biases: true, all (GPT-3); or of some projections, e.g. [q, k, v] (Qwen2)
-    norm: str = "rmsnorm"  # rmsnorm: weight only; layernorm: weight + bias
-    learned_positions: bool = False  # GPT-3's position embedding table
-    num_experts: int = 0  # > 0: each layer's MLP is that many experts behind a router (no bias)
-    moe_top_k: int = 0  # experts each token passes (1 .. num_experts)
-    moe_ffn_hidden_size: int | None = None  # an expert's FFN width (None: ffn_hidden_size)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bias, bool):
-            parts = tuple(self.bias) if isinstance(self.bias, (list, tuple)) else ()
-            unknown = sorted(set(parts) - set(BIASED))
-            if unknown or not parts:
-                raise ValueError(f"bias: true, false or a list of {', '.join(BIASED)}; got {self.bias!r}")
-            object.__setattr__(self, "bias", parts)
-        if self.num_experts and not 1 <= self.moe_top_k <= self.num_experts:
-            raise ValueError(f"moe_top_k must be 1..num_experts ({self.num_experts}), got {self.moe_top_k}")
-
-    def biased(self, part: str) -> bool:
-        """Whether projection ``part`` (one of :data:`BIASED`) has a bias."""
-        return self.bias is True or (not isinstance(self.bias, bool) and part in self.bias)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def kv_groups(self) -> int:
-        return self.num_kv_groups or self.num_heads
-
-
-def param_counts(s: DecoderShape) -> dict[str, int]:
+def param_counts(s: ModelShape) -> dict[str, int]:
     """Exact parameter counts by part."""
     h, kv = s.hidden_size, s.kv_groups * s.head_dim
     norm_params = h * (2 if s.norm == "layernorm" else 1)
@@ -112,7 +65,7 @@ def attention_flops_per_token_palm(num_layers: int, num_heads: int, head_dim: in
     return 12.0 * num_layers * num_heads * head_dim * seq_length
 
 
-def flops_per_token_palm(s: DecoderShape) -> float:
+def flops_per_token_palm(s: ModelShape) -> float:
     n = param_counts(s)["non_embedding_active"]
     return 6.0 * n + attention_flops_per_token_palm(s.num_layers, s.num_heads, s.head_dim, s.seq_length)
 
@@ -124,12 +77,10 @@ def mfu(flops_per_token: float, tokens_per_gpu_s: float | None, peak_flops: floa
     return flops_per_token * tokens_per_gpu_s / peak_flops
 
 
-_SHAPE_FIELDS = {f.name for f in dataclasses.fields(DecoderShape)}
-
-
-def decoder_shape(shape: dict) -> DecoderShape:
-    """A DecoderShape from a case.yaml ``shape`` mapping (extra keys ignored)."""
-    return DecoderShape(**{k: v for k, v in shape.items() if k in _SHAPE_FIELDS})
+def decoder_shape(shape: dict) -> ModelShape:
+    """The shape of a case.yaml ``shape`` mapping or of resolved.json's ``model`` (other keys
+    ignored, an absent flag taking its default: training/shapes.py)."""
+    return read(shape)
 
 
 def decoder_flops(model: dict, phase: str = "train") -> dict:

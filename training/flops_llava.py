@@ -46,30 +46,24 @@ images per sample in each phase's summary.
 
 from __future__ import annotations
 
-from training.flops import DecoderShape, param_counts
+from typing import Any
+
+from training.flops import param_counts
+from training.shapes import LlavaShape, read
 
 PHASES = ("pretrain", "finetune")
 
 
-def _lm_shape(shape: dict) -> DecoderShape:
-    return DecoderShape(
-        num_layers=int(shape["num_layers"]),
-        hidden_size=int(shape["hidden_size"]),
-        num_heads=int(shape["num_heads"]),
-        seq_length=int(shape["seq_length"]),
-        vocab_size=int(shape["vocab_size"]),
-        ffn_hidden_size=int(shape["ffn_hidden_size"]),
-        num_kv_groups=shape.get("num_kv_groups"),
-        gated_mlp=True,
-        tied_embeddings=False,
-    )
+def typed(shape: dict[str, Any] | LlavaShape) -> LlavaShape:
+    """The shape as its schema (training/shapes.py); a mapping is read through it."""
+    return shape if isinstance(shape, LlavaShape) else read(shape, LlavaShape)
 
 
-def vision_params(shape: dict) -> dict[str, int]:
+def vision_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
     """CLIP vision tower, exact: matmul params per layer and the total."""
-    dv, fv, lv = int(shape["vision_hidden_size"]), int(shape["vision_ffn_hidden_size"]), int(shape["vision_num_layers"])
-    p = int(shape["patch_size"])
-    patches = (int(shape["image_size"]) // p) ** 2
+    s = typed(shape)
+    dv, fv, lv, p = s.vision_hidden_size, s.vision_ffn_hidden_size, s.vision_num_layers, s.patch_size
+    patches = (s.image_size // p) ** 2
     layer_matmul = 4 * dv * dv + 2 * dv * fv
     layer = layer_matmul + 4 * dv + fv + dv + 2 * 2 * dv  # + q,k,v,o biases, fc biases, two layernorms
     conv = 3 * p * p * dv
@@ -78,14 +72,15 @@ def vision_params(shape: dict) -> dict[str, int]:
     return {"patches": patches, "layer_matmul": layer_matmul, "conv": conv, "total": total}
 
 
-def projector_params(shape: dict) -> dict[str, int]:
-    dv, d = int(shape["vision_hidden_size"]), int(shape["hidden_size"])
+def projector_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
+    s = typed(shape)
+    dv, d = s.vision_hidden_size, s.hidden_size
     p1, p2 = dv * d, d * d
     return {"linear_1": p1, "linear_2": p2, "total": p1 + d + p2 + d}
 
 
-def llava_params(shape: dict) -> dict[str, int]:
-    lm = param_counts(_lm_shape(shape))
+def llava_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
+    lm = param_counts(typed(shape))
     v, pr = vision_params(shape), projector_params(shape)
     return {"vision": v["total"], "projector": pr["total"], "language_model": lm["total"], "total": v["total"] + pr["total"] + lm["total"]}
 
@@ -94,18 +89,19 @@ def palm_flops_per_token(model: dict, phase: str) -> dict[str, float]:
     """The palm count of one phase, by part (per token), and the total."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
-    shape = model["shape"]
-    assume = shape["palm_assumptions"][phase]
+    shape = typed(model["shape"])
+    if phase not in shape.palm_assumptions:
+        raise ValueError(f"model.shape.palm_assumptions has no {phase!r}")
+    assume = shape.palm_assumptions[phase]
     t, images = float(assume["mean_seq_length"]), float(assume["images_per_sample"])
-    s_lm = _lm_shape(shape)
-    n_lm = param_counts(s_lm)["non_embedding"]
-    lm_attn_fwd = 4.0 * s_lm.num_layers * s_lm.hidden_size * t
+    n_lm = param_counts(shape)["non_embedding"]
+    lm_attn_fwd = 4.0 * shape.num_layers * shape.hidden_size * t
     if phase == "pretrain":
         lm = 4.0 * n_lm + 3.0 * lm_attn_fwd
     else:
         lm = 6.0 * n_lm + 3.0 * lm_attn_fwd
     v = vision_params(shape)
-    dv, lv = int(shape["vision_hidden_size"]), int(shape["vision_num_layers"])
+    dv, lv = shape.vision_hidden_size, shape.vision_num_layers
     s_v = v["patches"] + 1
     vision = 2.0 * s_v * lv * v["layer_matmul"] + 2.0 * v["patches"] * v["conv"] + 4.0 * lv * s_v * s_v * dv
     pr = projector_params(shape)

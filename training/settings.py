@@ -72,7 +72,19 @@ MISSING: Any = dataclasses.MISSING
 
 
 class SettingsError(ValueError):
-    """A resolved config value the case cannot run with."""
+    """A resolved config value the case cannot run with. ``loc`` (the field's path, one key a
+    part) and ``reason`` (the message less that path) are set where one field is at fault, so a
+    caller that names fields its own way, as planning's case.yaml check does, takes them as they are."""
+
+    def __init__(self, message: str, *, loc: tuple[str, ...] = (), reason: str = "") -> None:
+        super().__init__(message)
+        self.loc = loc
+        self.reason = reason or message
+
+
+def _bad(where: str, reason: str) -> SettingsError:
+    """The error of one field ``where`` (a dotted path) whose value fails ``reason``."""
+    return SettingsError(f"resolved config: {where} {reason}", loc=tuple(where.split(".")), reason=reason)
 
 
 def get(section: dict, key: str, where: str, default: Any = MISSING) -> Any:
@@ -80,22 +92,22 @@ def get(section: dict, key: str, where: str, default: Any = MISSING) -> Any:
     if key in section and section[key] is not None:
         return section[key]
     if default is MISSING:
-        raise SettingsError(f"resolved config: {where}.{key} is missing")
+        raise _bad(f"{where}.{key}", "is missing")
     return default
 
 
 def integer(value: Any, where: str, minimum: int = 0) -> int:
     """A whole number (an integral float passes; a bool does not) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        raise SettingsError(f"resolved config: {where} must be an integer, got {value!r}")
+        raise _bad(where, f"must be an integer, got {value!r}")
     if int(value) < minimum:
-        raise SettingsError(f"resolved config: {where} must be >= {minimum}, got {value!r}")
+        raise _bad(where, f"must be >= {minimum}, got {value!r}")
     return int(value)
 
 
 def number(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingsError(f"resolved config: {where} must be a number, got {value!r}")
+        raise _bad(where, f"must be a number, got {value!r}")
     return float(value)
 
 
@@ -104,13 +116,13 @@ def boolean(value: Any, where: str, accept_01: bool = False) -> bool:
     if accept_01 and isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
         return bool(value)
     if not isinstance(value, bool):
-        raise SettingsError(f"resolved config: {where} must be true or false, got {value!r}")
+        raise _bad(where, f"must be true or false, got {value!r}")
     return value
 
 
 def choice(value: Any, where: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise SettingsError(f"resolved config: {where} must be one of {', '.join(choices)}, got {value!r}")
+        raise _bad(where, f"must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 

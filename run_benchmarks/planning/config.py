@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning.casename import check_name
-from run_benchmarks.schema import M, Strict, problem_line, validate
+from run_benchmarks.schema import FieldError, M, Strict, problem_line, validate
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9\-.]{0,252})$")
 _MODSPEC = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -406,11 +406,34 @@ class CaseConfig(Strict):
     ceiling: bool = False  # the entry measures its kernel ceiling alone under --ceiling (training/ceiling.py)
     conformance: str | None = None  # the probe of the conformance check, fn(cfg, out) (training/conformance/)
     phases: list[str] = ["train"]
+    shape_schema: str = "ModelShape"  # training/shapes.py's class every model's shape is read through
+    shape_defaults: dict[str, Any] = {}  # the family's flags, stated once; a model block states what differs
     models: dict[str, ModelEntry]
     standard: CaseStandard
     vendor_may_change: list[str]
     reference_dir: str = "reference"
     description: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shapes(cls, data: Any) -> Any:
+        """Each model's whole shape, read through the schema (training/shapes.py): the family's
+        ``shape_defaults`` with the model block over them, every field checked and resolved."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), dict):
+            return data
+        from training import shapes
+        from training.settings import SettingsError
+
+        models = {}
+        for name, entry in data["models"].items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("shape"), dict):
+                models[name] = entry  # the fields' own validation names what is wrong
+                continue
+            try:
+                models[name] = {**entry, "shape": shapes.case_shape(data, name).as_dict()}
+            except SettingsError as e:
+                raise FieldError(e.loc or ("models", name, "shape"), e.reason) from None
+        return {**data, "models": models}
 
     @field_validator("flops", "memory", "settings", "conformance")
     @classmethod

@@ -34,7 +34,7 @@ if __package__ in (None, ""):
 
 from run_benchmarks.errors import InputError
 from run_benchmarks.planning import registry
-from training import flops
+from training import flops, shapes
 
 TEMPLATES = Path(__file__).resolve().parent / "case_templates"
 #: framework -> (its name in prose, the case files its template has)
@@ -80,9 +80,8 @@ def render(path: Path, values: dict[str, str]) -> str:
 
 
 def exact_params(case_yaml: str, model: str) -> int:
-    """The parameter count of the template model's shape (training.flops)."""
-    shape = yaml.safe_load(case_yaml)["models"][model]["shape"]
-    return flops.param_counts(flops.decoder_shape(shape))["total"]
+    """The parameter count of the template model's shape (training/shapes.py, training.flops)."""
+    return flops.param_counts(shapes.case_shape(yaml.safe_load(case_yaml), model))["total"]
 
 
 def scaffold_case(family: str, framework: str, model: str, root: Path = registry.ROOT) -> list[Path]:

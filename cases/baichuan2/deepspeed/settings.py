@@ -8,10 +8,9 @@ Standard library only, so the host-side tests import it.  Every error names the 
 
 Keys read (``cfg`` is the resolved.json object):
 
-* the shape, flat in ``model`` (as the harness writes it) or under ``model.shape``:
-  ``num_layers, hidden_size, ffn_hidden_size, num_heads, seq_length,
-  vocab_size``; optional ``max_position_embeddings`` (4096), ``norm_eps``
-  (1e-6), ``z_loss_weight`` (0)
+* the shape, flat in ``model`` (as the harness writes it) or under ``model.shape``, read
+  through training/shapes.py's ``ModelShape`` (planning writes it whole); its flags must be
+  :data:`BAICHUAN2_FLAGS`
 * ``parallel``: ``tp`` and ``pp`` must be 1 (ZeRO data parallel only),
   ``recompute`` (``full`` | ``none``: gradient checkpointing of every decoder
   layer), ``zero``: ``stage`` (0-3), ``overlap_comm``,
@@ -32,22 +31,15 @@ import dataclasses
 from typing import Any
 
 from training import settings as common
-from training.settings import SettingsError, option
+from training import shapes
 
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The model shape, each key with its one default (training.settings.read)."""
-
-    num_layers: int = option(minimum=1)
-    hidden_size: int = option(minimum=1)
-    ffn_hidden_size: int = option(minimum=1)
-    num_heads: int = option(minimum=1)
-    seq_length: int = option(minimum=1)
-    vocab_size: int = option(minimum=1)
-    max_position_embeddings: int = option(4096, minimum=1)
-    norm_eps: float = option(1e-6)
-    z_loss_weight: float = option(0.0)
+#: what the case's model builds (model.py), in training/shapes.py's terms
+#: (its max-z loss, ``z_loss_weight``, takes any weight)
+BAICHUAN2_FLAGS = {
+    **{k: v for k, v in shapes.LLAMA.items() if k != "z_loss_weight"},
+    "position_embedding": "alibi",
+    "output_layer": "normhead",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +57,6 @@ def model_name(cfg: dict[str, Any]) -> str:
 
 
 def shape(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The model shape: flat in ``model`` or nested in ``model.shape``."""
-    out = dataclasses.asdict(common.read(Shape, common.shape_source(cfg.get("model") or {}), "model.shape"))
-    if out["hidden_size"] % out["num_heads"]:
-        raise SettingsError(f"model.hidden_size {out['hidden_size']} is not a multiple of model.num_heads {out['num_heads']}")
-    if out["seq_length"] > out["max_position_embeddings"]:
-        raise SettingsError(f"model.seq_length {out['seq_length']} exceeds model.max_position_embeddings {out['max_position_embeddings']}")
-    return out
+    """The model shape (training/shapes.py), flat in ``model`` or nested in ``model.shape``, as
+    a mapping; refused where the case's model cannot build it."""
+    return shapes.built(cfg.get("model") or {}, BAICHUAN2_FLAGS, "Baichuan2", multi_head=True).as_dict()

@@ -9,12 +9,9 @@ Keys read (``cfg`` is the resolved.json object): the common train / parallel /
 data / vendor keys through ``training.settings.from_config`` (their defaults are
 listed there), and this case's own:
 
-* the shape, under ``model.shape`` or flat in ``model``: ``num_layers,
-  hidden_size, ffn_hidden_size, num_heads, seq_length, vocab_size``; optional
-  ``num_kv_groups`` (must equal ``num_heads``), ``norm_eps`` (1e-5),
-  ``hidden_act`` (gelu), and the ``training.flops.DecoderShape`` flags, which
-  must describe GPT-3 (``gated_mlp: false, tied_embeddings: true, bias: true,
-  norm: layernorm, learned_positions: true``)
+* the shape, under ``model.shape`` or flat in ``model``, read through training/shapes.py's
+  ``ModelShape`` (planning writes it whole); its flags must describe GPT-3
+  (:data:`GPT3_FLAGS`, and ``num_kv_groups`` equal to ``num_heads``)
 * ``train``: ``amp_level`` (O2|O1), ``loss_scale`` (1024, fp16 only),
   ``hidden_dropout`` and ``attention_dropout`` (0.1)
 * ``parallel``: ``recompute`` is one of none|full|full_attn|core_attn (or a
@@ -40,32 +37,15 @@ import dataclasses
 from typing import Any
 
 from training import settings as common
+from training import shapes
 from training.settings import Common, SettingsError, option
 from training.settings import integer as _int
-from training.settings import number as _float
+from training.shapes import ModelShape
 
-SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_heads", "seq_length", "vocab_size")
 AMP_LEVELS = ("O1", "O2")
 RECOMPUTE = ("none", "full", "full_attn", "core_attn")
-#: what GPT-3 is, in training.flops.DecoderShape's terms
-GPT3_FLAGS = {"gated_mlp": False, "tied_embeddings": True, "bias": True, "norm": "layernorm", "learned_positions": True}
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_heads: int
-    seq_length: int
-    vocab_size: int
-    norm_eps: float = 1e-5
-    hidden_act: str = "gelu"
-
-    def decoder_shape(self) -> dict[str, Any]:
-        """The mapping ``training.flops.decoder_shape`` takes for this model."""
-        d = {k: getattr(self, k) for k in SHAPE_KEYS}
-        return {**d, "num_kv_groups": self.num_heads, **GPT3_FLAGS}
+#: what GPT-3 is (PaddleNLP's GPT builds nothing else), in training/shapes.py's terms
+GPT3_FLAGS = shapes.GPT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +82,7 @@ class Own:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     common: Common  # the common train / parallel / data / vendor settings (training/settings.py)
-    shape: Shape
+    shape: ModelShape
     layout: Layout
     own: Own
     device: str  # paddle's device name: cpu, gpu (cuda), xpu, or a custom device's (npu, mlu ...)
@@ -130,27 +110,11 @@ def _sharding_stage(value: Any) -> int:
     return stage
 
 
-def _shape(model: dict) -> Shape:
-    src = common.shape_source(model)
-    vals = common.shape_ints(model, SHAPE_KEYS)
-    kv = src.get("num_kv_groups")
-    if kv is not None and _int(kv, "model.num_kv_groups", 1) != vals["num_heads"]:
-        raise SettingsError(
-            f"resolved config: model.num_kv_groups must equal num_heads ({vals['num_heads']}): GPT-3 has multi-head attention"
-        )
-    for flag, want in GPT3_FLAGS.items():
-        if flag in src and src[flag] != want:
-            raise SettingsError(f"resolved config: model.{flag} is {src[flag]!r}, but GPT-3 (PaddleNLP's GPT) has {want!r}")
-    if vals["hidden_size"] % vals["num_heads"]:
-        raise SettingsError(f"resolved config: model.hidden_size {vals['hidden_size']} is not a multiple of num_heads {vals['num_heads']}")
-    return Shape(
-        **vals,
-        norm_eps=_float(src.get("norm_eps", 1e-5), "model.norm_eps"),
-        hidden_act=str(src.get("hidden_act", "gelu")),
-    )
+def _shape(model: dict) -> ModelShape:
+    return shapes.built(model, GPT3_FLAGS, "GPT-3 (PaddleNLP's GPT)", multi_head=True)
 
 
-def _layout(c: common.Common, shape: Shape) -> Layout:
+def _layout(c: common.Common, shape: ModelShape) -> Layout:
     par, tp, pp, dp = c.sections["parallel"], c.parallel.tp, c.parallel.pp, c.parallel.dp
     stage = _sharding_stage(par.get("sharding_stage", 0))
     degree_raw = par.get("sharding_degree")

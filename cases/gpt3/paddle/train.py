@@ -90,7 +90,7 @@ class Trainer(paddle_loop.PaddleTrainer):
         return gpt3_model.local_param_count(model, self.tp_rank, self.stage, self.s.layout.pp)
 
     def expected_params(self) -> int:
-        return int(flops.param_counts(flops.decoder_shape(self.s.shape.decoder_shape()))["total"])
+        return int(flops.param_counts(self.s.shape)["total"])
 
     def scheduler(self):
         from paddlenlp.transformers import CosineAnnealingWithWarmupDecay

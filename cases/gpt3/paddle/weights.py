@@ -35,7 +35,8 @@ import math
 import re
 from typing import Any
 
-from cases.gpt3.paddle.settings import Settings, Shape
+from cases.gpt3.paddle.settings import Settings
+from training.shapes import ModelShape
 from training.weights import stream_seed
 
 _LAYER = re.compile(r"gpt\.decoder\.layers\.(\d+)\.(.+)")
@@ -63,7 +64,7 @@ def layout_free_name(name: str, pipe_prefixes: dict[str, str] | None) -> str:
     return f"{pipe_prefixes[index]}.{rest}"
 
 
-def rule(lf_name: str, sh: Shape, init_std: float) -> tuple[str, tuple[int, ...], float]:
+def rule(lf_name: str, sh: ModelShape, init_std: float) -> tuple[str, tuple[int, ...], float]:
     """``(kind, full shape, value)`` of a layout-free name: kind ``normal`` (value = std),
     ``qkv`` (the fused weight, value = std), or ``const`` (value = the constant)."""
     h, f, L = sh.hidden_size, sh.ffn_hidden_size, sh.num_layers

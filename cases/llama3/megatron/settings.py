@@ -9,9 +9,8 @@ Keys read (``cfg`` is the resolved.json object): the common train / parallel /
 data / vendor keys through ``training.settings.from_config`` (their defaults are
 listed there), and this case's own:
 
-* the shape, under ``model.shape`` or flat in ``model``: ``num_layers,
-  hidden_size, ffn_hidden_size, num_heads, num_kv_groups, seq_length,
-  vocab_size``; optional ``norm_eps`` (1e-5), ``rope_base`` (500000)
+* the shape, under ``model.shape`` or flat in ``model``, read through training/shapes.py's
+  ``ModelShape`` (planning writes it whole); its flags must be :data:`LLAMA_FLAGS`
 * ``parallel``: ``recompute`` is one of none|selective|full; optional
   ``recompute_method`` (uniform|block), ``recompute_num_layers``, ``sequence_parallel``, ``distributed_optimizer``, ``overlap_grad_reduce``,
   ``overlap_param_gather``, ``attention`` (sdpa|cudnn|local|te; cudnn needs
@@ -55,8 +54,10 @@ import dataclasses
 from typing import Any
 
 from training import settings as common
+from training import shapes
 from training.settings import Common, SettingsError, option
 from training.settings import divides as _divides
+from training.shapes import ModelShape
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("sdpa", "cudnn", "local", "te")
@@ -68,20 +69,8 @@ TRANSFORMER_IMPL = ("auto", "local", "transformer_engine")
 TP_COMM_OVERLAP = ("none", "halves", "symm_mem")
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    num_layers: int = option(minimum=1)
-    hidden_size: int = option(minimum=1)
-    ffn_hidden_size: int = option(minimum=1)
-    num_heads: int = option(minimum=1)
-    num_kv_groups: int = option(minimum=1)
-    seq_length: int = option(minimum=1)
-    vocab_size: int = option(minimum=1)
-    norm_eps: float = option(1e-5)
-    rope_base: float = option(500000.0)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+#: what the case's model builds (modeling.py), in training/shapes.py's terms: a Llama decoder
+LLAMA_FLAGS = shapes.LLAMA
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +113,7 @@ class Layout:
 @dataclasses.dataclass(frozen=True)
 class Settings:
     common: Common  # the common train / parallel / data / vendor settings (training/settings.py)
-    shape: Shape
+    shape: ModelShape
     layout: Layout
 
 
@@ -142,14 +131,12 @@ def derive_layout(parallel: dict, micro_batch: int, global_batch: int, world_siz
     return common.read(Layout, parallel, "parallel", **given)
 
 
-def read_shape(model: dict) -> Shape:
-    shape = common.read(Shape, common.shape_source(model), "model.shape")
-    _divides("model.shape.hidden_size / num_heads", shape.num_heads, shape.hidden_size, "hidden size must split into whole heads")
-    _divides("model.shape.num_heads / num_kv_groups", shape.num_kv_groups, shape.num_heads, "heads must split evenly into KV groups")
-    return shape
+def read_shape(model: dict) -> ModelShape:
+    """The model's shape (training/shapes.py), refused where this case's model cannot build it."""
+    return shapes.built(model, LLAMA_FLAGS, "the llama3/megatron model")
 
 
-def check_layout_fits(shape: Shape, layout: Layout) -> None:
+def check_layout_fits(shape: ModelShape, layout: Layout) -> None:
     fix = "choose another parallel.tp"
     _divides("num_heads over tensor parallelism", layout.tp, shape.num_heads, fix)
     _divides("num_kv_groups over tensor parallelism", layout.tp, shape.num_kv_groups, fix)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cases.llava.deepspeed import settings as llava_settings
 from training.data import llava as data_llava
 from training.metriclog import EV_INFO, MetricLogger
 
@@ -148,7 +149,7 @@ def run_or_skip(cfg: dict, logger: MetricLogger, device: torch.device, rank: int
         return {"status": "rank 0 only"}
     else:
         try:
-            shape = cfg["model"]["shape"]
+            shape = llava_settings.shape(cfg["model"])
             dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
             model = llava_model.build_model(shape, dtype, device)
             loaded = llava_model.load_pretrained(model, {"model_path": ckpt}, _plain_update)
@@ -166,9 +167,9 @@ def run_or_skip(cfg: dict, logger: MetricLogger, device: torch.device, rank: int
                 model,
                 tok,
                 read_mmmu(mdir),
-                image_token_id=int(shape["image_token_index"]),
+                image_token_id=shape.image_token_index,
                 num_image_tokens=llava_model.num_image_tokens(shape),
-                image_size=int(shape["image_size"]),
+                image_size=shape.image_size,
                 device=device,
                 dtype=dtype,
                 progress=progress,

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from cases.llava.deepspeed.settings import FUSED_ELEMENTWISE, FUSED_ROPE
-from training import fused
+from training import fused, shapes
 
 #: checkpoint key prefix -> (part, prefix that replaces it), first match wins
 _RULES = (
@@ -94,34 +94,42 @@ def canonical(key: str) -> str | None:
     return None
 
 
-def num_image_tokens(shape: dict) -> int:
-    return (int(shape["image_size"]) // int(shape["patch_size"])) ** 2
+def typed(shape: Any) -> shapes.LlavaShape:
+    """The shape as training/shapes.py's LlavaShape: resolved.json's flat ``model`` or a whole
+    case.yaml shape; a missing or bad field is refused, never defaulted here."""
+    return shape if isinstance(shape, shapes.LlavaShape) else shapes.read(shape, shapes.LlavaShape)
 
 
-def llava_config(shape: dict) -> Any:
+def num_image_tokens(shape: Any) -> int:
+    sh = typed(shape)
+    return (sh.image_size // sh.patch_size) ** 2
+
+
+def llava_config(shape: Any) -> Any:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
+    sh = typed(shape)
     vision = CLIPVisionConfig(
-        hidden_size=int(shape["vision_hidden_size"]),
-        intermediate_size=int(shape["vision_ffn_hidden_size"]),
-        num_hidden_layers=int(shape["vision_num_layers"]),
-        num_attention_heads=int(shape["vision_num_heads"]),
-        image_size=int(shape["image_size"]),
-        patch_size=int(shape["patch_size"]),
+        hidden_size=sh.vision_hidden_size,
+        intermediate_size=sh.vision_ffn_hidden_size,
+        num_hidden_layers=sh.vision_num_layers,
+        num_attention_heads=sh.vision_num_heads,
+        image_size=sh.image_size,
+        patch_size=sh.patch_size,
         hidden_act="quick_gelu",
         layer_norm_eps=1e-5,
-        projection_dim=int(shape.get("vision_projection_dim", 768)),
+        projection_dim=768,  # CLIP's contrastive projection: LLaVA takes layer -2's states, so it is never built
     )
     text = LlamaConfig(
-        hidden_size=int(shape["hidden_size"]),
-        intermediate_size=int(shape["ffn_hidden_size"]),
-        num_hidden_layers=int(shape["num_layers"]),
-        num_attention_heads=int(shape["num_heads"]),
-        num_key_value_heads=int(shape.get("num_kv_groups") or shape["num_heads"]),
-        vocab_size=int(shape["vocab_size"]),
-        max_position_embeddings=int(shape["seq_length"]),
-        rms_norm_eps=float(shape.get("norm_eps", 1e-5)),
-        rope_theta=float(shape.get("rope_base", 10000.0)),
+        hidden_size=sh.hidden_size,
+        intermediate_size=sh.ffn_hidden_size,
+        num_hidden_layers=sh.num_layers,
+        num_attention_heads=sh.num_heads,
+        num_key_value_heads=sh.kv_groups,
+        vocab_size=sh.vocab_size,
+        max_position_embeddings=sh.max_position_embeddings,
+        rms_norm_eps=sh.norm_eps,
+        rope_theta=sh.rope_base,
         # no padding_idx: its row init indexes the weight, which is empty under deepspeed.zero.Init;
         # padded positions are masked from attention and loss, so the row gets no gradient anyway
         tie_word_embeddings=False,
@@ -131,8 +139,8 @@ def llava_config(shape: dict) -> Any:
     cfg = LlavaConfig(
         vision_config=vision,
         text_config=text,
-        image_token_index=int(shape["image_token_index"]),
-        image_seq_length=num_image_tokens(shape),
+        image_token_index=sh.image_token_index,
+        image_seq_length=num_image_tokens(sh),
         projector_hidden_act="gelu",
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",

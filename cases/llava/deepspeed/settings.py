@@ -1,5 +1,8 @@
 """What the llava/deepspeed case reads from ``resolved.json`` beyond training/settings.py:
-its speed switches.
+its model shape and its speed switches.
+
+The shape is read through training/shapes.py's ``LlavaShape`` (:func:`shape`); the language model
+transformers builds is LLaMA's, so a shape with other flags (:data:`LLAVA_FLAGS`) is refused.
 
 The common train / parallel / data / vendor keys of each phase are read by
 ``training.settings.from_config`` (the phase's sections overlaid with their
@@ -25,11 +28,20 @@ from __future__ import annotations
 from typing import Any
 
 from training import settings as common
+from training import shapes
 from training.settings import Common, SettingsError
 
 PHASES = ("pretrain", "finetune")  # one round trains both, in this order
 FUSED_ELEMENTWISE = ("none", "compile", "liger")
 FUSED_ROPE = ("none", "compile")
+#: the language model model.py builds (transformers' LlamaForCausalLM): what a shape must say
+LLAVA_FLAGS = shapes.LLAMA
+
+
+def shape(model: dict[str, Any]) -> shapes.LlavaShape:
+    """The model's shape (flat in resolved.json's ``model`` or under ``model.shape``), checked to
+    be the LLaMA language model and CLIP tower model.py builds."""
+    return shapes.built(model, LLAVA_FLAGS, "the llava case's LLaMA language model", shapes.LlavaShape)
 
 
 def check_device(fused_elementwise: str, device: str) -> None:
@@ -74,7 +86,7 @@ def check(cfg: dict[str, Any], world_size: int) -> None:
     """Every phase's settings and speed switches as its ranks read them, for ``world_size``
     ranks: the ranks run it before the first phase trains, the harness before launch (case.yaml's
     ``settings``)."""
-    num_layers = int(common.shape_source(cfg["model"])["num_layers"])
+    num_layers = shape(cfg["model"]).num_layers
     for phase in PHASES:
         speed_switches(common.from_config(cfg, world_size, phase), num_layers)
         check_data(common.phase_sections(cfg, phase)["data"], phase)

@@ -140,8 +140,8 @@ class Round:
         self.device = dsl.init_distributed(self.cfg)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.log.rank = self.rank
-        # resolved.json holds the shape flat in "model" (or under "model.shape")
-        self.shape = settings.shape_source(self.cfg["model"])
+        # resolved.json holds the shape flat in "model": read whole and checked (training/shapes.py)
+        self.shape = llava_settings.shape(self.cfg["model"]).as_dict()
         llava_settings.check(self.cfg, self.world)  # every phase's settings, before the first one trains
         self.n_img = llava_model.num_image_tokens(self.shape)
         self.tok, self.tok_kind = make_tokenizer(self.shape, settings.phase_sections(self.cfg, "pretrain")["data"])

@@ -11,7 +11,8 @@ tests, 2026-11-29), and the whole of it took 51 min. A second worker fills the r
 - **Tests that time something run alone** (``@pytest.mark.alone``): those comparing speeds,
   or bounding how long a thing takes to a few seconds. Such a test waits until the test on
   the other worker ends, and no test starts beside it until it ends. Its fixtures are set up
-  and torn down inside that window too.
+  and torn down inside that window too. A run of such tests on one worker holds the window
+  from the first to the last, so the other worker's tests do not start between them.
 - Without xdist (``-n 0``, a single test) nothing of this applies.
 """
 
@@ -21,6 +22,7 @@ import fcntl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -72,17 +74,30 @@ def _lock_dir(config: pytest.Config) -> Path:
     return folder
 
 
+#: the gate and running files of an ``alone`` test whose next test on this worker is also
+#: ``alone``: it hands its exclusive hold on, so the other worker does not start a test between
+_held: list[tuple[IO[str], IO[str]]] = []
+
+
+def _is_alone(item: pytest.Item | None) -> bool:
+    return item is not None and item.get_closest_marker("alone") is not None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Every test holds the shared lock while it runs (setup to teardown); an ``alone`` test
     the exclusive one. An ``alone`` test first takes the gate, which a test about to start
-    passes through, so no test starts while it waits for the running one to end."""
+    passes through, so no test starts while it waits for the running one to end. Consecutive
+    ``alone`` tests of a worker keep the exclusive hold from one to the next."""
     if not is_worker(item.config):
         yield
         return
-    folder = _lock_dir(item.config)
-    alone = item.get_closest_marker("alone") is not None
-    with open(folder / "gate", "a") as gate, open(folder / "running", "a") as running:
+    alone = _is_alone(item)
+    if alone and _held:
+        gate, running = _held.pop()
+    else:
+        folder = _lock_dir(item.config)
+        gate, running = open(folder / "gate", "a"), open(folder / "running", "a")
         if alone:
             fcntl.flock(gate, fcntl.LOCK_EX)
             fcntl.flock(running, fcntl.LOCK_EX)
@@ -90,9 +105,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             fcntl.flock(gate, fcntl.LOCK_SH)
             fcntl.flock(running, fcntl.LOCK_SH)
             fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
+    try:
+        yield
+    finally:
+        if alone and _is_alone(nextitem):
+            _held.append((gate, running))
+        else:
             fcntl.flock(running, fcntl.LOCK_UN)
             if alone:
                 fcntl.flock(gate, fcntl.LOCK_UN)
+            gate.close()
+            running.close()

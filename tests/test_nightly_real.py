@@ -35,8 +35,6 @@ from run_benchmarks.planning.registry import ROOT
 from tests.test_report_browser import assert_loads_offline_with_plots, load_page
 from training import metriclog as ml
 
-pytestmark = pytest.mark.alone  # the nights compare speeds: tests/parallel.py
-
 CASE = "llama3_tiny:megatron:cpu:1:2"
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")  # cgroup v1 CPU controller
 CPU_SHARE = 50  # percent of one CPU for the slowed night (the others have two CPUs: 4 x less)
@@ -123,6 +121,7 @@ def less_cpu(log_dir: Path) -> Iterator[Callable[[], None]]:
             p.wait()
 
 
+@pytest.mark.alone  # its nights compare speeds: tests/parallel.py
 @pytest.mark.framework("megatron")
 def test_history_and_verdicts_on_real_runs(tmp_path, megatron_python):
     runlist = write_runlist(tmp_path, megatron_python, rounds=2)

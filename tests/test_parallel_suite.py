@@ -21,6 +21,7 @@ def record(name, t0, path={out!r}):
 
 
 def test_an_alone_test_runs_with_nothing_beside_it_and_a_file_stays_on_one_worker(tmp_path):
+    """Two ``alone`` tests in a row hold the window from the first's start to the second's end."""
     out = tmp_path / "ran.jsonl"
     (tmp_path / "test_a.py").write_text(
         TIMED.format(out=str(out))
@@ -32,6 +33,10 @@ def test_before(k):
 @pytest.mark.alone
 def test_timed():
     t0 = time.time(); time.sleep(1.5); record("alone", t0)
+
+@pytest.mark.alone
+def test_timed_next():
+    t0 = time.time(); time.sleep(0.5); record("alone-next", t0)
 
 @pytest.mark.parametrize("k", range(2))
 def test_after(k):
@@ -50,12 +55,13 @@ def test_beside(k):
     proc = subprocess.run([*argv, "--rootdir", str(tmp_path), str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ran = {r["name"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert len(ran) == 17
-    workers = {f: {r["worker"] for n, r in ran.items() if n.startswith(f) or (f == "a" and n == "alone")} for f in ("a", "b")}
+    assert len(ran) == 18
+    workers = {f: {r["worker"] for n, r in ran.items() if n.startswith(f) or (f == "a" and n.startswith("alone"))} for f in ("a", "b")}
     assert len(workers["a"]) == len(workers["b"]) == 1 and workers["a"] != workers["b"], workers  # a file each
-    alone = ran.pop("alone")
-    beside = [r for r in ran.values() if r["worker"] != alone["worker"]]
-    assert beside and all(r["t1"] <= alone["t0"] or r["t0"] >= alone["t1"] for r in beside), (alone, beside)
+    first, second = ran.pop("alone"), ran.pop("alone-next")
+    assert first["t1"] <= second["t0"], (first, second)
+    beside = [r for r in ran.values() if r["worker"] != first["worker"]]
+    assert beside and all(r["t1"] <= first["t0"] or r["t0"] >= second["t1"] for r in beside), (first, second, beside)
     # the other worker did run while the file's other tests did: the files were side by side
     a_tests = [r for n, r in ran.items() if n.startswith("a")]
     assert any(b["t0"] < a["t1"] and a["t0"] < b["t1"] for a in a_tests for b in beside), ran

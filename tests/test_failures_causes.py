@@ -191,38 +191,6 @@ class Trainer:
 )
 
 
-@pytest.mark.alone  # times something: tests/parallel.py
-def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_names_it(tmp_path):
-    """training/case.py's watch, in a real process: steps 2 and 4 outlast the timeout (each
-    writes a dump), the others do not; step 2 ends after all (a line says so: slow, not
-    stuck), step 4 never does. The error line names the last dump's innermost frame and the
-    project frame it came from, a rank without a file as such, and one whose only dump was of
-    a call that ended as one that wrote none."""
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    node = tmp_path / "node1"
-    env = {**os.environ, "FB_STALL_TIMEOUT_S": "0.5", "FB_STACKS_DIR": str(node / "stacks"), "RANK": "3"}
-    subprocess.run([sys.executable, str(script), str(ROOT)], env=env, check=True, timeout=60)
-    text = (node / "stacks" / "rank3.txt").read_text()
-    assert text.count("Timeout (0:00:00.500000)!") == 2 and text.count("Finished after 1.") == 1, text
-    assert re.search(r"^Finished after 1\.\d s: step 2$", text, re.M), text
-    lines = causes.stall_stacks(node, [2, 3], "node1 (h2)")
-    line = next(n for n, ln in enumerate(TRAINER.splitlines(), 1) if "time.sleep(seconds)" in ln)
-    assert lines[0] == (
-        "rank 2 on node1 (h2): no stack written by its timeout (a stopped process, or one that never reached it, writes none)"
-    )
-    assert re.fullmatch(
-        rf"rank 3 on node1 \(h2\): waited in wait_here \(trainer.py:{line}\), called from run \(training/case.py:\d+\)", lines[1]
-    ), lines
-    # the dump of step 2 alone (cut before step 4's): that call ended, so nothing is stuck
-    (node / "stacks" / "rank2.txt").write_text(text[: text.rindex("Timeout (")])
-    assert causes.stall_stacks(node, [2], "node1 (h2)")[0].startswith("rank 2 on node1 (h2): no stack written")
-    # without the variables nothing is watched: no folder, no file
-    env = {k: v for k, v in env.items() if not k.startswith("FB_")}
-    subprocess.run([sys.executable, str(script), str(ROOT)], env={**env, "FB_STACKS_DIR": str(tmp_path / "none")}, check=True, timeout=60)
-    assert not (tmp_path / "none").exists()
-
-
 CRASHER = """\
 import ctypes, threading, time
 
@@ -393,6 +361,38 @@ def test_a_start_up_hang_is_dumped_before_the_startup_timeout_not_the_stall_time
     finally:
         del os.environ["FB_STALL_TIMEOUT_S"], os.environ["FB_STARTUP_TIMEOUT_S"]
     assert runtime.process_group_timeout() is None  # outside the harness: the framework's own default
+
+
+@pytest.mark.alone  # times something: tests/parallel.py
+def test_a_call_past_the_stall_timeout_writes_the_ranks_stack_and_the_error_names_it(tmp_path):
+    """training/case.py's watch, in a real process: steps 2 and 4 outlast the timeout (each
+    writes a dump), the others do not; step 2 ends after all (a line says so: slow, not
+    stuck), step 4 never does. The error line names the last dump's innermost frame and the
+    project frame it came from, a rank without a file as such, and one whose only dump was of
+    a call that ended as one that wrote none."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    node = tmp_path / "node1"
+    env = {**os.environ, "FB_STALL_TIMEOUT_S": "0.5", "FB_STACKS_DIR": str(node / "stacks"), "RANK": "3"}
+    subprocess.run([sys.executable, str(script), str(ROOT)], env=env, check=True, timeout=60)
+    text = (node / "stacks" / "rank3.txt").read_text()
+    assert text.count("Timeout (0:00:00.500000)!") == 2 and text.count("Finished after 1.") == 1, text
+    assert re.search(r"^Finished after 1\.\d s: step 2$", text, re.M), text
+    lines = causes.stall_stacks(node, [2, 3], "node1 (h2)")
+    line = next(n for n, ln in enumerate(TRAINER.splitlines(), 1) if "time.sleep(seconds)" in ln)
+    assert lines[0] == (
+        "rank 2 on node1 (h2): no stack written by its timeout (a stopped process, or one that never reached it, writes none)"
+    )
+    assert re.fullmatch(
+        rf"rank 3 on node1 \(h2\): waited in wait_here \(trainer.py:{line}\), called from run \(training/case.py:\d+\)", lines[1]
+    ), lines
+    # the dump of step 2 alone (cut before step 4's): that call ended, so nothing is stuck
+    (node / "stacks" / "rank2.txt").write_text(text[: text.rindex("Timeout (")])
+    assert causes.stall_stacks(node, [2], "node1 (h2)")[0].startswith("rank 2 on node1 (h2): no stack written")
+    # without the variables nothing is watched: no folder, no file
+    env = {k: v for k, v in env.items() if not k.startswith("FB_")}
+    subprocess.run([sys.executable, str(script), str(ROOT)], env={**env, "FB_STACKS_DIR": str(tmp_path / "none")}, check=True, timeout=60)
+    assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.alone  # times something: tests/parallel.py

@@ -94,6 +94,31 @@ def test_a_hung_sshd_is_named_with_its_bound_and_the_cleanup_does_not_wait_on_it
     assert took < 15, f"{took:.1f} s"
 
 
+@pytest.mark.alone  # times something: tests/parallel.py
+def test_a_frozen_docker_engine_is_named_within_command_timeout(cluster, megatron_python, tmp_path):
+    """h2's dockerd stopped (SIGSTOP): its socket accepts, nothing answers. A container run
+    says so within command_timeout_s (5 s), not the docker SDK's own 120 s; exit 2."""
+    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
+    doc = yaml.safe_load(cfile.read_text())
+    doc["ssh"]["command_timeout_s"] = 5
+    cfile.write_text(yaml.safe_dump(doc))
+    dockerd = cluster.host("h2").dockerd_pid
+    assert dockerd and f"{cluster.dir}/hosts/h2/docker " in netns._cmdline(dockerd) + " "
+    os.kill(dockerd, signal.SIGSTOP)
+    try:
+        p, took = _start(cfile, tmp_path / "logs")
+    finally:
+        os.kill(dockerd, signal.SIGCONT)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert one_line(p.stderr) == "error: host h2: docker engine not answering over ssh: no reply within 5 s"
+    # the bound once, plus the start of a Python process here and the SSH connects:
+    # 6.2 s on the 2-core test machine, 2026-12-01
+    assert 5 <= took < 30, f"{took:.1f} s"
+    print(f"frozen engine named after {took:.1f} s")
+    _, res = only_run(tmp_path / "logs")
+    assert json.loads(json.dumps(res))["run_id"] and leftovers(cluster, res["run_id"]) == []
+
+
 def test_an_sshd_allowing_one_session_is_refused_naming_the_setting(cluster, megatron_python, tmp_path, second_sshd):
     """h2's sshd with MaxSessions 1 (the docker SDK and the host lock each need a session of
     the run's one connection): refused when connected, before anything runs, naming the
@@ -142,28 +167,3 @@ def test_a_key_with_a_passphrase_is_named_with_its_path(cluster, megatron_python
             f": key file {key} is protected by a passphrase, and runs ask for none: "
             "give the hosts a key without one (key_file of the cluster file)"
         ), line
-
-
-@pytest.mark.alone  # times something: tests/parallel.py
-def test_a_frozen_docker_engine_is_named_within_command_timeout(cluster, megatron_python, tmp_path):
-    """h2's dockerd stopped (SIGSTOP): its socket accepts, nothing answers. A container run
-    says so within command_timeout_s (5 s), not the docker SDK's own 120 s; exit 2."""
-    cfile = cluster_file(cluster, tmp_path, megatron_python, runtime="container")
-    doc = yaml.safe_load(cfile.read_text())
-    doc["ssh"]["command_timeout_s"] = 5
-    cfile.write_text(yaml.safe_dump(doc))
-    dockerd = cluster.host("h2").dockerd_pid
-    assert dockerd and f"{cluster.dir}/hosts/h2/docker " in netns._cmdline(dockerd) + " "
-    os.kill(dockerd, signal.SIGSTOP)
-    try:
-        p, took = _start(cfile, tmp_path / "logs")
-    finally:
-        os.kill(dockerd, signal.SIGCONT)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert one_line(p.stderr) == "error: host h2: docker engine not answering over ssh: no reply within 5 s"
-    # the bound once, plus the start of a Python process here and the SSH connects:
-    # 6.2 s on the 2-core test machine, 2026-12-01
-    assert 5 <= took < 30, f"{took:.1f} s"
-    print(f"frozen engine named after {took:.1f} s")
-    _, res = only_run(tmp_path / "logs")
-    assert json.loads(json.dumps(res))["run_id"] and leftovers(cluster, res["run_id"]) == []

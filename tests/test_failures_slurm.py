@@ -131,50 +131,6 @@ def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(
     assert again.returncode == 0 and again.stdout.strip() == "no Slurm job of a run whose start_task.py is gone"
 
 
-@pytest.mark.alone  # times something: tests/parallel.py
-@pytest.mark.framework("megatron")
-def test_the_ranks_of_a_sigkilled_harness_end_when_its_lease_lapses(
-    tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str
-) -> None:
-    """start_task.py SIGKILLed a step in (its machine lost): nobody renews the round's lease
-    (running/lease.py), so within ``lease_s`` every node stops its ranks and the job ends by
-    itself, nothing of it left on either node; ``--cleanup`` then finishes the results.json."""
-    lease_s = 10.0
-    cfile = cluster_file(tmp_path, slurm_cluster.conf, lease_s=lease_s)
-    proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
-    jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
-    proc.kill()
-    t0 = time.monotonic()
-    proc.communicate(timeout=30)
-
-    def left() -> set[int]:
-        return set(slurm_cluster.node_processes()) - slurm_cluster.daemon_pids()
-
-    assert left(), "nothing of the job ran when start_task.py was killed"
-    while (left() or slurm_cluster.jobs()) and time.monotonic() < t0 + lease_s + 60:
-        time.sleep(0.2)
-    took = time.monotonic() - t0
-    assert slurm_cluster.jobs() == [] and left() == set(), f"still there {took:.0f} s after the SIGKILL"
-    assert took < lease_s + 30, f"{took:.1f} s"  # docs/slurm.md: lease_s + 10 s; 12.8 s measured, lease_s 10 (2026-12-01)
-    print(f"job's processes gone {took:.1f} s after the SIGKILL (lease_s {lease_s:g})")
-    reports = [json.loads((run_dir(tmp_path) / "round1" / f"node{k}" / "node.json").read_text()) for k in (0, 1)]
-    assert any("was not renewed for 10 s" in r.get("lease_lapsed", "") for r in reports), reports
-    clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=120)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    ended = f"run {run_id} (its Slurm job {jid} ended FAILED without it)"
-    assert clean.stdout.strip() == f"finished the results.json of runs whose start_task.py is gone: {ended}", clean.stdout
-    res = results(tmp_path)
-    assert res["status"] == "failed" and res["finished"], res["status"]
-    assert res["error"] == (
-        f"start_task.py ended without finishing the run; its Slurm job {jid} ended FAILED without it: "
-        "its nodes stopped the ranks when the run's lease lapsed"
-    ), res["error"]
-    assert_nothing_left(slurm_cluster, run_id)
-
-
 def test_a_node_that_never_joins_is_found_at_the_startup_timeout(
     tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str
 ) -> None:
@@ -480,6 +436,50 @@ def _munge_lost_run(
         cluster.restart_munge()
         _end_every_job(cluster)
     return proc, out, took, jid, run_id, ranks
+
+
+@pytest.mark.alone  # times something: tests/parallel.py
+@pytest.mark.framework("megatron")
+def test_the_ranks_of_a_sigkilled_harness_end_when_its_lease_lapses(
+    tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str
+) -> None:
+    """start_task.py SIGKILLed a step in (its machine lost): nobody renews the round's lease
+    (running/lease.py), so within ``lease_s`` every node stops its ranks and the job ends by
+    itself, nothing of it left on either node; ``--cleanup`` then finishes the results.json."""
+    lease_s = 10.0
+    cfile = cluster_file(tmp_path, slurm_cluster.conf, lease_s=lease_s)
+    proc = subprocess.Popen(
+        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
+    jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
+    proc.kill()
+    t0 = time.monotonic()
+    proc.communicate(timeout=30)
+
+    def left() -> set[int]:
+        return set(slurm_cluster.node_processes()) - slurm_cluster.daemon_pids()
+
+    assert left(), "nothing of the job ran when start_task.py was killed"
+    while (left() or slurm_cluster.jobs()) and time.monotonic() < t0 + lease_s + 60:
+        time.sleep(0.2)
+    took = time.monotonic() - t0
+    assert slurm_cluster.jobs() == [] and left() == set(), f"still there {took:.0f} s after the SIGKILL"
+    assert took < lease_s + 30, f"{took:.1f} s"  # docs/slurm.md: lease_s + 10 s; 12.8 s measured, lease_s 10 (2026-12-01)
+    print(f"job's processes gone {took:.1f} s after the SIGKILL (lease_s {lease_s:g})")
+    reports = [json.loads((run_dir(tmp_path) / "round1" / f"node{k}" / "node.json").read_text()) for k in (0, 1)]
+    assert any("was not renewed for 10 s" in r.get("lease_lapsed", "") for r in reports), reports
+    clean = subprocess.run([sys.executable, START, "--cluster", str(cfile), "--cleanup"], capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    ended = f"run {run_id} (its Slurm job {jid} ended FAILED without it)"
+    assert clean.stdout.strip() == f"finished the results.json of runs whose start_task.py is gone: {ended}", clean.stdout
+    res = results(tmp_path)
+    assert res["status"] == "failed" and res["finished"], res["status"]
+    assert res["error"] == (
+        f"start_task.py ended without finishing the run; its Slurm job {jid} ended FAILED without it: "
+        "its nodes stopped the ranks when the run's lease lapsed"
+    ), res["error"]
+    assert_nothing_left(slurm_cluster, run_id)
 
 
 @pytest.mark.alone  # times something: tests/parallel.py

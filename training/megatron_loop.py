@@ -342,7 +342,7 @@ def main(
     """A megatron case's entry point: the resolved config read and the vendor's adapter applied
     (before megatron is imported), then ``make(cfg, log, phase)``'s trainer driven by
     training/case.py after the conformance check (its verdict "not checked" for a case with no
-    probe), and the process group left together. ``--ceiling`` runs ``ceiling_only`` instead (start_task.py --ceiling)."""
+    probe), and the process group left together (:func:`training.runtime.leave`). ``--ceiling`` runs ``ceiling_only`` instead (start_task.py --ceiling)."""
     cfg = runtime.setup()
     log = MetricLogger()
     if ceiling_only is not None and "--ceiling" in sys.argv[1:]:
@@ -353,7 +353,7 @@ def main(
 
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+    runtime.leave()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import os
 import resource
 import sys
 import time
@@ -428,13 +427,7 @@ def main(
         # group's store can make paddle abort at teardown after a run that ended ok
         if pdist.get_world_size() > 1:
             pdist.barrier()
-    # paddle's own teardown at interpreter exit (its TCP store and gloo contexts) aborted now
-    # and then on CPU after runs that had ended ok and passed the final barrier (SIGABRT, the
-    # launcher's exit status 250; seen twice in CI on 2026-11-26): once every metric line is
-    # out, leave without it. A failed run raises out of main() and exits the usual way.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    runtime.leave()  # paddle's own teardown at exit aborted now and then on CPU after runs that ended ok
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ``setup()`` reads the resolved config written by the host side, applies the
 vendor's adapter for the case's framework (before the framework is imported),
-and seeds the random generators.  ``dist_info()`` reads the rank layout that
+and seeds the random generators; ``leave()`` ends a rank whose run ended ok.  ``dist_info()`` reads the rank layout that
 every launcher (torchrun, deepspeed, paddle.distributed.launch) exports.
 The lifecycle a case's trainer follows, and its driver, are in training/case.py.
 """
@@ -16,7 +16,8 @@ import importlib
 import json
 import os
 import random
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,3 +160,15 @@ def setup(argv: list[str] | None = None) -> dict[str, Any]:
     ADAPTED = CONFIG_PATH
     seed_everything(int(cfg["train"].get("seed", 1234)))
     return cfg
+
+
+def leave() -> NoReturn:
+    """End a rank whose run ended ok and whose process group is left, every record out, without
+    the interpreter's teardown of its modules. With megatron-core imported that teardown took
+    1.4 s of CPU a process, with DeepSpeed 0.5 s (2-core CPU machine, 2026-12-03): each tiny run
+    paid it once a rank. paddle's teardown also aborted now and then after a run that had ended
+    ok (SIGABRT, the launcher's exit 250; twice in CI, 2026-11-26). A failed run raises instead
+    and exits the usual way, its traceback printed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -179,6 +179,7 @@ def main() -> None:
 
     dist.barrier()
     dist.destroy_process_group()
+    runtime.leave()
 
 
 if __name__ == "__main__":

@@ -299,6 +299,7 @@ def main() -> None:
     mmmu.run_or_skip(cfg, log, rnd.device, rnd.rank)
     dist.barrier()
     dist.destroy_process_group()
+    runtime.leave()
 
 
 if __name__ == "__main__":

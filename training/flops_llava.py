@@ -49,19 +49,14 @@ from __future__ import annotations
 from typing import Any
 
 from training.flops import param_counts
-from training.shapes import LlavaShape, read
+from training.shapes import LlavaShape, typed
 
 PHASES = ("pretrain", "finetune")
 
 
-def typed(shape: dict[str, Any] | LlavaShape) -> LlavaShape:
-    """The shape as its schema (training/shapes.py); a mapping is read through it."""
-    return shape if isinstance(shape, LlavaShape) else read(shape, LlavaShape)
-
-
 def vision_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
     """CLIP vision tower, exact: matmul params per layer and the total."""
-    s = typed(shape)
+    s = typed(shape, LlavaShape)
     dv, fv, lv, p = s.vision_hidden_size, s.vision_ffn_hidden_size, s.vision_num_layers, s.patch_size
     patches = (s.image_size // p) ** 2
     layer_matmul = 4 * dv * dv + 2 * dv * fv
@@ -73,15 +68,16 @@ def vision_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
 
 
 def projector_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
-    s = typed(shape)
+    s = typed(shape, LlavaShape)
     dv, d = s.vision_hidden_size, s.hidden_size
     p1, p2 = dv * d, d * d
     return {"linear_1": p1, "linear_2": p2, "total": p1 + d + p2 + d}
 
 
 def llava_params(shape: dict[str, Any] | LlavaShape) -> dict[str, int]:
-    lm = param_counts(typed(shape))
-    v, pr = vision_params(shape), projector_params(shape)
+    s = typed(shape, LlavaShape)
+    lm = param_counts(s)
+    v, pr = vision_params(s), projector_params(s)
     return {"vision": v["total"], "projector": pr["total"], "language_model": lm["total"], "total": v["total"] + pr["total"] + lm["total"]}
 
 
@@ -89,7 +85,7 @@ def palm_flops_per_token(model: dict, phase: str) -> dict[str, float]:
     """The palm count of one phase, by part (per token), and the total."""
     if phase not in PHASES:
         raise ValueError(f"phase {phase!r} is not one of {PHASES}")
-    shape = typed(model["shape"])
+    shape = typed(model["shape"], LlavaShape)
     if phase not in shape.palm_assumptions:
         raise ValueError(f"model.shape.palm_assumptions has no {phase!r}")
     assume = shape.palm_assumptions[phase]

@@ -83,8 +83,9 @@ class SettingsError(ValueError):
 
 
 def _bad(where: str, reason: str) -> SettingsError:
-    """The error of one field ``where`` (a dotted path) whose value fails ``reason``."""
-    return SettingsError(f"resolved config: {where} {reason}", loc=tuple(where.split(".")), reason=reason)
+    """The error of one field ``where`` (a dotted path) whose value fails ``reason``; the
+    field's ``loc`` is set by a caller that knows its parts (a model name may hold a dot)."""
+    return SettingsError(f"resolved config: {where} {reason}", reason=reason)
 
 
 def get(section: dict, key: str, where: str, default: Any = MISSING) -> Any:

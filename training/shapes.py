@@ -167,6 +167,12 @@ def read(source: dict, cls: type = ModelShape, loc: tuple[str, ...] = ("model", 
         raise SettingsError(f"{'.'.join(loc)}: {e}", loc=loc, reason=str(e)) from None
 
 
+def typed(shape: Any, cls: type = ModelShape) -> Any:
+    """``shape`` when it already is a ``cls``, else the mapping read through it (:func:`read`):
+    a missing or bad field is refused, never defaulted by the caller."""
+    return shape if isinstance(shape, cls) else read(shape, cls)
+
+
 #: the flags of a Llama-style decoder (the schema's defaults): what llama3's and llava's language
 #: models build, and the megatron scaffold's
 LLAMA = {

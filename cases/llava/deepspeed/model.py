@@ -94,21 +94,15 @@ def canonical(key: str) -> str | None:
     return None
 
 
-def typed(shape: Any) -> shapes.LlavaShape:
-    """The shape as training/shapes.py's LlavaShape: resolved.json's flat ``model`` or a whole
-    case.yaml shape; a missing or bad field is refused, never defaulted here."""
-    return shape if isinstance(shape, shapes.LlavaShape) else shapes.read(shape, shapes.LlavaShape)
-
-
 def num_image_tokens(shape: Any) -> int:
-    sh = typed(shape)
+    sh = shapes.typed(shape, shapes.LlavaShape)
     return (sh.image_size // sh.patch_size) ** 2
 
 
 def llava_config(shape: Any) -> Any:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-    sh = typed(shape)
+    sh = shapes.typed(shape, shapes.LlavaShape)
     vision = CLIPVisionConfig(
         hidden_size=sh.vision_hidden_size,
         intermediate_size=sh.vision_ffn_hidden_size,

@@ -85,5 +85,7 @@ def test_the_case_runs_end_to_end(model, framework, size, request, tmp_path):
         # the cpu vendor's recorded_env (OMP_, MKL_, GLOO_): its own env as each rank saw it
         env = p["meta"]["environment"]
         assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "1" and all(k.startswith(("OMP_", "MKL_", "GLOO_")) for k in env), env
+        if framework != "paddle":  # and torch's ranks take its thread count (no paddle call reports one)
+            assert p["meta"]["cpu_threads"] == 1, p["meta"]
         assert p["tokens_per_gpu_s"] and p["tokens_per_gpu_s"] > 0 and p["peak_mem_gib"] > 0
     assert [n["returncode"] for n in rnd["nodes"]] == [0]

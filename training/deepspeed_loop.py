@@ -421,6 +421,7 @@ def _run_meta(c: Common, eff: dict, meta: dict, path: str, model: torch.nn.Modul
         "visible_devices": visible_devices(vendor),
         "allocator": allocator_options(vendor),
         "environment": recorded_env(vendor),
+        "cpu_threads": torch.get_num_threads(),  # torch's intra-op threads in this rank
         # what nn.Linear layers called: torch's, or DeepSpeed's ZeRO-3 replacement (memory_efficient_linear)
         "functional_linear": _qualified(torch.nn.functional.linear),
         "zero_leaf_modules": leaf_modules(model),

@@ -81,7 +81,8 @@ class MegatronTrainer(case.LoopHooks):
         self.s = self.read_settings(cfg, self.dist.world_size)
         self.acc = Accelerator(cfg.get("vendor") or {})  # training/accelerator.py: vendor.device's calls
         self.device = self.acc.device(self.dist.local_rank)
-        if not self.acc.is_accelerator:
+        if not self.acc.is_accelerator and not os.environ.get("OMP_NUM_THREADS"):
+            # torch takes OMP_NUM_THREADS (a vendor's env, recorded with the run) by itself
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, self.dist.local_world_size)))
         self.steps = self.s.common.train.steps
         self.reporting = False  # known once the process groups are
@@ -267,6 +268,7 @@ class MegatronTrainer(case.LoopHooks):
             allocator=runtime.allocator_options(vendor),
             environment=runtime.recorded_env(vendor),
             torch_version=torch.__version__,
+            cpu_threads=torch.get_num_threads(),  # torch's intra-op threads in this rank
             data=self.data_desc,
             **({K_KERNEL_CEILING: self.ceiling} if self.ceiling is not None else {}),
             **self.meta(),

@@ -72,10 +72,12 @@ def torch_extensions_dir() -> str:
 
 def deepspeed_launch(py: str, tmp: Path, cfg: dict, train_py: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     """A DeepSpeed case's ``train_py`` on 2 local CPU ranks of ``cfg`` (its resolved config,
-    written to ``tmp/resolved.json``), started as the harness does (``python -m
-    deepspeed.launcher.runner --num_gpus 2``); its output is kept in ``tmp/stdout.log`` and
-    ``tmp/stderr.log``."""
+    written to ``tmp/resolved.json``), started as the harness does (DeepSpeed's per-node
+    launcher, run_benchmarks/planning/launchers.py), with the ranks' output on the launcher's
+    rather than in files; it is kept in ``tmp/stdout.log`` and ``tmp/stderr.log``."""
     import json
+
+    from run_benchmarks.planning.launchers import DeepSpeed, LaunchSpec
 
     path = tmp / "resolved.json"
     path.write_text(json.dumps(cfg, indent=1))
@@ -89,8 +91,9 @@ def deepspeed_launch(py: str, tmp: Path, cfg: dict, train_py: Path, timeout: int
         "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
     }
     port = free_port()
-    cmd = [py, "-m", "deepspeed.launcher.runner", "--num_nodes", "1", "--num_gpus", "2"]
-    cmd += ["--master_addr", "127.0.0.1", "--master_port", str(port), str(train_py), "--config", str(path)]
+    spec = LaunchSpec(py, 1, 2, 0, "127.0.0.1", port, str(train_py), str(path), log_dir=str(tmp), device="cpu")
+    cmd = DeepSpeed().command(spec)
+    del cmd[cmd.index("--enable_each_rank_log") : cmd.index("--enable_each_rank_log") + 2]
     # its own process group: on a timeout the ranks go with the launcher, not left running
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as p:
         try:

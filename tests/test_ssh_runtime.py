@@ -220,7 +220,7 @@ def test_host_down(cluster, megatron_python, tmp_path):
 @pytest.mark.parametrize(
     "framework, case, reference, runtime",
     [
-        # the deepspeed launcher: hostfile + --no_ssh, node ranks from the harness, ZeRO-3; in the
+        # the deepspeed launcher: its per-node launch, node ranks from the harness, ZeRO-3; in the
         # vendor image, where its CPU comm op is JIT-built with ninja from the environment's bin/
         pytest.param(
             "deepspeed",

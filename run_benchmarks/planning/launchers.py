@@ -7,8 +7,9 @@ runtimes quote argv only where a remote shell is unavoidable.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
-from pathlib import Path
+import json
 
 #: stands for the node's own address in a launcher's env; the node agent fills it in
 NODE_ADDR = "@@FB_NODE_ADDR@@"
@@ -82,35 +83,37 @@ class Torchrun(Launcher):
 
 
 class DeepSpeed(Launcher):
+    """DeepSpeed's per-node launcher, ``deepspeed.launcher.launch``: what DeepSpeed's own
+    multi-node runners start on every node. The harness is that runner here (it starts each
+    node itself), so DeepSpeed's front end (``deepspeed.launcher.runner``), which would only
+    build this command in one more interpreter importing torch and DeepSpeed, is not run."""
+
     name = "deepspeed"
 
     def command(self, s: LaunchSpec) -> list[str]:
-        argv = [
+        # the world as the front end encodes it for --num_nodes N --num_gpus M: each node's
+        # local device ids (names are labels); launch sets the visible devices from them
+        world = {f"node{k}": list(range(s.nprocs)) for k in range(s.nnodes)}
+        info = base64.urlsafe_b64encode(json.dumps(world).encode()).decode()
+        return [
             s.python,
+            "-u",
             "-m",
-            "deepspeed.launcher.runner",
-            "--num_nodes",
-            str(s.nnodes),
-            "--num_gpus",
-            str(s.nprocs),
+            "deepspeed.launcher.launch",
+            "--world_info",
+            info,
+            "--node_rank",
+            str(s.node_rank),
             "--master_addr",
             s.master_addr,
             "--master_port",
             str(s.master_port),
             "--enable_each_rank_log",
             s.log_dir,
+            s.entry,
+            "--config",
+            s.config,
         ]
-        if s.nnodes > 1:
-            # the harness starts every node itself (no pdsh/ssh fan-out from rank 0); the
-            # hostfile only sizes the world: with --no_ssh its names are labels
-            hostfile = str(Path(s.config).with_name("hostfile"))
-            argv += ["--hostfile", hostfile, "--no_ssh", "--node_rank", str(s.node_rank)]
-        return argv + [s.entry, "--config", s.config]
-
-    def files(self, s: LaunchSpec) -> dict[str, str]:
-        if s.nnodes == 1:
-            return {}
-        return {"hostfile": "".join(f"node{k} slots={s.nprocs}\n" for k in range(s.nnodes))}
 
     def leftovers(self, s: LaunchSpec) -> list[str]:
         # on CPU, when all ranks share a host (the launcher sets LOCAL_SIZE), DeepSpeed's shm

@@ -1,8 +1,9 @@
 """Baichuan2 on DeepSpeed ZeRO stage 3: the case's entry point.
 
-Run by the deepspeed launcher on every rank, repository root on PYTHONPATH::
+Run by DeepSpeed's per-node launcher on every rank (run_benchmarks/planning/launchers.py),
+repository root on PYTHONPATH; by hand, the same as::
 
-    python -m deepspeed.launcher.runner --num_gpus N cases/baichuan2/deepspeed/train.py --config resolved.json
+    deepspeed --num_gpus N cases/baichuan2/deepspeed/train.py --config resolved.json
 
 One phase, ``train``, on the lifecycle of training/case.py.  ``build``: reads and
 checks the resolved config (``settings.py`` on top of training/settings.py), joins

@@ -1,6 +1,7 @@
 """LLaVA-1.5 on DeepSpeed: the pretrain and finetune phases of one round.
 
-Run by the deepspeed launcher on every rank, repository root on PYTHONPATH::
+Run by DeepSpeed's per-node launcher on every rank (run_benchmarks/planning/launchers.py),
+repository root on PYTHONPATH; by hand, the same as::
 
     deepspeed --num_gpus N cases/llava/deepspeed/train.py --config resolved.json
 

@@ -10,9 +10,15 @@ import sys
 from run_benchmarks.planning.registry import ROOT
 
 
+def _env() -> dict[str, str]:
+    """This run's environment less PYTEST_ADDOPTS, whose options (``-v``) would change what
+    ``--collect-only -q`` prints."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "FB_TEST_BUILD_ENVS": "0"}
+
+
 def _collected(*args: str) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "FB_TEST_BUILD_ENVS": "0"})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
     return [line for line in proc.stdout.splitlines() if "::" in line]
 
 

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
 LONG = "train.steps=100000"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # this file's alone test runs after the rest of the suite's (tests/parallel.py)
 def fc() -> Iterator[netns.Cluster]:
     reason = cluster_skip_reason()
     if reason:

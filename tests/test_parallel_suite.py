@@ -21,7 +21,9 @@ def record(name, t0, path={out!r}):
 
 
 def test_an_alone_test_runs_with_nothing_beside_it_and_a_file_stays_on_one_worker(tmp_path):
-    """Two ``alone`` tests in a row hold the window from the first's start to the second's end."""
+    """Two ``alone`` tests in a row hold the window from the first's start to the second's end;
+    they run after the rest of their file, on its worker, though the file has them before two
+    of its tests."""
     out = tmp_path / "ran.jsonl"
     (tmp_path / "test_a.py").write_text(
         TIMED.format(out=str(out))
@@ -60,6 +62,7 @@ def test_beside(k):
     assert len(workers["a"]) == len(workers["b"]) == 1 and workers["a"] != workers["b"], workers  # a file each
     first, second = ran.pop("alone"), ran.pop("alone-next")
     assert first["t1"] <= second["t0"], (first, second)
+    assert all(r["t1"] <= first["t0"] for n, r in ran.items() if n.startswith("a")), (first, ran)  # held back to the end
     beside = [r for r in ran.values() if r["worker"] != first["worker"]]
     assert beside and all(r["t1"] <= first["t0"] or r["t0"] >= second["t1"] for r in beside), (first, second, beside)
     # the other worker did run while the file's other tests did: the files were side by side

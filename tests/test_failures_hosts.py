@@ -32,6 +32,7 @@ from tests.test_ssh_runtime import CASE, START, cluster_file, leftovers, only_ru
 
 pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
 LONG = "train.steps=100000"
+PACED = ("--variant", "paced", "--set", LONG)  # LONG, a sleep after each step (vendors/cpu/pace.py)
 
 
 @pytest.fixture(scope="session")  # this file's alone test runs after the rest of the suite's (tests/parallel.py)
@@ -104,7 +105,7 @@ def one_line(err: str) -> str:
 
 def test_engine_stopped_mid_round_fails_both_rounds_and_cleanup_removes_its_container(fc, megatron_python, tmp_path):
     cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
-    p = start(cfile, tmp_path / "logs", "--set", LONG, case=CASE + ":2")
+    p = start(cfile, tmp_path / "logs", *PACED, case=CASE + ":2")
     wait_training_on(fc.host("h2"), tmp_path / "logs", p)
     netns.stop_daemon(fc, "h2", "dockerd")
     out, err = p.communicate(timeout=300)
@@ -136,7 +137,7 @@ def test_host_lost_then_next_run_cleans_up_refuses_a_second_run_and_stops_on_sig
 
     # run B: h2's sshd (daemon and sessions) killed in round 1 of 2
     cfile = cluster_file(fc, tmp_path, megatron_python, runtime="process")
-    p = start(cfile, tmp_path / "b", "--set", LONG, case=CASE + ":2")
+    p = start(cfile, tmp_path / "b", *PACED, case=CASE + ":2")
     wait_training_on(fc.host("h2"), tmp_path / "b", p)
     netns.stop_daemon(fc, "h2", "sshd")
     out, err = p.communicate(timeout=300)
@@ -161,7 +162,7 @@ def test_host_lost_then_next_run_cleans_up_refuses_a_second_run_and_stops_on_sig
     doc = yaml.safe_load(cfile.read_text())
     del doc["master_port"]
     cfile.write_text(yaml.safe_dump(doc))
-    c = start(cfile, tmp_path / "c", "--set", LONG)
+    c = start(cfile, tmp_path / "c", *PACED)
     c_id = wait_training_on(fc.host("h1"), tmp_path / "c", c)
     assert stranded.wait(timeout=10) == -signal.SIGKILL
     assert engine.containers.list(all=True, filters={"label": "flagbench.run_id=old-run"}) == []
@@ -320,7 +321,7 @@ def test_a_rank_stopped_in_its_container_is_found_at_the_stall_timeout(fc, megat
     import psutil
 
     cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
-    p = start(cfile, tmp_path / "logs", "--set", LONG, "--stall-timeout", "4")
+    p = start(cfile, tmp_path / "logs", *PACED, "--stall-timeout", "4")
     run_id = wait_training_on(fc.host("h2"), tmp_path / "logs", p)
     end = time.monotonic() + 240
     while time.monotonic() < end and p.poll() is None:  # a few steps in (h1 holds the reporting rank)
@@ -518,7 +519,7 @@ def test_a_container_killed_from_outside_leads_the_round_error_with_its_engine_s
     import docker
 
     cfile = cluster_file(fc, tmp_path, megatron_python, runtime="container")
-    p = start(cfile, tmp_path / "logs", "--set", LONG)
+    p = start(cfile, tmp_path / "logs", *PACED)
     run_id = wait_training_on(fc.host("h2"), tmp_path / "logs", p)
     h2 = docker.DockerClient(base_url=f"unix://{fc.host('h2').docker_socket}")
     (container,) = h2.containers.list(filters={"label": f"flagbench.run_id={run_id}"})
@@ -549,7 +550,7 @@ def test_a_host_that_drops_every_packet_mid_run_is_lost_within_lost_after(fc, me
     doc = yaml.safe_load(cfile.read_text())
     doc["ssh"].update(lost_after_s=6, connect_timeout_s=3)
     cfile.write_text(yaml.safe_dump(doc))
-    p = start(cfile, tmp_path / "logs", "--set", LONG)
+    p = start(cfile, tmp_path / "logs", *PACED)
     run_id = wait_training_on(fc.host("h2"), tmp_path / "logs", p)
     h2 = fc.host("h2")
     try:

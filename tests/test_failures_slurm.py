@@ -25,7 +25,7 @@ import yaml
 from tests.slurm.cluster import SlurmTestCluster
 from tests.slurm.fixtures import slurm_cluster_fixture  # noqa: F401  (the session fixture slurm_cluster)
 from tests.test_slurm_backend import (
-    LONG,
+    PACED,
     START,
     assert_nothing_left,
     cluster_file,
@@ -67,7 +67,7 @@ def test_a_node_without_slurmd_fails_the_round_at_once_naming_it(tmp_path: Path,
 def test_sighup_cancels_the_job_as_ctrl_c_does(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG),
+        start_argv(tmp_path, cfile, megatron_python, *PACED),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -102,7 +102,7 @@ def test_the_job_of_a_sigkilled_harness_is_cancelled_by_cleanup(
     dead submitter, and ``--cleanup`` (as the next run's prepare) cancels it, naming it."""
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG),
+        start_argv(tmp_path, cfile, megatron_python, *PACED),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -236,7 +236,7 @@ def test_a_node_that_crashes_mid_run_is_named_first_and_not_waited_for(
 
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        start_argv(tmp_path, cfile, megatron_python, *PACED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
     wait_for("the first steps", lambda: stepped(tmp_path, 3), proc)
@@ -320,7 +320,7 @@ def test_a_node_failure_slurm_reports_names_the_node(tmp_path: Path, slurm_clust
     n2 first, with the state and reason Slurm gives, and n1 after it as stopped."""
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
     proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        start_argv(tmp_path, cfile, megatron_python, *PACED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
     wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
@@ -372,7 +372,7 @@ def test_a_node_an_admin_sets_down_mid_run_is_named_with_the_reason(
     slurm_cluster.restart_controller(ReturnToService="1")
     try:
         proc = subprocess.Popen(
-            start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            start_argv(tmp_path, cfile, megatron_python, *PACED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
         down = ["scontrol", "update", "nodename=n2", "state=down", "reason=bad DIMM, ticket 4711"]
@@ -419,7 +419,7 @@ def _munge_lost_run(
     run ids, and its processes left but srun's (the ranks, launchers and node wrappers; srun and
     slurmstepd wait for munge to report the end). munged is restarted and every job ended
     whatever the outcome."""
-    proc = subprocess.Popen(start_argv(tmp_path, cfile, python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(start_argv(tmp_path, cfile, python, *PACED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
         jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]
@@ -449,7 +449,7 @@ def test_the_ranks_of_a_sigkilled_harness_end_when_its_lease_lapses(
     lease_s = 10.0
     cfile = cluster_file(tmp_path, slurm_cluster.conf, lease_s=lease_s)
     proc = subprocess.Popen(
-        start_argv(tmp_path, cfile, megatron_python, "--set", LONG), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        start_argv(tmp_path, cfile, megatron_python, *PACED), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     wait_for("the first step", lambda: stepped(tmp_path, 1), proc)
     jid, run_id = job_id(tmp_path), results(tmp_path)["run_id"]

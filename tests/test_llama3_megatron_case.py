@@ -190,7 +190,7 @@ def test_vendor_configs_change_only_allowed_keys():
         for section in ("train", "parallel"):
             for key in cfg.get(section, {}):
                 assert f"{section}.{key}" in allowed, f"{f.name}: {section}.{key} may not be changed by a vendor"
-        assert set(cfg) <= {"description", "validated", "validated_by", "train", "parallel"}, f.name
+        assert set(cfg) <= {"description", "validated", "validated_by", "hook", "train", "parallel"}, f.name
         size, _, variant = f.stem[len("config_") :].partition("_")
         gpus = int(size.split("x")[-2]) * int(size.split("x")[-1])
         if m := re.fullmatch(r"PP(\d+)DP(\d+)TP(\d+)", variant):  # the variant names its layout

@@ -37,6 +37,8 @@ from training import metriclog as ml
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE = "llama3_tiny:megatron:cpu:2:1"
 LONG = "train.steps=3000"  # a run that outlives what the test does to it
+#: LONG with a sleep after each step (vendors/cpu/pace.py): it waits on what is done to it, not on the cores
+PACED = ("--variant", "paced", "--set", LONG)
 
 
 def _port() -> int:
@@ -276,7 +278,7 @@ def test_two_nodes_through_slurm(tmp_path: Path, slurm_cluster: SlurmTestCluster
 @pytest.mark.framework("megatron")
 def test_a_rank_dying_on_one_node_fails_the_round(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = start(tmp_path, cfile, megatron_python, "--set", LONG)
+    proc = start(tmp_path, cfile, megatron_python, *PACED)
     wait_for("a first training step", lambda: first_step(tmp_path), proc)
 
     def worker_on_n2() -> int | None:
@@ -306,7 +308,7 @@ def test_a_rank_dying_on_one_node_fails_the_round(tmp_path: Path, slurm_cluster:
 @pytest.mark.framework("megatron")
 def test_time_limit_fails_the_round_as_timeout(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf, time_limit="1")  # one minute, Slurm's smallest
-    proc = start(tmp_path, cfile, megatron_python, "--set", LONG)
+    proc = start(tmp_path, cfile, megatron_python, *PACED)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 1, out
     res = results(tmp_path)
@@ -321,7 +323,7 @@ def test_time_limit_fails_the_round_as_timeout(tmp_path: Path, slurm_cluster: Sl
 @pytest.mark.framework("megatron")
 def test_sigint_cancels_the_job(tmp_path: Path, slurm_cluster: SlurmTestCluster, megatron_python: str) -> None:
     cfile = cluster_file(tmp_path, slurm_cluster.conf)
-    proc = start(tmp_path, cfile, megatron_python, "--set", LONG)
+    proc = start(tmp_path, cfile, megatron_python, *PACED)
     wait_for("a first training step", lambda: first_step(tmp_path), proc)
     jid = job_id(tmp_path)
     assert jid and show_job(slurm_cluster, jid)["JobState"] == "RUNNING"

@@ -121,6 +121,8 @@ def test_round_deadline_then_next_round_runs(cluster, megatron_python, tmp_path)
             str(cfile),
             "--log-dir",
             str(tmp_path / "logs"),
+            "--variant",
+            "paced",  # a sleep after each step (vendors/cpu/pace.py): the run waits, it does not compute
             "--set",
             "train.steps=100000",
             "--round-timeout",
@@ -149,6 +151,8 @@ def test_ctrl_c_tears_everything_down(cluster, megatron_python, tmp_path):
             str(cfile),
             "--log-dir",
             str(log_dir),
+            "--variant",
+            "paced",  # a sleep after each step (vendors/cpu/pace.py): the run waits, it does not compute
             "--set",
             "train.steps=100000",
         ],

@@ -28,11 +28,9 @@ import yaml
 from run_benchmarks.planning.config import ClusterConfig, load
 from tests.cluster import netns
 from tests.cluster.fixtures import cluster_skip_reason
-from tests.test_ssh_runtime import CASE, START, cluster_file, leftovers, only_run, run
+from tests.test_ssh_runtime import CASE, PACED, START, cluster_file, leftovers, only_run, run
 
 pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
-LONG = "train.steps=100000"
-PACED = ("--variant", "paced", "--set", LONG)  # LONG, a sleep after each step (vendors/cpu/pace.py)
 
 
 @pytest.fixture(scope="session")  # this file's alone test runs after the rest of the suite's (tests/parallel.py)

@@ -22,6 +22,9 @@ from run_benchmarks.planning.registry import ROOT
 
 START = str(ROOT / "run_benchmarks" / "start_task.py")
 CASE = "llama3_tiny:megatron:cpu:2:1"
+#: a run that outlives what the test does to it, a sleep after each step (vendors/cpu/pace.py):
+#: it waits on what is done to it, not on the cores
+PACED = ("--variant", "paced", "--set", "train.steps=100000")
 pytestmark = [pytest.mark.cluster, pytest.mark.framework("megatron")]
 
 
@@ -121,10 +124,7 @@ def test_round_deadline_then_next_round_runs(cluster, megatron_python, tmp_path)
             str(cfile),
             "--log-dir",
             str(tmp_path / "logs"),
-            "--variant",
-            "paced",  # a sleep after each step (vendors/cpu/pace.py): the run waits, it does not compute
-            "--set",
-            "train.steps=100000",
+            *PACED,
             "--round-timeout",
             "12",
         ]
@@ -151,10 +151,7 @@ def test_ctrl_c_tears_everything_down(cluster, megatron_python, tmp_path):
             str(cfile),
             "--log-dir",
             str(log_dir),
-            "--variant",
-            "paced",  # a sleep after each step (vendors/cpu/pace.py): the run waits, it does not compute
-            "--set",
-            "train.steps=100000",
+            *PACED,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

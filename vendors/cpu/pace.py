@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-#: the sleep after each optimizer step, seconds (llama3_tiny's step on two CPU processes: 0.1 s)
+#: the sleep after each optimizer step, seconds
 PAUSE_S = 0.5
 
 
